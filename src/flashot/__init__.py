@@ -1,0 +1,30 @@
+"""flashot: IO-aware entropic optimal transport (FlashSinkhorn) for large point clouds.
+
+Log-domain Sinkhorn for the squared-Euclidean cost is a row-wise log-sum-exp of a
+biased dot-product score matrix, the statistic attention computes; flashot
+streams it tile by tile (PyTorch on any device, fused Triton kernels on GPUs)
+without ever storing an n × m matrix.
+"""
+
+from flashot.backends import available_backends
+from flashot.costs import COSTS
+from flashot.divergence import sinkhorn_divergence
+from flashot.ot import ConvergenceWarning, sinkhorn
+from flashot.result import SinkhornResult, TransportPlan
+from flashot.samples_loss import SamplesLoss
+from flashot.solver import EpsilonScaling
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COSTS",
+    "ConvergenceWarning",
+    "EpsilonScaling",
+    "SamplesLoss",
+    "SinkhornResult",
+    "TransportPlan",
+    "__version__",
+    "available_backends",
+    "sinkhorn",
+    "sinkhorn_divergence",
+]

@@ -1,0 +1,1 @@
+"""Autograd for entropic OT: envelope-theorem gradients built on the streaming primitives."""

@@ -1,0 +1,76 @@
+"""Backend registry and automatic choice.
+
+``backend="auto"`` picks the Triton kernels for CUDA tensors when Triton is
+importable, and the streaming PyTorch backend otherwise. A :class:`Backend`
+instance may also be passed wherever a backend name is accepted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from flashot.backends.base import PRECISIONS, Backend
+from flashot.backends.torch_backend import TorchBackend
+
+__all__ = ["PRECISIONS", "Backend", "available_backends", "resolve_backend"]
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs in interpreter mode (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_available() -> bool:
+    """Whether the Triton package can be imported."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Names of the backends that can run on ``device`` (default: any device here)."""
+    names = ["torch"]
+    if triton_available():
+        dev = torch.device(device) if device is not None else None
+        on_gpu = torch.cuda.is_available() if dev is None else dev.type == "cuda"
+        if on_gpu or triton_interpreted():
+            names.append("triton")
+    return names
+
+
+def resolve_backend(
+    backend: str | Backend, device: torch.device, precision: str = "auto"
+) -> Backend:
+    """Turn a ``backend=`` argument into a backend instance for tensors on ``device``.
+
+    Args:
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or a :class:`Backend` instance.
+        device: where the data lives.
+        precision: one of :data:`PRECISIONS`.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if isinstance(backend, Backend):
+        if precision != "auto" and precision != backend.precision:
+            raise ValueError(
+                f"precision={precision!r} conflicts with the backend instance's "
+                f"precision={backend.precision!r}"
+            )
+        return backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or a Backend, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if "triton" in available_backends(device) else "torch"
+    if backend == "triton":
+        if "triton" not in available_backends(device):
+            raise ValueError(
+                "backend='triton' needs the triton package and CUDA tensors "
+                f"(or TRITON_INTERPRET=1 for CPU tensors); got tensors on {device}"
+            )
+        from flashot.backends.triton import TritonBackend
+
+        return TritonBackend(precision)
+    return TorchBackend(precision)

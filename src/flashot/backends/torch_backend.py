@@ -1,0 +1,91 @@
+r"""Streaming primitives in plain PyTorch: the CPU engine and the oracle of the GPU kernels.
+
+Scores are formed one (BLOCK_M, BLOCK_N) tile at a time with ``addmm`` and reduced
+with an online log-sum-exp, exactly the recurrence the Triton kernels run on chip:
+
+.. math::
+
+    m' = \max(m, \max_j S_{ij}),\quad
+    s' = s\,e^{m - m'} + \sum_j e^{S_{ij} - m'},\quad
+    o' = o\,e^{m - m'} + \sum_j e^{S_{ij} - m'} v_j .
+
+Tile sizes come from a memory budget, so peak memory is O((n + m) d + budget).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashot.backends.base import Backend
+
+__all__ = ["TorchBackend"]
+
+_HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def tile_sizes(n: int, m: int, budget: int) -> tuple[int, int]:
+    """Pick (BLOCK_M, BLOCK_N) so that one score tile holds at most ``budget`` elements."""
+    block_n = min(m, max(1024, budget // 256))
+    block_m = max(1, min(n, budget // block_n))
+    return block_m, block_n
+
+
+class TorchBackend(Backend):
+    """Blockwise PyTorch implementation of the streaming primitives (CPU and CUDA).
+
+    Args:
+        precision: ``"auto"``/``"fp32"`` (full precision of the input dtype), or
+            ``"bf16"``/``"fp16"`` (score matmul on half-precision operands).
+        budget: the largest score tile, in elements (default 2**22: 16 MB in float32).
+    """
+
+    name = "torch"
+    precisions = ("fp32", "bf16", "fp16")
+
+    def __init__(self, precision: str = "auto", budget: int = 1 << 22):
+        super().__init__(precision)
+        if budget < 1:
+            raise ValueError(f"budget must be a positive number of elements, got {budget}")
+        self.budget = int(budget)
+
+    def _scores(self, q_blk, k_blk, h_blk, inv_eps):
+        """One tile ``(q k^T + h) / eps`` in the compute dtype."""
+        if self.precision in _HALF_DTYPES:
+            half = _HALF_DTYPES[self.precision]
+            s = (q_blk.to(half) @ k_blk.to(half).T).to(h_blk.dtype)
+            return s.add_(h_blk).mul_(inv_eps)
+        return torch.addmm(h_blk, q_blk, k_blk.T, beta=inv_eps, alpha=inv_eps)
+
+    def row_attend(self, form, h, eps, v=None):
+        """See :meth:`flashot.backends.base.Backend.row_attend`."""
+        q, k = form.q, form.k
+        n, m = q.shape[0], k.shape[0]
+        inv_eps = 1.0 / eps
+        block_m, block_n = tile_sizes(n, m, self.budget)
+        lse = torch.empty(n, dtype=q.dtype, device=q.device)
+        out = None if v is None else torch.empty(n, v.shape[1], dtype=q.dtype, device=q.device)
+        for i0 in range(0, n, block_m):
+            i1 = min(n, i0 + block_m)
+            run_max = run_sum = acc = None
+            for j0 in range(0, m, block_n):
+                j1 = min(m, j0 + block_n)
+                s = self._scores(q[i0:i1], k[j0:j1], h[j0:j1], inv_eps)
+                tile_max = s.amax(1)
+                new_max = tile_max if run_max is None else torch.maximum(run_max, tile_max)
+                # rows whose bias is all -inf so far: shift by 0, not by -inf
+                shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
+                e = s.sub_(shift[:, None]).exp_()
+                tile_sum = e.sum(1)
+                tile_acc = None if v is None else e @ v[j0:j1]
+                if run_max is None:
+                    run_sum, acc = tile_sum, tile_acc
+                else:
+                    decay = torch.exp(run_max - shift)
+                    run_sum = run_sum * decay + tile_sum
+                    if v is not None:
+                        acc = acc * decay[:, None] + tile_acc
+                run_max = shift
+            lse[i0:i1] = eps * (run_max + torch.log(run_sum))
+            if v is not None:
+                out[i0:i1] = acc / run_sum[:, None]
+        return lse, out

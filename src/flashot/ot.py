@@ -1,0 +1,221 @@
+"""The public entropic OT solver, :func:`sinkhorn`."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from flashot.autodiff.functions import relaxed_side, soft_c_transform
+from flashot.backends import resolve_backend
+from flashot.costs import bounding_diameter
+from flashot.problem import Problem, make_problem
+from flashot.result import SinkhornResult, TransportPlan
+from flashot.solver import EpsilonScaling, bias, geomloss_schedule, marginal_error, solve
+
+__all__ = ["ConvergenceWarning", "resolve_schedule", "sinkhorn"]
+
+
+class ConvergenceWarning(UserWarning):
+    """Sinkhorn stopped at ``max_iter`` before reaching ``tol``."""
+
+
+def resolve_schedule(eps_schedule, problem: Problem) -> list[float]:
+    """The list of temperatures for ``eps_schedule`` (None, "geomloss", EpsilonScaling, floats)."""
+    eps = problem.eps
+    if eps_schedule is None:
+        return [eps]
+    if isinstance(eps_schedule, str):
+        if eps_schedule != "geomloss":
+            raise ValueError(
+                f"eps_schedule must be None, 'geomloss', an EpsilonScaling or floats, "
+                f"got {eps_schedule!r}"
+            )
+        eps_schedule = EpsilonScaling()
+    if isinstance(eps_schedule, EpsilonScaling):
+        diameter = eps_schedule.diameter or bounding_diameter(problem.cost, problem.x, problem.y)
+        if diameter <= 0:  # all points coincide: nothing to anneal
+            return [eps]
+        temps = geomloss_schedule(diameter, eps, eps_schedule.scaling)
+        return [t for t in temps[:-1] if t > eps] + [eps]
+    if isinstance(eps_schedule, Sequence) and all(
+        isinstance(t, numbers.Real) and not isinstance(t, bool) for t in eps_schedule
+    ):
+        temps = [float(t) for t in eps_schedule]
+        if any(not (t > 0 and math.isfinite(t)) for t in temps):
+            raise ValueError(f"eps_schedule temperatures must be finite and > 0, got {temps}")
+        return [*temps, eps] if not temps or temps[-1] != eps else temps
+    raise TypeError(
+        "eps_schedule must be None, 'geomloss', an EpsilonScaling or a sequence of floats, "
+        f"got {eps_schedule!r}"
+    )
+
+
+def _check_init(init, problem: Problem):
+    if init is None:
+        return None
+    if not (isinstance(init, Sequence) and len(init) == 2):
+        raise TypeError("init must be None or a pair (f, g) of tensors")
+    out = []
+    for pot, like, name in zip(
+        init, (problem.a, problem.b), ("init[0] (f)", "init[1] (g)"), strict=True
+    ):
+        if not isinstance(pot, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor")
+        if pot.shape != like.shape:
+            raise ValueError(f"{name} must have shape {tuple(like.shape)}, got {tuple(pot.shape)}")
+        if pot.device != like.device:
+            raise ValueError(f"{name} is on {pot.device} but the data is on {like.device}")
+        if not bool(torch.isfinite(pot).all()):
+            raise ValueError(f"{name} contains NaN or infinite values")
+        out.append(pot.detach().to(like.dtype))
+    return tuple(out)
+
+
+def sinkhorn(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
+    *,
+    eps: float,
+    cost: str = "sqeuclidean",
+    rho=None,
+    max_iter: int = 1000,
+    tol: float | None = 1e-6,
+    check_every: int = 10,
+    update: str = "symmetric",
+    eps_schedule=None,
+    init=None,
+    backend="auto",
+    precision: str = "auto",
+    progress: bool = False,
+) -> SinkhornResult:
+    r"""Entropic optimal transport between two weighted point clouds.
+
+    Solves
+
+    .. math::
+
+        \mathrm{OT}_\varepsilon(a, b) = \min_{P \ge 0} \langle P, C \rangle
+            + \varepsilon\,\mathrm{KL}(P \,\|\, a \otimes b)
+            + \rho_x \mathrm{KL}(P 1 \,\|\, a) + \rho_y \mathrm{KL}(P^T 1 \,\|\, b)
+
+    (the KL terms replaced by hard constraints on balanced sides) with log-domain
+    Sinkhorn iterations streamed tile by tile: nothing of size n × m is stored.
+
+    Args:
+        x: (n, d) source points (float16, bfloat16, float32 or float64).
+        y: (m, d) target points, same dtype and device.
+        a: (n,) nonnegative source weights, None for uniform. Balanced problems
+            normalize a and b to probability vectors; relaxed ones keep their mass.
+        b: (m,) nonnegative target weights, None for uniform.
+        eps: entropic regularization ε > 0, in units of the cost.
+        cost: ``"sqeuclidean"`` |x−y|², ``"half_sqeuclidean"`` |x−y|²/2, or
+            ``"cosine"`` 1 − cos(x, y).
+        rho: None (balanced), ρ > 0 for both marginals, or a pair (ρ_x, ρ_y) in
+            which None keeps that side balanced.
+        max_iter: iterations at most (the ε schedule's included).
+        tol: stop once the L1 marginal error is ≤ tol, checked every
+            ``check_every`` iterations; None runs exactly ``max_iter`` iterations.
+        check_every: iterations between two checks (a check is free: it reuses the
+            iteration's reductions).
+        update: ``"symmetric"`` (averaged Jacobi updates, GeomLoss) or
+            ``"alternating"`` (Gauss–Seidel, OTT/POT).
+        eps_schedule: None (fixed ε), ``"geomloss"``, an
+            :class:`~flashot.solver.EpsilonScaling`, or an explicit sequence of
+            temperatures ending at (or followed by) ε.
+        init: optional warm start (f (n,), g (m,)), e.g. a previous result's potentials.
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or a backend instance.
+        precision: ``"auto"``, ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``: how
+            score tiles are computed (``"auto"`` is accurate float32/float64).
+        progress: show a progress line on stderr.
+
+    Returns:
+        A :class:`~flashot.result.SinkhornResult`. Its ``cost`` is differentiable
+        w.r.t. x, y, a and b (envelope theorem: only the final update is
+        differentiated, O((n + m) d) memory).
+
+    Warns:
+        ConvergenceWarning: when ``tol`` was not reached within ``max_iter``.
+    """
+    problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho)
+    engine = resolve_backend(backend, problem.x.device, precision)
+    temps = resolve_schedule(eps_schedule, problem)
+    init = _check_init(init, problem)
+    form = problem.form.detach()
+    log_a, log_b = problem.log_a, problem.log_b
+    rhos = (problem.rho_x, problem.rho_y)
+    out = solve(
+        form,
+        log_a,
+        log_b,
+        temps,
+        problem.damping,
+        rhos,
+        engine,
+        max_iter=max_iter,
+        tol=tol,
+        check_every=check_every,
+        update=update,
+        init=init,
+        progress=progress,
+    )
+    lam_x, lam_y = problem.damping(eps)
+    # Final extrapolation: the only differentiated step (GeomLoss' convention).
+    f = soft_c_transform(problem.form, bias(out.g, form.beta, log_b, eps), eps, lam_x, engine)
+    g = soft_c_transform(problem.form.T, bias(out.f, form.alpha, log_a, eps), eps, lam_y, engine)
+    fd, gd = f.detach(), g.detach()
+    with torch.no_grad():
+        lse_r, lse_c = engine.symmetric_lse(
+            form, bias(gd, form.beta, log_b, eps), bias(fd, form.alpha, log_a, eps), eps
+        )
+        error = marginal_error(fd, lse_r, form.alpha, log_a, eps, rhos[0])
+        error = float(error + marginal_error(gd, lse_c, form.beta, log_b, eps, rhos[1]))
+        plan_mass = torch.exp(log_a + (fd - form.alpha + lse_r) / eps).sum()
+    if not (
+        math.isfinite(error) and bool(torch.isfinite(fd).all()) and bool(torch.isfinite(gd).all())
+    ):
+        raise FloatingPointError(
+            "Sinkhorn produced non-finite potentials; try a larger eps, an eps_schedule, "
+            "or float64 inputs"
+        )
+    value = _dual_value(problem, f, g, plan_mass)
+    converged = None if tol is None else error <= tol
+    if converged is False:
+        warnings.warn(
+            f"Sinkhorn did not reach tol={tol:g} in max_iter={max_iter} iterations "
+            f"(marginal error {error:.3e}); increase max_iter or eps",
+            ConvergenceWarning,
+            stacklevel=2,
+        )
+    plan = TransportPlan(form, fd, gd, log_a, log_b, eps, engine, problem.x, problem.y)
+    return SinkhornResult(f, g, value, out.n_iter, error, converged, eps, plan)
+
+
+def _dual_value(problem: Problem, f, g, plan_mass) -> torch.Tensor:
+    """The entropic OT value with envelope-exact gradients.
+
+    Balanced: ``⟨a, f⟩ + ⟨b, g⟩``. Relaxed: the dual objective
+    ``⟨a, φ(f)⟩ + ⟨b, φ(g)⟩ − ε (m(P) − m(a) m(b))``, written as
+    :func:`~flashot.autodiff.functions.relaxed_side` terms (whose derivatives are the
+    envelope ones) plus a detached correction that restores the exact value.
+    """
+    a, b, eps = problem.a, problem.b, problem.eps
+    if problem.balanced:
+        return (a * f).sum() + (b * g).sum()
+    m_a, m_b = a.sum(), b.sum()
+    with torch.no_grad():
+        fd, gd = f.detach(), g.detach()
+        mass_f = m_a if problem.rho_x is None else (a * torch.exp(-fd / problem.rho_x)).sum()
+        mass_g = m_b if problem.rho_y is None else (b * torch.exp(-gd / problem.rho_y)).sum()
+        correction = eps * (mass_f + mass_g - plan_mass)
+    return (
+        relaxed_side(f, a, eps, problem.rho_x)
+        + relaxed_side(g, b, eps, problem.rho_y)
+        + eps * m_a * m_b
+        + correction.detach()
+    )

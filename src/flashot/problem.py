@@ -1,0 +1,184 @@
+"""Validated inputs of an entropic OT problem.
+
+Everything a user can get wrong is checked here, once, with an error that names
+the argument. Downstream code assumes what this module guarantees: finite
+clouds of one dtype on one device, nonnegative weights with positive mass, ε > 0.
+
+Weights: for balanced OT both measures are normalized to probability vectors
+(so unnormalized weights are accepted and only their ratios matter). With a
+marginal relaxation ``rho`` the masses are kept as given, since unbalanced OT
+depends on them.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flashot.costs import AttentionForm, Cost, attention_form, get_cost
+
+__all__ = ["Problem", "check_cloud", "check_positive", "make_problem", "parse_rho"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Potentials and reductions run in float32 for half inputs, else in the input dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_positive(value, name: str, allow_zero: bool = False) -> float:
+    """A finite real number > 0 (or ≥ 0), as float; else ValueError naming ``name``."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = "≥ 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be finite and {bound}, got {value}")
+    return value
+
+
+def check_cloud(x, name: str) -> torch.Tensor:
+    """A finite (n, d) floating-point tensor with n, d ≥ 1."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have a floating dtype {FLOAT_DTYPES}, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must have shape (n, d), got {tuple(x.shape)}")
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{name} must be non-empty, got shape {tuple(x.shape)}")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    return x
+
+
+def check_weights(w, n: int, like: torch.Tensor, name: str) -> torch.Tensor:
+    """Nonnegative finite (n,) weights with positive total; uniform when ``w`` is None."""
+    if w is None:
+        return torch.full((n,), 1.0 / n, dtype=like.dtype, device=like.device)
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(w).__name__}")
+    if w.dim() == 2 and w.shape[1] == 1:
+        w = w[:, 0]
+    if w.dim() != 1 or w.shape[0] != n:
+        raise ValueError(f"{name} must have shape ({n},) to match its cloud, got {tuple(w.shape)}")
+    if w.device != like.device:
+        raise ValueError(f"{name} is on {w.device} but its cloud is on {like.device}")
+    if w.dtype != like.dtype:
+        raise TypeError(f"{name} has dtype {w.dtype} but its cloud has dtype {like.dtype}")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    if bool((w < 0).any()):
+        raise ValueError(f"{name} has negative entries; weights must be nonnegative")
+    if not bool((w > 0).any()):
+        raise ValueError(f"{name} sums to zero; at least one weight must be positive")
+    return w
+
+
+def parse_rho(rho) -> tuple[float | None, float | None]:
+    """``rho`` as ``(rho_x, rho_y)``: from None, a float, or a pair (None entries stay balanced)."""
+    if rho is None:
+        return None, None
+    if isinstance(rho, Sequence) and not isinstance(rho, str):
+        if len(rho) != 2:
+            raise ValueError(f"rho must be a float or a pair (rho_x, rho_y), got {rho!r}")
+        return tuple(None if r is None else check_positive(r, "rho") for r in rho)
+    r = check_positive(rho, "rho")
+    return r, r
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One validated EOT problem between ``(a, x)`` and ``(b, y)``.
+
+    Attributes:
+        x: (n, d) source cloud as given (keeps its autograd history).
+        y: (m, d) target cloud as given.
+        a: (n,) source weights (normalized when balanced), compute dtype.
+        b: (m,) target weights, compute dtype.
+        eps: entropic regularization ε > 0.
+        rho_x: KL relaxation of the source marginal, None when balanced.
+        rho_y: KL relaxation of the target marginal, None when balanced.
+        cost: the ground cost.
+        form: the cost in attention form (compute dtype, differentiable in x, y).
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    eps: float
+    rho_x: float | None
+    rho_y: float | None
+    cost: Cost
+    form: AttentionForm
+
+    @property
+    def balanced(self) -> bool:
+        """True when neither marginal is relaxed."""
+        return self.rho_x is None and self.rho_y is None
+
+    @property
+    def log_a(self) -> torch.Tensor:
+        """(n,) log source weights (``-inf`` where a weight is 0), detached."""
+        return torch.log(self.a.detach())
+
+    @property
+    def log_b(self) -> torch.Tensor:
+        """(m,) log target weights, detached."""
+        return torch.log(self.b.detach())
+
+    def damping(self, eps: float) -> tuple[float, float]:
+        """Unbalanced damping ``λ = ρ / (ρ + ε)`` of the (f, g) updates at temperature ε."""
+        lam = [1.0 if r is None else r / (r + eps) for r in (self.rho_x, self.rho_y)]
+        return lam[0], lam[1]
+
+
+def make_problem(
+    x, y, a=None, b=None, *, eps, cost="sqeuclidean", rho=None, normalize: bool = True
+) -> Problem:
+    """Validate the user's inputs and build a :class:`Problem`.
+
+    Args:
+        x: (n, d) source points.
+        y: (m, d) target points (same d, dtype and device as x).
+        a: (n,) nonnegative source weights, or None for uniform.
+        b: (m,) nonnegative target weights, or None for uniform.
+        eps: ε > 0.
+        cost: a cost name or :class:`~flashot.costs.Cost`.
+        rho: None, a float, or a pair ``(rho_x, rho_y)``.
+        normalize: rescale balanced weights to probability vectors (GeomLoss does not).
+    """
+    x, y = check_cloud(x, "x"), check_cloud(y, "y")
+    if x.device != y.device:
+        raise ValueError(f"x is on {x.device} but y is on {y.device}")
+    if x.dtype != y.dtype:
+        raise TypeError(f"x has dtype {x.dtype} but y has dtype {y.dtype}")
+    if x.shape[1] != y.shape[1]:
+        raise ValueError(
+            f"x and y must have the same feature dimension, got {x.shape[1]} and {y.shape[1]}"
+        )
+    eps = check_positive(eps, "eps")
+    cost = get_cost(cost)
+    rho_x, rho_y = parse_rho(rho)
+    if cost.normalize:
+        for cloud, name in ((x, "x"), (y, "y")):
+            if bool((torch.linalg.vector_norm(cloud.detach(), dim=1) == 0).any()):
+                raise ValueError(f"{name} has a zero vector; the cosine cost is undefined there")
+    a = check_weights(a, x.shape[0], x, "a")
+    b = check_weights(b, y.shape[0], y, "b")
+    dtype = compute_dtype(x.dtype)
+    a, b = a.to(dtype), b.to(dtype)
+    if normalize and rho_x is None and rho_y is None:
+        a, b = a / a.sum(), b / b.sum()
+    form = attention_form(cost, x, y, dtype)
+    return Problem(x, y, a, b, eps, rho_x, rho_y, cost, form)

@@ -1,0 +1,204 @@
+r"""Solver results and the lazy transport plan.
+
+The entropic plan is never stored. In attention form
+
+.. math::
+
+    P_{ij} = a_i b_j e^{(f_i + g_j - C_{ij})/\varepsilon}
+           = \underbrace{a_i e^{(f_i - \alpha_i + \ell_i)/\varepsilon}}_{r_i}\;
+             \mathrm{softmax}_j\Big(\frac{\langle q_i, k_j\rangle + h_j}{\varepsilon}\Big),
+    \qquad h_j = g_j - \beta_j + \varepsilon \log b_j,
+
+so ``P @ V`` is a row-scaled attention average of V, computed by the backend's
+streaming ``row_attend`` pass with O((n + m)(d + p)) memory.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from flashot.backends.base import Backend
+from flashot.costs import AttentionForm
+from flashot.solver import bias
+
+__all__ = ["SinkhornResult", "TransportPlan"]
+
+
+class TransportPlan:
+    """The entropic transport plan ``P`` (n × m) as a lazy operator.
+
+    Supports ``plan @ V``, ``plan.T @ U``, marginals, the barycentric map and,
+    for small problems only, :meth:`dense`. Plan products are not differentiable.
+
+    Args:
+        form: cost in attention form (detached).
+        f: (n,) row potential.  g: (m,) column potential.
+        log_a: (n,) log row weights.  log_b: (m,) log column weights.
+        eps: ε.
+        backend: the streaming primitives.
+        x: (n, d) row points.  y: (m, d) column points (original coordinates).
+    """
+
+    def __init__(
+        self,
+        form: AttentionForm,
+        f: torch.Tensor,
+        g: torch.Tensor,
+        log_a: torch.Tensor,
+        log_b: torch.Tensor,
+        eps: float,
+        backend: Backend,
+        x: torch.Tensor,
+        y: torch.Tensor,
+    ):
+        self._form, self._f, self._g = form, f.detach(), g.detach()
+        self._log_a, self._log_b, self._eps, self._backend = log_a, log_b, eps, backend
+        self._x, self._y = x.detach(), y.detach()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(n, m)``."""
+        return self._form.shape
+
+    @property
+    def T(self) -> TransportPlan:
+        """The transposed plan ``Pᵀ`` (m × n), also lazy."""
+        return TransportPlan(
+            self._form.T,
+            self._g,
+            self._f,
+            self._log_b,
+            self._log_a,
+            self._eps,
+            self._backend,
+            self._y,
+            self._x,
+        )
+
+    def __repr__(self) -> str:
+        n, m = self.shape
+        return f"TransportPlan(shape=({n}, {m}), eps={self._eps:g}, backend={self._backend.name!r})"
+
+    def _attend(self, v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Row masses r (n,) and the softmax averages of v (n, p)."""
+        with torch.no_grad():
+            h = bias(self._g, self._form.beta, self._log_b, self._eps)
+            lse, out = self._backend.row_attend(self._form, h, self._eps, v)
+            log_r = self._log_a + (self._f - self._form.alpha + lse) / self._eps
+            return torch.exp(log_r), out
+
+    def _values(self, v, name: str) -> torch.Tensor:
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(v).__name__}")
+        m = self.shape[1]
+        if v.dim() not in (1, 2) or v.shape[0] != m:
+            raise ValueError(f"{name} must have shape ({m},) or ({m}, p), got {tuple(v.shape)}")
+        if v.device != self._f.device:
+            raise ValueError(f"{name} is on {v.device} but the plan is on {self._f.device}")
+        if not v.is_floating_point():
+            raise TypeError(f"{name} must have a floating dtype, got {v.dtype}")
+        return v.detach().to(self._f.dtype).reshape(m, -1)
+
+    def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
+        """``P @ V`` for V of shape (m,) or (m, p); returns (n,) or (n, p) in V's dtype."""
+        vv = self._values(v, "V")
+        r, out = self._attend(vv)
+        res = r[:, None] * out
+        return (res[:, 0] if v.dim() == 1 else res).to(v.dtype)
+
+    def row_sums(self) -> torch.Tensor:
+        """``P 1`` (n,): the plan's first marginal."""
+        return self._attend(None)[0]
+
+    def col_sums(self) -> torch.Tensor:
+        """``Pᵀ 1`` (m,): the plan's second marginal."""
+        return self.T.row_sums()
+
+    def barycentric_map(self, points: torch.Tensor | None = None) -> torch.Tensor:
+        """Barycentric projection ``T(x_i) = Σ_j P_ij y_j / Σ_j P_ij`` (n, d).
+
+        Args:
+            points: optional (r, d) new source points: the map is then the entropic
+                map ``Σ_j softmax_j((g_j − C(z, y_j))/ε + log b_j) y_j`` at each point z,
+                which agrees with the barycentric projection on the source cloud.
+        """
+        y = self._y.to(self._f.dtype)
+        if points is None:
+            return self._attend(y)[1].to(self._y.dtype)
+        form = self._form
+        if form.row_features is None:
+            raise ValueError("this plan cannot evaluate its map at new points")
+        if (
+            not isinstance(points, torch.Tensor)
+            or points.dim() != 2
+            or points.shape[1] != self._x.shape[1]
+        ):
+            raise ValueError(f"points must have shape (r, {self._x.shape[1]})")
+        with torch.no_grad():
+            qz = form.row_features(points.detach().to(self._x.dtype))
+            form_z = AttentionForm(qz, form.k, torch.zeros_like(qz[:, 0]), form.beta)
+            h = bias(self._g, form.beta, self._log_b, self._eps)
+            return self._backend.row_attend(form_z, h, self._eps, y)[1].to(self._y.dtype)
+
+    def transport_cost(self) -> torch.Tensor:
+        """``⟨P, C⟩ = Σ_i r_i (α_i + E_w[β] − ⟨q_i, E_w[k]⟩)``, one streaming pass."""
+        form = self._form
+        v = torch.cat([form.k, form.beta[:, None]], dim=1)
+        r, out = self._attend(v)
+        row_cost = form.alpha + out[:, -1] - (form.q * out[:, :-1]).sum(1)
+        return (r * row_cost).sum()
+
+    def dense(self, max_elements: int = 10**7) -> torch.Tensor:
+        """The full (n, m) matrix, for small problems only.
+
+        Raises:
+            ValueError: if n·m > max_elements (the point of this library is to never do this).
+        """
+        n, m = self.shape
+        if n * m > max_elements:
+            raise ValueError(
+                f"dense plan of shape ({n}, {m}) has {n * m} elements > "
+                f"max_elements={max_elements}; "
+                "use plan @ V instead"
+            )
+        form = self._form
+        log_p = (
+            self._log_a[:, None]
+            + self._log_b[None, :]
+            + (self._f[:, None] + self._g[None, :] - form.dense()) / self._eps
+        )
+        return torch.exp(log_p)
+
+
+@dataclass(frozen=True)
+class SinkhornResult:
+    """The outcome of :func:`flashot.sinkhorn` (immutable).
+
+    Attributes:
+        f: (n,) potential on x, ``P_ij = a_i b_j exp((f_i + g_j − C_ij)/ε)``.
+        g: (m,) potential on y.
+        cost: entropic OT value (a 0-dim tensor, differentiable w.r.t. x, y, a, b);
+            ``⟨a, f⟩ + ⟨b, g⟩`` when balanced, the dual objective when relaxed.
+        n_iter: Sinkhorn iterations run.
+        marginal_error: L1 violation of the plan's marginal conditions.
+        converged: ``marginal_error <= tol`` (None when ``tol`` was None).
+        eps: the final ε.
+        plan: the lazy :class:`TransportPlan`.
+    """
+
+    f: torch.Tensor
+    g: torch.Tensor
+    cost: torch.Tensor
+    n_iter: int
+    marginal_error: float
+    converged: bool | None
+    eps: float
+    plan: TransportPlan
+
+    @functools.cached_property
+    def transport_cost(self) -> torch.Tensor:
+        """``⟨P, C⟩``, streamed on first access (not differentiable)."""
+        return self.plan.transport_cost()

@@ -1,0 +1,301 @@
+r"""The Sinkhorn loop: ε schedules, symmetric or alternating updates, stopping.
+
+The loop is backend-agnostic: it only calls the primitives of
+:class:`~flashot.backends.base.Backend` on an attention form. In the attention
+form the soft c-transform (log-domain Sinkhorn update) of ``g`` reads
+
+.. math::
+
+    T(g)_i = \alpha_i - \varepsilon \log \sum_j
+        \exp\Big(\frac{\langle q_i, k_j \rangle + g_j - \beta_j
+        + \varepsilon \log b_j}{\varepsilon}\Big),
+
+and unbalanced sides are damped, ``f ← λ T(g)`` with ``λ = ρ / (ρ + ε)``.
+The loop runs without autograd; :mod:`flashot.autodiff` differentiates the
+final step only (envelope theorem).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flashot.backends.base import Backend
+from flashot.costs import AttentionForm
+
+__all__ = [
+    "EpsilonScaling",
+    "SolverOutput",
+    "geomloss_schedule",
+    "marginal_error",
+    "solve",
+    "solve_self",
+]
+
+UPDATES = ("symmetric", "alternating")
+
+
+@dataclass(frozen=True)
+class EpsilonScaling:
+    """Geometric ε annealing ("ε-scaling") from the data diameter down to the target ε.
+
+    The temperatures are GeomLoss' (with p = 2): ``D²``, then ``D² s^{2k}`` for
+    k = 0, 1, … while above ε, then ε; ``D`` is the bounding-box diagonal of the
+    embedded clouds unless given. One Sinkhorn iteration runs per temperature,
+    then iterations continue at ε until ``tol`` or ``max_iter``.
+
+    Attributes:
+        scaling: ratio of successive blurs √ε, in (0, 1).
+        diameter: the diameter D, or None to measure it from the data.
+    """
+
+    scaling: float = 0.5
+    diameter: float | None = None
+
+    def __post_init__(self):
+        if not (isinstance(self.scaling, (int, float)) and 0 < self.scaling < 1):
+            raise ValueError(f"scaling must be in (0, 1), got {self.scaling!r}")
+        if self.diameter is not None and not (self.diameter > 0 and math.isfinite(self.diameter)):
+            raise ValueError(f"diameter must be finite and > 0, got {self.diameter!r}")
+
+
+def geomloss_schedule(diameter: float, eps: float, scaling: float) -> list[float]:
+    """GeomLoss' temperature list for p = 2: ``[D², exp(2 log D − 2k log(1/s))…, ε]``.
+
+    Args:
+        diameter: D > 0.
+        eps: final temperature ε = blur².
+        scaling: ratio of successive blurs, in (0, 1).
+    """
+    p = 2
+    blur = math.sqrt(eps)
+    steps = np.arange(p * np.log(diameter), p * np.log(blur), p * np.log(scaling))
+    return [diameter**p] + [float(np.exp(e)) for e in steps] + [eps]
+
+
+@dataclass(frozen=True)
+class SolverOutput:
+    """The loop's final iterate (detached) and how it got there.
+
+    Attributes:
+        f: (n,) row potential.
+        g: (m,) column potential (equal to f for a self problem).
+        n_iter: iterations run (the initialization and final extrapolation not counted).
+        converged: whether the error reached ``tol`` (None when ``tol`` is None).
+        error: the last measured error (NaN if never measured).
+    """
+
+    f: torch.Tensor
+    g: torch.Tensor
+    n_iter: int
+    converged: bool | None
+    error: float
+
+
+def bias(
+    potential: torch.Tensor, offset: torch.Tensor, log_w: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Score bias of a potential: ``h = g − β + ε log b`` (``-inf`` where b = 0)."""
+    return potential - offset + eps * log_w
+
+
+def marginal_error(
+    pot: torch.Tensor,
+    lse: torch.Tensor,
+    offset: torch.Tensor,
+    log_w: torch.Tensor,
+    eps: float,
+    rho: float | None,
+) -> torch.Tensor:
+    """L1 violation of one marginal condition of the plan ``P = a b e^{(f⊕g−C)/ε}``.
+
+    With ``lse`` the row LSE of the other potential's bias, the plan's row sums are
+    ``r_i = a_i exp((f_i − α_i + lse_i)/ε)``; the target is ``a_i`` when balanced and
+    ``a_i exp(−f_i/ρ)`` (the unbalanced first-order condition) otherwise.
+
+    Args:
+        pot: (n,) potential f.  lse: (n,) row LSE.  offset: (n,) α.
+        log_w: (n,) log a.  eps: ε.  rho: ρ of this side or None.
+    """
+    log_r = log_w + (pot - offset + lse) / eps
+    target = log_w if rho is None else log_w - pot / rho
+    return (torch.exp(log_r) - torch.exp(target)).abs().sum()
+
+
+class _Progress:
+    """A one-line progress report on stderr (no dependency)."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total, self.t0, self.last = enabled, total, time.perf_counter(), 0.0
+
+    def update(self, it: int, eps: float, error: float | None, force: bool = False):
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not force and now - self.last < 0.2:
+            return
+        self.last = now
+        frac = it / self.total
+        bar = "#" * int(30 * frac)
+        err = "" if error is None or math.isnan(error) else f" err {error:.2e}"
+        sys.stderr.write(
+            f"\rsinkhorn [{bar:<30}] {it}/{self.total} eps {eps:.3g}{err} {now - self.t0:.1f}s"
+        )
+        sys.stderr.flush()
+
+    def close(self):
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _check_iterations(max_iter: int, n_schedule: int, tol: float | None, check_every: int):
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}")
+    if max_iter < n_schedule:
+        raise ValueError(
+            f"max_iter={max_iter} is shorter than the ε schedule ({n_schedule} temperatures); "
+            "the solve would stop before reaching eps"
+        )
+    if tol is not None and not (isinstance(tol, (int, float)) and tol >= 0 and math.isfinite(tol)):
+        raise ValueError(f"tol must be a finite number ≥ 0 or None, got {tol!r}")
+    if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+        raise ValueError(f"check_every must be a positive integer, got {check_every!r}")
+
+
+@torch.no_grad()
+def solve(
+    form: AttentionForm,
+    log_a: torch.Tensor,
+    log_b: torch.Tensor,
+    eps_list: Sequence[float],
+    damping: Callable[[float], tuple[float, float]],
+    rho: tuple[float | None, float | None],
+    backend: Backend,
+    *,
+    max_iter: int,
+    tol: float | None,
+    check_every: int = 10,
+    update: str = "symmetric",
+    init: tuple[torch.Tensor, torch.Tensor] | None = None,
+    progress: bool = False,
+) -> SolverOutput:
+    """Run Sinkhorn iterations between two measures.
+
+    Args:
+        form: the cost in attention form, q (n, d'), k (m, d') (detached).
+        log_a: (n,) log source weights.  log_b: (m,) log target weights.
+        eps_list: temperatures, one iteration each; the last one is kept until the end.
+        damping: ε ↦ (λ_x, λ_y), the unbalanced damping factors.
+        rho: (ρ_x, ρ_y) for the stopping criterion (None entries are balanced sides).
+        backend: the streaming primitives.
+        max_iter: iterations at most (≥ len(eps_list)).
+        tol: stop once the L1 marginal error is ≤ tol (checked every ``check_every``
+            iterations at the final ε); None runs exactly ``max_iter`` iterations.
+        check_every: iterations between two checks.
+        update: ``"symmetric"`` (averaged Jacobi updates from the old potentials, as in
+            GeomLoss) or ``"alternating"`` (Gauss–Seidel, as in OTT/POT).
+        init: optional warm start (f (n,), g (m,)); otherwise GeomLoss' initialization
+            ``f = λ T(0), g = λ T(0)`` at the first temperature.
+        progress: print a progress line on stderr.
+    """
+    if update not in UPDATES:
+        raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+    _check_iterations(max_iter, len(eps_list), tol, check_every)
+    q_alpha, k_beta = form.alpha, form.beta
+    eps = eps_list[0]
+    if init is None:
+        lam_x, lam_y = damping(eps)
+        zf, zg = torch.zeros_like(q_alpha), torch.zeros_like(k_beta)
+        lse_r, lse_c = backend.symmetric_lse(
+            form, bias(zg, k_beta, log_b, eps), bias(zf, q_alpha, log_a, eps), eps
+        )
+        f, g = lam_x * (q_alpha - lse_r), lam_y * (k_beta - lse_c)
+    else:
+        f, g = init
+    bar = _Progress(progress, max_iter)
+    last = len(eps_list) - 1
+    converged, error, it = (None if tol is None else False), float("nan"), 0
+    for it in range(1, max_iter + 1):
+        eps = eps_list[min(it - 1, last)]
+        lam_x, lam_y = damping(eps)
+        check = tol is not None and it - 1 >= last and (it - last) % check_every == 0
+        if update == "symmetric":
+            lse_r, lse_c = backend.symmetric_lse(
+                form, bias(g, k_beta, log_b, eps), bias(f, q_alpha, log_a, eps), eps
+            )
+            if check:
+                err = marginal_error(f, lse_r, q_alpha, log_a, eps, rho[0])
+                err = err + marginal_error(g, lse_c, k_beta, log_b, eps, rho[1])
+            f = 0.5 * (f + lam_x * (q_alpha - lse_r))
+            g = 0.5 * (g + lam_y * (k_beta - lse_c))
+        else:
+            lse_r, _ = backend.row_attend(form, bias(g, k_beta, log_b, eps), eps)
+            if check:  # columns are exact after the previous g-update
+                err = marginal_error(f, lse_r, q_alpha, log_a, eps, rho[0])
+            f = lam_x * (q_alpha - lse_r)
+            lse_c, _ = backend.row_attend(form.T, bias(f, q_alpha, log_a, eps), eps)
+            g = lam_y * (k_beta - lse_c)
+        if check:
+            error = float(err)
+            if not math.isfinite(error):
+                raise FloatingPointError(
+                    f"Sinkhorn diverged at iteration {it} (marginal error {error}); "
+                    "try a larger eps or an eps_schedule"
+                )
+            if error <= tol:
+                converged = True
+                break
+        bar.update(it, eps, error)
+    bar.update(it, eps, error, force=True)
+    bar.close()
+    return SolverOutput(f, g, it, converged, error)
+
+
+@torch.no_grad()
+def solve_self(
+    form: AttentionForm,
+    log_a: torch.Tensor,
+    eps_list: Sequence[float],
+    damping: Callable[[float], float],
+    rho: float | None,
+    backend: Backend,
+    *,
+    max_iter: int,
+    tol: float | None,
+    check_every: int = 10,
+) -> SolverOutput:
+    """Symmetric potential of the self problem OT_ε(a, a): ``p ← ½ (p + λ T(p))``.
+
+    Args:
+        form: the cost of the cloud with itself (q = k).
+        log_a: (n,) log weights.
+        eps_list, max_iter, tol, check_every: as in :func:`solve`.
+        damping: ε ↦ λ.
+        rho: ρ or None.
+        backend: the streaming primitives.
+    """
+    _check_iterations(max_iter, len(eps_list), tol, check_every)
+    alpha = form.alpha
+    eps = eps_list[0]
+    lse, _ = backend.row_attend(form, bias(torch.zeros_like(alpha), alpha, log_a, eps), eps)
+    p = damping(eps) * (alpha - lse)
+    last = len(eps_list) - 1
+    converged, error, it = (None if tol is None else False), float("nan"), 0
+    for it in range(1, max_iter + 1):
+        eps = eps_list[min(it - 1, last)]
+        lse, _ = backend.row_attend(form, bias(p, alpha, log_a, eps), eps)
+        check = tol is not None and it - 1 >= last and (it - last) % check_every == 0
+        if check:
+            error = 2.0 * float(marginal_error(p, lse, alpha, log_a, eps, rho))
+        p = 0.5 * (p + damping(eps) * (alpha - lse))
+        if check and error <= tol:
+            converged = True
+            break
+    return SolverOutput(p, p, it, converged, error)
