@@ -21,11 +21,14 @@ from flashot.backends.base import Backend
 __all__ = ["TorchBackend"]
 
 _HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# exp(t) for t below this is < 1e-34 (float32) / 1e-304 (float64) of the row's largest
+# term: clamping there changes no sum, and keeps exp off the subnormal path (10x slower).
+_EXP_FLOOR = {torch.float32: -80.0, torch.float64: -700.0}
 
 
 def tile_sizes(n: int, m: int, budget: int) -> tuple[int, int]:
     """Pick (BLOCK_M, BLOCK_N) so that one score tile holds at most ``budget`` elements."""
-    block_n = min(m, max(1024, budget // 256))
+    block_n = min(m, 8192)
     block_m = max(1, min(n, budget // block_n))
     return block_m, block_n
 
@@ -36,13 +39,14 @@ class TorchBackend(Backend):
     Args:
         precision: ``"auto"``/``"fp32"`` (full precision of the input dtype), or
             ``"bf16"``/``"fp16"`` (score matmul on half-precision operands).
-        budget: the largest score tile, in elements (default 2**22: 16 MB in float32).
+        budget: the largest score tile, in elements (default 2**20: 4 MB in float32, which
+            measured fastest on a 2-core CPU at n = 5 000 and 40 000).
     """
 
     name = "torch"
     precisions = ("fp32", "bf16", "fp16")
 
-    def __init__(self, precision: str = "auto", budget: int = 1 << 22):
+    def __init__(self, precision: str = "auto", budget: int = 1 << 20):
         super().__init__(precision)
         if budget < 1:
             raise ValueError(f"budget must be a positive number of elements, got {budget}")
@@ -62,6 +66,9 @@ class TorchBackend(Backend):
         n, m = q.shape[0], k.shape[0]
         inv_eps = 1.0 / eps
         block_m, block_n = tile_sizes(n, m, self.budget)
+        floor = _EXP_FLOOR[q.dtype]
+        keep = torch.isfinite(h)
+        keep = None if bool(keep.all()) else keep.to(q.dtype)  # zero-weight columns
         lse = torch.empty(n, dtype=q.dtype, device=q.device)
         out = None if v is None else torch.empty(n, v.shape[1], dtype=q.dtype, device=q.device)
         for i0 in range(0, n, block_m):
@@ -74,7 +81,9 @@ class TorchBackend(Backend):
                 new_max = tile_max if run_max is None else torch.maximum(run_max, tile_max)
                 # rows whose bias is all -inf so far: shift by 0, not by -inf
                 shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-                e = s.sub_(shift[:, None]).exp_()
+                e = s.sub_(shift[:, None]).clamp_(min=floor).exp_()
+                if keep is not None:
+                    e.mul_(keep[j0:j1])
                 tile_sum = e.sum(1)
                 tile_acc = None if v is None else e @ v[j0:j1]
                 if run_max is None:

@@ -1,0 +1,130 @@
+"""The primitive contract, checked for every backend against dense float64 formulas."""
+
+import math
+
+import pytest
+import torch
+
+from flashot.backends import available_backends, resolve_backend
+from flashot.backends.torch_backend import TorchBackend
+from flashot.costs import attention_form, get_cost
+from tests.conftest import rel
+
+BACKENDS = ["torch", "triton"]
+
+
+def make_backend(name, device, precision="auto"):
+    if name not in available_backends(device):
+        pytest.skip(f"backend {name} unavailable on {device}")
+    return resolve_backend(name, torch.device(device), precision)
+
+
+def devices():
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def dense_attend(form, h, eps, v):
+    s = (form.q.double() @ form.k.double().T + h.double()[None, :]) / eps
+    lse = eps * torch.logsumexp(s, 1)
+    w = torch.softmax(s, 1)
+    return lse, (None if v is None else w @ v.double())
+
+
+def problem(gen, n, m, d, dtype, device, spread=1.0):
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64) * spread
+    y = torch.randn(m, d, generator=gen, dtype=torch.float64) * spread + 0.3
+    form = attention_form(get_cost("sqeuclidean"), x.to(device, dtype), y.to(device, dtype))
+    h = (torch.randn(m, generator=gen, dtype=torch.float64) - form.beta.double().cpu()).to(
+        device, dtype
+    )
+    return form, h
+
+
+SHAPES = [(1, 1, 1), (1, 37, 3), (37, 1, 2), (50, 37, 3), (64, 64, 16), (33, 70, 5)]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_row_attend_matches_dense(gen, name, shape, dtype):
+    for device in devices():
+        backend = make_backend(name, device)
+        if dtype == torch.float64 and name == "triton" and device == "cuda":
+            continue
+        n, m, d = shape
+        form, h = problem(gen, n, m, d, dtype, device)
+        v = torch.randn(m, 4, generator=gen, dtype=torch.float64).to(device, dtype)
+        lse, out = backend.row_attend(form, h, 0.3, v)
+        ref_lse, ref_out = dense_attend(form, h, 0.3, v)
+        tol = 1e-12 if dtype == torch.float64 else 2e-5
+        assert rel(lse.cpu(), ref_lse.cpu()) < tol
+        assert rel(out.cpu(), ref_out.cpu()) < tol
+        lse_only, none = backend.row_attend(form, h, 0.3)
+        assert none is None and rel(lse_only.cpu(), ref_lse.cpu()) < tol
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_masked_columns_contribute_nothing(gen, name):
+    backend = make_backend(name, "cpu")
+    form, h = problem(gen, 20, 30, 3, torch.float64, "cpu")
+    h[::3] = -math.inf
+    v = torch.randn(30, 2, generator=gen, dtype=torch.float64)
+    lse, out = backend.row_attend(form, h, 0.1, v)
+    keep = torch.isfinite(h)
+    sub = type(form)(form.q, form.k[keep], form.alpha, form.beta[keep])
+    ref_lse, ref_out = dense_attend(sub, h[keep], 0.1, v[keep])
+    assert rel(lse, ref_lse) < 1e-12 and rel(out, ref_out) < 1e-12
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_symmetric_lse_is_rows_and_columns(gen, name):
+    backend = make_backend(name, "cpu")
+    form, h_col = problem(gen, 21, 34, 3, torch.float64, "cpu")
+    h_row = torch.randn(21, generator=gen, dtype=torch.float64)
+    rows, cols = backend.symmetric_lse(form, h_col, h_row, 0.5)
+    assert rel(rows, dense_attend(form, h_col, 0.5, None)[0]) < 1e-12
+    assert rel(cols, dense_attend(form.T, h_row, 0.5, None)[0]) < 1e-12
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_small_eps_large_scores_do_not_overflow(gen, name):
+    backend = make_backend(name, "cpu")
+    form, h = problem(gen, 40, 40, 3, torch.float32, "cpu", spread=30.0)
+    lse, _ = backend.row_attend(form, h, 1e-3)
+    ref, _ = dense_attend(form, h, 1e-3, None)
+    assert torch.isfinite(lse).all() and rel(lse, ref) < 1e-5
+
+
+def test_torch_tiles_combine_online(gen):
+    """A tiny budget forces many tiles per row and column: same answer."""
+    form, h = problem(gen, 45, 70, 3, torch.float64, "cpu")
+    v = torch.randn(70, 3, generator=gen, dtype=torch.float64)
+    whole = TorchBackend().row_attend(form, h, 0.2, v)
+    import flashot.backends.torch_backend as tb
+
+    tiny = TorchBackend(budget=16)
+    orig = tb.tile_sizes
+    tb.tile_sizes = lambda n, m, budget: (4, 8)
+    try:
+        tiled = tiny.row_attend(form, h, 0.2, v)
+    finally:
+        tb.tile_sizes = orig
+    assert rel(tiled[0], whole[0]) < 1e-13 and rel(tiled[1], whole[1]) < 1e-13
+
+
+@pytest.mark.parametrize("precision,tol", [("bf16", 3e-2), ("fp16", 5e-3)])
+def test_torch_half_precision_modes_are_close(gen, precision, tol):
+    form, h = problem(gen, 40, 50, 8, torch.float32, "cpu")
+    lse, _ = TorchBackend(precision).row_attend(form, h, 1.0)
+    ref, _ = dense_attend(form, h, 1.0, None)
+    err = rel(lse, ref)
+    assert 0 < err < tol  # really lower precision, and still close
+
+
+def test_precision_validation():
+    with pytest.raises(ValueError, match="precision"):
+        TorchBackend("tf32")
+    with pytest.raises(ValueError, match="precision"):
+        TorchBackend("fp8")
+    with pytest.raises(ValueError, match="backend"):
+        resolve_backend("keops", torch.device("cpu"))

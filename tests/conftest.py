@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def clouds(gen, n=30, m=25, d=3, dtype=torch.float64, shift=1.0):
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    y = torch.randn(m, d, generator=gen, dtype=torch.float64) + shift
+    return x.to(dtype), y.to(dtype)
+
+
+def weights(gen, n, dtype=torch.float64):
+    w = torch.rand(n, generator=gen, dtype=torch.float64) + 0.1
+    return (w / w.sum()).to(dtype)
+
+
+def rel(u, v):
+    u, v = torch.as_tensor(u, dtype=torch.float64), torch.as_tensor(v, dtype=torch.float64)
+    return float((u - v).norm() / v.norm().clamp_min(1e-300))

@@ -1,0 +1,45 @@
+import pytest
+import torch
+
+from flashot.costs import COSTS, attention_form, bounding_diameter, get_cost
+from tests.conftest import clouds, rel
+from tests.references import dense_cost
+
+
+@pytest.mark.parametrize("name", sorted(COSTS))
+def test_attention_form_reproduces_cost(gen, name):
+    x, y = clouds(gen, 17, 23, 4)
+    form = attention_form(get_cost(name), x, y)
+    assert rel(form.dense(), dense_cost(x, y, name)) < 1e-13
+
+
+@pytest.mark.parametrize("name", sorted(COSTS))
+def test_transpose_is_cost_transpose(gen, name):
+    x, y = clouds(gen, 5, 7, 2)
+    form = attention_form(get_cost(name), x, y)
+    assert torch.allclose(form.T.dense(), form.dense().T)
+
+
+def test_centering_keeps_float32_accurate_far_from_origin(gen):
+    x, y = clouds(gen, 40, 40, 3)
+    ref = dense_cost(x, y)
+    form = attention_form(get_cost("sqeuclidean"), (x + 1e3).float(), (y + 1e3).float())
+    # inputs rounded at 1e3 carry ~6e-5 absolute error; without centering the error is ~1e-1
+    assert (form.dense().double() - ref).abs().max() < 2e-3
+
+
+def test_row_features_map_new_points_like_rows(gen):
+    x, y = clouds(gen, 6, 5, 3)
+    form = attention_form(get_cost("cosine"), x, y)
+    assert torch.allclose(form.row_features(x), form.q)
+
+
+def test_unknown_cost_names_argument():
+    with pytest.raises(ValueError, match="cost"):
+        get_cost("euclidean")
+
+
+def test_bounding_diameter_is_box_diagonal():
+    x = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
+    y = torch.tensor([[0.0, 2.0]])
+    assert bounding_diameter(get_cost("sqeuclidean"), x, y) == pytest.approx(5**0.5)

@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+import flashot
+from tests.conftest import clouds, rel, weights
+from tests.references import entropic_ot
+
+F64 = torch.float64
+
+
+def test_divergence_is_debiased_ot(gen):
+    x, y = clouds(gen, 20, 15, 2)
+    a, b = weights(gen, 20), weights(gen, 15)
+    s = flashot.sinkhorn_divergence(x, y, a, b, eps=0.3, tol=1e-12, max_iter=20000)
+    ref = (
+        entropic_ot(x, y, a, b, 0.3)
+        - 0.5 * entropic_ot(x, x, a, a, 0.3)
+        - 0.5 * entropic_ot(y, y, b, b, 0.3)
+    )
+    assert rel(s, ref) < 1e-9
+
+
+def test_unbalanced_divergence_is_sejourne(gen):
+    x, y = clouds(gen, 15, 12, 2)
+    a, b = 1.5 * weights(gen, 15), 0.7 * weights(gen, 12)
+    rho, eps = 0.6, 0.3
+    s = flashot.sinkhorn_divergence(x, y, a, b, eps=eps, rho=rho, tol=1e-12, max_iter=50000)
+    r = (rho, rho)
+    ref = (
+        entropic_ot(x, y, a, b, eps, rho=r)
+        - 0.5 * entropic_ot(x, x, a, a, eps, rho=r)
+        - 0.5 * entropic_ot(y, y, b, b, eps, rho=r)
+        + eps / 2 * (a.sum() - b.sum()) ** 2
+    )
+    assert rel(s, ref) < 1e-9
+
+
+def test_zero_on_identical_measures_and_positive_otherwise(gen):
+    x, y = clouds(gen, 25, 25, 3)
+    assert abs(flashot.sinkhorn_divergence(x, x.clone(), eps=0.2, tol=1e-11).item()) < 1e-10
+    assert flashot.sinkhorn_divergence(x, y, eps=0.2, tol=1e-9).item() > 0.1
+
+
+@pytest.mark.parametrize("rho", [None, 0.8])
+def test_gradcheck(gen, rho):
+    x, y = clouds(gen, 5, 4, 2)
+    a, b = weights(gen, 5), weights(gen, 4)
+    inputs = [t.clone().requires_grad_() for t in (x, y, a, b)]
+
+    def fn(x, y, a, b):
+        return flashot.sinkhorn_divergence(x, y, a, b, eps=0.5, rho=rho, tol=1e-14, max_iter=100000)
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def test_flow_decreases_divergence(gen):
+    x, y = clouds(gen, 30, 30, 2)
+    x.requires_grad_()
+    s0 = flashot.sinkhorn_divergence(x, y, eps=0.1, tol=1e-6)
+    (gx,) = torch.autograd.grad(s0, x)
+    x1 = (x - 0.5 * 30 * gx).detach()  # gradient step, scaled by 1/a_i
+    assert flashot.sinkhorn_divergence(x1, y, eps=0.1, tol=1e-6) < 0.5 * s0
+
+
+def test_asymmetric_rho_is_refused(gen):
+    x, y = clouds(gen, 5, 5, 2)
+    with pytest.raises(ValueError, match="rho"):
+        flashot.sinkhorn_divergence(x, y, eps=0.5, rho=(1.0, None))

@@ -1,0 +1,197 @@
+import warnings
+
+import pytest
+import torch
+
+import flashot
+from flashot import ConvergenceWarning, EpsilonScaling
+from tests.conftest import clouds, rel, weights
+from tests.references import (
+    dense_cost,
+    entropic_ot,
+    gaussian_entropic_ot,
+    gaussian_quadrature,
+    plan_dense,
+    primal,
+    sinkhorn_dense,
+)
+
+F64 = torch.float64
+
+
+@pytest.mark.parametrize("cost", ["sqeuclidean", "half_sqeuclidean", "cosine"])
+@pytest.mark.parametrize("update", ["symmetric", "alternating"])
+def test_matches_dense_reference_float64(gen, cost, update):
+    x, y = clouds(gen, 30, 25, 3)
+    a, b = weights(gen, 30), weights(gen, 25)
+    eps = 0.5 if cost != "cosine" else 0.05
+    res = flashot.sinkhorn(x, y, a, b, eps=eps, cost=cost, tol=1e-12, max_iter=20000, update=update)
+    C = dense_cost(x, y, cost)
+    f, g = sinkhorn_dense(C, a, b, eps)
+    shift = (res.f - f).mean()  # potentials are defined up to (f + c, g - c)
+    assert res.converged and res.marginal_error <= 1e-12
+    assert rel(res.f - shift, f) < 1e-10 and rel(res.g + shift, g) < 1e-10
+    assert rel(res.cost, (a * f).sum() + (b * g).sum()) < 1e-10
+    assert rel(res.cost, primal(C, a, b, plan_dense(C, a, b, f, g, eps), eps)) < 1e-10
+
+
+def test_matches_dense_reference_float32(gen):
+    x, y = clouds(gen, 60, 45, 5)
+    res = flashot.sinkhorn(x.float(), y.float(), eps=0.5, tol=1e-5)
+    ref = entropic_ot(
+        x, y, torch.full((60,), 1 / 60, dtype=F64), torch.full((45,), 1 / 45, dtype=F64), 0.5
+    )
+    assert res.f.dtype == torch.float32
+    assert rel(res.cost, ref) < 1e-5
+
+
+@pytest.mark.parametrize("rho", [0.7, (0.7, None), (None, 2.0)])
+def test_unbalanced_value_is_the_primal_optimum(gen, rho):
+    x, y = clouds(gen, 20, 15, 2)
+    a, b = 2 * weights(gen, 20), 0.5 * weights(gen, 15)  # different masses
+    res = flashot.sinkhorn(x, y, a, b, eps=0.3, rho=rho, tol=1e-12, max_iter=50000)
+    pair = rho if isinstance(rho, tuple) else (rho, rho)
+    assert rel(res.cost, entropic_ot(x, y, a, b, 0.3, rho=pair)) < 1e-9
+
+
+def test_single_points_closed_form():
+    x, y = torch.tensor([[0.0, 1.0]], dtype=F64), torch.tensor([[2.0, -1.0]], dtype=F64)
+    res = flashot.sinkhorn(x, y, eps=0.1)
+    assert res.cost.item() == pytest.approx(8.0, rel=1e-12)
+    assert res.plan.dense().item() == pytest.approx(1.0, rel=1e-12)
+
+
+def test_identical_clouds_balanced_plan_is_symmetric(gen):
+    x, _ = clouds(gen, 25, 1, 3)
+    res = flashot.sinkhorn(x, x.clone(), eps=0.2, tol=1e-12, max_iter=10000)
+    P = res.plan.dense()
+    assert torch.allclose(P, P.T, atol=1e-12)
+    assert rel(res.f, res.g) < 1e-9
+
+
+@pytest.mark.parametrize("d,n_grid", [(1, 400), (2, 30)])
+@pytest.mark.parametrize("eps", [0.5, 2.0])
+def test_gaussians_closed_form(d, n_grid, eps):
+    m1, m2 = torch.zeros(d, dtype=F64), torch.full((d,), 0.7, dtype=F64)
+    if d == 1:
+        A, B = torch.tensor([[0.5]], dtype=F64), torch.tensor([[2.0]], dtype=F64)
+    else:
+        A = torch.tensor([[1.0, 0.3], [0.3, 0.5]], dtype=F64)
+        B = torch.tensor([[0.6, -0.2], [-0.2, 1.2]], dtype=F64)
+    x, a = gaussian_quadrature(m1, A, n_grid)
+    y, b = gaussian_quadrature(m2, B, n_grid)
+    res = flashot.sinkhorn(x, y, a, b, eps=eps, tol=1e-10, max_iter=20000, update="alternating")
+    assert rel(res.cost, gaussian_entropic_ot(m1, A, m2, B, eps)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype,tol", [(F64, 1e-10), (torch.float32, 2e-4)])
+def test_translation_invariance(gen, dtype, tol):
+    x, y = clouds(gen, 40, 40, 3)
+    base = flashot.sinkhorn(x.to(dtype), y.to(dtype), eps=0.1, tol=1e-7, max_iter=5000)
+    far = flashot.sinkhorn(
+        (x + 1e3).to(dtype), (y + 1e3).to(dtype), eps=0.1, tol=1e-7, max_iter=5000
+    )
+    assert rel(far.cost, base.cost) < tol
+
+
+@pytest.mark.parametrize("rho", [None, 0.8, (0.8, None)])
+def test_gradcheck_float64(gen, rho):
+    x, y = clouds(gen, 6, 5, 2)
+    a, b = weights(gen, 6), weights(gen, 5)
+    inputs = [t.clone().requires_grad_() for t in (x, y, a, b)]
+
+    def fn(x, y, a, b):
+        return flashot.sinkhorn(x, y, a, b, eps=0.4, rho=rho, tol=1e-14, max_iter=100000).cost
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def test_gradient_of_cosine_cost_matches_finite_differences(gen):
+    x, y = clouds(gen, 5, 4, 3)
+    inputs = [x.clone().requires_grad_(), y.clone().requires_grad_()]
+
+    def fn(x, y):
+        return flashot.sinkhorn(x, y, eps=0.2, cost="cosine", tol=1e-14, max_iter=100000).cost
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def test_no_grad_context_is_respected_and_global_state_untouched(gen):
+    x, y = clouds(gen, 10, 10, 2)
+    x.requires_grad_()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    with torch.no_grad():
+        res = flashot.sinkhorn(x, y, eps=0.5)
+    assert not res.cost.requires_grad and torch.is_grad_enabled()
+    assert torch.backends.cuda.matmul.allow_tf32 == tf32
+
+
+def test_half_inputs_compute_in_float32(gen):
+    x, y = clouds(gen, 20, 20, 3)
+    for dtype in (torch.float16, torch.bfloat16):
+        res = flashot.sinkhorn(x.to(dtype), y.to(dtype), eps=0.5, tol=1e-5)
+        ref = flashot.sinkhorn(x.to(dtype).double(), y.to(dtype).double(), eps=0.5, tol=1e-9)
+        assert res.f.dtype == torch.float32 and rel(res.cost, ref.cost) < 1e-5
+
+
+def test_unnormalized_weights_are_normalized_when_balanced(gen):
+    x, y = clouds(gen, 12, 9, 2)
+    a, b = weights(gen, 12), weights(gen, 9)
+    r1 = flashot.sinkhorn(x, y, a, b, eps=0.5, tol=1e-12, max_iter=10000)
+    r2 = flashot.sinkhorn(x, y, 7 * a, 0.1 * b, eps=0.5, tol=1e-12, max_iter=10000)
+    assert rel(r2.cost, r1.cost) < 1e-10
+
+
+def test_zero_weights_are_ignored(gen):
+    x, y = clouds(gen, 12, 9, 2)
+    a = weights(gen, 12)
+    a[::4] = 0
+    full = flashot.sinkhorn(x, y, a, eps=0.5, tol=1e-12, max_iter=10000)
+    keep = a > 0
+    sub = flashot.sinkhorn(x[keep], y, a[keep], eps=0.5, tol=1e-12, max_iter=10000)
+    assert rel(full.cost, sub.cost) < 1e-10
+    assert full.plan.row_sums()[~keep].abs().max() == 0
+
+
+def test_not_converged_warns_and_says_so(gen):
+    x, y = clouds(gen, 30, 30, 3)
+    with pytest.warns(ConvergenceWarning, match="max_iter"):
+        res = flashot.sinkhorn(x, y, eps=0.01, max_iter=3, tol=1e-9, check_every=1)
+    assert res.converged is False and res.marginal_error > 1e-9 and res.n_iter == 3
+
+
+def test_tol_none_runs_exactly_max_iter(gen):
+    x, y = clouds(gen, 20, 20, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = flashot.sinkhorn(x, y, eps=0.5, max_iter=7, tol=None)
+    assert res.n_iter == 7 and res.converged is None and res.marginal_error > 0
+
+
+@pytest.mark.parametrize("schedule", ["geomloss", EpsilonScaling(0.7), [4.0, 1.0, 0.5]])
+def test_eps_schedules_reach_the_same_answer(gen, schedule):
+    x, y = clouds(gen, 30, 30, 3)
+    ref = flashot.sinkhorn(x, y, eps=0.2, tol=1e-10, max_iter=50000)
+    res = flashot.sinkhorn(x, y, eps=0.2, tol=1e-10, max_iter=50000, eps_schedule=schedule)
+    assert res.eps == 0.2 and rel(res.cost, ref.cost) < 1e-8
+
+
+def test_warm_start_needs_fewer_iterations(gen):
+    x, y = clouds(gen, 30, 30, 3)
+    cold = flashot.sinkhorn(x, y, eps=0.5, tol=1e-9, max_iter=10000)
+    warm = flashot.sinkhorn(x, y + 0.01, eps=0.5, tol=1e-9, max_iter=10000, init=(cold.f, cold.g))
+    again = flashot.sinkhorn(x, y + 0.01, eps=0.5, tol=1e-9, max_iter=10000)
+    assert warm.n_iter < again.n_iter and rel(warm.cost, again.cost) < 1e-8
+
+
+def test_result_is_immutable(gen):
+    x, y = clouds(gen, 5, 5, 2)
+    res = flashot.sinkhorn(x, y, eps=1.0)
+    with pytest.raises(AttributeError):
+        res.cost = 0
+
+
+def test_progress_bar_writes_to_stderr(gen, capsys):
+    x, y = clouds(gen, 10, 10, 2)
+    flashot.sinkhorn(x, y, eps=0.5, progress=True, max_iter=20, tol=None)
+    assert "sinkhorn [" in capsys.readouterr().err

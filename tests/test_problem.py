@@ -1,0 +1,119 @@
+"""Every input a user can get wrong is refused with an error naming the argument."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashot
+
+F64 = torch.float64
+
+
+def good(n=6, m=5, d=2):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, d, generator=g, dtype=F64), torch.randn(m, d, generator=g, dtype=F64)
+
+
+BAD_VALUES = st.sampled_from([math.nan, math.inf, -math.inf])
+
+
+@settings(max_examples=25, deadline=None)
+@given(which=st.sampled_from(["x", "y", "a", "b"]), value=BAD_VALUES, pos=st.integers(0, 4))
+def test_non_finite_inputs_are_named(which, value, pos):
+    x, y = good()
+    a, b = torch.full((6,), 1 / 6, dtype=F64), torch.full((5,), 1 / 5, dtype=F64)
+    args = dict(x=x, y=y, a=a, b=b)
+    args[which].view(-1)[pos] = value
+    with pytest.raises(ValueError, match=rf"^{which} contains NaN"):
+        flashot.sinkhorn(args["x"], args["y"], args["a"], args["b"], eps=0.1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(eps=st.one_of(st.floats(max_value=0.0), st.just(math.nan), st.just(math.inf)))
+def test_bad_eps(eps):
+    x, y = good()
+    with pytest.raises(ValueError, match="eps"):
+        flashot.sinkhorn(x, y, eps=eps)
+
+
+@settings(max_examples=20, deadline=None)
+@given(which=st.sampled_from(["a", "b"]), neg=st.floats(max_value=-1e-12, min_value=-1e6))
+def test_negative_weights(which, neg):
+    x, y = good()
+    w = {"a": torch.full((6,), 1 / 6, dtype=F64), "b": torch.full((5,), 1 / 5, dtype=F64)}
+    w[which][0] = neg
+    with pytest.raises(ValueError, match=rf"^{which} has negative"):
+        flashot.sinkhorn(x, y, w["a"], w["b"], eps=0.1)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 8), d=st.integers(1, 4), dn=st.integers(-3, 3).filter(lambda v: v != 0))
+def test_shape_mismatches(n, d, dn):
+    x = torch.randn(n, d, dtype=F64)
+    y = torch.randn(n, d + dn, dtype=F64) if d + dn > 0 else torch.randn(n, 1, 1, dtype=F64)
+    with pytest.raises(ValueError, match=r"y|feature dimension"):
+        flashot.sinkhorn(x, y, eps=0.1)
+    a = torch.ones(n + abs(dn), dtype=F64)
+    with pytest.raises(ValueError, match=r"^a must have shape"):
+        flashot.sinkhorn(x, x.clone(), a, eps=0.1)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(x=torch.zeros(0, 2, dtype=F64)), ValueError, "^x must be non-empty"),
+        (dict(y=torch.zeros(3, 0, dtype=F64)), ValueError, "^y must be non-empty"),
+        (dict(x=torch.zeros(4, dtype=F64)), ValueError, r"^x must have shape \(n, d\)"),
+        (dict(x=[[0.0, 1.0]]), TypeError, "^x must be a torch.Tensor"),
+        (dict(x=torch.zeros(3, 2, dtype=torch.int64)), TypeError, "^x must have a floating"),
+        (dict(y=torch.zeros(3, 2, dtype=torch.float32)), TypeError, "x has dtype .* but y"),
+        (dict(a=torch.zeros(6, dtype=F64)), ValueError, "^a sums to zero"),
+        (dict(b=torch.ones(5, dtype=torch.float32)), TypeError, "^b has dtype"),
+        (dict(b=[0.2] * 5), TypeError, "^b must be a torch.Tensor"),
+        (dict(rho=-1.0), ValueError, "^rho"),
+        (dict(rho=(1.0, 2.0, 3.0)), ValueError, "^rho"),
+        (dict(cost="l1"), ValueError, "^cost"),
+        (dict(update="jacobi"), ValueError, "^update"),
+        (dict(max_iter=0), ValueError, "^max_iter"),
+        (dict(max_iter=2.5), ValueError, "^max_iter"),
+        (dict(tol=-1.0), ValueError, "^tol"),
+        (dict(check_every=0), ValueError, "^check_every"),
+        (dict(backend="keops"), ValueError, "^backend"),
+        (dict(precision="fp8"), ValueError, "^precision"),
+        (dict(eps_schedule="linear"), ValueError, "^eps_schedule"),
+        (dict(eps_schedule=[1.0, -2.0]), ValueError, "^eps_schedule"),
+        (dict(eps_schedule=[1.0] * 20, max_iter=5), ValueError, "^max_iter"),
+        (dict(init=(torch.zeros(6, dtype=F64),)), TypeError, "^init"),
+        (
+            dict(init=(torch.zeros(6, dtype=F64), torch.zeros(4, dtype=F64))),
+            ValueError,
+            r"^init\[1\]",
+        ),
+        (dict(cost="cosine", x=torch.zeros(6, 2, dtype=F64)), ValueError, "^x has a zero vector"),
+    ],
+)
+def test_named_errors(kwargs, exc, match):
+    x, y = good()
+    args = dict(x=x, y=y, a=None, b=None, eps=0.1)
+    args.update(kwargs)
+    x, y, a, b = args.pop("x"), args.pop("y"), args.pop("a"), args.pop("b")
+    with pytest.raises(exc, match=match):
+        flashot.sinkhorn(x, y, a, b, **args)
+
+
+def test_mixed_devices_are_named():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a second device")
+    x, y = good()
+    with pytest.raises(ValueError, match="x is on"):
+        flashot.sinkhorn(x, y.cuda(), eps=0.1)
+
+
+def test_divergence_as_diverging_iterations_raise_not_nan():
+    # a tiny eps in float32 far from converging must not return NaN silently
+    x, y = good(50, 50, 3)
+    res = flashot.sinkhorn(x.float() * 100, y.float() * 100, eps=1e-4, max_iter=20, tol=None)
+    assert torch.isfinite(res.cost) and torch.isfinite(res.f).all()

@@ -1,0 +1,92 @@
+import pytest
+import torch
+
+import flashot
+from tests.conftest import clouds, rel, weights
+from tests.references import dense_cost, plan_dense
+
+F64 = torch.float64
+
+
+@pytest.fixture(params=[None, 0.9])
+def solved(gen, request):
+    x, y = clouds(gen, 23, 31, 3)
+    a, b = weights(gen, 23), weights(gen, 31)
+    res = flashot.sinkhorn(x, y, a, b, eps=0.3, rho=request.param, tol=1e-11, max_iter=20000)
+    P = plan_dense(
+        dense_cost(x, y), res.plan._log_a.exp(), res.plan._log_b.exp(), res.f, res.g, 0.3
+    )
+    return x, y, res, P
+
+
+def test_dense_plan_matches_formula(solved):
+    _, _, res, P = solved
+    assert rel(res.plan.dense(), P) < 1e-12
+
+
+def test_plan_products_match_dense(solved, gen):
+    _, _, res, P = solved
+    V = torch.randn(31, 4, generator=gen, dtype=F64)
+    U = torch.randn(23, 2, generator=gen, dtype=F64)
+    v = torch.randn(31, generator=gen, dtype=F64)
+    assert rel(res.plan @ V, P @ V) < 1e-12
+    assert rel(res.plan.T @ U, P.T @ U) < 1e-12
+    assert (res.plan @ v).shape == (23,) and rel(res.plan @ v, P @ v) < 1e-12
+    assert rel(res.plan.row_sums(), P.sum(1)) < 1e-12
+    assert rel(res.plan.col_sums(), P.sum(0)) < 1e-12
+
+
+def test_transport_cost_and_barycentric_map(solved):
+    x, y, res, P = solved
+    C = dense_cost(x, y)
+    assert rel(res.transport_cost, (P * C).sum()) < 1e-10
+    assert rel(res.plan.barycentric_map(), (P @ y) / P.sum(1, keepdim=True)) < 1e-12
+    assert rel(res.plan.T.barycentric_map(), (P.T @ x) / P.sum(0)[:, None]) < 1e-12
+
+
+def test_map_at_new_points_extends_the_barycentric_map(solved, gen):
+    x, y, res, _ = solved
+    assert rel(res.plan.barycentric_map(x), res.plan.barycentric_map()) < 1e-12
+    z = torch.randn(5, 3, generator=gen, dtype=F64)
+    C = dense_cost(z, y)
+    logw = res.plan._log_b + (res.g - C) / 0.3
+    assert rel(res.plan.barycentric_map(z), torch.softmax(logw, 1) @ y) < 1e-12
+
+
+def test_balanced_marginals_are_met(gen):
+    x, y = clouds(gen, 40, 30, 2)
+    res = flashot.sinkhorn(x, y, eps=0.5, tol=1e-10, max_iter=10000)
+    assert rel(res.plan.row_sums(), torch.full((40,), 1 / 40, dtype=F64)) < 1e-9
+    assert rel(res.plan.col_sums(), torch.full((30,), 1 / 30, dtype=F64)) < 1e-9
+
+
+def test_dense_refuses_large_plans(gen):
+    x, y = clouds(gen, 50, 50, 2)
+    res = flashot.sinkhorn(x, y, eps=1.0)
+    with pytest.raises(ValueError, match="max_elements"):
+        res.plan.dense(max_elements=100)
+
+
+def test_plan_product_validates_values(solved):
+    _, _, res, _ = solved
+    with pytest.raises(ValueError, match="V must have shape"):
+        res.plan @ torch.ones(5, 2, dtype=F64)
+    with pytest.raises(TypeError, match=r"V must be a torch\.Tensor"):
+        res.plan @ [1.0, 2.0]
+    with pytest.raises(TypeError, match="floating"):
+        res.plan @ torch.ones(31, dtype=torch.int64)
+
+
+def test_float32_plan_product_accuracy(gen):
+    x, y = clouds(gen, 64, 80, 3)
+    r32 = flashot.sinkhorn(x.float(), y.float(), eps=0.2, tol=1e-5)
+    P = plan_dense(
+        dense_cost(x, y),
+        torch.full((64,), 1 / 64, dtype=F64),
+        torch.full((80,), 1 / 80, dtype=F64),
+        r32.f.double(),
+        r32.g.double(),
+        0.2,
+    )
+    V = torch.randn(80, 3, generator=gen)
+    assert rel(r32.plan @ V, P @ V.double()) < 1e-5
