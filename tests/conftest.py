@@ -1,5 +1,13 @@
-import pytest
+import os
+
 import torch
+
+# Without a GPU, Triton kernels run in its interpreter on CPU tensors: this must be
+# decided before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

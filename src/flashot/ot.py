@@ -186,9 +186,15 @@ def sinkhorn(
     value = _dual_value(problem, f, g, plan_mass)
     converged = None if tol is None else error <= tol
     if converged is False:
+        if out.stagnated:
+            why = (
+                f"the error stopped decreasing after {out.n_iter} iterations, at the precision "
+                f"floor of {problem.form.q.dtype}; use float64 inputs or a larger tol"
+            )
+        else:
+            why = f"max_iter={max_iter} iterations were not enough; increase max_iter or eps"
         warnings.warn(
-            f"Sinkhorn did not reach tol={tol:g} in max_iter={max_iter} iterations "
-            f"(marginal error {error:.3e}); increase max_iter or eps",
+            f"Sinkhorn did not reach tol={tol:g} (marginal error {error:.3e}): {why}",
             ConvergenceWarning,
             stacklevel=2,
         )

@@ -89,6 +89,7 @@ class SolverOutput:
         n_iter: iterations run (the initialization and final extrapolation not counted).
         converged: whether the error reached ``tol`` (None when ``tol`` is None).
         error: the last measured error (NaN if never measured).
+        stagnated: stopped early because the error stopped decreasing.
     """
 
     f: torch.Tensor
@@ -96,6 +97,7 @@ class SolverOutput:
     n_iter: int
     converged: bool | None
     error: float
+    stagnated: bool = False
 
 
 def bias(
@@ -128,29 +130,57 @@ def marginal_error(
     return (torch.exp(log_r) - torch.exp(target)).abs().sum()
 
 
+class _Stopping:
+    """Stop at ``tol``, or when the error stagnates (the dtype's precision floor).
+
+    In float32 the marginal error cannot fall much below ``ulp(|f|)/ε``; if it
+    has not improved by 0.1 % over ``patience`` checks, more iterations are waste.
+    """
+
+    def __init__(self, tol: float | None, patience: int = 8):
+        self.tol, self.patience = tol, patience
+        self.best, self.flat, self.stagnated = math.inf, 0, False
+        self.converged = None if tol is None else False
+
+    def done(self, error: float, it: int) -> bool:
+        if not math.isfinite(error):
+            raise FloatingPointError(
+                f"Sinkhorn diverged at iteration {it} (marginal error {error}); "
+                "try a larger eps or an eps_schedule"
+            )
+        if error <= self.tol:
+            self.converged = True
+            return True
+        self.flat = self.flat + 1 if error > 0.999 * self.best else 0
+        self.best = min(self.best, error)
+        self.stagnated = self.flat >= self.patience
+        return self.stagnated
+
+
 class _Progress:
     """A one-line progress report on stderr (no dependency)."""
 
     def __init__(self, enabled: bool, total: int):
         self.enabled, self.total, self.t0, self.last = enabled, total, time.perf_counter(), 0.0
+        # redraw in place on a terminal; one line every few seconds in a log
+        self.tty = enabled and sys.stderr.isatty()
+        self.every = 0.2 if self.tty else 5.0
 
     def update(self, it: int, eps: float, error: float | None, force: bool = False):
         if not self.enabled:
             return
         now = time.perf_counter()
-        if not force and now - self.last < 0.2:
+        if not force and now - self.last < self.every:
             return
         self.last = now
-        frac = it / self.total
-        bar = "#" * int(30 * frac)
+        bar = "#" * int(30 * it / self.total)
         err = "" if error is None or math.isnan(error) else f" err {error:.2e}"
-        sys.stderr.write(
-            f"\rsinkhorn [{bar:<30}] {it}/{self.total} eps {eps:.3g}{err} {now - self.t0:.1f}s"
-        )
+        line = f"sinkhorn [{bar:<30}] {it}/{self.total} eps {eps:.3g}{err} {now - self.t0:.1f}s"
+        sys.stderr.write(("\r" + line) if self.tty else (line + "\n"))
         sys.stderr.flush()
 
     def close(self):
-        if self.enabled:
+        if self.tty:
             sys.stderr.write("\n")
             sys.stderr.flush()
 
@@ -220,8 +250,9 @@ def solve(
     else:
         f, g = init
     bar = _Progress(progress, max_iter)
+    stop = _Stopping(tol)
     last = len(eps_list) - 1
-    converged, error, it = (None if tol is None else False), float("nan"), 0
+    error, it = float("nan"), 0
     for it in range(1, max_iter + 1):
         eps = eps_list[min(it - 1, last)]
         lam_x, lam_y = damping(eps)
@@ -244,18 +275,12 @@ def solve(
             g = lam_y * (k_beta - lse_c)
         if check:
             error = float(err)
-            if not math.isfinite(error):
-                raise FloatingPointError(
-                    f"Sinkhorn diverged at iteration {it} (marginal error {error}); "
-                    "try a larger eps or an eps_schedule"
-                )
-            if error <= tol:
-                converged = True
+            if stop.done(error, it):
                 break
         bar.update(it, eps, error)
     bar.update(it, eps, error, force=True)
     bar.close()
-    return SolverOutput(f, g, it, converged, error)
+    return SolverOutput(f, g, it, stop.converged, error, stop.stagnated)
 
 
 @torch.no_grad()
@@ -287,7 +312,8 @@ def solve_self(
     lse, _ = backend.row_attend(form, bias(torch.zeros_like(alpha), alpha, log_a, eps), eps)
     p = damping(eps) * (alpha - lse)
     last = len(eps_list) - 1
-    converged, error, it = (None if tol is None else False), float("nan"), 0
+    stop = _Stopping(tol)
+    error, it = float("nan"), 0
     for it in range(1, max_iter + 1):
         eps = eps_list[min(it - 1, last)]
         lse, _ = backend.row_attend(form, bias(p, alpha, log_a, eps), eps)
@@ -295,7 +321,6 @@ def solve_self(
         if check:
             error = 2.0 * float(marginal_error(p, lse, alpha, log_a, eps, rho))
         p = 0.5 * (p + damping(eps) * (alpha - lse))
-        if check and error <= tol:
-            converged = True
+        if check and stop.done(error, it):
             break
-    return SolverOutput(p, p, it, converged, error)
+    return SolverOutput(p, p, it, stop.converged, error, stop.stagnated)
