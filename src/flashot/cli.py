@@ -173,7 +173,8 @@ def _demo(args) -> int:
         print(json.dumps(summary))
     else:
         print(
-            f"color transfer: {summary['n']} x {summary['m']} pixel colors, eps {summary['eps']:g}\n"
+            f"color transfer: {summary['n']} x {summary['m']} pixel colors, "
+            f"eps {summary['eps']:g}\n"
             f"  OT_eps {summary['cost']:.6f}, <P, C> {summary['transport_cost']:.6f}, "
             f"{summary['n_iter']} iterations (marginal error {summary['marginal_error']:.1e})\n"
             f"  solve {summary['solve_seconds']:.1f} s, map of {summary['mapped_pixels']} pixels "
