@@ -24,9 +24,10 @@ from flashot.autodiff.functions import dual_term, soft_c_transform
 from flashot.backends import resolve_backend
 from flashot.backends.base import Backend
 from flashot.costs import attention_form
+from flashot.dual import bias
 from flashot.ot import ConvergenceWarning, resolve_schedule
 from flashot.problem import Problem, make_problem
-from flashot.solver import bias, solve, solve_self
+from flashot.solver import solve, solve_self
 
 __all__ = ["DebiasedPotentials", "debiased_potentials", "sinkhorn_divergence"]
 
@@ -152,7 +153,7 @@ def sinkhorn_divergence(
             f"rho must be None or a single positive float for a divergence, got {rho!r}"
         )
     problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho)
-    engine = resolve_backend(backend, problem.x.device, precision)
+    engine = resolve_backend(backend, problem.x.device, precision, problem.form.q.dtype)
     temps = resolve_schedule(eps_schedule, problem)
     pots = debiased_potentials(
         problem, temps, engine, max_iter=max_iter, tol=tol, check_every=check_every, update=update

@@ -12,9 +12,10 @@ import torch
 from flashot.autodiff.functions import relaxed_side, soft_c_transform
 from flashot.backends import resolve_backend
 from flashot.costs import bounding_diameter
+from flashot.dual import bias, marginal_error
 from flashot.problem import Problem, make_problem
 from flashot.result import SinkhornResult, TransportPlan
-from flashot.solver import EpsilonScaling, bias, geomloss_schedule, marginal_error, solve
+from flashot.solver import EpsilonScaling, geomloss_schedule, solve
 
 __all__ = ["ConvergenceWarning", "resolve_schedule", "sinkhorn"]
 
@@ -143,7 +144,7 @@ def sinkhorn(
         ConvergenceWarning: when ``tol`` was not reached within ``max_iter``.
     """
     problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho)
-    engine = resolve_backend(backend, problem.x.device, precision)
+    engine = resolve_backend(backend, problem.x.device, precision, problem.form.q.dtype)
     temps = resolve_schedule(eps_schedule, problem)
     init = _check_init(init, problem)
     form = problem.form.detach()

@@ -22,7 +22,7 @@ import torch
 
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
-from flashot.solver import bias
+from flashot.dual import bias
 
 __all__ = ["SinkhornResult", "TransportPlan"]
 

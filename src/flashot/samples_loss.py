@@ -122,7 +122,7 @@ class SamplesLoss(torch.nn.Module):
         problem = make_problem(
             x, y, a, b, eps=self.blur**2, cost=self.cost, rho=rho, normalize=False
         )
-        engine = resolve_backend(self.backend, x.device, self.precision)
+        engine = resolve_backend(self.backend, x.device, self.precision, problem.form.q.dtype)
         pots = debiased_potentials(
             problem, temps, engine, debias=self.debias, max_iter=len(temps), tol=None
         )

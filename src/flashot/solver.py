@@ -28,6 +28,7 @@ import torch
 
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
+from flashot.dual import bias, marginal_error
 
 __all__ = [
     "EpsilonScaling",
@@ -98,36 +99,6 @@ class SolverOutput:
     converged: bool | None
     error: float
     stagnated: bool = False
-
-
-def bias(
-    potential: torch.Tensor, offset: torch.Tensor, log_w: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """Score bias of a potential: ``h = g − β + ε log b`` (``-inf`` where b = 0)."""
-    return potential - offset + eps * log_w
-
-
-def marginal_error(
-    pot: torch.Tensor,
-    lse: torch.Tensor,
-    offset: torch.Tensor,
-    log_w: torch.Tensor,
-    eps: float,
-    rho: float | None,
-) -> torch.Tensor:
-    """L1 violation of one marginal condition of the plan ``P = a b e^{(f⊕g−C)/ε}``.
-
-    With ``lse`` the row LSE of the other potential's bias, the plan's row sums are
-    ``r_i = a_i exp((f_i − α_i + lse_i)/ε)``; the target is ``a_i`` when balanced and
-    ``a_i exp(−f_i/ρ)`` (the unbalanced first-order condition) otherwise.
-
-    Args:
-        pot: (n,) potential f.  lse: (n,) row LSE.  offset: (n,) α.
-        log_w: (n,) log a.  eps: ε.  rho: ρ of this side or None.
-    """
-    log_r = log_w + (pot - offset + lse) / eps
-    target = log_w if rho is None else log_w - pot / rho
-    return (torch.exp(log_r) - torch.exp(target)).abs().sum()
 
 
 class _Stopping:
@@ -252,27 +223,38 @@ def solve(
     bar = _Progress(progress, max_iter)
     stop = _Stopping(tol)
     last = len(eps_list) - 1
+    # A speculative backend may take a fast path at the final ε; it is verified at every
+    # check (and at the end) and, when it failed, those iterations are replayed safely.
+    spec = update == "symmetric" and backend.speculative
+    status = torch.zeros(1, dtype=torch.int32, device=f.device) if spec else None
+    saved, safe_until = None, 0
     error, it = float("nan"), 0
-    for it in range(1, max_iter + 1):
+    while it < max_iter:
+        it += 1
         eps = eps_list[min(it - 1, last)]
-        lam_x, lam_y = damping(eps)
-        check = tol is not None and it - 1 >= last and (it - last) % check_every == 0
+        lam = damping(eps)
+        final = it - 1 >= last
+        check = tol is not None and final and (it - last) % check_every == 0
         if update == "symmetric":
-            lse_r, lse_c = backend.symmetric_lse(
-                form, bias(g, k_beta, log_b, eps), bias(f, q_alpha, log_a, eps), eps
+            if spec and final and saved is None:
+                saved = (it - 1, f, g)
+            fast = spec and final and it > safe_until
+            f, g, err = backend.jacobi_step(
+                form, f, g, log_a, log_b, eps, lam, rho, check=check, fast=fast, status=status
             )
-            if check:
-                err = marginal_error(f, lse_r, q_alpha, log_a, eps, rho[0])
-                err = err + marginal_error(g, lse_c, k_beta, log_b, eps, rho[1])
-            f = 0.5 * (f + lam_x * (q_alpha - lse_r))
-            g = 0.5 * (g + lam_y * (k_beta - lse_c))
+            if spec and final and (check or it == max_iter):
+                if int(status.item()) != 0:
+                    safe_until, (it, f, g) = it, saved
+                    status.zero_()
+                    continue
+                saved = (it, f, g)
         else:
             lse_r, _ = backend.row_attend(form, bias(g, k_beta, log_b, eps), eps)
             if check:  # columns are exact after the previous g-update
                 err = marginal_error(f, lse_r, q_alpha, log_a, eps, rho[0])
-            f = lam_x * (q_alpha - lse_r)
+            f = lam[0] * (q_alpha - lse_r)
             lse_c, _ = backend.row_attend(form.T, bias(f, q_alpha, log_a, eps), eps)
-            g = lam_y * (k_beta - lse_c)
+            g = lam[1] * (k_beta - lse_c)
         if check:
             error = float(err)
             if stop.done(error, it):

@@ -19,6 +19,11 @@ def make_backend(name, device, precision="auto"):
     return resolve_backend(name, torch.device(device), precision)
 
 
+def exact(name):
+    """(dtype, rel. tolerance) in which a backend should match the dense formulas."""
+    return (torch.float64, 1e-12) if name == "torch" else (torch.float32, 2e-5)
+
+
 def devices():
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -49,8 +54,8 @@ SHAPES = [(1, 1, 1), (1, 37, 3), (37, 1, 2), (50, 37, 3), (64, 64, 16), (33, 70,
 def test_row_attend_matches_dense(gen, name, shape, dtype):
     for device in devices():
         backend = make_backend(name, device)
-        if dtype == torch.float64 and name == "triton" and device == "cuda":
-            continue
+        if dtype == torch.float64 and name == "triton":
+            continue  # the triton backend computes in float32
         n, m, d = shape
         form, h = problem(gen, n, m, d, dtype, device)
         v = torch.randn(m, 4, generator=gen, dtype=torch.float64).to(device, dtype)
@@ -66,24 +71,26 @@ def test_row_attend_matches_dense(gen, name, shape, dtype):
 @pytest.mark.parametrize("name", BACKENDS)
 def test_masked_columns_contribute_nothing(gen, name):
     backend = make_backend(name, "cpu")
-    form, h = problem(gen, 20, 30, 3, torch.float64, "cpu")
+    dtype, tol = exact(name)
+    form, h = problem(gen, 20, 30, 3, dtype, "cpu")
     h[::3] = -math.inf
-    v = torch.randn(30, 2, generator=gen, dtype=torch.float64)
+    v = torch.randn(30, 2, generator=gen, dtype=torch.float64).to(dtype)
     lse, out = backend.row_attend(form, h, 0.1, v)
     keep = torch.isfinite(h)
     sub = type(form)(form.q, form.k[keep], form.alpha, form.beta[keep])
     ref_lse, ref_out = dense_attend(sub, h[keep], 0.1, v[keep])
-    assert rel(lse, ref_lse) < 1e-12 and rel(out, ref_out) < 1e-12
+    assert rel(lse, ref_lse) < tol and rel(out, ref_out) < tol
 
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_symmetric_lse_is_rows_and_columns(gen, name):
     backend = make_backend(name, "cpu")
-    form, h_col = problem(gen, 21, 34, 3, torch.float64, "cpu")
-    h_row = torch.randn(21, generator=gen, dtype=torch.float64)
+    dtype, tol = exact(name)
+    form, h_col = problem(gen, 21, 34, 3, dtype, "cpu")
+    h_row = torch.randn(21, generator=gen, dtype=torch.float64).to(dtype)
     rows, cols = backend.symmetric_lse(form, h_col, h_row, 0.5)
-    assert rel(rows, dense_attend(form, h_col, 0.5, None)[0]) < 1e-12
-    assert rel(cols, dense_attend(form.T, h_row, 0.5, None)[0]) < 1e-12
+    assert rel(rows, dense_attend(form, h_col, 0.5, None)[0]) < tol
+    assert rel(cols, dense_attend(form.T, h_row, 0.5, None)[0]) < tol
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -42,7 +42,10 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 
 
 def resolve_backend(
-    backend: str | Backend, device: torch.device, precision: str = "auto"
+    backend: str | Backend,
+    device: torch.device,
+    precision: str = "auto",
+    dtype: torch.dtype = torch.float32,
 ) -> Backend:
     """Turn a ``backend=`` argument into a backend instance for tensors on ``device``.
 
@@ -50,6 +53,8 @@ def resolve_backend(
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or a :class:`Backend` instance.
         device: where the data lives.
         precision: one of :data:`PRECISIONS`.
+        dtype: the compute dtype (the Triton kernels compute in float32; float64
+            problems run on the torch backend).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -62,13 +67,19 @@ def resolve_backend(
         return backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or a Backend, got {backend!r}")
-    if backend == "auto":
-        backend = "triton" if "triton" in available_backends(device) else "torch"
+    if backend == "auto":  # the interpreter is for tests: auto stays on torch for CPU tensors
+        on_gpu = device.type == "cuda" and "triton" in available_backends(device)
+        backend = "triton" if on_gpu and dtype != torch.float64 else "torch"
     if backend == "triton":
         if "triton" not in available_backends(device):
             raise ValueError(
                 "backend='triton' needs the triton package and CUDA tensors "
                 f"(or TRITON_INTERPRET=1 for CPU tensors); got tensors on {device}"
+            )
+        if dtype == torch.float64:
+            raise ValueError(
+                "backend='triton' computes in float32 (float16/bfloat16/float32 inputs); "
+                "use backend='torch' for float64"
             )
         from flashot.backends.triton import TritonBackend
 

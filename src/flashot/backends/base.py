@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from flashot.costs import AttentionForm
+from flashot.dual import bias, marginal_error
 
 __all__ = ["PRECISIONS", "Backend"]
 
@@ -43,6 +44,8 @@ class Backend:
     name = "base"
     #: precisions this backend implements, besides ``"auto"``.
     precisions: tuple[str, ...] = ("fp32",)
+    #: whether :meth:`jacobi_step` has a fast path that the caller must verify.
+    speculative = False
 
     def __init__(self, precision: str = "auto"):
         if precision not in PRECISIONS:
@@ -100,3 +103,50 @@ class Backend:
             ``(lse_rows (n,), lse_cols (m,))``.
         """
         return self.row_attend(form, h_col, eps)[0], self.row_attend(form.T, h_row, eps)[0]
+
+    def jacobi_step(
+        self,
+        form: AttentionForm,
+        f: torch.Tensor,
+        g: torch.Tensor,
+        log_a: torch.Tensor,
+        log_b: torch.Tensor,
+        eps: float,
+        lam: tuple[float, float],
+        rho: tuple[float | None, float | None],
+        *,
+        check: bool = False,
+        fast: bool = False,
+        status: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        r"""One averaged Jacobi (symmetric) Sinkhorn step, as in GeomLoss.
+
+        .. math::
+
+            f' = \tfrac12\big(f + \lambda_x T(g)\big), \qquad
+            g' = \tfrac12\big(g + \lambda_y T(f)\big).
+
+        Args:
+            form: attention form (detached).
+            f: (n,) and g: (m,) current potentials.
+            log_a: (n,) and log_b: (m,) log weights.
+            eps: ε.  lam: (λ_x, λ_y).  rho: (ρ_x, ρ_y) for the error's targets.
+            check: also return the L1 marginal error of the plan at (f, g).
+            fast: allow a speculative fast path (backends with ``speculative``): it is
+                exact when it succeeds and otherwise sets ``status`` nonzero; the
+                caller must then redo the step with ``fast=False``.
+            status: (1,) int32 device tensor for the fast path's failure flag.
+
+        Returns:
+            ``(f', g', err)``, err a 0-dim tensor or None.
+        """
+        lse_r, lse_c = self.symmetric_lse(
+            form, bias(g, form.beta, log_b, eps), bias(f, form.alpha, log_a, eps), eps
+        )
+        err = None
+        if check:
+            err = marginal_error(f, lse_r, form.alpha, log_a, eps, rho[0])
+            err = err + marginal_error(g, lse_c, form.beta, log_b, eps, rho[1])
+        f_new = 0.5 * (f + lam[0] * (form.alpha - lse_r))
+        g_new = 0.5 * (g + lam[1] * (form.beta - lse_c))
+        return f_new, g_new, err

@@ -1,0 +1,91 @@
+"""Tile shapes, autotuning spaces and column splitting, in one place.
+
+On a GPU each kernel is autotuned over a small, pruned set of configurations,
+keyed on the feature size and power-of-two buckets of n and m (so a new problem
+size in the same bucket reuses the choice). Under the interpreter one small fixed
+configuration keeps CPU tests fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+
+from flashot.backends import triton_interpreted
+
+__all__ = ["attend_configs", "block_d", "block_p", "bucket", "column_splits", "plan_sums_configs"]
+
+
+def bucket(size: int) -> int:
+    """Power-of-two bucket of a size: the autotuning key."""
+    return max(0, int(math.log2(max(size, 1))))
+
+
+def block_d(d: int) -> tuple[int, int]:
+    """(BLOCK_D, D_CHUNKS): features per chunk (≥ 16 for tensor cores) and chunk count."""
+    cap = 16 if triton_interpreted() else 128
+    bd = min(max(16, triton.next_power_of_2(d)), cap)
+    return bd, triton.cdiv(d, bd)
+
+
+def block_p(p: int) -> int:
+    """Value columns per program (more are split over the grid's third axis)."""
+    cap = 16 if triton_interpreted() else 64
+    return min(max(16, triton.next_power_of_2(p)), cap)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def column_splits(n_row_blocks: int, m: int, block_n: int, device: torch.device) -> int:
+    """How many programs share one row block's columns, so that small n still fills the GPU.
+
+    Aims at ~2 programs per SM and at least 4 column tiles per program.
+    """
+    if device.type != "cuda":
+        return 1
+    want = triton.cdiv(2 * _sm_count(device.index or 0), n_row_blocks)
+    return max(1, min(want, m // (4 * block_n)))
+
+
+def _configs(block_ms, block_ns, warps, stages):
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm in block_ms
+        for bn in block_ns
+        for w in warps
+        for s in stages
+    ]
+
+
+def attend_configs() -> list:
+    """Search space of ``_attend_kernel`` (pruned per call by :func:`prune`)."""
+    return _configs((64, 128), (32, 64, 128), (4, 8), (2, 3))
+
+
+def plan_sums_configs() -> list:
+    """Search space of ``_plan_sums_kernel``."""
+    return _configs((64, 128), (32, 64, 128), (4, 8), (2, 3))
+
+
+def prune(configs, named_args, **kwargs):
+    """Drop tiles that cannot pay off: large tiles for large d (register and smem pressure)."""
+    d = named_args["d"]
+    keep = []
+    for c in configs:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if d > 128 and bm * bn > 128 * 64:
+            continue
+        if bm * bn >= 128 * 128 and c.num_warps < 8:
+            continue
+        keep.append(c)
+    return keep or configs[:1]
+
+
+#: fixed tiles under the interpreter (tl.dot needs ≥ 16 in every dimension)
+INTERPRETER_TILES = {"BLOCK_M": 16, "BLOCK_N": 16}
