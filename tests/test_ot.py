@@ -195,3 +195,33 @@ def test_progress_bar_writes_to_stderr(gen, capsys):
     x, y = clouds(gen, 10, 10, 2)
     flashot.sinkhorn(x, y, eps=0.5, progress=True, max_iter=20, tol=None)
     assert "sinkhorn [" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_reduced_precision_solves_the_rounded_problem_exactly(gen, precision, dtype):
+    """Reduced modes round the centered clouds once; the rest is a float32 solve."""
+    x, y = clouds(gen, 40, 30, 3)
+    res = flashot.sinkhorn(
+        x.float(), y.float(), eps=0.5, tol=1e-6, precision=precision, backend="torch"
+    )
+    center = (x.float().double().sum(0) + y.float().double().sum(0)) / 70
+    xr = (x.float() - center.float()).to(dtype).double()
+    yr = (y.float() - center.float()).to(dtype).double()
+    exact = flashot.sinkhorn(xr, yr, eps=0.5, tol=1e-12, max_iter=10000)
+    full = flashot.sinkhorn(x, y, eps=0.5, tol=1e-12, max_iter=10000)
+    assert rel(res.cost, exact.cost) < 2e-6  # the rounded problem, solved in float32
+    assert rel(res.cost, full.cost) < 1e-3
+
+
+@pytest.mark.parametrize("rounding", ["tf32", torch.bfloat16, torch.float16])
+def test_rounded_operands_are_representable(gen, rounding):
+    from flashot.costs import attention_form, get_cost
+
+    x, y = clouds(gen, 20, 20, 5, dtype=torch.float32)
+    form = attention_form(get_cost("sqeuclidean"), x, y, rounding=rounding)
+    for t in (form.q, form.k):
+        if rounding == "tf32":
+            assert bool(((t.view(torch.int32) & 0x1FFF) == 0).all())
+        else:
+            assert torch.equal(t, t.to(rounding).float())
+    assert rel(form.dense(), attention_form(get_cost("sqeuclidean"), x, y).dense()) < 1e-2

@@ -7,7 +7,7 @@ Every supported cost is a scaled squared Euclidean distance after an embedding
 
     C_{ij} = s\,\lVert u_i - v_j \rVert^2
            = \alpha_i + \beta_j - \langle q_i, k_j \rangle,
-    \qquad q = \sqrt{2s}\,(u - c),\; k = \sqrt{2s}\,(v - c),\;
+    \qquad q = 2s\,(u - c),\; k = v - c,\;
     \alpha = s\lVert u - c\rVert^2,\; \beta = s\lVert v - c\rVert^2,
 
 where ``c`` is the joint mean of both embedded clouds. Centering leaves ``C``
@@ -18,13 +18,20 @@ cost produced the form.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["COSTS", "AttentionForm", "Cost", "attention_form", "bounding_diameter", "get_cost"]
+__all__ = [
+    "COSTS",
+    "AttentionForm",
+    "Cost",
+    "attention_form",
+    "bounding_diameter",
+    "get_cost",
+    "round_operands",
+]
 
 
 @dataclass(frozen=True)
@@ -108,16 +115,49 @@ def get_cost(cost: str | Cost) -> Cost:
     return COSTS[cost]
 
 
+def round_operands(u: torch.Tensor, rounding) -> torch.Tensor:
+    """Round coordinates to the precision the matrix units will read (straight-through).
+
+    With operands already representable in TF32/bf16/fp16, the products on tensor
+    cores are exact in float32, so a reduced-precision solve is the exact (float32)
+    solve between the rounded clouds: the cost stays a true squared distance.
+
+    Args:
+        u: (n, d) float32 coordinates.
+        rounding: None, ``"tf32"``, ``torch.bfloat16`` or ``torch.float16``.
+    """
+    if rounding is None:
+        return u
+    with torch.no_grad():
+        if rounding == "tf32":  # keep 10 mantissa bits, round to nearest even
+            bits = u.contiguous().view(torch.int32)
+            bits = (bits + 0x0FFF + ((bits >> 13) & 1)) & -0x2000
+            rounded = bits.view(torch.float32)
+        else:
+            if rounding == torch.float16 and bool((u.abs() > 6.0e4).any()):
+                raise ValueError("precision='fp16' overflows: centered coordinates exceed 6e4")
+            rounded = u.to(rounding).to(u.dtype)
+    return u + (rounded - u).detach()
+
+
 def attention_form(
-    cost: Cost, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | None = None
+    cost: Cost,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    rounding=None,
 ) -> AttentionForm:
     """Compile ``C(x_i, y_j)`` into attention form (differentiable in x and y).
+
+    The scales sit on the row side, ``q = 2s (u − c)`` and ``k = v − c``: 2s is 1 or 2
+    for every cost here, so rounded operands stay exactly representable.
 
     Args:
         cost: the ground cost.
         x: (n, d) source cloud.
         y: (m, d) target cloud.
         dtype: compute dtype of the form (default: x's dtype).
+        rounding: operand rounding of reduced-precision modes (see :func:`round_operands`).
 
     Returns:
         The attention form; the joint center is detached (C does not depend on it).
@@ -128,15 +168,15 @@ def attention_form(
         n, m = u.shape[0], v.shape[0]
         center = (u.double().sum(0) + v.double().sum(0)) / (n + m)
         center = center.to(dtype)
-    u, v = u - center, v - center
-    root = math.sqrt(2.0 * cost.scale)
+    u, v = round_operands(u - center, rounding), round_operands(v - center, rounding)
+    two_s = 2.0 * cost.scale
     alpha = cost.scale * (u * u).sum(-1)
     beta = cost.scale * (v * v).sum(-1)
 
     def features(z: torch.Tensor) -> torch.Tensor:
-        return root * (cost.embed(z.to(dtype)) - center)
+        return two_s * round_operands(cost.embed(z.to(dtype)) - center, rounding)
 
-    return AttentionForm(root * u, root * v, alpha, beta, features)
+    return AttentionForm(two_s * u, v, alpha, beta, features)
 
 
 def bounding_diameter(cost: Cost, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from flashot.autodiff.functions import dual_term, soft_c_transform
-from flashot.backends import resolve_backend
-from flashot.backends.base import Backend
 from flashot.costs import attention_form
 from flashot.dual import bias
 from flashot.ot import ConvergenceWarning, resolve_schedule
@@ -61,7 +59,6 @@ class DebiasedPotentials:
 def debiased_potentials(
     problem: Problem,
     temps: list[float],
-    engine: Backend,
     *,
     debias: bool = True,
     max_iter: int,
@@ -74,13 +71,12 @@ def debiased_potentials(
     Args:
         problem: the (a, x) ↔ (b, y) problem; its rho must be symmetric.
         temps: ε schedule ending at ``problem.eps``.
-        engine: the streaming primitives.
         debias: also solve the two self problems.
         max_iter, tol, check_every, update: as in :func:`flashot.solver.solve`.
     """
     if problem.rho_x != problem.rho_y:
         raise ValueError("a Sinkhorn divergence needs the same rho on both sides")
-    eps, rho = problem.eps, problem.rho_x
+    eps, rho, engine = problem.eps, problem.rho_x, problem.engine
     lam = problem.damping(eps)[0]
     form, log_a, log_b = problem.form.detach(), problem.log_a, problem.log_b
     opts = dict(max_iter=max_iter, tol=tol, check_every=check_every)
@@ -95,7 +91,7 @@ def debiased_potentials(
         selves = []
         dtype = problem.form.q.dtype
         for cloud, log_w in ((problem.x, log_a), (problem.y, log_b)):
-            self_form = attention_form(problem.cost, cloud, cloud.detach(), dtype)
+            self_form = attention_form(problem.cost, cloud, cloud.detach(), dtype, engine.rounding)
             res = solve_self(
                 self_form.detach(),
                 log_w,
@@ -152,11 +148,12 @@ def sinkhorn_divergence(
         raise ValueError(
             f"rho must be None or a single positive float for a divergence, got {rho!r}"
         )
-    problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho)
-    engine = resolve_backend(backend, problem.x.device, precision, problem.form.q.dtype)
+    problem = make_problem(
+        x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend, precision=precision
+    )
     temps = resolve_schedule(eps_schedule, problem)
     pots = debiased_potentials(
-        problem, temps, engine, max_iter=max_iter, tol=tol, check_every=check_every, update=update
+        problem, temps, max_iter=max_iter, tol=tol, check_every=check_every, update=update
     )
     if pots.converged is False:
         warnings.warn(

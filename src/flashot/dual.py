@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bias", "marginal_error"]
+__all__ = ["bias", "marginal_error", "row_mass"]
 
 
 def bias(
@@ -18,24 +18,27 @@ def bias(
     return potential - offset + eps * log_w
 
 
+def row_mass(
+    pot: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor, log_w: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Row sums ``r_i = a_i exp((f_i − α_i + lse_i)/ε)`` of the plan.
+
+    ``lse`` is the row LSE of the other potential's bias.
+    """
+    return torch.exp(log_w + (pot - offset + lse) / eps)
+
+
 def marginal_error(
-    pot: torch.Tensor,
-    lse: torch.Tensor,
-    offset: torch.Tensor,
-    log_w: torch.Tensor,
-    eps: float,
-    rho: float | None,
+    pot: torch.Tensor, mass: torch.Tensor, log_w: torch.Tensor, rho: float | None
 ) -> torch.Tensor:
     """L1 violation of one marginal condition of the plan ``P = a b e^{(f⊕g−C)/ε}``.
 
-    With ``lse`` the row LSE of the other potential's bias, the plan's row sums are
-    ``r_i = a_i exp((f_i − α_i + lse_i)/ε)``; the target is ``a_i`` when balanced and
-    ``a_i exp(−f_i/ρ)`` (the unbalanced first-order condition) otherwise.
+    The target of the row sums ``r`` is ``a`` when balanced and ``a e^{−f/ρ}`` (the
+    unbalanced first-order condition) otherwise.
 
     Args:
-        pot: (n,) potential f.  lse: (n,) row LSE.  offset: (n,) α.
-        log_w: (n,) log a.  eps: ε.  rho: ρ of this side or None.
+        pot: (n,) potential f.  mass: (n,) row sums r.  log_w: (n,) log a.
+        rho: ρ of this side or None.
     """
-    log_r = log_w + (pot - offset + lse) / eps
     target = log_w if rho is None else log_w - pot / rho
-    return (torch.exp(log_r) - torch.exp(target)).abs().sum()
+    return (mass - torch.exp(target)).abs().sum()

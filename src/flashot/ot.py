@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import torch
 
 from flashot.autodiff.functions import relaxed_side, soft_c_transform
-from flashot.backends import resolve_backend
 from flashot.costs import bounding_diameter
 from flashot.dual import bias, marginal_error
 from flashot.problem import Problem, make_problem
@@ -143,8 +142,10 @@ def sinkhorn(
     Warns:
         ConvergenceWarning: when ``tol`` was not reached within ``max_iter``.
     """
-    problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho)
-    engine = resolve_backend(backend, problem.x.device, precision, problem.form.q.dtype)
+    problem = make_problem(
+        x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend, precision=precision
+    )
+    engine = problem.engine
     temps = resolve_schedule(eps_schedule, problem)
     init = _check_init(init, problem)
     form = problem.form.detach()
@@ -165,18 +166,24 @@ def sinkhorn(
         init=init,
         progress=progress,
     )
-    lam_x, lam_y = problem.damping(eps)
+    lam = problem.damping(eps)
     # Final extrapolation: the only differentiated step (GeomLoss' convention).
-    f = soft_c_transform(problem.form, bias(out.g, form.beta, log_b, eps), eps, lam_x, engine)
-    g = soft_c_transform(problem.form.T, bias(out.f, form.alpha, log_a, eps), eps, lam_y, engine)
+    grad = torch.is_grad_enabled() and any(
+        t.requires_grad
+        for t in (problem.form.q, problem.form.k, problem.form.alpha, problem.form.beta)
+    )
+    if grad:
+        f = soft_c_transform(problem.form, bias(out.g, form.beta, log_b, eps), eps, lam[0], engine)
+        g = soft_c_transform(
+            problem.form.T, bias(out.f, form.alpha, log_a, eps), eps, lam[1], engine
+        )
+    else:
+        f, g = engine.extrapolate(form, out.f, out.g, log_a, log_b, eps, lam)
     fd, gd = f.detach(), g.detach()
     with torch.no_grad():
-        lse_r, lse_c = engine.symmetric_lse(
-            form, bias(gd, form.beta, log_b, eps), bias(fd, form.alpha, log_a, eps), eps
-        )
-        error = marginal_error(fd, lse_r, form.alpha, log_a, eps, rhos[0])
-        error = float(error + marginal_error(gd, lse_c, form.beta, log_b, eps, rhos[1]))
-        plan_mass = torch.exp(log_a + (fd - form.alpha + lse_r) / eps).sum()
+        r, c = engine.marginals(form, fd, gd, log_a, log_b, eps)
+        error = marginal_error(fd, r, log_a, rhos[0]) + marginal_error(gd, c, log_b, rhos[1])
+        error, plan_mass = float(error), r.sum()
     if not (
         math.isfinite(error) and bool(torch.isfinite(fd).all()) and bool(torch.isfinite(gd).all())
     ):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashot.backends import resolve_backend
+from flashot.backends.base import Backend
 from flashot.costs import AttentionForm, Cost, attention_form, get_cost
 
 __all__ = ["Problem", "check_cloud", "check_positive", "make_problem", "parse_rho"]
@@ -110,6 +112,7 @@ class Problem:
         rho_y: KL relaxation of the target marginal, None when balanced.
         cost: the ground cost.
         form: the cost in attention form (compute dtype, differentiable in x, y).
+        engine: the backend that streams it.
     """
 
     x: torch.Tensor
@@ -121,6 +124,7 @@ class Problem:
     rho_y: float | None
     cost: Cost
     form: AttentionForm
+    engine: Backend
 
     @property
     def balanced(self) -> bool:
@@ -144,7 +148,17 @@ class Problem:
 
 
 def make_problem(
-    x, y, a=None, b=None, *, eps, cost="sqeuclidean", rho=None, normalize: bool = True
+    x,
+    y,
+    a=None,
+    b=None,
+    *,
+    eps,
+    cost="sqeuclidean",
+    rho=None,
+    normalize: bool = True,
+    backend="auto",
+    precision: str = "auto",
 ) -> Problem:
     """Validate the user's inputs and build a :class:`Problem`.
 
@@ -157,6 +171,8 @@ def make_problem(
         cost: a cost name or :class:`~flashot.costs.Cost`.
         rho: None, a float, or a pair ``(rho_x, rho_y)``.
         normalize: rescale balanced weights to probability vectors (GeomLoss does not).
+        backend: backend name or instance (see :func:`flashot.backends.resolve_backend`).
+        precision: precision mode; reduced modes round the clouds once, here.
     """
     x, y = check_cloud(x, "x"), check_cloud(y, "y")
     if x.device != y.device:
@@ -180,5 +196,6 @@ def make_problem(
     a, b = a.to(dtype), b.to(dtype)
     if normalize and rho_x is None and rho_y is None:
         a, b = a / a.sum(), b / b.sum()
-    form = attention_form(cost, x, y, dtype)
-    return Problem(x, y, a, b, eps, rho_x, rho_y, cost, form)
+    engine = resolve_backend(backend, x.device, precision, dtype)
+    form = attention_form(cost, x, y, dtype, engine.rounding)
+    return Problem(x, y, a, b, eps, rho_x, rho_y, cost, form, engine)

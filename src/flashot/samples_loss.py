@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from flashot.backends import resolve_backend
 from flashot.costs import bounding_diameter, get_cost
 from flashot.divergence import debiased_potentials
 from flashot.problem import check_positive, make_problem
@@ -120,11 +119,19 @@ class SamplesLoss(torch.nn.Module):
         shape_a, shape_b = (None if a is None else a.shape), (None if b is None else b.shape)
         rho = None if self.reach is None else self.reach**2
         problem = make_problem(
-            x, y, a, b, eps=self.blur**2, cost=self.cost, rho=rho, normalize=False
+            x,
+            y,
+            a,
+            b,
+            eps=self.blur**2,
+            cost=self.cost,
+            rho=rho,
+            normalize=False,
+            backend=self.backend,
+            precision=self.precision,
         )
-        engine = resolve_backend(self.backend, x.device, self.precision, problem.form.q.dtype)
         pots = debiased_potentials(
-            problem, temps, engine, debias=self.debias, max_iter=len(temps), tol=None
+            problem, temps, debias=self.debias, max_iter=len(temps), tol=None
         )
         if self.potentials:
             f, g = pots.f, pots.g

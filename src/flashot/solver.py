@@ -28,7 +28,7 @@ import torch
 
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
-from flashot.dual import bias, marginal_error
+from flashot.dual import bias, marginal_error, row_mass
 
 __all__ = [
     "EpsilonScaling",
@@ -251,7 +251,7 @@ def solve(
         else:
             lse_r, _ = backend.row_attend(form, bias(g, k_beta, log_b, eps), eps)
             if check:  # columns are exact after the previous g-update
-                err = marginal_error(f, lse_r, q_alpha, log_a, eps, rho[0])
+                err = marginal_error(f, row_mass(f, lse_r, q_alpha, log_a, eps), log_a, rho[0])
             f = lam[0] * (q_alpha - lse_r)
             lse_c, _ = backend.row_attend(form.T, bias(f, q_alpha, log_a, eps), eps)
             g = lam[1] * (k_beta - lse_c)
@@ -301,7 +301,7 @@ def solve_self(
         lse, _ = backend.row_attend(form, bias(p, alpha, log_a, eps), eps)
         check = tol is not None and it - 1 >= last and (it - last) % check_every == 0
         if check:
-            error = 2.0 * float(marginal_error(p, lse, alpha, log_a, eps, rho))
+            error = 2.0 * float(marginal_error(p, row_mass(p, lse, alpha, log_a, eps), log_a, rho))
         p = 0.5 * (p + damping(eps) * (alpha - lse))
         if check and stop.done(error, it):
             break

@@ -26,12 +26,15 @@ from __future__ import annotations
 import torch
 
 from flashot.costs import AttentionForm
-from flashot.dual import bias, marginal_error
+from flashot.dual import bias, marginal_error, row_mass
 
 __all__ = ["PRECISIONS", "Backend"]
 
 #: Accepted values of ``precision=``. ``"auto"`` picks the backend's accurate default.
 PRECISIONS = ("auto", "fp32", "tf32", "bf16", "fp16")
+#: operand rounding of each mode: the clouds are rounded once, so that the matrix
+#: units' products are exact and the cost stays a true squared distance
+ROUNDING = {"fp32": None, "tf32": "tf32", "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Backend:
@@ -56,6 +59,11 @@ class Backend:
                 f"(it offers {self.precisions})"
             )
         self.precision = "fp32" if precision == "auto" else precision
+
+    @property
+    def rounding(self):
+        """How :func:`~flashot.costs.attention_form` rounds operands for this precision."""
+        return ROUNDING[self.precision]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r})"
@@ -145,8 +153,39 @@ class Backend:
         )
         err = None
         if check:
-            err = marginal_error(f, lse_r, form.alpha, log_a, eps, rho[0])
-            err = err + marginal_error(g, lse_c, form.beta, log_b, eps, rho[1])
+            r, c = (
+                row_mass(f, lse_r, form.alpha, log_a, eps),
+                row_mass(g, lse_c, form.beta, log_b, eps),
+            )
+            err = marginal_error(f, r, log_a, rho[0]) + marginal_error(g, c, log_b, rho[1])
         f_new = 0.5 * (f + lam[0] * (form.alpha - lse_r))
         g_new = 0.5 * (g + lam[1] * (form.beta - lse_c))
         return f_new, g_new, err
+
+    def extrapolate(
+        self, form: AttentionForm, f, g, log_a, log_b, eps: float, lam: tuple[float, float]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One undamped Jacobi step, ``(λ_x T(g), λ_y T(f))``, without autograd.
+
+        Args:
+            form: attention form.  f: (n,), g: (m,) potentials.
+            log_a: (n,), log_b: (m,) log weights.  eps: ε.  lam: (λ_x, λ_y).
+        """
+        lse_r, lse_c = self.symmetric_lse(
+            form, bias(g, form.beta, log_b, eps), bias(f, form.alpha, log_a, eps), eps
+        )
+        return lam[0] * (form.alpha - lse_r), lam[1] * (form.beta - lse_c)
+
+    def marginals(
+        self, form: AttentionForm, f, g, log_a, log_b, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row and column sums (n,), (m,) of the plan ``P = a b e^{(f⊕g−C)/ε}``.
+
+        Args:
+            form: attention form.  f: (n,), g: (m,) potentials.
+            log_a: (n,), log_b: (m,) log weights.  eps: ε.
+        """
+        lse_r, lse_c = self.symmetric_lse(
+            form, bias(g, form.beta, log_b, eps), bias(f, form.alpha, log_a, eps), eps
+        )
+        return row_mass(f, lse_r, form.alpha, log_a, eps), row_mass(g, lse_c, form.beta, log_b, eps)

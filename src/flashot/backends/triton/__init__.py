@@ -273,3 +273,29 @@ class TritonBackend(Backend):
             )
             outs.append(new)
         return outs[0], outs[1], (err[0] if check else None)
+
+    def _checked_sums(self, form, f, g, log_a, log_b, eps):
+        """Fused (R, C, a, b) at (f, g) when no exponential over- or underflowed, else None."""
+        a, b = torch.exp(log_a), torch.exp(log_b)
+        r, c = self.plan_sums(form, f - form.alpha, g - form.beta, a, b, eps)
+        lo, hi = 2.0**-60, 3.0e38
+        safe = torch.stack([r.min(), c.min(), -r.max(), -c.max()])
+        if bool((safe[:2] > lo).all()) and bool((safe[2:] > -hi).all()):
+            return r, c, a, b
+        return None
+
+    def extrapolate(self, form, f, g, log_a, log_b, eps, lam):
+        """See :meth:`flashot.backends.base.Backend.extrapolate` (one fused pass when safe)."""
+        sums = self._checked_sums(form, f, g, log_a, log_b, eps)
+        if sums is None:
+            return super().extrapolate(form, f, g, log_a, log_b, eps, lam)
+        r, c, _, _ = sums
+        return lam[0] * (f - eps * torch.log(r)), lam[1] * (g - eps * torch.log(c))
+
+    def marginals(self, form, f, g, log_a, log_b, eps):
+        """See :meth:`flashot.backends.base.Backend.marginals` (one fused pass when safe)."""
+        sums = self._checked_sums(form, f, g, log_a, log_b, eps)
+        if sums is None:
+            return super().marginals(form, f, g, log_a, log_b, eps)
+        r, c, a, b = sums
+        return a * r, b * c
