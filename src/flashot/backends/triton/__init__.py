@@ -59,16 +59,24 @@ class TritonBackend(Backend):
 
     Args:
         precision: ``"auto"``/``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``.
+        fused: use the one-exp fused kernel (verified, with fallback) for symmetric
+            steps, extrapolation and marginals; False runs two exact passes instead.
+        autotune: autotune tile shapes (else the first configuration of each space).
         splits: force the number of column splits (tests); None chooses from the GPU.
     """
 
     name = "triton"
     precisions = ("fp32", "tf32", "bf16", "fp16")
-    speculative = True
 
-    def __init__(self, precision: str = "auto", splits: int | None = None):
+    def __init__(
+        self,
+        precision: str = "auto",
+        fused: bool = True,
+        autotune: bool = True,
+        splits: int | None = None,
+    ):
         super().__init__(precision)
-        self.splits = splits
+        self.speculative, self.autotune, self.splits = fused, autotune, splits
         self._cache_key, self._cache = None, None
 
     # ---- helpers -------------------------------------------------------------------
@@ -92,12 +100,17 @@ class TritonBackend(Backend):
         return self._cache
 
     def _launch(self, tuned, raw, grid, args, consts):
-        """Autotuned launch on a GPU, fixed small tiles under the interpreter."""
+        """Autotuned launch on a GPU; fixed tiles under the interpreter or without autotuning."""
         if triton_interpreted():
             tiles = _configs.INTERPRETER_TILES
             raw[grid(tiles)](*args, **consts, **tiles)
-        else:
+        elif self.autotune:
             tuned[grid](*args, **consts)
+        else:
+            cfg = tuned.configs[0]
+            raw[grid(cfg.kwargs)](
+                *args, **consts, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+            )
 
     def _splits(self, n: int, m: int, device) -> tuple[int, int]:
         """(splits, columns per split), the latter a multiple of every BLOCK_N."""
@@ -276,6 +289,8 @@ class TritonBackend(Backend):
 
     def _checked_sums(self, form, f, g, log_a, log_b, eps):
         """Fused (R, C, a, b) at (f, g) when no exponential over- or underflowed, else None."""
+        if not self.speculative:
+            return None
         a, b = torch.exp(log_a), torch.exp(log_b)
         r, c = self.plan_sums(form, f - form.alpha, g - form.beta, a, b, eps)
         lo, hi = 2.0**-60, 3.0e38

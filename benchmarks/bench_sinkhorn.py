@@ -1,0 +1,185 @@
+"""FlashSinkhorn targets (issue 3): flashot vs flash-sinkhorn 0.4.1 on one GPU, same process.
+
+Workload (the peer's own benchmark): x, y ~ N(0, I), random weights, ε = 0.1,
+10 fixed symmetric iterations, float32 inputs, squared Euclidean cost. flashot is
+timed through its public API (``flashot.sinkhorn(..., max_iter=10, tol=None)``,
+which also runs its final extrapolation and a marginal check); the peer through
+``flash_sinkhorn.SamplesLoss`` as its benchmark does (TF32).
+
+    python benchmarks/bench_sinkhorn.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _harness as H
+
+import flashot
+from flashot.backends.triton import TritonBackend
+
+EPS, ITERS = 0.1, 10
+CASES = {  # name: (kind, n, d)
+    "fwd_10k_d64": ("fwd", 10_000, 64),
+    "fwd_50k_d64": ("fwd", 50_000, 64),
+    "fwd_10k_d512": ("fwd", 10_000, 512),
+    "fwd_50k_d512": ("fwd", 50_000, 512),
+    "grad_10k_d64": ("grad", 10_000, 64),
+    "grad_50k_d64": ("grad", 50_000, 64),
+    "grad_10k_d512": ("grad", 10_000, 512),
+    "fwd_1M_d64": ("fwd", 1_000_000, 64),
+}
+
+
+def data(n: int, d: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, d, device="cuda", generator=g)
+    y = torch.randn(n, d, device="cuda", generator=g)
+    a = torch.rand(n, device="cuda", generator=g) + 0.1
+    b = torch.rand(n, device="cuda", generator=g) + 0.1
+    return x, y, a / a.sum(), b / b.sum()
+
+
+def flashot_fn(kind, x, y, a, b, backend):
+    def run():
+        if kind == "fwd":
+            with torch.no_grad():
+                return flashot.sinkhorn(
+                    x, y, a, b, eps=EPS, max_iter=ITERS, tol=None, backend=backend
+                ).cost
+        xg = x.detach().requires_grad_()
+        cost = flashot.sinkhorn(
+            xg, y, a, b, eps=EPS, max_iter=ITERS, tol=None, backend=backend
+        ).cost
+        return torch.autograd.grad(cost, xg)[0]
+
+    return run
+
+
+def peer_fn(kind, x, y, a, b):
+    from flash_sinkhorn import SamplesLoss
+
+    loss = SamplesLoss(
+        "sinkhorn",
+        backend="symmetric",
+        use_epsilon_scaling=False,
+        eps=EPS,
+        n_iters=ITERS,
+        debias=False,
+        potentials=False,
+        normalize=False,
+        autotune=True,
+        last_extrapolation=False,
+        allow_tf32=True,
+    )
+
+    def run():
+        if kind == "fwd":
+            with torch.no_grad():
+                return loss(a, x, b, y)
+        xg = x.detach().requires_grad_()
+        return torch.autograd.grad(loss(a, xg, b, y), xg)[0]
+
+    return run
+
+
+def methods(skip_peer: bool, variants: bool):
+    out = {
+        "flashot_tf32": TritonBackend("tf32"),
+        "flashot_bf16": TritonBackend("bf16"),
+        "flashot_fp32": TritonBackend("fp32"),
+    }
+    if variants:
+        out["flashot_tf32_twopass"] = TritonBackend("tf32", fused=False)
+    if not skip_peer:
+        out["peer_tf32"] = "peer"
+    return out
+
+
+def accuracy(n: int = 8192, d: int = 64) -> list[dict]:
+    """Error of each mode's 10-iteration solve against the float64 torch backend."""
+    x, y, a, b = data(n, d, seed=1)
+    ref = flashot.sinkhorn(
+        x.double(),
+        y.double(),
+        a.double(),
+        b.double(),
+        eps=EPS,
+        max_iter=ITERS,
+        tol=None,
+        backend="torch",
+    )
+    rows = []
+    for name, be in methods(True, False).items():
+        res = flashot.sinkhorn(x, y, a, b, eps=EPS, max_iter=ITERS, tol=None, backend=be)
+        rows.append(
+            dict(
+                mode=name,
+                n=n,
+                d=d,
+                cost_rel_err=abs(res.cost.item() - ref.cost.item()) / abs(ref.cost.item()),
+                f_rel_err=float((res.f.double() - ref.f).norm() / ref.f.norm()),
+                marginal_error=res.marginal_error,
+            )
+        )
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="also time diagnostic variants")
+    args = ap.parse_args()
+    rows = []
+    for case in args.cases:
+        kind, n, d = CASES[case]
+        x, y, a, b = data(n, d)
+        inputs_mb = (x.numel() + y.numel() + a.numel() + b.numel()) * 4 / 1e6
+        for name, be in methods(args.skip_peer or n > 100_000, args.variants).items():
+            fn = peer_fn(kind, x, y, a, b) if be == "peer" else flashot_fn(kind, x, y, a, b, be)
+            try:
+                first = H.first_call_s(fn)
+                ms = H.median_ms(fn, long=n > 100_000)
+                mem = H.peak_extra_mb(fn) if kind == "fwd" else float("nan")
+            except Exception as err:  # report, keep going: one table for all
+                print(f"{case} {name}: {type(err).__name__}: {err}", flush=True)
+                continue
+            mode = "bf16" if "bf16" in name else "fp32" if "fp32" in name else "tf32"
+            floor = H.sinkhorn_floor_ms(n, n, d, ITERS, mode)["floor_ms"]
+            rows.append(
+                dict(
+                    case=case,
+                    method=name,
+                    ms=ms,
+                    floor_ms=floor,
+                    x_floor=ms / floor,
+                    first_call_s=first,
+                    extra_mem_mb=mem,
+                    inputs_mb=inputs_mb,
+                )
+            )
+            print(rows[-1], flush=True)
+        del x, y, a, b
+        torch.cuda.empty_cache()
+    H.write(rows, args.out, "sinkhorn_h200")
+    acc = accuracy()
+    H.write(acc, args.out, "precision_h200")
+    print("\n| case | method | ms | floor ms | x floor | first call s | extra MB |")
+    for r in rows:
+        print(
+            f"| {r['case']} | {r['method']} | {r['ms']:.2f} | {r['floor_ms']:.2f} | "
+            f"{r['x_floor']:.1f} | {r['first_call_s']:.1f} | {r['extra_mem_mb']:.1f} |"
+        )
+    for r in acc:
+        print(r)
+
+
+if __name__ == "__main__":
+    main()
