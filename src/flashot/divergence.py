@@ -81,7 +81,15 @@ def debiased_potentials(
     form, log_a, log_b = problem.form.detach(), problem.log_a, problem.log_b
     opts = dict(max_iter=max_iter, tol=tol, check_every=check_every)
     out = solve(
-        form, log_a, log_b, temps, problem.damping, (rho, rho), engine, update=update, **opts
+        form,
+        log_a,
+        log_b,
+        temps,
+        problem.damping,
+        (rho, rho),
+        engine,
+        update=update,
+        **opts,
     )
     f = soft_c_transform(problem.form, bias(out.g, form.beta, log_b, eps), eps, lam, engine)
     g = soft_c_transform(problem.form.T, bias(out.f, form.alpha, log_a, eps), eps, lam, engine)

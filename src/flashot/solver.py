@@ -203,7 +203,8 @@ def solve(
         update: ``"symmetric"`` (averaged Jacobi updates from the old potentials, as in
             GeomLoss) or ``"alternating"`` (Gauss–Seidel, as in OTT/POT).
         init: optional warm start (f (n,), g (m,)); otherwise GeomLoss' initialization
-            ``f = λ T(0), g = λ T(0)`` at the first temperature.
+            ``f = λ T(0), g = λ T(0)`` at the first temperature (symmetric data then
+            keep symmetric potentials, which the averaged updates need to converge fast).
         progress: print a progress line on stderr.
     """
     if update not in UPDATES:
@@ -223,11 +224,13 @@ def solve(
     bar = _Progress(progress, max_iter)
     stop = _Stopping(tol)
     last = len(eps_list) - 1
-    # A speculative backend may take a fast path at the final ε; it is verified at every
-    # check (and at the end) and, when it failed, those iterations are replayed safely.
+    # A speculative backend may take a fast path at the final ε. Its first step (a probe)
+    # is verified at once, later ones at each check and at the end; when one failed, the
+    # iterations since the last verified state are replayed exactly, then the exact path
+    # runs for a while (doubling) before the next probe.
     spec = update == "symmetric" and backend.speculative
     status = torch.zeros(1, dtype=torch.int32, device=f.device) if spec else None
-    saved, safe_until = None, 0
+    saved, safe_until, backoff, probe = None, 0, 1, True
     error, it = float("nan"), 0
     while it < max_iter:
         it += 1
@@ -242,11 +245,14 @@ def solve(
             f, g, err = backend.jacobi_step(
                 form, f, g, log_a, log_b, eps, lam, rho, check=check, fast=fast, status=status
             )
-            if spec and final and (check or it == max_iter):
+            if fast and (check or it == max_iter or probe):
                 if int(status.item()) != 0:
-                    safe_until, (it, f, g) = it, saved
                     status.zero_()
+                    safe_until, backoff, probe = it + backoff, 2 * backoff, True
+                    it, f, g = saved
                     continue
+                saved, backoff, probe = (it, f, g), 1, False
+            elif spec and final and not fast:
                 saved = (it, f, g)
         else:
             lse_r, _ = backend.row_attend(form, bias(g, k_beta, log_b, eps), eps)

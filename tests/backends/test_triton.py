@@ -47,13 +47,11 @@ def test_non_contiguous_inputs(gen):
 @pytest.mark.parametrize("splits", [1, 2])
 def test_plan_sums_match_dense(gen, splits):
     form, _ = problem(gen, 33, 45, 4, torch.float32, DEVICE)
-    u = torch.randn(33, generator=gen).to(DEVICE) - form.alpha
-    v = torch.randn(45, generator=gen).to(DEVICE) - form.beta
+    f, g = torch.randn(33, generator=gen).to(DEVICE), torch.randn(45, generator=gen).to(DEVICE)
     a, b = torch.rand(33, generator=gen).to(DEVICE), torch.rand(45, generator=gen).to(DEVICE)
-    r, c = triton_backend(splits=splits).plan_sums(form, u, v, a, b, 0.7)
-    E = torch.exp(
-        (form.q.double() @ form.k.double().T + u.double()[:, None] + v.double()[None]) / 0.7
-    )
+    a[3] = 0.0
+    r, c = triton_backend(splits=splits).plan_sums(form, f, g, a.log(), b.log(), 0.7)
+    E = torch.exp((f.double()[:, None] + g.double()[None] - form.dense().double()) / 0.7)
     assert rel(r.cpu(), (E @ b.double()).cpu()) < 2e-5
     assert rel(c.cpu(), (a.double() @ E).cpu()) < 2e-5
 
@@ -117,7 +115,7 @@ def test_speculation_recovers_from_failed_fast_steps(gen, monkeypatch):
     kw = dict(eps=0.5, tol=1e-4, check_every=5, init=init)
     ref = flashot.sinkhorn(x, y, backend="torch", **kw)
     res = flashot.sinkhorn(x.to(DEVICE), y.to(DEVICE), backend="triton", **kw)
-    assert calls[False] >= 5 and calls[True] > 5  # replayed, then fast again
+    assert calls[False] >= 1 and calls[True] > 5  # replayed exactly, then fast again
     assert res.converged and rel(res.cost.cpu(), ref.cost) < 1e-5
 
 

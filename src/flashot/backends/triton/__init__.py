@@ -20,14 +20,14 @@ from flashot.backends.base import Backend
 from flashot.backends.triton import _configs
 from flashot.backends.triton._kernels import (
     _attend_kernel,
-    _jacobi_update_kernel,
+    _combine_kernel,
     _plan_sums_kernel,
+    _update_kernel,
 )
 
 __all__ = ["TritonBackend"]
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # tl.dot input precisions per mode (float32 operands); the interpreter knows only IEEE
 _DOT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "tf32", "fp16": "tf32"}
@@ -42,16 +42,13 @@ def _tuned(kernel, configs, key):
     )(kernel)
 
 
-_ATTEND = _tuned(
-    _attend_kernel,
-    _configs.attend_configs(),
-    ["d", "p", "n_bucket", "m_bucket", "HAS_V", "SPLIT", "PRECISION"],
-)
-_PLAN_SUMS = _tuned(
-    _plan_sums_kernel,
-    _configs.plan_sums_configs(),
-    ["d", "n_bucket", "m_bucket", "COLUMNS", "SPLIT", "PRECISION"],
-)
+_ATTEND_KEY = ["d", "p", "n_bucket", "m_bucket", "HAS_V", "SPLIT", "PRECISION"]
+_ATTEND = _tuned(_attend_kernel, _configs.attend_configs(), _ATTEND_KEY)
+_PLAN_SUMS_KEY = ["d", "n_bucket", "m_bucket", "COLUMNS", "SPLIT", "PRECISION"]
+_PLAN_SUMS = _tuned(_plan_sums_kernel, _configs.plan_sums_configs(), _PLAN_SUMS_KEY)
+# best configuration per (kernel, key): after the first (tuning) call, launches skip the
+# autotuner's per-call Python work and go straight to the compiled kernel
+_BEST: dict = {}
 
 
 class TritonBackend(Backend):
@@ -77,40 +74,42 @@ class TritonBackend(Backend):
     ):
         super().__init__(precision)
         self.speculative, self.autotune, self.splits = fused, autotune, splits
-        self._cache_key, self._cache = None, None
+        self._halves: dict = {}
 
     # ---- helpers -------------------------------------------------------------------
     def _dot(self) -> str:
         return "ieee" if triton_interpreted() else _DOT[self.precision]
 
-    def _operands(self, form):
-        """(q, k) as the kernels read them: float32, or half copies in bf16/fp16 mode."""
-        q, k = form.q, form.k
-        if q.dtype != torch.float32:
-            raise TypeError(f"the triton backend computes in float32, got {q.dtype}")
+    def _operand(self, t: torch.Tensor) -> torch.Tensor:
+        """A feature matrix as the kernels read it: float32, or a cached half copy."""
+        if t.dtype != torch.float32:
+            raise TypeError(f"the triton backend computes in float32, got {t.dtype}")
         if self.precision not in _HALF:
-            return q, k
-        key = (q.data_ptr(), q._version, q.shape, k.data_ptr(), k._version, k.shape)
-        if key != self._cache_key:  # one-entry cache: the solver reuses one form
-            half = _HALF[self.precision]
-            q, k = q.to(half), k.to(half)
+            return t
+        key = (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()))
+        if key not in self._halves:  # the solver reuses q and k: convert them once
+            half = t.to(_HALF[self.precision])
             if triton_interpreted():  # numpy has no bfloat16: round, compute in float32
-                q, k = q.float(), k.float()  # (exact: products of halves fit in float32)
-            self._cache_key, self._cache = key, (q, k)
-        return self._cache
+                half = half.float()  # (exact: products of halves fit in float32)
+            if len(self._halves) >= 4:
+                self._halves.pop(next(iter(self._halves)))
+            self._halves[key] = half
+        return self._halves[key]
 
-    def _launch(self, tuned, raw, grid, args, consts):
-        """Autotuned launch on a GPU; fixed tiles under the interpreter or without autotuning."""
+    def _launch(self, tuned, raw, key, grid, args, consts):
+        """Launch with the tuned tiles (tuning on first use), fixed tiles when interpreted."""
         if triton_interpreted():
             tiles = _configs.INTERPRETER_TILES
             raw[grid(tiles)](*args, **consts, **tiles)
-        elif self.autotune:
+            return
+        cfg = _BEST.get(key) if self.autotune else tuned.configs[0]
+        if cfg is None:
             tuned[grid](*args, **consts)
-        else:
-            cfg = tuned.configs[0]
-            raw[grid(cfg.kwargs)](
-                *args, **consts, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages
-            )
+            _BEST[key] = tuned.best_config
+            return
+        raw[grid(cfg.kwargs)](
+            *args, **consts, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+        )
 
     def _splits(self, n: int, m: int, device) -> tuple[int, int]:
         """(splits, columns per split), the latter a multiple of every BLOCK_N."""
@@ -118,13 +117,13 @@ class TritonBackend(Backend):
         per = triton.cdiv(triton.cdiv(m, splits), 128) * 128
         return triton.cdiv(m, per), per
 
-    # ---- primitives ----------------------------------------------------------------
-    def row_attend(self, form, h, eps, v=None):
-        """See :meth:`flashot.backends.base.Backend.row_attend`."""
-        q, k = self._operands(form)
+    def _attend(self, q, k, eps, bias, v=None):
+        """Row LSE and softmax average; ``bias`` is ``(h,)`` or ``(g, β, log b)``."""
+        q, k = self._operand(q), self._operand(k)
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
-        h = h.to(torch.float32).contiguous()
+        potential = len(bias) == 3
+        h, beta, log_w = bias if potential else (bias[0], bias[0], bias[0])
         bd, chunks = _configs.block_d(d)
         has_v = v is not None
         p = v.shape[1] if has_v else 1
@@ -145,10 +144,13 @@ class TritonBackend(Backend):
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_M"]), splits, p_chunks)
 
+        nb, mb = _configs.bucket(n), _configs.bucket(m)
         args = (
             q,
             k,
             h,
+            beta,
+            log_w,
             vv,
             lse,
             out,
@@ -160,7 +162,7 @@ class TritonBackend(Backend):
             d,
             p,
             LOG2E / eps,
-            eps * LN2,
+            eps,
             per,
             q.stride(0),
             q.stride(1),
@@ -170,8 +172,8 @@ class TritonBackend(Backend):
             vv.stride(1) if has_v else 0,
             out.stride(0) if has_v else 0,
             out.stride(1) if has_v else 0,
-            _configs.bucket(n),
-            _configs.bucket(m),
+            nb,
+            mb,
         )
         consts = dict(
             BLOCK_D=bd,
@@ -179,74 +181,98 @@ class TritonBackend(Backend):
             D_CHUNKS=chunks,
             HAS_V=has_v,
             SPLIT=split,
+            POTENTIAL_BIAS=potential,
             PRECISION=self._dot(),
             V_PRECISION=self._dot(),
         )
-        self._launch(_ATTEND, _attend_kernel, grid, args, consts)
-        if not split:
-            return lse, (out if has_v else None)
-        top = part_max.max(0).values
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        w = torch.exp2(part_max - top)
-        total = (part_sum * w).sum(0)
-        lse = eps * LN2 * (top + torch.log2(total))
-        if not has_v:
-            return lse, None
-        return lse, (part_acc * w[..., None]).sum(0) / total[:, None]
+        key = ("attend", d, p, nb, mb, has_v, split, potential, self._dot(), q.dtype)
+        self._launch(_ATTEND, _attend_kernel, key, grid, args, consts)
+        if split:
+            blk = 128
+            _combine_kernel[(triton.cdiv(n, blk),)](
+                part_max,
+                part_sum,
+                part_acc,
+                lse,
+                out,
+                n,
+                p,
+                splits,
+                eps,
+                out.stride(0) if has_v else 0,
+                out.stride(1) if has_v else 0,
+                BLOCK=blk,
+                BLOCK_P=triton.next_power_of_2(p) if has_v else 1,
+                HAS_V=has_v,
+            )
+        return lse, (out if has_v else None)
 
-    def plan_sums(self, form, u, v, a, b, eps, columns: bool = True):
-        r"""Row and column sums of ``E_ij = exp((⟨q_i, k_j⟩ + u_i + v_j)/ε)``, weighted.
+    # ---- primitives ----------------------------------------------------------------
+    def row_attend(self, form, h, eps, v=None):
+        """See :meth:`flashot.backends.base.Backend.row_attend`."""
+        return self._attend(form.q, form.k, eps, (h.to(torch.float32).contiguous(),), v)
+
+    def symmetric_lse(self, form, h_col, h_row, eps):
+        """See :meth:`flashot.backends.base.Backend.symmetric_lse`."""
+        return self.row_attend(form, h_col, eps)[0], self.row_attend(form.T, h_row, eps)[0]
+
+    def plan_sums(self, form, f, g, log_a, log_b, eps, columns: bool = True):
+        r"""Weighted row and column sums of ``E_ij = exp((f_i + g_j − C_ij)/ε)``.
 
         .. math::
 
             R_i = \sum_j b_j E_{ij}, \qquad C_j = \sum_i a_i E_{ij},
 
-        one exponential per element. With u = f − α and v = g − β, ``a_i b_j E_ij`` is the
-        plan ``P_ij``. Valid only while E neither overflows nor underflows (callers check R, C).
+        one exponential per element (``a_i b_j E_ij`` is the plan ``P_ij``). Valid only
+        while E neither overflows nor underflows: callers check R and C.
 
         Args:
-            form: attention form.  u: (n,), v: (m,) offsets.  a: (n,), b: (m,) weights.
-            eps: ε.  columns: also compute C (else None).
+            form: attention form.  f: (n,), g: (m,) potentials.
+            log_a: (n,), log_b: (m,) log weights.  eps: ε.  columns: also compute C.
+
+        Returns:
+            ``(R (n,), C (m,) or None)``.
         """
-        q, k = self._operands(form)
+        q, k = self._operand(form.q), self._operand(form.k)
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
-        scale = LOG2E / eps
-        u2 = (u * scale).to(torch.float32).contiguous()
-        v2 = (v * scale).to(torch.float32).contiguous()
         bd, chunks = _configs.block_d(d)
         splits, per = self._splits(n, m, dev)
-        r = torch.zeros(n, device=dev, dtype=torch.float32)
-        c = torch.zeros(m, device=dev, dtype=torch.float32) if columns else r
+        sums = torch.zeros(n + m, device=dev, dtype=torch.float32)
+        r, c = sums[:n], sums[n:]
 
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_M"]), splits)
 
+        nb, mb = _configs.bucket(n), _configs.bucket(m)
         args = (
             q,
             k,
-            u2,
-            v2,
-            a.to(torch.float32).contiguous(),
-            b.to(torch.float32).contiguous(),
+            f,
+            form.alpha,
+            g,
+            form.beta,
+            log_a,
+            log_b,
             r,
             c,
             n,
             m,
             d,
-            scale,
+            LOG2E / eps,
             per,
             q.stride(0),
             q.stride(1),
             k.stride(0),
             k.stride(1),
-            _configs.bucket(n),
-            _configs.bucket(m),
+            nb,
+            mb,
         )
         consts = dict(
             BLOCK_D=bd, D_CHUNKS=chunks, COLUMNS=columns, SPLIT=splits > 1, PRECISION=self._dot()
         )
-        self._launch(_PLAN_SUMS, _plan_sums_kernel, grid, args, consts)
+        key = ("plan_sums", d, nb, mb, columns, splits > 1, self._dot(), q.dtype)
+        self._launch(_PLAN_SUMS, _plan_sums_kernel, key, grid, args, consts)
         return r, (c if columns else None)
 
     def jacobi_step(
@@ -255,48 +281,57 @@ class TritonBackend(Backend):
         """See :meth:`flashot.backends.base.Backend.jacobi_step`.
 
         The fast path shares one score tile and one exponential per element between the
-        row and column updates.
+        row and column updates; the exact path runs two online-max passes. Either way
+        the update and the marginal error are one more small launch.
         """
-        if not fast:
-            return super().jacobi_step(
-                form, f, g, log_a, log_b, eps, lam, rho, check=check, fast=False, status=status
-            )
-        a, b = torch.exp(log_a), torch.exp(log_b)
-        r, c = self.plan_sums(form, f - form.alpha, g - form.beta, a, b, eps)
-        err = torch.zeros(1, device=f.device, dtype=torch.float32) if check else r
-        outs = []
-        for pot, sums, w, lam_i, rho_i in ((f, r, a, lam[0], rho[0]), (g, c, b, lam[1], rho[1])):
-            new = torch.empty_like(pot)
-            size = pot.shape[0]
-            inv_rho = 0.0 if rho_i is None else 1.0 / rho_i
-            _jacobi_update_kernel[(triton.cdiv(size, 1024),)](
-                pot,
-                sums,
-                w,
-                new,
-                err,
-                status,
-                size,
-                eps,
-                lam_i,
-                inv_rho,
-                BLOCK=1024,
-                RELAXED=rho_i is not None,
-                CHECK=check,
-            )
-            outs.append(new)
-        return outs[0], outs[1], (err[0] if check else None)
+        if fast:
+            r, c = self.plan_sums(form, f, g, log_a, log_b, eps)
+        else:
+            r = self._attend(form.q, form.k, eps, (g, form.beta, log_b))[0]
+            c = self._attend(form.k, form.q, eps, (f, form.alpha, log_a))[0]
+        n, m = f.shape[0], g.shape[0]
+        f_new, g_new = torch.empty_like(f), torch.empty_like(g)
+        err = torch.zeros(1, device=f.device, dtype=torch.float32) if check else f_new
+        if status is None:
+            status = torch.zeros(1, device=f.device, dtype=torch.int32)
+        blk = 1024
+        _update_kernel[(triton.cdiv(n, blk) + triton.cdiv(m, blk),)](
+            f,
+            r,
+            form.alpha,
+            log_a,
+            f_new,
+            g,
+            c,
+            form.beta,
+            log_b,
+            g_new,
+            err,
+            status,
+            n,
+            m,
+            eps,
+            lam[0],
+            lam[1],
+            0.0 if rho[0] is None else 1.0 / rho[0],
+            0.0 if rho[1] is None else 1.0 / rho[1],
+            BLOCK=blk,
+            RELAXED_X=rho[0] is not None,
+            RELAXED_Y=rho[1] is not None,
+            CHECK=check,
+            FROM_LSE=not fast,
+        )
+        return f_new, g_new, (err[0] if check else None)
 
     def _checked_sums(self, form, f, g, log_a, log_b, eps):
-        """Fused (R, C, a, b) at (f, g) when no exponential over- or underflowed, else None."""
+        """Fused (R, C) at (f, g) when no exponential over- or underflowed, else None."""
         if not self.speculative:
             return None
-        a, b = torch.exp(log_a), torch.exp(log_b)
-        r, c = self.plan_sums(form, f - form.alpha, g - form.beta, a, b, eps)
-        lo, hi = 2.0**-60, 3.0e38
-        safe = torch.stack([r.min(), c.min(), -r.max(), -c.max()])
-        if bool((safe[:2] > lo).all()) and bool((safe[2:] > -hi).all()):
-            return r, c, a, b
+        r, c = self.plan_sums(form, f, g, log_a, log_b, eps)
+        lo = torch.stack([r.min(), c.min()])
+        hi = torch.stack([r.max(), c.max()])
+        if bool((lo > 2.0**-60).all() & (hi < 3.0e38).all()):
+            return r, c
         return None
 
     def extrapolate(self, form, f, g, log_a, log_b, eps, lam):
@@ -304,7 +339,7 @@ class TritonBackend(Backend):
         sums = self._checked_sums(form, f, g, log_a, log_b, eps)
         if sums is None:
             return super().extrapolate(form, f, g, log_a, log_b, eps, lam)
-        r, c, _, _ = sums
+        r, c = sums
         return lam[0] * (f - eps * torch.log(r)), lam[1] * (g - eps * torch.log(c))
 
     def marginals(self, form, f, g, log_a, log_b, eps):
@@ -312,5 +347,5 @@ class TritonBackend(Backend):
         sums = self._checked_sums(form, f, g, log_a, log_b, eps)
         if sums is None:
             return super().marginals(form, f, g, log_a, log_b, eps)
-        r, c, a, b = sums
-        return a * r, b * c
+        r, c = sums
+        return torch.exp(log_a) * r, torch.exp(log_b) * c

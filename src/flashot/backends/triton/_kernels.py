@@ -1,17 +1,21 @@
 """Triton kernels: FlashAttention-style streaming of biased score tiles.
 
 Scores are computed in base 2, ``t_ij = (⟨q_i, k_j⟩ + h_j) · log2(e)/ε``, so every
-exponential is one ``exp2``. Two kernels:
+exponential is one ``exp2``. The kernels:
 
 * ``_attend_kernel`` (row-stationary, online max): a program owns BLOCK_M rows and
   streams the column tiles of its column split, keeping the running max, sum and
   (``HAS_V``) the running ``Σ_j 2^{t_ij − max} v_j`` on chip. Exact for any inputs.
+  The bias is either given (``h``) or formed on the fly from a potential,
+  ``h = g − β + ε log b`` (``POTENTIAL_BIAS``), which saves the host three launches.
+* ``_combine_kernel`` merges the partial (max, sum, acc) of column splits.
 * ``_plan_sums_kernel`` (one exp per element for rows *and* columns): with
-  ``E_ij = 2^{s_ij·c + u_i + v_j}`` (u, v the potentials minus the offsets, in base 2
-  units) it accumulates ``R_i = Σ_j b_j E_ij`` and, with atomics, ``C_j = Σ_i a_i E_ij``.
-  No max is tracked, so it is exact only while E neither overflows nor underflows,
-  which holds near the Sinkhorn fixed point (there ``a_i b_j E_ij = P_ij``); the
-  caller verifies and falls back to ``_attend_kernel``.
+  ``E_ij = exp((⟨q_i, k_j⟩ + f_i − α_i + g_j − β_j)/ε)`` it accumulates
+  ``R_i = Σ_j b_j E_ij`` and, with atomics, ``C_j = Σ_i a_i E_ij``. No max is tracked,
+  so it is exact only while E neither overflows nor underflows, which holds near the
+  Sinkhorn fixed point (there ``a_i b_j E_ij = P_ij``); callers verify.
+* ``_update_kernel``: the averaged Jacobi update of both potentials from their plan
+  sums (or LSEs), the marginal error, and the fast path's failure flag, in one launch.
 
 Features are tiled over d in BLOCK_D chunks (``D_CHUNKS`` of them); with one chunk the
 row tile is loaded once. Tails are masked; ``-inf`` biases mark zero weights.
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
 
 
 @triton.jit
@@ -90,6 +96,8 @@ def _attend_kernel(
     Q,
     K,
     H,
+    BETA,
+    LOG_W,
     V,
     LSE,
     OUT,
@@ -101,7 +109,7 @@ def _attend_kernel(
     d,
     p,
     scale,
-    eps_ln2,
+    eps,
     cols_per_split,
     stride_qn,
     stride_qd,
@@ -120,14 +128,15 @@ def _attend_kernel(
     D_CHUNKS: tl.constexpr,
     HAS_V: tl.constexpr,
     SPLIT: tl.constexpr,
+    POTENTIAL_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     V_PRECISION: tl.constexpr,
 ):
     """Row LSE ``ε ln Σ_j e^{(s_ij + h_j)/ε}`` and softmax average of V over one column split.
 
     Grid: (row blocks, column splits, value chunks of BLOCK_P). Without SPLIT the
-    program finalizes (LSE, OUT); with SPLIT it writes its (max, sum, acc) partials,
-    combined on the host. ``n_bucket``/``m_bucket`` only key the autotuner.
+    program finalizes (LSE, OUT); with SPLIT it writes (max, sum, acc) partials for
+    ``_combine_kernel``. ``n_bucket``/``m_bucket`` only key the autotuner.
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -160,7 +169,13 @@ def _attend_kernel(
             D_CHUNKS,
             PRECISION,
         )
-        h = tl.load(H + offs_n, mask=col_ok, other=float("-inf")) * scale
+        if POTENTIAL_BIAS:  # h = g − β + ε log b, in base-2 units
+            g = tl.load(H + offs_n, mask=col_ok, other=0.0)
+            beta = tl.load(BETA + offs_n, mask=col_ok, other=0.0)
+            log_w = tl.load(LOG_W + offs_n, mask=col_ok, other=float("-inf"))
+            h = (g - beta) * scale + log_w * LOG2E
+        else:
+            h = tl.load(H + offs_n, mask=col_ok, other=float("-inf")) * scale
         t = s * scale + h[None, :]
         new_max = tl.maximum(run_max, tl.max(t, 1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -186,8 +201,7 @@ def _attend_kernel(
             tl.store(ptrs, acc, mask=row_ok[:, None] & (offs_p[None, :] < p))
     else:
         if pid_p == 0:
-            lse = eps_ln2 * (run_max + tl.log2(run_sum))
-            tl.store(LSE + offs_m, lse, mask=row_ok)
+            tl.store(LSE + offs_m, eps * (run_max + tl.log2(run_sum)) / LOG2E, mask=row_ok)
         if HAS_V:
             out = acc / run_sum[:, None]
             ptrs = OUT + offs_m[:, None] * stride_on + offs_p[None, :] * stride_op
@@ -195,13 +209,58 @@ def _attend_kernel(
 
 
 @triton.jit
+def _combine_kernel(
+    PART_MAX,
+    PART_SUM,
+    PART_ACC,
+    LSE,
+    OUT,
+    n,
+    p,
+    splits,
+    eps,
+    stride_on,
+    stride_op,
+    BLOCK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    HAS_V: tl.constexpr,
+):
+    """Merge column-split partials: ``M = max_s m_s``, ``L = Σ_s l_s 2^{m_s − M}``, same for acc."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_p = tl.arange(0, BLOCK_P)
+    ok = offs < n
+    top = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for s in range(splits):
+        top = tl.maximum(top, tl.load(PART_MAX + s * n + offs, mask=ok, other=float("-inf")))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK, BLOCK_P), dtype=tl.float32)
+    for s in range(splits):
+        w = tl.exp2(tl.load(PART_MAX + s * n + offs, mask=ok, other=float("-inf")) - top)
+        total += w * tl.load(PART_SUM + s * n + offs, mask=ok, other=0.0)
+        if HAS_V:
+            part = tl.load(
+                PART_ACC + (s * n + offs)[:, None] * p + offs_p[None, :],
+                mask=ok[:, None] & (offs_p[None, :] < p),
+                other=0.0,
+            )
+            acc += w[:, None] * part
+    tl.store(LSE + offs, eps * (top + tl.log2(total)) / LOG2E, mask=ok)
+    if HAS_V:
+        ptrs = OUT + offs[:, None] * stride_on + offs_p[None, :] * stride_op
+        tl.store(ptrs, acc / total[:, None], mask=ok[:, None] & (offs_p[None, :] < p))
+
+
+@triton.jit
 def _plan_sums_kernel(
     Q,
     K,
-    U,
-    V,
-    A,
-    B,
+    F,
+    ALPHA,
+    G,
+    BETA,
+    LOG_A,
+    LOG_B,
     R,
     C,
     n,
@@ -223,10 +282,10 @@ def _plan_sums_kernel(
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """``R_i = Σ_j b_j E_ij`` and (COLUMNS) ``C_j += Σ_i a_i E_ij``, ``E = 2^{s·c + u_i + v_j}``.
+    """``R_i = Σ_j b_j E_ij`` and (COLUMNS) ``C_j += Σ_i a_i E_ij``, one exp2 per element.
 
-    One exp2 per element serves both sums. R must be zeroed when SPLIT (atomics), C
-    always. Grid: (row blocks, column splits).
+    ``E_ij = 2^{(s_ij + f_i − α_i + g_j − β_j)·scale}``. R must be zeroed when SPLIT
+    (atomics), C always. Grid: (row blocks, column splits).
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -235,8 +294,10 @@ def _plan_sums_kernel(
     col_lo = pid_s * cols_per_split
     col_hi = tl.minimum(m, col_lo + cols_per_split)
     q_tile = _load_rows(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, D_CHUNKS)
-    u = tl.load(U + offs_m, mask=row_ok, other=float("-inf"))
-    a = tl.load(A + offs_m, mask=row_ok, other=0.0)
+    f = tl.load(F + offs_m, mask=row_ok, other=0.0)
+    alpha = tl.load(ALPHA + offs_m, mask=row_ok, other=0.0)
+    u = tl.where(row_ok, (f - alpha) * scale, float("-inf"))
+    a = tl.exp(tl.load(LOG_A + offs_m, mask=row_ok, other=float("-inf")))
     r = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for start in range(col_lo, col_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -258,8 +319,10 @@ def _plan_sums_kernel(
             D_CHUNKS,
             PRECISION,
         )
-        v = tl.load(V + offs_n, mask=col_ok, other=float("-inf"))
-        b = tl.load(B + offs_n, mask=col_ok, other=0.0)
+        g = tl.load(G + offs_n, mask=col_ok, other=0.0)
+        beta = tl.load(BETA + offs_n, mask=col_ok, other=0.0)
+        v = tl.where(col_ok, (g - beta) * scale, float("-inf"))
+        b = tl.exp(tl.load(LOG_B + offs_n, mask=col_ok, other=float("-inf")))
         e = tl.exp2(s * scale + u[:, None] + v[None, :])
         r += tl.sum(e * b[None, :], 1)
         if COLUMNS:
@@ -271,40 +334,119 @@ def _plan_sums_kernel(
 
 
 @triton.jit
-def _jacobi_update_kernel(
+def _update_side(
+    pid,
     F,
-    R,
-    W,
+    S,
+    OFFSET,
+    LOG_W,
     F_NEW,
     ERR,
     STATUS,
-    n,
+    size,
     eps,
     lam,
     inv_rho,
     BLOCK: tl.constexpr,
     RELAXED: tl.constexpr,
     CHECK: tl.constexpr,
+    FROM_LSE: tl.constexpr,
 ):
-    """Averaged Jacobi update of one side from its plan sums ``R``.
-
-    ``T(g)_i = f_i − ε ln R_i`` (R from ``_plan_sums_kernel``), ``f' = ½ (f + λ T(g))``.
-    Flags STATUS when some R is 0, tiny (< 2^-60: the fast path underflowed) or not
-    finite (it overflowed); with CHECK adds ``Σ_i |w_i R_i − target_i|`` to ERR, the
-    target being ``w_i`` (balanced) or ``w_i e^{−f_i/ρ}``.
-    """
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
+    """One side of ``_update_kernel``."""
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
     f = tl.load(F + offs, mask=ok, other=0.0)
-    r = tl.load(R + offs, mask=ok, other=1.0)
-    safe = (r > 8.67e-19) & (r < 3.0e38)
-    bad = tl.max(tl.where(safe, 0, 1).to(tl.int32), 0)
-    tl.atomic_max(STATUS, bad)
-    f_new = 0.5 * (f + lam * (f - eps * tl.log(r)))
+    if FROM_LSE:  # S holds the row LSE: ln R = (f − α + lse)/ε, always safe
+        ln_r = (
+            f - tl.load(OFFSET + offs, mask=ok, other=0.0) + tl.load(S + offs, mask=ok, other=0.0)
+        ) / eps
+        r = tl.exp(ln_r)
+    else:  # S holds the plan sums R of the fast path: flag 0, tiny or non-finite ones
+        r = tl.load(S + offs, mask=ok, other=1.0)
+        safe = (r > 8.67e-19) & (r < 3.0e38)
+        tl.atomic_max(STATUS, tl.max(tl.where(safe, 0, 1).to(tl.int32), 0))
+        ln_r = tl.log(r)
+    f_new = 0.5 * (f + lam * (f - eps * ln_r))
     tl.store(F_NEW + offs, f_new, mask=ok)
     if CHECK:
-        w = tl.load(W + offs, mask=ok, other=0.0)
+        w = tl.exp(tl.load(LOG_W + offs, mask=ok, other=float("-inf")))
         target = w
         if RELAXED:
             target = w * tl.exp(-f * inv_rho)
-        tl.atomic_add(ERR, tl.sum(tl.abs(w * r - target), 0))
+        tl.atomic_add(ERR, tl.sum(tl.where(ok, tl.abs(w * r - target), 0.0), 0))
+
+
+@triton.jit
+def _update_kernel(
+    F,
+    R,
+    ALPHA,
+    LOG_A,
+    F_NEW,
+    G,
+    C,
+    BETA,
+    LOG_B,
+    G_NEW,
+    ERR,
+    STATUS,
+    n,
+    m,
+    eps,
+    lam_x,
+    lam_y,
+    inv_rho_x,
+    inv_rho_y,
+    BLOCK: tl.constexpr,
+    RELAXED_X: tl.constexpr,
+    RELAXED_Y: tl.constexpr,
+    CHECK: tl.constexpr,
+    FROM_LSE: tl.constexpr,
+):
+    """Averaged Jacobi update of f and g, ``f' = ½ (f + λ T(g))`` with ``T(g) = f − ε ln R``.
+
+    ``R_i`` are the row sums ``Σ_j b_j e^{(f_i + g_j − C_ij)/ε}`` (from
+    ``_plan_sums_kernel``) or, with FROM_LSE, are rebuilt from row LSEs. With CHECK, adds
+    the L1 marginal error ``Σ |a R − target|`` (target a, or ``a e^{−f/ρ}`` when relaxed)
+    to ERR. Programs ``[0, cdiv(n, BLOCK))`` update f, the rest g.
+    """
+    pid = tl.program_id(0)
+    blocks_f = tl.cdiv(n, BLOCK)
+    if pid < blocks_f:
+        _update_side(
+            pid,
+            F,
+            R,
+            ALPHA,
+            LOG_A,
+            F_NEW,
+            ERR,
+            STATUS,
+            n,
+            eps,
+            lam_x,
+            inv_rho_x,
+            BLOCK,
+            RELAXED_X,
+            CHECK,
+            FROM_LSE,
+        )
+    else:
+        _update_side(
+            pid - blocks_f,
+            G,
+            C,
+            BETA,
+            LOG_B,
+            G_NEW,
+            ERR,
+            STATUS,
+            m,
+            eps,
+            lam_y,
+            inv_rho_y,
+            BLOCK,
+            RELAXED_Y,
+            CHECK,
+            FROM_LSE,
+        )
