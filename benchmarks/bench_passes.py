@@ -1,0 +1,84 @@
+"""Per-pass times of the Triton primitives against their floors (diagnostics).
+
+python benchmarks/bench_passes.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _harness as H
+
+from flashot.backends.triton import TritonBackend
+from flashot.costs import attention_form, get_cost
+from flashot.solver import solve
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", nargs="*", type=int, default=[256, 10_000, 50_000])
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    rows, eps = [], 0.1
+    for n in args.sizes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(n, args.d, device="cuda", generator=g)
+        y = torch.randn(n, args.d, device="cuda", generator=g)
+        la = torch.full((n,), -float(torch.log(torch.tensor(float(n)))), device="cuda")
+        for mode in ("tf32", "bf16", "fp32"):
+            be = TritonBackend(mode)
+            form = attention_form(get_cost("sqeuclidean"), x, y, rounding=be.rounding)
+            # near-converged potentials, so that the fast path is valid
+            out = solve(
+                form, la, la, [eps], lambda e: (1.0, 1.0), (None, None), be, max_iter=30, tol=None
+            )
+            f, gg = out.f, out.g
+            status = torch.zeros(1, dtype=torch.int32, device="cuda")
+            h = gg - form.beta + eps * la
+            v = torch.randn(n, args.d, device="cuda")
+            cases = {
+                "attend_lse": lambda: be.row_attend(form, h, eps),
+                "attend_v64": lambda: be.row_attend(form, h, eps, v),
+                "plan_sums": lambda: be.plan_sums(form, f, gg, la, la, eps),
+                "step_exact": lambda: be.jacobi_step(
+                    form, f, gg, la, la, eps, (1, 1), (None, None)
+                ),
+                "step_fused": lambda: be.jacobi_step(
+                    form, f, gg, la, la, eps, (1, 1), (None, None), fast=True, status=status
+                ),
+            }
+            fl = H.sinkhorn_floor_ms(n, n, args.d, 1, mode)
+            for name, fn in cases.items():
+                fn()
+                ms = H.median_ms(fn)
+                floor = fl["floor_ms"] * (2 if name == "step_exact" else 1)
+                rows.append(
+                    dict(
+                        n=n,
+                        d=args.d,
+                        mode=mode,
+                        op=name,
+                        ms=ms,
+                        floor_ms=floor,
+                        x_floor=ms / floor,
+                        Gelem_per_s=n * n / ms / 1e6,
+                    )
+                )
+                print(rows[-1], flush=True)
+            print("fast path valid:", int(status.item()) == 0, flush=True)
+    H.write(rows, args.out, "passes_h200")
+    print("\n| n | mode | op | ms | floor | x floor |")
+    for r in rows:
+        print(
+            f"| {r['n']} | {r['mode']} | {r['op']} | {r['ms']:.4f} | {r['floor_ms']:.4f} | {r['x_floor']:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
