@@ -75,9 +75,8 @@ def main():
     H.write(rows, args.out, "passes_h200")
     print("\n| n | mode | op | ms | floor | x floor |")
     for r in rows:
-        print(
-            f"| {r['n']} | {r['mode']} | {r['op']} | {r['ms']:.4f} | {r['floor_ms']:.4f} | {r['x_floor']:.1f} |"
-        )
+        cells = (r["n"], r["mode"], r["op"], f"{r['ms']:.4f}", f"{r['floor_ms']:.4f}")
+        print("| " + " | ".join(map(str, cells)) + f" | {r['x_floor']:.1f} |")
 
 
 if __name__ == "__main__":
