@@ -23,6 +23,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="*", type=int, default=[256, 10_000, 50_000])
     ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--modes", nargs="*", default=["tf32", "bf16", "fp32"])
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     rows, eps = [], 0.1
@@ -31,7 +32,7 @@ def main():
         x = torch.randn(n, args.d, device="cuda", generator=g)
         y = torch.randn(n, args.d, device="cuda", generator=g)
         la = torch.full((n,), -float(torch.log(torch.tensor(float(n)))), device="cuda")
-        for mode in ("tf32", "bf16", "fp32"):
+        for mode in args.modes:
             be = TritonBackend(mode)
             form = attention_form(get_cost("sqeuclidean"), x, y, rounding=be.rounding)
             # near-converged potentials, so that the fast path is valid
