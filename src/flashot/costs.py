@@ -137,6 +137,8 @@ def round_operands(u: torch.Tensor, rounding) -> torch.Tensor:
             if rounding == torch.float16 and bool((u.abs() > 6.0e4).any()):
                 raise ValueError("precision='fp16' overflows: centered coordinates exceed 6e4")
             rounded = u.to(rounding).to(u.dtype)
+    if not u.requires_grad:
+        return rounded
     return u + (rounded - u).detach()
 
 

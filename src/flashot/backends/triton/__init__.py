@@ -212,10 +212,6 @@ class TritonBackend(Backend):
         """See :meth:`flashot.backends.base.Backend.row_attend`."""
         return self._attend(form.q, form.k, eps, (h.to(torch.float32).contiguous(),), v)
 
-    def symmetric_lse(self, form, h_col, h_row, eps):
-        """See :meth:`flashot.backends.base.Backend.symmetric_lse`."""
-        return self.row_attend(form, h_col, eps)[0], self.row_attend(form.T, h_row, eps)[0]
-
     def plan_sums(self, form, f, g, log_a, log_b, eps, columns: bool = True):
         r"""Weighted row and column sums of ``E_ij = exp((f_i + g_j − C_ij)/ε)``.
 
