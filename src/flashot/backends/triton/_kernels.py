@@ -31,21 +31,8 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _score_tile(
-    Q,
-    K,
-    q_tile,
-    offs_m,
-    offs_n,
-    n,
-    m,
-    d,
-    stride_qn,
-    stride_qd,
-    stride_kn,
-    stride_kd,
-    BLOCK_D: tl.constexpr,
-    D_CHUNKS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    Q, K, q_tile, offs_m, offs_n, n, m, d, stride_qn, stride_qd, stride_kn, stride_kd,
+    BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """``⟨q_i, k_j⟩`` for one (BLOCK_M, BLOCK_N) tile, in float32."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -93,43 +80,11 @@ def _load_rows(
 
 @triton.jit
 def _attend_kernel(
-    Q,
-    K,
-    H,
-    BETA,
-    LOG_W,
-    V,
-    LSE,
-    OUT,
-    PART_MAX,
-    PART_SUM,
-    PART_ACC,
-    n,
-    m,
-    d,
-    p,
-    scale,
-    eps,
-    cols_per_split,
-    stride_qn,
-    stride_qd,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vp,
-    stride_on,
-    stride_op,
-    n_bucket,
-    m_bucket,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    D_CHUNKS: tl.constexpr,
-    HAS_V: tl.constexpr,
-    SPLIT: tl.constexpr,
-    POTENTIAL_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    Q, K, H, BETA, LOG_W, V, LSE, OUT, PART_MAX, PART_SUM, PART_ACC, n, m, d, p, scale, eps,
+    cols_per_split, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vp, stride_on,
+    stride_op, n_bucket, m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, D_CHUNKS: tl.constexpr, HAS_V: tl.constexpr,
+    SPLIT: tl.constexpr, POTENTIAL_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     V_PRECISION: tl.constexpr,
 ):
     """Row LSE ``ε ln Σ_j e^{(s_ij + h_j)/ε}`` and softmax average of V over one column split.
@@ -153,21 +108,8 @@ def _attend_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < col_hi
         s = _score_tile(
-            Q,
-            K,
-            q_tile,
-            offs_m,
-            offs_n,
-            n,
-            col_hi,
-            d,
-            stride_qn,
-            stride_qd,
-            stride_kn,
-            stride_kd,
-            BLOCK_D,
-            D_CHUNKS,
-            PRECISION,
+            Q, K, q_tile, offs_m, offs_n, n, col_hi, d, stride_qn, stride_qd, stride_kn, stride_kd,
+            BLOCK_D, D_CHUNKS, PRECISION,
         )
         if POTENTIAL_BIAS:  # h = g − β + ε log b, in base-2 units
             g = tl.load(H + offs_n, mask=col_ok, other=0.0)
@@ -210,20 +152,8 @@ def _attend_kernel(
 
 @triton.jit
 def _combine_kernel(
-    PART_MAX,
-    PART_SUM,
-    PART_ACC,
-    LSE,
-    OUT,
-    n,
-    p,
-    splits,
-    eps,
-    stride_on,
-    stride_op,
-    BLOCK: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    HAS_V: tl.constexpr,
+    PART_MAX, PART_SUM, PART_ACC, LSE, OUT, n, p, splits, eps, stride_on, stride_op,
+    BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, HAS_V: tl.constexpr,
 ):
     """Merge column-split partials: ``M = max_s m_s``, ``L = Σ_s l_s 2^{m_s − M}``, same for acc."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -253,34 +183,10 @@ def _combine_kernel(
 
 @triton.jit
 def _plan_sums_kernel(
-    Q,
-    K,
-    F,
-    ALPHA,
-    G,
-    BETA,
-    LOG_A,
-    LOG_B,
-    R,
-    C,
-    n,
-    m,
-    d,
-    scale,
-    cols_per_split,
-    stride_qn,
-    stride_qd,
-    stride_kn,
-    stride_kd,
-    n_bucket,
-    m_bucket,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    D_CHUNKS: tl.constexpr,
-    COLUMNS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, n, m, d, scale, cols_per_split, stride_qn,
+    stride_qd, stride_kn, stride_kd, n_bucket, m_bucket, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, COLUMNS: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """``R_i = Σ_j b_j E_ij`` and (COLUMNS) ``C_j += Σ_i a_i E_ij``, one exp2 per element.
 
@@ -303,21 +209,8 @@ def _plan_sums_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < col_hi
         s = _score_tile(
-            Q,
-            K,
-            q_tile,
-            offs_m,
-            offs_n,
-            n,
-            col_hi,
-            d,
-            stride_qn,
-            stride_qd,
-            stride_kn,
-            stride_kd,
-            BLOCK_D,
-            D_CHUNKS,
-            PRECISION,
+            Q, K, q_tile, offs_m, offs_n, n, col_hi, d, stride_qn, stride_qd, stride_kn, stride_kd,
+            BLOCK_D, D_CHUNKS, PRECISION,
         )
         g = tl.load(G + offs_n, mask=col_ok, other=0.0)
         beta = tl.load(BETA + offs_n, mask=col_ok, other=0.0)
@@ -335,22 +228,8 @@ def _plan_sums_kernel(
 
 @triton.jit
 def _update_side(
-    pid,
-    F,
-    S,
-    OFFSET,
-    LOG_W,
-    F_NEW,
-    ERR,
-    STATUS,
-    size,
-    eps,
-    lam,
-    inv_rho,
-    BLOCK: tl.constexpr,
-    RELAXED: tl.constexpr,
-    CHECK: tl.constexpr,
-    FROM_LSE: tl.constexpr,
+    pid, F, S, OFFSET, LOG_W, F_NEW, ERR, STATUS, size, eps, lam, inv_rho, BLOCK: tl.constexpr,
+    RELAXED: tl.constexpr, CHECK: tl.constexpr, FROM_LSE: tl.constexpr,
 ):
     """One side of ``_update_kernel``."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -378,30 +257,9 @@ def _update_side(
 
 @triton.jit
 def _update_kernel(
-    F,
-    R,
-    ALPHA,
-    LOG_A,
-    F_NEW,
-    G,
-    C,
-    BETA,
-    LOG_B,
-    G_NEW,
-    ERR,
-    STATUS,
-    n,
-    m,
-    eps,
-    lam_x,
-    lam_y,
-    inv_rho_x,
-    inv_rho_y,
-    BLOCK: tl.constexpr,
-    RELAXED_X: tl.constexpr,
-    RELAXED_Y: tl.constexpr,
-    CHECK: tl.constexpr,
-    FROM_LSE: tl.constexpr,
+    F, R, ALPHA, LOG_A, F_NEW, G, C, BETA, LOG_B, G_NEW, ERR, STATUS, n, m, eps, lam_x, lam_y,
+    inv_rho_x, inv_rho_y, BLOCK: tl.constexpr, RELAXED_X: tl.constexpr, RELAXED_Y: tl.constexpr,
+    CHECK: tl.constexpr, FROM_LSE: tl.constexpr,
 ):
     """Averaged Jacobi update of f and g, ``f' = ½ (f + λ T(g))`` with ``T(g) = f − ε ln R``.
 
@@ -414,22 +272,8 @@ def _update_kernel(
     blocks_f = tl.cdiv(n, BLOCK)
     if pid < blocks_f:
         _update_side(
-            pid,
-            F,
-            R,
-            ALPHA,
-            LOG_A,
-            F_NEW,
-            ERR,
-            STATUS,
-            n,
-            eps,
-            lam_x,
-            inv_rho_x,
-            BLOCK,
-            RELAXED_X,
-            CHECK,
-            FROM_LSE,
+            pid, F, R, ALPHA, LOG_A, F_NEW, ERR, STATUS, n, eps, lam_x, inv_rho_x, BLOCK,
+            RELAXED_X, CHECK, FROM_LSE,
         )
     else:
         _update_side(
