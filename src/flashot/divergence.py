@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashot.autodiff.functions import dual_term, soft_c_transform
+from flashot.autodiff.functions import dual_term, extrapolate, soft_c_transform
 from flashot.costs import attention_form
 from flashot.dual import bias
 from flashot.ot import ConvergenceWarning, resolve_schedule
@@ -91,8 +91,7 @@ def debiased_potentials(
         update=update,
         **opts,
     )
-    f = soft_c_transform(problem.form, bias(out.g, form.beta, log_b, eps), eps, lam, engine)
-    g = soft_c_transform(problem.form.T, bias(out.f, form.alpha, log_a, eps), eps, lam, engine)
+    f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, (lam, lam), engine)
     flags = [out.converged]
     p = q = None
     if debias:

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
-from flashot.autodiff.functions import relaxed_side, soft_c_transform
+from flashot.autodiff.functions import extrapolate, relaxed_side
 from flashot.costs import bounding_diameter
-from flashot.dual import bias, marginal_error
+from flashot.dual import marginal_error
 from flashot.problem import Problem, make_problem
 from flashot.result import SinkhornResult, TransportPlan
 from flashot.solver import EpsilonScaling, geomloss_schedule, solve
@@ -166,19 +166,9 @@ def sinkhorn(
         init=init,
         progress=progress,
     )
-    lam = problem.damping(eps)
     # Final extrapolation: the only differentiated step (GeomLoss' convention).
-    grad = torch.is_grad_enabled() and any(
-        t.requires_grad
-        for t in (problem.form.q, problem.form.k, problem.form.alpha, problem.form.beta)
-    )
-    if grad:
-        f = soft_c_transform(problem.form, bias(out.g, form.beta, log_b, eps), eps, lam[0], engine)
-        g = soft_c_transform(
-            problem.form.T, bias(out.f, form.alpha, log_a, eps), eps, lam[1], engine
-        )
-    else:
-        f, g = engine.extrapolate(form, out.f, out.g, log_a, log_b, eps, lam)
+    lam = problem.damping(eps)
+    f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, lam, engine)
     fd, gd = f.detach(), g.detach()
     with torch.no_grad():
         r, c = engine.marginals(form, fd, gd, log_a, log_b, eps)

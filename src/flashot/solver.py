@@ -215,9 +215,7 @@ def solve(
     if init is None:
         lam_x, lam_y = damping(eps)
         zf, zg = torch.zeros_like(q_alpha), torch.zeros_like(k_beta)
-        lse_r, lse_c = backend.symmetric_lse(
-            form, bias(zg, k_beta, log_b, eps), bias(zf, q_alpha, log_a, eps), eps
-        )
+        lse_r, lse_c = backend.potential_lse(form, zf, zg, log_a, log_b, eps)
         f, g = lam_x * (q_alpha - lse_r), lam_y * (k_beta - lse_c)
     else:
         f, g = init

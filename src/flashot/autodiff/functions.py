@@ -24,8 +24,9 @@ import torch
 
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
+from flashot.dual import bias
 
-__all__ = ["SoftCTransform", "dual_term", "relaxed_side", "soft_c_transform"]
+__all__ = ["SoftCTransform", "dual_term", "extrapolate", "relaxed_side", "soft_c_transform"]
 
 
 class SoftCTransform(torch.autograd.Function):
@@ -68,6 +69,36 @@ def soft_c_transform(
         (n,) potential.
     """
     return SoftCTransform.apply(form.q, form.alpha, form.k, h, eps, lam, backend)
+
+
+def extrapolate(
+    form: AttentionForm,
+    f: torch.Tensor,
+    g: torch.Tensor,
+    log_a: torch.Tensor,
+    log_b: torch.Tensor,
+    eps: float,
+    lam: tuple[float, float],
+    backend: Backend,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final step ``(λ_x T(g), λ_y T(f))``, the only one autograd sees.
+
+    ``T(g)`` is differentiable in the row side of ``form`` and ``T(f)`` in its column
+    side (the other potential held fixed). When autograd needs neither, the backend's
+    own (possibly fused) extrapolation runs instead.
+
+    Args:
+        form: attention form (with its autograd history).
+        f: (n,), g: (m,) detached potentials of the last iteration.
+        log_a: (n,), log_b: (m,) log weights.  eps: ε.  lam: (λ_x, λ_y).
+        backend: the streaming primitives.
+    """
+    parts = (form.q, form.k, form.alpha, form.beta)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in parts)):
+        return backend.extrapolate(form.detach(), f, g, log_a, log_b, eps, lam)
+    f_new = soft_c_transform(form, bias(g, form.beta.detach(), log_b, eps), eps, lam[0], backend)
+    g_new = soft_c_transform(form.T, bias(f, form.alpha.detach(), log_a, eps), eps, lam[1], backend)
+    return f_new, g_new
 
 
 def relaxed_side(

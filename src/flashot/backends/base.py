@@ -112,6 +112,19 @@ class Backend:
         """
         return self.row_attend(form, h_col, eps)[0], self.row_attend(form.T, h_row, eps)[0]
 
+    def potential_lse(
+        self, form: AttentionForm, f, g, log_a, log_b, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`symmetric_lse` with the biases of potentials, ``h = g − β + ε log b``.
+
+        Args:
+            form: attention form.  f: (n,), g: (m,) potentials.
+            log_a: (n,), log_b: (m,) log weights.  eps: ε.
+        """
+        return self.symmetric_lse(
+            form, bias(g, form.beta, log_b, eps), bias(f, form.alpha, log_a, eps), eps
+        )
+
     def jacobi_step(
         self,
         form: AttentionForm,
@@ -148,9 +161,7 @@ class Backend:
         Returns:
             ``(f', g', err)``, err a 0-dim tensor or None.
         """
-        lse_r, lse_c = self.symmetric_lse(
-            form, bias(g, form.beta, log_b, eps), bias(f, form.alpha, log_a, eps), eps
-        )
+        lse_r, lse_c = self.potential_lse(form, f, g, log_a, log_b, eps)
         err = None
         if check:
             r, c = (
@@ -171,9 +182,7 @@ class Backend:
             form: attention form.  f: (n,), g: (m,) potentials.
             log_a: (n,), log_b: (m,) log weights.  eps: ε.  lam: (λ_x, λ_y).
         """
-        lse_r, lse_c = self.symmetric_lse(
-            form, bias(g, form.beta, log_b, eps), bias(f, form.alpha, log_a, eps), eps
-        )
+        lse_r, lse_c = self.potential_lse(form, f, g, log_a, log_b, eps)
         return lam[0] * (form.alpha - lse_r), lam[1] * (form.beta - lse_c)
 
     def marginals(
@@ -185,7 +194,5 @@ class Backend:
             form: attention form.  f: (n,), g: (m,) potentials.
             log_a: (n,), log_b: (m,) log weights.  eps: ε.
         """
-        lse_r, lse_c = self.symmetric_lse(
-            form, bias(g, form.beta, log_b, eps), bias(f, form.alpha, log_a, eps), eps
-        )
+        lse_r, lse_c = self.potential_lse(form, f, g, log_a, log_b, eps)
         return row_mass(f, lse_r, form.alpha, log_a, eps), row_mass(g, lse_c, form.beta, log_b, eps)
