@@ -222,36 +222,18 @@ def solve(
     bar = _Progress(progress, max_iter)
     stop = _Stopping(tol)
     last = len(eps_list) - 1
-    # A speculative backend may take a fast path at the final ε. Its first step (a probe)
-    # is verified at once, later ones at each check and at the end; when one failed, the
-    # iterations since the last verified state are replayed exactly, then the exact path
-    # runs for a while (doubling) before the next probe.
-    spec = update == "symmetric" and backend.speculative
-    status = torch.zeros(1, dtype=torch.int32, device=f.device) if spec else None
-    saved, safe_until, backoff, probe = None, 0, 1, True
+    # a backend's fast path (one exponential per element for both updates) keeps its
+    # own device-side state; it falls back to exact updates row by row, never via the host
+    state = backend.fast_state(f.device) if update == "symmetric" else None
     error, it = float("nan"), 0
-    while it < max_iter:
-        it += 1
+    for it in range(1, max_iter + 1):
         eps = eps_list[min(it - 1, last)]
         lam = damping(eps)
-        final = it - 1 >= last
-        check = tol is not None and final and (it - last) % check_every == 0
+        check = tol is not None and it - 1 >= last and (it - last) % check_every == 0
         if update == "symmetric":
-            if spec and final and saved is None:
-                saved = (it - 1, f, g)
-            fast = spec and final and it > safe_until
             f, g, err = backend.jacobi_step(
-                form, f, g, log_a, log_b, eps, lam, rho, check=check, fast=fast, status=status
+                form, f, g, log_a, log_b, eps, lam, rho, check=check, state=state
             )
-            if fast and (check or it == max_iter or probe):
-                if int(status.item()) != 0:
-                    status.zero_()
-                    safe_until, backoff, probe = it + backoff, 2 * backoff, True
-                    it, f, g = saved
-                    continue
-                saved, backoff, probe = (it, f, g), 1, False
-            elif spec and final and not fast:
-                saved = (it, f, g)
         else:
             lse_r, _ = backend.row_attend(form, bias(g, k_beta, log_b, eps), eps)
             if check:  # columns are exact after the previous g-update

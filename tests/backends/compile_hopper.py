@@ -15,7 +15,8 @@ from triton.compiler import ASTSource
 
 from flashot.backends.triton import _kernels as K
 
-FLOATS = {"scale", "eps", "lam", "lam_x", "lam_y", "inv_rho", "inv_rho_x", "inv_rho_y"}
+FLOATS = {"scale", "eps", "lo", "hi", "gate_limit", "lo_r", "lo_c", "inv_rho_x", "inv_rho_y"}
+FLOATS |= {f"w_{age}_{side}" for age in ("old", "new") for side in "xy"}
 
 
 def compile_for_hopper(fn, consts, half=False):
@@ -25,8 +26,6 @@ def compile_for_hopper(fn, consts, half=False):
             sig[a] = "constexpr"
         elif a in FLOATS:
             sig[a] = "fp32"
-        elif a == "STATUS":
-            sig[a] = "*i32"
         elif a[0].isupper():
             sig[a] = "*bf16" if half and a in ("Q", "K") else "*fp32"
         else:
@@ -36,30 +35,44 @@ def compile_for_hopper(fn, consts, half=False):
 
 def variants():
     base = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_P=64)
+    plain = dict(HAS_V=False, POTENTIAL_BIAS=True, REPAIR=False)
     for flags, half in (
+        (dict(plain, D_CHUNKS=1, SPLIT=False, PRECISION="tf32x3"), False),
+        (dict(plain, D_CHUNKS=1, SPLIT=True, REPAIR=True, PRECISION="tf32"), True),
+        (dict(plain, D_CHUNKS=4, SPLIT=False, REPAIR=True, PRECISION="tf32x3"), False),
         (
-            dict(D_CHUNKS=1, HAS_V=False, SPLIT=False, POTENTIAL_BIAS=True, PRECISION="tf32x3"),
+            dict(
+                D_CHUNKS=4,
+                HAS_V=True,
+                SPLIT=True,
+                POTENTIAL_BIAS=False,
+                REPAIR=False,
+                PRECISION="tf32",
+            ),
             False,
         ),
-        (dict(D_CHUNKS=4, HAS_V=True, SPLIT=True, POTENTIAL_BIAS=False, PRECISION="tf32"), False),
-        (dict(D_CHUNKS=1, HAS_V=True, SPLIT=False, POTENTIAL_BIAS=False, PRECISION="tf32"), True),
+        (
+            dict(
+                D_CHUNKS=1,
+                HAS_V=True,
+                SPLIT=False,
+                POTENTIAL_BIAS=False,
+                REPAIR=False,
+                PRECISION="tf32",
+            ),
+            True,
+        ),
     ):
         yield K._attend_kernel, {**base, **flags, "V_PRECISION": flags["PRECISION"]}, half
-    for columns, split in ((True, False), (True, True), (False, False)):
-        consts = dict(
-            BLOCK_M=128,
-            BLOCK_N=64,
-            BLOCK_D=64,
-            D_CHUNKS=1,
-            COLUMNS=columns,
-            SPLIT=split,
-            PRECISION="tf32",
-        )
-        yield K._plan_sums_kernel, consts, False
+    for chunks, split, gated, half in ((1, False, True, False), (1, True, True, True),
+                                       (4, True, False, False)):  # fmt: skip
+        consts = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=64, D_CHUNKS=chunks, SPLIT=split,
+                      GATED=gated, PRECISION="tf32")  # fmt: skip
+        yield K._plan_sums_kernel, consts, half
     yield K._combine_kernel, dict(BLOCK=128, BLOCK_P=64, HAS_V=True), False
     yield (
         K._update_kernel,
-        dict(BLOCK=1024, RELAXED_X=True, RELAXED_Y=False, CHECK=True, FROM_LSE=False),
+        dict(BLOCK=1024, RELAXED_X=True, RELAXED_Y=False, CHECK=True, GATED=True, LOG_SUMS=False),
         False,
     )
 

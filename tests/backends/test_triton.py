@@ -56,35 +56,89 @@ def test_plan_sums_match_dense(gen, splits):
     assert rel(c.cpu(), (a.double() @ E).cpu()) < 2e-5
 
 
-@pytest.mark.parametrize("rho", [(None, None), (0.5, 0.5), (0.5, None)])
-def test_fast_jacobi_step_matches_safe_step(gen, rho):
-    x, y = clouds(gen, 40, 30, 3, dtype=torch.float32)
+def test_plan_sums_gate_skips_the_pass_and_clears_the_next_slot(gen):
+    form, _ = problem(gen, 33, 45, 4, torch.float32, DEVICE)
+    f, g = torch.zeros(33, device=DEVICE), torch.zeros(45, device=DEVICE)
+    la, lb = torch.full((33,), -math.log(33)), torch.full((45,), -math.log(45))
+    be = triton_backend()
+    for limit_hit, gate_in in ((True, math.inf), (False, 3.0)):
+        gate_in_t = torch.tensor([gate_in], device=DEVICE)
+        gate_out = torch.tensor([7.0], device=DEVICE)
+        r, c = be.plan_sums(form, f, g, la.to(DEVICE), lb.to(DEVICE), 0.7, (gate_in_t, gate_out))
+        assert float(gate_out) == 0.0
+        assert (float(r.abs().sum()) == 0.0) == limit_hit
+        assert (float(c.abs().sum()) == 0.0) == limit_hit
+
+
+def _step_setup(gen, rho, n=40, m=30, eps=0.3):
+    x, y = clouds(gen, n, m, 3, dtype=torch.float32)
     res = flashot.sinkhorn(
-        x, y, eps=0.3, tol=1e-3, backend="torch", rho=rho[0] if rho[0] == rho[1] else rho
+        x, y, eps=eps, tol=1e-3, backend="torch", rho=rho[0] if rho[0] == rho[1] else rho
     )
-    form = attention_form(get_cost("sqeuclidean"), x, y).detach()
-    la, lb = torch.full((40,), -math.log(40)), torch.full((30,), -math.log(30))
-    be, status = triton_backend(), torch.zeros(1, dtype=torch.int32)
-    lam = tuple(1.0 if r is None else r / (r + 0.3) for r in rho)
-    args = (form, res.f, res.g, la, lb, 0.3, lam, rho)
-    safe = be.jacobi_step(*args, check=True)
-    fast = be.jacobi_step(*args, check=True, fast=True, status=status)
-    assert int(status) == 0
-    assert rel(fast[0], safe[0]) < 1e-5 and rel(fast[1], safe[1]) < 1e-5
-    # the error is a sum of small differences: compare it absolutely (float32 rounding)
-    assert abs(float(fast[2]) - float(safe[2])) < 1e-6 < float(safe[2])
+    form = attention_form(get_cost("sqeuclidean"), x.to(DEVICE), y.to(DEVICE)).detach()
+    la, lb = torch.full((n,), -math.log(n)), torch.full((m,), -math.log(m))
+    lam = tuple(1.0 if r is None else r / (r + eps) for r in rho)
+    return form, res.f.to(DEVICE), res.g.to(DEVICE), la.to(DEVICE), lb.to(DEVICE), eps, lam
 
 
-def test_fast_step_flags_overflow(gen):
-    x, y = clouds(gen, 20, 20, 3, dtype=torch.float32)
-    form = attention_form(get_cost("sqeuclidean"), x, y).detach()
-    la = torch.full((20,), -math.log(20))
-    status = torch.zeros(1, dtype=torch.int32)
-    f, g = torch.full((20,), 50.0), torch.full((20,), 50.0)  # far from the fixed point at eps=0.1
-    triton_backend().jacobi_step(
-        form, f, g, la, la, 0.1, (1, 1), (None, None), fast=True, status=status
-    )
-    assert int(status) == 1
+@pytest.mark.parametrize("rho", [(None, None), (0.5, 0.5), (0.5, None)])
+def test_fast_jacobi_step_matches_exact_step(gen, rho):
+    form, f, g, la, lb, eps, lam = _step_setup(gen, rho)
+    be = triton_backend()
+    args = (form, f, g, la, lb, eps, lam, rho)
+    exact = be.jacobi_step(*args, check=True)
+    state = be.fast_state(f.device)
+    fast = be.jacobi_step(*args, check=True, state=state)  # gate starts closed: exact
+    again = be.jacobi_step(*args, check=True, state=state)  # now fused
+    r, c = be.plan_sums(form, f, g, la, lb, eps)
+    assert (r > be.valid_range(30)[0]).all() and (c > be.valid_range(40)[0]).all()
+    for out in (fast, again):
+        assert rel(out[0], exact[0]) < 1e-5 and rel(out[1], exact[1]) < 1e-5
+        # the error is a sum of small differences: compare it absolutely (float32 rounding)
+        assert abs(float(out[2]) - float(exact[2])) < 1e-6 < float(exact[2])
+    # the gate now holds the step's largest |ln R|, |ln C| (what decides the sums' range)
+    largest = max(float(r.log().abs().max()), float(c.log().abs().max()))
+    assert float(state.slots[state.parity]) == pytest.approx(largest, rel=1e-4)
+
+
+def test_out_of_range_rows_and_columns_are_repaired_exactly(gen):
+    form, f, g, la, lb, eps, lam = _step_setup(gen, (None, None))
+    f, g = f.clone(), g.clone()
+    f[[3, 17]] += 60.0  # these rows' sums overflow, and every column sum with them
+    g[5] -= 60.0  # this column's sum underflows
+    be = triton_backend()
+    r, c = be.plan_sums(form, f, g, la, lb, eps)
+    lo_r, hi = be.valid_range(30)
+    bad = ~((r > lo_r) & (r < hi))
+    assert bad[[3, 17]].all() and bad.sum() == 2
+    assert not ((c > be.valid_range(40)[0]) & (c < hi)).all()
+    args = (form, f, g, la, lb, eps, lam, (None, None))
+    exact = be.jacobi_step(*args, check=True)
+    state = be.fast_state(f.device)
+    state.slots.zero_()  # open the gate at once
+    fast = be.jacobi_step(*args, check=True, state=state)
+    assert rel(fast[0], exact[0]) < 1e-5 and rel(fast[1], exact[1]) < 1e-5
+    assert float(fast[2]) == float(exact[2]) == math.inf  # e^200 mass: float32 overflows
+    # the residual gate saw the far rows (|ln R| ≈ 60/ε)
+    assert float(state.slots[state.parity]) > 60.0 / eps * 0.9
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_extrapolate_and_marginals_match_the_torch_backend(gen, fused):
+    from flashot.backends.torch_backend import TorchBackend
+
+    form, f, g, la, lb, eps, _ = _step_setup(gen, (None, None))
+    f, g = f.clone(), g.clone()
+    # sums out of the fused range (e^85, e^-83) yet finite: repaired, then compared
+    f[4] += 85.5 * eps
+    g[5] -= 83.0 * eps
+    be, ref = triton_backend(fused=fused), TorchBackend()
+    ours = be.extrapolate(form, f, g, la, lb, eps, (0.9, 0.8))
+    want = ref.extrapolate(form, f, g, la, lb, eps, (0.9, 0.8))
+    assert rel(ours[0], want[0]) < 1e-5 and rel(ours[1], want[1]) < 1e-5
+    ours = be.marginals(form, f, g, la, lb, eps)
+    want = ref.marginals(form, f, g, la, lb, eps)
+    assert rel(ours[0], want[0]) < 1e-5 and rel(ours[1], want[1]) < 1e-5
 
 
 @pytest.mark.parametrize("update", ["symmetric", "alternating"])
@@ -97,25 +151,26 @@ def test_solver_on_triton_matches_torch(gen, update, rho):
     assert res.converged and rel(res.cost.cpu(), ref.cost) < 1e-5
 
 
-def test_speculation_recovers_from_failed_fast_steps(gen, monkeypatch):
-    """A warm start far from the fixed point makes the first fast steps overflow: the
-    solver must notice at the next check and replay those iterations safely."""
+def test_fast_path_recovers_from_a_far_warm_start(gen, monkeypatch):
+    """A warm start far from the fixed point: the gate keeps the first steps exact, the
+    fused pass takes over once the residual is small, and the answer is the torch one."""
     from flashot.backends.triton import TritonBackend
 
-    calls = {True: 0, False: 0}
-    step = TritonBackend.jacobi_step
+    fused = []
+    plan_sums = TritonBackend.plan_sums
 
     def counted(self, *args, **kw):
-        calls[kw.get("fast", False)] += 1
-        return step(self, *args, **kw)
+        r, c = plan_sums(self, *args, **kw)
+        fused.append(bool((r > 0).all()))
+        return r, c
 
-    monkeypatch.setattr(TritonBackend, "jacobi_step", counted)
+    monkeypatch.setattr(TritonBackend, "plan_sums", counted)
     x, y = clouds(gen, 20, 20, 2, dtype=torch.float32)
     init = (torch.full((20,), 40.0), torch.full((20,), 40.0))
     kw = dict(eps=0.5, tol=1e-4, check_every=5, init=init)
     ref = flashot.sinkhorn(x, y, backend="torch", **kw)
     res = flashot.sinkhorn(x.to(DEVICE), y.to(DEVICE), backend="triton", **kw)
-    assert calls[False] >= 1 and calls[True] > 5  # replayed exactly, then fast again
+    assert not fused[0] and sum(fused) > 5  # gated off at first, then fused
     assert res.converged and rel(res.cost.cpu(), ref.cost) < 1e-5
 
 

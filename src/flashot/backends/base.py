@@ -47,7 +47,7 @@ class Backend:
     name = "base"
     #: precisions this backend implements, besides ``"auto"``.
     precisions: tuple[str, ...] = ("fp32",)
-    #: whether :meth:`jacobi_step` has a fast path that the caller must verify.
+    #: whether :meth:`jacobi_step` has a fast path (it needs a :meth:`fast_state`).
     speculative = False
 
     def __init__(self, precision: str = "auto"):
@@ -137,8 +137,7 @@ class Backend:
         rho: tuple[float | None, float | None],
         *,
         check: bool = False,
-        fast: bool = False,
-        status: torch.Tensor | None = None,
+        state=None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         r"""One averaged Jacobi (symmetric) Sinkhorn step, as in GeomLoss.
 
@@ -153,10 +152,8 @@ class Backend:
             log_a: (n,) and log_b: (m,) log weights.
             eps: ε.  lam: (λ_x, λ_y).  rho: (ρ_x, ρ_y) for the error's targets.
             check: also return the L1 marginal error of the plan at (f, g).
-            fast: allow a speculative fast path (backends with ``speculative``): it is
-                exact when it succeeds and otherwise sets ``status`` nonzero; the
-                caller must then redo the step with ``fast=False``.
-            status: (1,) int32 device tensor for the fast path's failure flag.
+            state: the solve's :meth:`fast_state` (None: exact path). A backend's fast
+                path must return the exact step's result (it may fall back per row).
 
         Returns:
             ``(f', g', err)``, err a 0-dim tensor or None.
@@ -172,6 +169,14 @@ class Backend:
         f_new = 0.5 * (f + lam[0] * (form.alpha - lse_r))
         g_new = 0.5 * (g + lam[1] * (form.beta - lse_c))
         return f_new, g_new, err
+
+    def fast_state(self, device: torch.device):
+        """Per-solve state of the fast path of :meth:`jacobi_step`, or None (no fast path).
+
+        Args:
+            device: the solve's device.
+        """
+        return None
 
     def extrapolate(
         self, form: AttentionForm, f, g, log_a, log_b, eps: float, lam: tuple[float, float]

@@ -44,11 +44,14 @@ def _tuned(kernel, configs, key):
 
 _ATTEND_KEY = ["d", "p", "n_bucket", "m_bucket", "HAS_V", "SPLIT", "PRECISION"]
 _ATTEND = _tuned(_attend_kernel, _configs.attend_configs(), _ATTEND_KEY)
-_PLAN_SUMS_KEY = ["d", "n_bucket", "m_bucket", "COLUMNS", "SPLIT", "PRECISION"]
+_PLAN_SUMS_KEY = ["d", "n_bucket", "m_bucket", "SPLIT", "PRECISION"]
 _PLAN_SUMS = _tuned(_plan_sums_kernel, _configs.plan_sums_configs(), _PLAN_SUMS_KEY)
 # best configuration per (kernel, key): after the first (tuning) call, launches skip the
 # autotuner's per-call Python work and go straight to the compiled kernel
 _BEST: dict = {}
+#: skip the fused pass when the last step's largest |ln R| (nats) exceeded this: the sums
+#: would mostly fall outside their valid range (±~70 nats) and need repair anyway
+GATE_LIMIT = 100.0
 
 
 class TritonBackend(Backend):
@@ -96,15 +99,19 @@ class TritonBackend(Backend):
             self._halves[key] = half
         return self._halves[key]
 
-    def _launch(self, tuned, raw, key, grid, args, consts):
-        """Launch with the tuned tiles (tuning on first use), fixed tiles when interpreted."""
+    def _launch(self, tuned, raw, key, grid, args, consts, full=None):
+        """Launch with the tuned tiles (tuning on first use), fixed tiles when interpreted.
+
+        ``full``: constexpr overrides that make a call that may skip work (gated or
+        repair launches) do all of it, for tuning: skipped work would time nothing.
+        """
         if triton_interpreted():
             tiles = _configs.INTERPRETER_TILES
             raw[grid(tiles)](*args, **consts, **tiles)
             return
         cfg = _BEST.get(key) if self.autotune else tuned.configs[0]
         if cfg is None:
-            tuned[grid](*args, **consts)
+            tuned[grid](*args, **{**consts, **(full or {})})
             _BEST[key] = tuned.best_config
             return
         raw[grid(cfg.kwargs)](
@@ -112,13 +119,20 @@ class TritonBackend(Backend):
         )
 
     def _splits(self, n: int, m: int, device) -> tuple[int, int]:
-        """(splits, columns per split), the latter a multiple of every BLOCK_N."""
+        """(splits, moving items per split): n stationary items stream m moving ones.
+
+        The per-split count is a multiple of every tile.
+        """
         splits = self.splits or _configs.column_splits(triton.cdiv(n, 128), m, 64, device)
         per = triton.cdiv(triton.cdiv(m, splits), 128) * 128
         return triton.cdiv(m, per), per
 
-    def _attend(self, q, k, eps, bias, v=None):
-        """Row LSE and softmax average; ``bias`` is ``(h,)`` or ``(g, β, log b)``."""
+    def _attend(self, q, k, eps, bias, v=None, repair=None):
+        """Row LSE and softmax average; ``bias`` is ``(h,)`` or ``(g, β, log b)``.
+
+        ``repair=(sums, lo, hi)`` computes only the row blocks holding a sum outside
+        ``(lo, hi)`` (other rows' outputs are then meaningless).
+        """
         q, k = self._operand(q), self._operand(k)
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
@@ -157,12 +171,15 @@ class TritonBackend(Backend):
             part_max,
             part_sum,
             part_acc,
+            h if repair is None else repair[0],
             n,
             m,
             d,
             p,
             LOG2E / eps,
             eps,
+            0.0 if repair is None else repair[1],
+            0.0 if repair is None else repair[2],
             per,
             q.stride(0),
             q.stride(1),
@@ -182,11 +199,12 @@ class TritonBackend(Backend):
             HAS_V=has_v,
             SPLIT=split,
             POTENTIAL_BIAS=potential,
+            REPAIR=repair is not None,
             PRECISION=self._dot(),
             V_PRECISION=self._dot(),
         )
         key = ("attend", d, p, nb, mb, has_v, split, potential, self._dot(), q.dtype)
-        self._launch(_ATTEND, _attend_kernel, key, grid, args, consts)
+        self._launch(_ATTEND, _attend_kernel, key, grid, args, consts, full={"REPAIR": False})
         if split:
             blk = 128
             _combine_kernel[(triton.cdiv(n, blk),)](
@@ -212,136 +230,136 @@ class TritonBackend(Backend):
         """See :meth:`flashot.backends.base.Backend.row_attend`."""
         return self._attend(form.q, form.k, eps, (h.to(torch.float32).contiguous(),), v)
 
-    def plan_sums(self, form, f, g, log_a, log_b, eps, columns: bool = True):
+    def plan_sums(self, form, f, g, log_a, log_b, eps, gate=None):
         r"""Weighted row and column sums of ``E_ij = exp((f_i + g_j − C_ij)/ε)``.
 
         .. math::
 
             R_i = \sum_j b_j E_{ij}, \qquad C_j = \sum_i a_i E_{ij},
 
-        one exponential per element (``a_i b_j E_ij`` is the plan ``P_ij``). Valid only
-        while E neither overflows nor underflows: callers check R and C.
+        one exponential per element (``a_i b_j E_ij`` is the plan ``P_ij``). A sum is
+        exact when it lies in :meth:`valid_range`; outside it, terms may have over- or
+        underflowed.
 
         Args:
             form: attention form.  f: (n,), g: (m,) potentials.
-            log_a: (n,), log_b: (m,) log weights.  eps: ε.  columns: also compute C.
+            log_a: (n,), log_b: (m,) log weights.  eps: ε.
+            gate: optional ``(gate_in, gate_out)`` 1-element float32 tensors: skip the
+                pass (sums stay 0) when ``gate_in`` exceeds :data:`GATE_LIMIT`, and zero
+                ``gate_out``.
 
         Returns:
-            ``(R (n,), C (m,) or None)``.
+            ``(R (n,), C (m,))``.
         """
         q, k = self._operand(form.q), self._operand(form.k)
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
         bd, chunks = _configs.block_d(d)
-        splits, per = self._splits(n, m, dev)
+        splits, per = self._splits(m, n, dev)
         sums = torch.zeros(n + m, device=dev, dtype=torch.float32)
         r, c = sums[:n], sums[n:]
+        gate_in, gate_out = gate if gate is not None else (sums, sums)
 
         def grid(meta):
-            return (triton.cdiv(n, meta["BLOCK_M"]), splits)
+            return (triton.cdiv(m, meta["BLOCK_N"]), splits)
 
         nb, mb = _configs.bucket(n), _configs.bucket(m)
-        args = (
-            q,
-            k,
-            f,
-            form.alpha,
-            g,
-            form.beta,
-            log_a,
-            log_b,
-            r,
-            c,
-            n,
-            m,
-            d,
-            LOG2E / eps,
-            per,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            nb,
-            mb,
-        )
+        args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, r, c, gate_in, gate_out, n, m,
+                d, LOG2E / eps, GATE_LIMIT, per, q.stride(0), q.stride(1), k.stride(0),
+                k.stride(1), nb, mb)  # fmt: skip
         consts = dict(
-            BLOCK_D=bd, D_CHUNKS=chunks, COLUMNS=columns, SPLIT=splits > 1, PRECISION=self._dot()
+            BLOCK_D=bd,
+            D_CHUNKS=chunks,
+            SPLIT=splits > 1,
+            GATED=gate is not None,
+            PRECISION=self._dot(),
         )
-        key = ("plan_sums", d, nb, mb, columns, splits > 1, self._dot(), q.dtype)
-        self._launch(_PLAN_SUMS, _plan_sums_kernel, key, grid, args, consts)
-        return r, (c if columns else None)
+        key = ("plan_sums", d, nb, mb, splits > 1, self._dot(), q.dtype)
+        first = key not in _BEST
+        self._launch(_PLAN_SUMS, _plan_sums_kernel, key, grid, args, consts, full={"GATED": False})
+        if first and gate is not None and not triton_interpreted():
+            gate_out.zero_()  # the tuning launch ran ungated
+        return r, c
 
-    def jacobi_step(
-        self, form, f, g, log_a, log_b, eps, lam, rho, *, check=False, fast=False, status=None
-    ):
-        """See :meth:`flashot.backends.base.Backend.jacobi_step`.
+    @staticmethod
+    def valid_range(size: int) -> tuple[float, float]:
+        """``(lo, hi)`` within which a plan sum over ``size`` terms is exact in float32.
 
-        The fast path shares one score tile and one exponential per element between the
-        row and column updates; the exact path runs two online-max passes. Either way
-        the update and the marginal error are one more small launch.
+        Its largest term is at least ``sum/size``; with ``sum > size·2^-100`` every term
+        that matters (within 2^-24 of it) is a normal float, and terms that underflowed
+        add less than ``sum·2^-26``; ``hi`` leaves room below overflow.
         """
-        if fast:
-            r, c = self.plan_sums(form, f, g, log_a, log_b, eps)
-        else:
-            r = self._attend(form.q, form.k, eps, (g, form.beta, log_b))[0]
-            c = self._attend(form.k, form.q, eps, (f, form.alpha, log_a))[0]
+        return size * 2.0**-100, 2.0**120
+
+    def fast_state(self, device):
+        """See :meth:`flashot.backends.base.Backend.fast_state`: the residual gate."""
+        return _Gate(device) if self.speculative else None
+
+    def _step(self, form, f, g, log_a, log_b, eps, w_old, w_new, *, rho=(None, None),
+              check=False, state=None, log_sums=False):  # fmt: skip
+        """Fused sums (when allowed), exact repair where needed, then both updates."""
         n, m = f.shape[0], g.shape[0]
-        f_new, g_new = torch.empty_like(f), torch.empty_like(g)
-        err = torch.zeros(1, device=f.device, dtype=torch.float32) if check else f_new
-        if status is None:
-            status = torch.zeros(1, device=f.device, dtype=torch.int32)
+        dev = f.device
+        gate = None if state is None else state.swap()
+        if self.speculative:
+            r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate)
+        else:
+            r, c = torch.zeros(n, device=dev), torch.zeros(m, device=dev)
+        (lo_r, hi), (lo_c, _) = self.valid_range(m), self.valid_range(n)
+        lse_r = self._attend(form.q, form.k, eps, (g, form.beta, log_b), repair=(r, lo_r, hi))[0]
+        lse_c = self._attend(form.k, form.q, eps, (f, form.alpha, log_a), repair=(c, lo_c, hi))[0]
+        f_out, g_out = torch.empty_like(f), torch.empty_like(g)
+        err = torch.zeros(1, device=dev, dtype=torch.float32) if check else f_out
         blk = 1024
         _update_kernel[(triton.cdiv(n, blk) + triton.cdiv(m, blk),)](
-            f,
-            r,
-            form.alpha,
-            log_a,
-            f_new,
-            g,
-            c,
-            form.beta,
-            log_b,
-            g_new,
-            err,
-            status,
-            n,
-            m,
-            eps,
-            lam[0],
-            lam[1],
+            f, r, lse_r, form.alpha, log_a, f_out, g, c, lse_c, form.beta, log_b, g_out, err,
+            f_out if gate is None else gate[1], n, m, eps, lo_r, lo_c, hi, w_old[0], w_new[0],
+            w_old[1], w_new[1],
             0.0 if rho[0] is None else 1.0 / rho[0],
             0.0 if rho[1] is None else 1.0 / rho[1],
             BLOCK=blk,
             RELAXED_X=rho[0] is not None,
             RELAXED_Y=rho[1] is not None,
             CHECK=check,
-            FROM_LSE=not fast,
-        )
-        return f_new, g_new, (err[0] if check else None)
+            GATED=gate is not None,
+            LOG_SUMS=log_sums,
+        )  # fmt: skip
+        return f_out, g_out, (err[0] if check else None)
 
-    def _checked_sums(self, form, f, g, log_a, log_b, eps):
-        """Fused (R, C) at (f, g) when no exponential over- or underflowed, else None."""
-        if not self.speculative:
-            return None
-        r, c = self.plan_sums(form, f, g, log_a, log_b, eps)
-        lo = torch.stack([r.min(), c.min()])
-        hi = torch.stack([r.max(), c.max()])
-        if bool((lo > 2.0**-60).all() & (hi < 3.0e38).all()):
-            return r, c
-        return None
+    def jacobi_step(self, form, f, g, log_a, log_b, eps, lam, rho, *, check=False, state=None):
+        """See :meth:`flashot.backends.base.Backend.jacobi_step`.
+
+        The fast path shares one score tile and one exponential per element between the
+        row and column updates, and rows or columns where it is out of range are redone
+        exactly (online max) in the same step; without ``state`` (or ``fused=False``)
+        every row takes the exact path. Either way the update and the marginal error are
+        one more small launch, and nothing waits for the host.
+        """
+        return self._step(form, f, g, log_a, log_b, eps, (0.5, 0.5), (0.5 * lam[0], 0.5 * lam[1]),
+                          rho=rho, check=check, state=state)  # fmt: skip
 
     def extrapolate(self, form, f, g, log_a, log_b, eps, lam):
-        """See :meth:`flashot.backends.base.Backend.extrapolate` (one fused pass when safe)."""
-        sums = self._checked_sums(form, f, g, log_a, log_b, eps)
-        if sums is None:
-            return super().extrapolate(form, f, g, log_a, log_b, eps, lam)
-        r, c = sums
-        return lam[0] * (f - eps * torch.log(r)), lam[1] * (g - eps * torch.log(c))
+        """See :meth:`flashot.backends.base.Backend.extrapolate` (fused where valid)."""
+        return self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), lam)[:2]
 
     def marginals(self, form, f, g, log_a, log_b, eps):
-        """See :meth:`flashot.backends.base.Backend.marginals` (one fused pass when safe)."""
-        sums = self._checked_sums(form, f, g, log_a, log_b, eps)
-        if sums is None:
-            return super().marginals(form, f, g, log_a, log_b, eps)
-        r, c = sums
-        return torch.exp(log_a) * r, torch.exp(log_b) * c
+        """See :meth:`flashot.backends.base.Backend.marginals` (fused where valid)."""
+        ln_r, ln_c, _ = self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), (0.0, 0.0),
+                                   log_sums=True)  # fmt: skip
+        return torch.exp(log_a + ln_r), torch.exp(log_b + ln_c)
+
+
+class _Gate:
+    """Device-side residual gate of a solve.
+
+    Two slots, one read by a step and one written by it for the next, so that a fused
+    launch never reads the slot being filled.
+    """
+
+    def __init__(self, device):
+        self.slots = torch.full((2,), float("inf"), device=device, dtype=torch.float32)
+        self.parity = 0
+
+    def swap(self):
+        p, self.parity = self.parity, 1 - self.parity
+        return self.slots[p : p + 1], self.slots[1 - p : 2 - p]

@@ -9,16 +9,19 @@ exponential is one ``exp2``. The kernels:
   The bias is either given (``h``) or formed on the fly from a potential,
   ``h = g − β + ε log b`` (``POTENTIAL_BIAS``), which saves the host three launches.
 * ``_combine_kernel`` merges the partial (max, sum, acc) of column splits.
-* ``_plan_sums_kernel`` (one exp per element for rows *and* columns): with
-  ``E_ij = exp((⟨q_i, k_j⟩ + f_i − α_i + g_j − β_j)/ε)`` it accumulates
-  ``R_i = Σ_j b_j E_ij`` and, with atomics, ``C_j = Σ_i a_i E_ij``. No max is tracked,
-  so it is exact only while E neither overflows nor underflows, which holds near the
-  Sinkhorn fixed point (there ``a_i b_j E_ij = P_ij``); callers verify.
-* ``_update_kernel``: the averaged Jacobi update of both potentials from their plan
-  sums (or LSEs), the marginal error, and the fast path's failure flag, in one launch.
+* ``_plan_sums_kernel`` (one exp per element for rows *and* columns, column-stationary):
+  with ``E_ij = exp((⟨q_i, k_j⟩ + f_i − α_i + g_j − β_j)/ε)`` it accumulates
+  ``R_i = Σ_j b_j E_ij`` and ``C_j = Σ_i a_i E_ij``. No max is tracked, so a sum is
+  exact only while it lies in a range where its terms neither overflow nor underflow,
+  which holds near the Sinkhorn fixed point (there ``a_i b_j E_ij = P_ij``).
+* the same ``_attend_kernel`` with REPAIR recomputes, exactly, only the row blocks
+  holding a sum out of that range; the fast path never needs the host to verify.
+* ``_update_kernel``: both potential updates (Jacobi step, extrapolation or log-sums)
+  from the valid sums or the repaired LSEs, the marginal error, and the largest
+  residual ``|ln R|`` that gates the next fused launch, in one launch.
 
 Features are tiled over d in BLOCK_D chunks (``D_CHUNKS`` of them); with one chunk the
-row tile is loaded once. Tails are masked; ``-inf`` biases mark zero weights.
+stationary tile is loaded once. Tails are masked; ``-inf`` biases mark zero weights.
 """
 
 from __future__ import annotations
@@ -30,20 +33,54 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _score_tile(
-    Q, K, q_tile, offs_m, offs_n, n, m, d, stride_qn, stride_qd, stride_kn, stride_kd,
-    BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, PRECISION: tl.constexpr,
+def _load_tile(X, offs, size, d, stride_n, stride_d, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
 ):
-    """``⟨q_i, k_j⟩`` for one (BLOCK_M, BLOCK_N) tile, in float32."""
+    """A (len(offs), BLOCK_D) tile of X, or its transpose, hoisted out of a streaming loop.
+
+    Only when d fits in one chunk; a dummy otherwise.
+    """
     offs_d = tl.arange(0, BLOCK_D)
     if D_CHUNKS == 1:
-        kt = tl.load(
-            K + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-            mask=(offs_n[None, :] < m) & (offs_d[:, None] < d),
-            other=0.0,
-        )
-        s = tl.dot(q_tile, kt, input_precision=PRECISION)
+        if TRANSPOSED:
+            t = tl.load(
+                X + offs[None, :] * stride_n + offs_d[:, None] * stride_d,
+                mask=(offs[None, :] < size) & (offs_d[:, None] < d),
+                other=0.0,
+            )
+        else:
+            t = tl.load(
+                X + offs[:, None] * stride_n + offs_d[None, :] * stride_d,
+                mask=(offs[:, None] < size) & (offs_d[None, :] < d),
+                other=0.0,
+            )
     else:
+        if TRANSPOSED:
+            t = tl.zeros((BLOCK_D, offs.shape[0]), dtype=X.dtype.element_ty)
+        else:
+            t = tl.zeros((offs.shape[0], BLOCK_D), dtype=X.dtype.element_ty)
+    return t
+
+
+@triton.jit
+def _score_tile(
+    Q, K, q_tile, kt_tile, offs_m, offs_n, n, m, d, stride_qn, stride_qd, stride_kn, stride_kd,
+    BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, HOIST_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``⟨q_i, k_j⟩`` for one (BLOCK_M, BLOCK_N) tile, in float32.
+
+    With one chunk the stationary side comes hoisted (``q_tile``, or ``kt_tile`` with
+    HOIST_K) and the other side is loaded; with several chunks both are loaded per chunk.
+    """
+    if D_CHUNKS == 1:
+        if HOIST_K:
+            q = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
+            s = tl.dot(q, kt_tile, input_precision=PRECISION)
+        else:
+            kt = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
+            s = tl.dot(q_tile, kt, input_precision=PRECISION)
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
         s = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
         for c in range(D_CHUNKS):
             dd = c * BLOCK_D + offs_d
@@ -62,45 +99,35 @@ def _score_tile(
 
 
 @triton.jit
-def _load_rows(
-    Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr
-):
-    """The row tile when it fits in one chunk (hoisted out of the column loop), else a dummy."""
-    offs_d = tl.arange(0, BLOCK_D)
-    if D_CHUNKS == 1:
-        q = tl.load(
-            Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-            mask=(offs_m[:, None] < n) & (offs_d[None, :] < d),
-            other=0.0,
-        )
-    else:
-        q = tl.zeros((offs_m.shape[0], BLOCK_D), dtype=Q.dtype.element_ty)
-    return q
-
-
-@triton.jit
 def _attend_kernel(
-    Q, K, H, BETA, LOG_W, V, LSE, OUT, PART_MAX, PART_SUM, PART_ACC, n, m, d, p, scale, eps,
-    cols_per_split, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vp, stride_on,
-    stride_op, n_bucket, m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q, K, H, BETA, LOG_W, V, LSE, OUT, PART_MAX, PART_SUM, PART_ACC, S, n, m, d, p, scale, eps, lo,
+    hi, cols_per_split, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vp,
+    stride_on, stride_op, n_bucket, m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, D_CHUNKS: tl.constexpr, HAS_V: tl.constexpr,
-    SPLIT: tl.constexpr, POTENTIAL_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    V_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, POTENTIAL_BIAS: tl.constexpr, REPAIR: tl.constexpr,
+    PRECISION: tl.constexpr, V_PRECISION: tl.constexpr,
 ):
     """Row LSE ``ε ln Σ_j e^{(s_ij + h_j)/ε}`` and softmax average of V over one column split.
 
     Grid: (row blocks, column splits, value chunks of BLOCK_P). Without SPLIT the
     program finalizes (LSE, OUT); with SPLIT it writes (max, sum, acc) partials for
-    ``_combine_kernel``. ``n_bucket``/``m_bucket`` only key the autotuner.
+    ``_combine_kernel``. With REPAIR, a row block whose plan sums ``S`` all lie in
+    ``(lo, hi)`` (the fused pass was valid there) streams nothing and its outputs are
+    meaningless. ``n_bucket``/``m_bucket`` only key the autotuner.
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_p = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    row_ok = offs_m < n
     col_lo = pid_s * cols_per_split
     col_hi = tl.minimum(m, col_lo + cols_per_split)
-    q_tile = _load_rows(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, D_CHUNKS)
+    if REPAIR:  # an empty column range when every row of the block is valid
+        sums = tl.load(S + offs_m, mask=row_ok, other=1.0)
+        bad = row_ok & ((sums <= lo) | (sums >= hi) | (sums != sums))
+        col_hi = tl.where(tl.max(bad.to(tl.int32), 0) > 0, col_hi, col_lo)
+    q_tile = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, D_CHUNKS, False)
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
@@ -108,8 +135,8 @@ def _attend_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < col_hi
         s = _score_tile(
-            Q, K, q_tile, offs_m, offs_n, n, col_hi, d, stride_qn, stride_qd, stride_kn, stride_kd,
-            BLOCK_D, D_CHUNKS, PRECISION,
+            Q, K, q_tile, q_tile, offs_m, offs_n, n, col_hi, d, stride_qn, stride_qd, stride_kn,
+            stride_kd, BLOCK_D, D_CHUNKS, False, PRECISION,
         )
         if POTENTIAL_BIAS:  # h = g − β + ε log b, in base-2 units
             g = tl.load(H + offs_n, mask=col_ok, other=0.0)
@@ -132,7 +159,6 @@ def _attend_kernel(
             )
             acc = acc * decay[:, None] + tl.dot(e.to(v.dtype), v, input_precision=V_PRECISION)
         run_max = new_max
-    row_ok = offs_m < n
     if SPLIT:
         idx = pid_s * n + offs_m
         if pid_p == 0:
@@ -183,114 +209,118 @@ def _combine_kernel(
 
 @triton.jit
 def _plan_sums_kernel(
-    Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, n, m, d, scale, cols_per_split, stride_qn,
-    stride_qd, stride_kn, stride_kd, n_bucket, m_bucket, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, COLUMNS: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, n, m, d, scale, gate_limit,
+    rows_per_split,
+    stride_qn, stride_qd, stride_kn, stride_kd, n_bucket, m_bucket, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, SPLIT: tl.constexpr,
+    GATED: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """``R_i = Σ_j b_j E_ij`` and (COLUMNS) ``C_j += Σ_i a_i E_ij``, one exp2 per element.
+    """``R_i += Σ_j b_j E_ij`` and ``C_j = Σ_i a_i E_ij``, one exp2 per element.
 
-    ``E_ij = 2^{(s_ij + f_i − α_i + g_j − β_j)·scale}``. R must be zeroed when SPLIT
-    (atomics), C always. Grid: (row blocks, column splits).
+    ``E_ij = 2^{(s_ij + f_i − α_i + g_j − β_j)·scale}``. Column-stationary: a program
+    keeps BLOCK_N columns on chip and streams the row tiles of its row split. Column
+    sums accumulate elementwise in a (BLOCK_M, BLOCK_N) register tile and are reduced
+    once at the end; row sums are reduced along the tile's cheap axis (within a thread
+    and a quad of lanes) and added atomically. R must be zeroed, and C too when SPLIT.
+    With GATED, nothing is streamed when ``GATE_IN`` (the last step's largest
+    ``|ln R|``) exceeds ``gate_limit``, and program (0, 0) zeroes ``GATE_OUT``, which
+    the update kernel then fills. Grid: (column blocks, row splits).
     """
-    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < n
-    col_lo = pid_s * cols_per_split
-    col_hi = tl.minimum(m, col_lo + cols_per_split)
-    q_tile = _load_rows(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, D_CHUNKS)
-    f = tl.load(F + offs_m, mask=row_ok, other=0.0)
-    alpha = tl.load(ALPHA + offs_m, mask=row_ok, other=0.0)
-    u = tl.where(row_ok, (f - alpha) * scale, float("-inf"))
-    a = tl.exp(tl.load(LOG_A + offs_m, mask=row_ok, other=float("-inf")))
-    r = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for start in range(col_lo, col_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < col_hi
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < m
+    row_lo = pid_s * rows_per_split
+    row_hi = tl.minimum(n, row_lo + rows_per_split)
+    if GATED:
+        row_hi = tl.where(tl.load(GATE_IN) <= gate_limit, row_hi, row_lo)
+        if (pid_n == 0) & (pid_s == 0):
+            tl.store(GATE_OUT, 0.0)
+    kt_tile = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, D_CHUNKS, True)
+    g = tl.load(G + offs_n, mask=col_ok, other=0.0)
+    beta = tl.load(BETA + offs_n, mask=col_ok, other=0.0)
+    v = tl.where(col_ok, (g - beta) * scale, float("-inf"))
+    b = tl.exp(tl.load(LOG_B + offs_n, mask=col_ok, other=float("-inf")))
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(row_lo, row_hi, BLOCK_M):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < row_hi
         s = _score_tile(
-            Q, K, q_tile, offs_m, offs_n, n, col_hi, d, stride_qn, stride_qd, stride_kn, stride_kd,
-            BLOCK_D, D_CHUNKS, PRECISION,
+            Q, K, kt_tile, kt_tile, offs_m, offs_n, row_hi, m, d, stride_qn, stride_qd, stride_kn,
+            stride_kd, BLOCK_D, D_CHUNKS, True, PRECISION,
         )
-        g = tl.load(G + offs_n, mask=col_ok, other=0.0)
-        beta = tl.load(BETA + offs_n, mask=col_ok, other=0.0)
-        v = tl.where(col_ok, (g - beta) * scale, float("-inf"))
-        b = tl.exp(tl.load(LOG_B + offs_n, mask=col_ok, other=float("-inf")))
+        f = tl.load(F + offs_m, mask=row_ok, other=0.0)
+        alpha = tl.load(ALPHA + offs_m, mask=row_ok, other=0.0)
+        u = tl.where(row_ok, (f - alpha) * scale, float("-inf"))
+        a = tl.exp(tl.load(LOG_A + offs_m, mask=row_ok, other=float("-inf")))
         e = tl.exp2(s * scale + u[:, None] + v[None, :])
-        r += tl.sum(e * b[None, :], 1)
-        if COLUMNS:
-            tl.atomic_add(C + offs_n, tl.sum(e * a[:, None], 0), mask=col_ok)
+        tl.atomic_add(R + offs_m, tl.sum(e * b[None, :], 1), mask=row_ok, sem="relaxed")
+        acc += e * a[:, None]
+    c = tl.sum(acc, 0)
     if SPLIT:
-        tl.atomic_add(R + offs_m, r, mask=row_ok)
+        tl.atomic_add(C + offs_n, c, mask=col_ok, sem="relaxed")
     else:
-        tl.store(R + offs_m, r, mask=row_ok)
+        tl.store(C + offs_n, c, mask=col_ok)
 
 
 @triton.jit
 def _update_side(
-    pid, F, S, OFFSET, LOG_W, F_NEW, ERR, STATUS, size, eps, lam, inv_rho, BLOCK: tl.constexpr,
-    RELAXED: tl.constexpr, CHECK: tl.constexpr, FROM_LSE: tl.constexpr,
+    pid, F, S, LSE, OFFSET, LOG_W, OUT, ERR, GATE, size, eps, lo, hi, w_old, w_new, inv_rho,
+    BLOCK: tl.constexpr, RELAXED: tl.constexpr, CHECK: tl.constexpr, GATED: tl.constexpr,
+    LOG_SUMS: tl.constexpr,
 ):
     """One side of ``_update_kernel``."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < size
     f = tl.load(F + offs, mask=ok, other=0.0)
-    if FROM_LSE:  # S holds the row LSE: ln R = (f − α + lse)/ε, always safe
-        ln_r = (
-            f - tl.load(OFFSET + offs, mask=ok, other=0.0) + tl.load(S + offs, mask=ok, other=0.0)
-        ) / eps
-        r = tl.exp(ln_r)
-    else:  # S holds the plan sums R of the fast path: flag 0, tiny or non-finite ones
-        r = tl.load(S + offs, mask=ok, other=1.0)
-        safe = (r > 8.67e-19) & (r < 3.0e38)
-        tl.atomic_max(STATUS, tl.max(tl.where(safe, 0, 1).to(tl.int32), 0))
-        ln_r = tl.log(r)
-    f_new = 0.5 * (f + lam * (f - eps * ln_r))
-    tl.store(F_NEW + offs, f_new, mask=ok)
+    sums = tl.load(S + offs, mask=ok, other=1.0)
+    valid = (sums > lo) & (sums < hi)
+    # where the fused sum is out of range (or was skipped) the repair pass wrote the row
+    # LSE: ln R = (f − α + lse)/ε, always finite
+    offset = tl.load(OFFSET + offs, mask=ok, other=0.0)
+    exact = (f - offset + tl.load(LSE + offs, mask=ok, other=0.0)) / eps
+    ln_r = tl.where(valid, tl.log(tl.where(valid, sums, 1.0)), exact)
+    if GATED:
+        tl.atomic_max(GATE, tl.max(tl.where(ok, tl.abs(ln_r), 0.0), 0), sem="relaxed")
+    if LOG_SUMS:
+        tl.store(OUT + offs, ln_r, mask=ok)
+    else:
+        tl.store(OUT + offs, w_old * f + w_new * (f - eps * ln_r), mask=ok)
     if CHECK:
         w = tl.exp(tl.load(LOG_W + offs, mask=ok, other=float("-inf")))
         target = w
         if RELAXED:
             target = w * tl.exp(-f * inv_rho)
-        tl.atomic_add(ERR, tl.sum(tl.where(ok, tl.abs(w * r - target), 0.0), 0))
+        err = tl.sum(tl.where(ok, tl.abs(w * tl.exp(ln_r) - target), 0.0), 0)
+        tl.atomic_add(ERR, err, sem="relaxed")
 
 
 @triton.jit
 def _update_kernel(
-    F, R, ALPHA, LOG_A, F_NEW, G, C, BETA, LOG_B, G_NEW, ERR, STATUS, n, m, eps, lam_x, lam_y,
-    inv_rho_x, inv_rho_y, BLOCK: tl.constexpr, RELAXED_X: tl.constexpr, RELAXED_Y: tl.constexpr,
-    CHECK: tl.constexpr, FROM_LSE: tl.constexpr,
+    F, R, LSE_R, ALPHA, LOG_A, F_OUT, G, C, LSE_C, BETA, LOG_B, G_OUT, ERR, GATE, n, m, eps, lo_r,
+    lo_c, hi, w_old_x, w_new_x, w_old_y, w_new_y, inv_rho_x, inv_rho_y, BLOCK: tl.constexpr,
+    RELAXED_X: tl.constexpr, RELAXED_Y: tl.constexpr, CHECK: tl.constexpr, GATED: tl.constexpr,
+    LOG_SUMS: tl.constexpr,
 ):
-    """Averaged Jacobi update of f and g, ``f' = ½ (f + λ T(g))`` with ``T(g) = f − ε ln R``.
+    """Both potentials from their plan sums: ``f' = w_old f + w_new T(g)``, ``T(g) = f − ε ln R``.
 
-    ``R_i`` are the row sums ``Σ_j b_j e^{(f_i + g_j − C_ij)/ε}`` (from
-    ``_plan_sums_kernel``) or, with FROM_LSE, are rebuilt from row LSEs. With CHECK, adds
-    the L1 marginal error ``Σ |a R − target|`` (target a, or ``a e^{−f/ρ}`` when relaxed)
-    to ERR. Programs ``[0, cdiv(n, BLOCK))`` update f, the rest g.
+    ``R_i = Σ_j b_j e^{(f_i + g_j − C_ij)/ε}`` comes from the fused pass where it lies in
+    ``(lo_r, hi)`` and from the repair pass's row LSE elsewhere (same for C). The
+    averaged Jacobi step is ``w_old = ½, w_new = λ/2``, the extrapolation ``0, λ``; with
+    LOG_SUMS the outputs are ``ln R``, ``ln C`` instead. With CHECK, adds the L1
+    marginal error ``Σ |a R − target|`` (target a, or ``a e^{−f/ρ}`` when relaxed) to
+    ERR; with GATED, the largest ``|ln R|``, ``|ln C|`` goes to ``GATE`` for the
+    next fused launch. Programs ``[0, cdiv(n, BLOCK))`` do f, the rest g.
     """
     pid = tl.program_id(0)
     blocks_f = tl.cdiv(n, BLOCK)
     if pid < blocks_f:
         _update_side(
-            pid, F, R, ALPHA, LOG_A, F_NEW, ERR, STATUS, n, eps, lam_x, inv_rho_x, BLOCK,
-            RELAXED_X, CHECK, FROM_LSE,
+            pid, F, R, LSE_R, ALPHA, LOG_A, F_OUT, ERR, GATE, n, eps, lo_r, hi, w_old_x,
+            w_new_x, inv_rho_x, BLOCK, RELAXED_X, CHECK, GATED, LOG_SUMS,
         )
     else:
         _update_side(
-            pid - blocks_f,
-            G,
-            C,
-            BETA,
-            LOG_B,
-            G_NEW,
-            ERR,
-            STATUS,
-            m,
-            eps,
-            lam_y,
-            inv_rho_y,
-            BLOCK,
-            RELAXED_Y,
-            CHECK,
-            FROM_LSE,
+            pid - blocks_f, G, C, LSE_C, BETA, LOG_B, G_OUT, ERR, GATE, m, eps, lo_c, hi,
+            w_old_y, w_new_y, inv_rho_y, BLOCK, RELAXED_Y, CHECK, GATED, LOG_SUMS,
         )
