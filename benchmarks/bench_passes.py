@@ -24,6 +24,7 @@ def main():
     ap.add_argument("--sizes", nargs="*", type=int, default=[256, 10_000, 50_000])
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--modes", nargs="*", default=["tf32", "bf16", "fp32"])
+    ap.add_argument("--ops", nargs="*", default=None, help="subset of the ops to time")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     rows, eps = [], 0.1
@@ -57,6 +58,8 @@ def main():
             }
             fl = H.sinkhorn_floor_ms(n, n, args.d, 1, mode)
             for name, fn in cases.items():
+                if args.ops and name not in args.ops:
+                    continue
                 fn()
                 ms = H.median_ms(fn)
                 floor = fl["floor_ms"] * (2 if name == "step_exact" else 1)

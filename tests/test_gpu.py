@@ -64,7 +64,9 @@ def test_plan_products_match_float64():
     x, y = data(3000, 2000, 16)
     v = torch.randn(2000, 5, device="cuda")
     ref = flashot.sinkhorn(x.double(), y.double(), eps=1.0, tol=1e-9, backend="torch")
-    res = flashot.sinkhorn(x, y, eps=1.0, tol=1e-5, backend="triton")
+    # the plan's error follows the marginal error: tol 1e-5 gives ~1e-4 on P @ v (float32
+    # torch backend too), 1e-6 gives ~3e-6
+    res = flashot.sinkhorn(x, y, eps=1.0, tol=1e-6, backend="triton")
     assert rel((res.plan @ v).double(), ref.plan @ v.double()) < 1e-4
     assert rel(res.plan.barycentric_map().double(), ref.plan.barycentric_map()) < 1e-4
     assert rel(res.transport_cost.double(), ref.transport_cost) < 1e-4
