@@ -136,6 +136,8 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--variants", action="store_true", help="also time diagnostic variants")
+    ap.add_argument("--methods", nargs="*", default=None, help="subset of the methods")
+    ap.add_argument("--no-accuracy", action="store_true", help="skip the precision table")
     args = ap.parse_args()
     rows = []
     for case in args.cases:
@@ -143,6 +145,8 @@ def main():
         x, y, a, b = data(n, d)
         inputs_mb = (x.numel() + y.numel() + a.numel() + b.numel()) * 4 / 1e6
         for name, be in methods(args.skip_peer or n > 100_000, args.variants).items():
+            if args.methods and name not in args.methods:
+                continue
             fn = peer_fn(kind, x, y, a, b) if be == "peer" else flashot_fn(kind, x, y, a, b, be)
             try:
                 first = H.first_call_s(fn)
@@ -169,8 +173,9 @@ def main():
         del x, y, a, b
         torch.cuda.empty_cache()
     H.write(rows, args.out, "sinkhorn_h200")
-    acc = accuracy()
-    H.write(acc, args.out, "precision_h200")
+    acc = [] if args.no_accuracy else accuracy()
+    if acc:
+        H.write(acc, args.out, "precision_h200")
     print("\n| case | method | ms | floor ms | x floor | first call s | extra MB |")
     for r in rows:
         print(

@@ -43,3 +43,23 @@ def test_bounding_diameter_is_box_diagonal():
     x = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
     y = torch.tensor([[0.0, 2.0]])
     assert bounding_diameter(get_cost("sqeuclidean"), x, y) == pytest.approx(5**0.5)
+
+
+@pytest.mark.parametrize("rounding", [None, "tf32", torch.bfloat16, torch.float16])
+def test_in_place_form_equals_the_autograd_form(gen, rounding):
+    """Without autograd the form is built in place, block by block; same numbers."""
+    from flashot.costs import _round_in_place
+
+    x = torch.randn(40_000, 3, generator=gen) * 3 + 1  # more rows than one rounding block
+    y = torch.randn(50, 3, generator=gen)
+    plain = attention_form(get_cost("sqeuclidean"), x, y, rounding=rounding)
+    graph = attention_form(get_cost("sqeuclidean"), x.requires_grad_(), y, rounding=rounding)
+    for a, b in zip(
+        (plain.q, plain.k, plain.alpha, plain.beta),
+        (graph.q, graph.k, graph.alpha, graph.beta),
+        strict=True,
+    ):
+        assert torch.allclose(a, b.detach(), rtol=1e-6, atol=1e-6)
+    if rounding is not None:  # the rounding is exact: rounding again changes nothing
+        k = plain.k.clone()
+        assert torch.equal(_round_in_place(k, rounding), plain.k)

@@ -115,6 +115,28 @@ def get_cost(cost: str | Cost) -> Cost:
     return COSTS[cost]
 
 
+def _round_in_place(u: torch.Tensor, rounding, rows: int = 1 << 14) -> torch.Tensor:
+    """:func:`round_operands` in place on a tensor of its own, a block of rows at a time.
+
+    No temporary larger than one block is made.
+    """
+    if rounding == torch.float16:
+        lo, hi = torch.aminmax(u)
+        if max(-float(lo), float(hi)) > 6.0e4:
+            raise ValueError("precision='fp16' overflows: centered coordinates exceed 6e4")
+    for i in range(0, u.shape[0], rows):
+        block = u[i : i + rows]
+        if rounding == "tf32":  # keep 10 mantissa bits, round to nearest even
+            bits = block.view(torch.int32)
+            t = (bits >> 13) & 1
+            t += 0x0FFF
+            t += bits
+            bits.copy_(t & -0x2000)
+        else:
+            block.copy_(block.to(rounding))
+    return u
+
+
 def round_operands(u: torch.Tensor, rounding) -> torch.Tensor:
     """Round coordinates to the precision the matrix units will read (straight-through).
 
@@ -129,17 +151,25 @@ def round_operands(u: torch.Tensor, rounding) -> torch.Tensor:
     if rounding is None:
         return u
     with torch.no_grad():
-        if rounding == "tf32":  # keep 10 mantissa bits, round to nearest even
-            bits = u.contiguous().view(torch.int32)
-            bits = (bits + 0x0FFF + ((bits >> 13) & 1)) & -0x2000
-            rounded = bits.view(torch.float32)
-        else:
-            if rounding == torch.float16 and bool((u.abs() > 6.0e4).any()):
-                raise ValueError("precision='fp16' overflows: centered coordinates exceed 6e4")
-            rounded = u.to(rounding).to(u.dtype)
+        rounded = _round_in_place(u.detach().clone(memory_format=torch.contiguous_format), rounding)
     if not u.requires_grad:
         return rounded
     return u + (rounded - u).detach()
+
+
+def _centered(u: torch.Tensor, center: torch.Tensor, rounding, factor: float, scale: float):
+    """``(factor · w, scale · |w|²)`` with ``w = round(u − c)``.
+
+    Without autograd, one (n, d) allocation: ``w`` is rounded and scaled in place.
+    """
+    if u.requires_grad:
+        w = round_operands(u - center, rounding)
+        return factor * w, scale * (w * w).sum(-1)
+    w = u - center
+    if rounding is not None:
+        _round_in_place(w, rounding)
+    norms = scale * torch.linalg.vecdot(w, w)
+    return (w.mul_(factor) if factor != 1.0 else w), norms
 
 
 def attention_form(
@@ -152,7 +182,8 @@ def attention_form(
     """Compile ``C(x_i, y_j)`` into attention form (differentiable in x and y).
 
     The scales sit on the row side, ``q = 2s (u − c)`` and ``k = v − c``: 2s is 1 or 2
-    for every cost here, so rounded operands stay exactly representable.
+    for every cost here, so rounded operands stay exactly representable. Without
+    autograd the form costs one copy of each cloud and no larger temporary.
 
     Args:
         cost: the ground cost.
@@ -168,17 +199,16 @@ def attention_form(
     u, v = cost.embed(x.to(dtype)), cost.embed(y.to(dtype))
     with torch.no_grad():
         n, m = u.shape[0], v.shape[0]
-        center = (u.double().sum(0) + v.double().sum(0)) / (n + m)
-        center = center.to(dtype)
-    u, v = round_operands(u - center, rounding), round_operands(v - center, rounding)
+        total = u.sum(0, dtype=torch.float64) + v.sum(0, dtype=torch.float64)
+        center = (total / (n + m)).to(dtype)
     two_s = 2.0 * cost.scale
-    alpha = cost.scale * (u * u).sum(-1)
-    beta = cost.scale * (v * v).sum(-1)
+    q, alpha = _centered(u, center, rounding, two_s, cost.scale)
+    k, beta = _centered(v, center, rounding, 1.0, cost.scale)
 
     def features(z: torch.Tensor) -> torch.Tensor:
         return two_s * round_operands(cost.embed(z.to(dtype)) - center, rounding)
 
-    return AttentionForm(two_s * u, v, alpha, beta, features)
+    return AttentionForm(q, k, alpha, beta, features)
 
 
 def bounding_diameter(cost: Cost, x: torch.Tensor, y: torch.Tensor) -> float:
