@@ -117,3 +117,30 @@ def test_divergence_as_diverging_iterations_raise_not_nan():
     x, y = good(50, 50, 3)
     res = flashot.sinkhorn(x.float() * 100, y.float() * 100, eps=1e-4, max_iter=20, tol=None)
     assert torch.isfinite(res.cost) and torch.isfinite(res.f).all()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_problem_allocates_only_the_two_feature_matrices(precision):
+    """Without autograd, validation and the attention form allocate q and k and nothing
+    else of cloud size: a forward solve stays within inputs + O(n) memory."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flashot.problem import make_problem
+
+    n, d = 200_000, 8
+    x, y = torch.randn(n, d), torch.randn(n, d) + 1
+    big = []
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            fresh = isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in ins
+            if fresh and out.numel() >= n * d // 2:  # not a view, not in place, cloud-sized
+                big.append(str(func))
+            return out
+
+    with torch.no_grad(), Track():
+        problem = make_problem(x, y, eps=0.1, backend="torch", precision=precision)
+    assert len(big) == 2, big
+    assert problem.form.q.shape == (n, d)

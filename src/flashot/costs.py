@@ -115,25 +115,34 @@ def get_cost(cost: str | Cost) -> Cost:
     return COSTS[cost]
 
 
-def _round_in_place(u: torch.Tensor, rounding, rows: int = 1 << 14) -> torch.Tensor:
-    """:func:`round_operands` in place on a tensor of its own, a block of rows at a time.
+#: rows per block of the in-place passes (bounds their temporaries)
+_ROWS = 1 << 14
 
-    No temporary larger than one block is made.
-    """
+
+def _check_fp16_range(u: torch.Tensor, rounding) -> None:
     if rounding == torch.float16:
         lo, hi = torch.aminmax(u)
         if max(-float(lo), float(hi)) > 6.0e4:
             raise ValueError("precision='fp16' overflows: centered coordinates exceed 6e4")
-    for i in range(0, u.shape[0], rows):
-        block = u[i : i + rows]
-        if rounding == "tf32":  # keep 10 mantissa bits, round to nearest even
-            bits = block.view(torch.int32)
-            t = (bits >> 13) & 1
-            t += 0x0FFF
-            t += bits
-            bits.copy_(t & -0x2000)
-        else:
-            block.copy_(block.to(rounding))
+
+
+def _round_block(block: torch.Tensor, rounding) -> None:
+    """Round a block of coordinates in place (one block-sized temporary)."""
+    if rounding == "tf32":  # keep 10 mantissa bits, round to nearest even
+        bits = block.view(torch.int32)
+        t = (bits >> 13) & 1
+        t += 0x0FFF
+        t += bits
+        bits.copy_(t & -0x2000)
+    else:
+        block.copy_(block.to(rounding))
+
+
+def _round_in_place(u: torch.Tensor, rounding) -> torch.Tensor:
+    """:func:`round_operands` in place on a tensor of its own, a block of rows at a time."""
+    _check_fp16_range(u, rounding)
+    for i in range(0, u.shape[0], _ROWS):
+        _round_block(u[i : i + _ROWS], rounding)
     return u
 
 
@@ -160,16 +169,23 @@ def round_operands(u: torch.Tensor, rounding) -> torch.Tensor:
 def _centered(u: torch.Tensor, center: torch.Tensor, rounding, factor: float, scale: float):
     """``(factor · w, scale · |w|²)`` with ``w = round(u − c)``.
 
-    Without autograd, one (n, d) allocation: ``w`` is rounded and scaled in place.
+    Without autograd, one (n, d) allocation: ``w`` is rounded, measured and scaled in
+    place, a block of rows at a time.
     """
     if u.requires_grad:
         w = round_operands(u - center, rounding)
         return factor * w, scale * (w * w).sum(-1)
     w = u - center
-    if rounding is not None:
-        _round_in_place(w, rounding)
-    norms = scale * torch.linalg.vecdot(w, w)
-    return (w.mul_(factor) if factor != 1.0 else w), norms
+    _check_fp16_range(w, rounding)
+    norms = torch.empty(w.shape[0], dtype=w.dtype, device=w.device)
+    for i in range(0, w.shape[0], _ROWS):
+        block = w[i : i + _ROWS]
+        if rounding is not None:
+            _round_block(block, rounding)
+        norms[i : i + _ROWS] = torch.linalg.vecdot(block, block)
+        if factor != 1.0:
+            block.mul_(factor)
+    return w, scale * norms
 
 
 def attention_form(

@@ -204,3 +204,22 @@ def test_float64_is_refused_with_a_clear_error(gen):
     x, y = clouds(gen, 5, 5, 2)
     with pytest.raises(ValueError, match="float64"):
         flashot.sinkhorn(x.to(DEVICE), y.to(DEVICE), eps=0.5, backend="triton")
+
+
+def test_half_operand_cache_never_serves_another_tensor(gen):
+    """Two tensor objects at one address and one version (as after a free and reuse):
+    the cached bf16 copy of the first must not be served for the second."""
+    be = triton_backend(precision="bf16")
+    storage = torch.randn(64 * 4, generator=gen).to(DEVICE).untyped_storage()
+
+    def view():
+        return torch.empty(0, device=DEVICE).set_(storage, 0, (64, 4), (4, 1))
+
+    q1 = view()
+    first = be._operand(q1).float().clone()
+    view().copy_(torch.randn(64, 4, generator=gen))  # new data; q1's version is untouched
+    q2 = view()
+    assert q2._version == q1._version and q2.data_ptr() == q1.data_ptr()
+    again = be._operand(q2).float()
+    assert torch.equal(again, q2.to(torch.bfloat16).float())
+    assert not torch.equal(again, first)

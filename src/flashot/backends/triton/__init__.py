@@ -12,6 +12,8 @@ values stay float32).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 
@@ -77,7 +79,7 @@ class TritonBackend(Backend):
     ):
         super().__init__(precision)
         self.speculative, self.autotune, self.splits = fused, autotune, splits
-        self._halves: dict = {}
+        self._halves: list = []
 
     # ---- helpers -------------------------------------------------------------------
     def _dot(self) -> str:
@@ -89,15 +91,17 @@ class TritonBackend(Backend):
             raise TypeError(f"the triton backend computes in float32, got {t.dtype}")
         if self.precision not in _HALF:
             return t
-        key = (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()))
-        if key not in self._halves:  # the solver reuses q and k: convert them once
-            half = t.to(_HALF[self.precision])
-            if triton_interpreted():  # numpy has no bfloat16: round, compute in float32
-                half = half.float()  # (exact: products of halves fit in float32)
-            if len(self._halves) >= 4:
-                self._halves.pop(next(iter(self._halves)))
-            self._halves[key] = half
-        return self._halves[key]
+        # the solver reuses q and k: convert each once. Entries hold a weak reference to
+        # their source, so a new tensor at a freed one's address never hits a stale copy.
+        self._halves = [e for e in self._halves if e[0]() is not None]
+        for ref, version, half in self._halves:
+            if ref() is t and version == t._version:
+                return half
+        half = t.to(_HALF[self.precision])
+        if triton_interpreted():  # numpy has no bfloat16: round, compute in float32
+            half = half.float()  # (exact: products of halves fit in float32)
+        self._halves = [*self._halves[-3:], (weakref.ref(t), t._version, half)]
+        return half
 
     def _launch(self, tuned, raw, key, grid, args, consts, full=None):
         """Launch with the tuned tiles (tuning on first use), fixed tiles when interpreted.
