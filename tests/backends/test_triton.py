@@ -101,6 +101,28 @@ def test_fast_jacobi_step_matches_exact_step(gen, rho):
     assert float(state.slots[state.parity]) == pytest.approx(largest, rel=1e-4)
 
 
+def test_gate_limit_follows_eps_scaling(gen, monkeypatch):
+    """|ln R| scales as 1/ε: after ε drops 4x, a gate value of 50 nats predicts 200."""
+    from flashot.backends.triton import TritonBackend
+
+    form, f, g, la, lb, eps, lam = _step_setup(gen, (None, None))
+    ran = []
+    plan_sums = TritonBackend.plan_sums
+
+    def spy(self, *args, **kw):
+        r, c = plan_sums(self, *args, **kw)
+        ran.append(bool((r != 0).any()))
+        return r, c
+
+    monkeypatch.setattr(TritonBackend, "plan_sums", spy)
+    be = triton_backend()
+    state = be.fast_state(f.device)
+    for step_eps in (eps, eps / 4):
+        state.slots.fill_(50.0)
+        be.jacobi_step(form, f, g, la, lb, step_eps, lam, (None, None), state=state)
+    assert ran == [True, False]
+
+
 def test_out_of_range_rows_and_columns_are_repaired_exactly(gen):
     form, f, g, la, lb, eps, lam = _step_setup(gen, (None, None))
     f, g = f.clone(), g.clone()

@@ -234,7 +234,7 @@ class TritonBackend(Backend):
         """See :meth:`flashot.backends.base.Backend.row_attend`."""
         return self._attend(form.q, form.k, eps, (h.to(torch.float32).contiguous(),), v)
 
-    def plan_sums(self, form, f, g, log_a, log_b, eps, gate=None):
+    def plan_sums(self, form, f, g, log_a, log_b, eps, gate=None, limit=GATE_LIMIT):
         r"""Weighted row and column sums of ``E_ij = exp((f_i + g_j − C_ij)/ε)``.
 
         .. math::
@@ -249,8 +249,9 @@ class TritonBackend(Backend):
             form: attention form.  f: (n,), g: (m,) potentials.
             log_a: (n,), log_b: (m,) log weights.  eps: ε.
             gate: optional ``(gate_in, gate_out)`` 1-element float32 tensors: skip the
-                pass (sums stay 0) when ``gate_in`` exceeds :data:`GATE_LIMIT`, and zero
+                pass (sums stay 0) when ``gate_in`` exceeds ``limit``, and zero
                 ``gate_out``.
+            limit: the gate's threshold, in nats.
 
         Returns:
             ``(R (n,), C (m,))``.
@@ -269,7 +270,7 @@ class TritonBackend(Backend):
 
         nb, mb = _configs.bucket(n), _configs.bucket(m)
         args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, r, c, gate_in, gate_out, n, m,
-                d, LOG2E / eps, GATE_LIMIT, per, q.stride(0), q.stride(1), k.stride(0),
+                d, LOG2E / eps, limit, per, q.stride(0), q.stride(1), k.stride(0),
                 k.stride(1), nb, mb)  # fmt: skip
         consts = dict(
             BLOCK_D=bd,
@@ -305,8 +306,12 @@ class TritonBackend(Backend):
         n, m = f.shape[0], g.shape[0]
         dev = f.device
         gate = None if state is None else state.swap()
+        limit = GATE_LIMIT
+        if state is not None:  # |ln R| scales as 1/ε: after an ε-scaling step, predict it
+            limit *= min(1.0, eps / (state.eps or eps))
+            state.eps = eps
         if self.speculative:
-            r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate)
+            r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate, limit)
         else:
             r, c = torch.zeros(n, device=dev), torch.zeros(m, device=dev)
         (lo_r, hi), (lo_c, _) = self.valid_range(m), self.valid_range(n)
@@ -363,6 +368,7 @@ class _Gate:
     def __init__(self, device):
         self.slots = torch.full((2,), float("inf"), device=device, dtype=torch.float32)
         self.parity = 0
+        self.eps = None  # the ε of the last step
 
     def swap(self):
         p, self.parity = self.parity, 1 - self.parity
