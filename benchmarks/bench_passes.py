@@ -76,6 +76,7 @@ def main():
                     )
                 )
                 print(rows[-1], flush=True)
+                H.write(rows, args.out, "passes_h200")  # keep what a time limit cuts
             r, c = be.plan_sums(form, f, gg, la, la, eps)
             lo, hi = be.valid_range(n)
             ok = float(((r > lo) & (r < hi)).float().mean() + ((c > lo) & (c < hi)).float().mean())

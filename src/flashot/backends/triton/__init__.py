@@ -103,24 +103,29 @@ class TritonBackend(Backend):
         self._halves = [*self._halves[-3:], (weakref.ref(t), t._version, half)]
         return half
 
-    def _launch(self, tuned, raw, key, grid, args, consts, full=None):
+    def _launch(self, tuned, raw, key, grid, args, consts, size_log2, full=None):
         """Launch with the tuned tiles (tuning on first use), fixed tiles when interpreted.
 
+        ``size_log2``: log2 of the n·m elements streamed (small solves are not tuned).
         ``full``: constexpr overrides that make a call that may skip work (gated or
         repair launches) do all of it, for tuning: skipped work would time nothing.
+        Returns whether this call tuned (and so ran with ``full``).
         """
         if triton_interpreted():
             tiles = _configs.INTERPRETER_TILES
             raw[grid(tiles)](*args, **consts, **tiles)
-            return
-        cfg = _BEST.get(key) if self.autotune else tuned.configs[0]
+            return False
+        # tiny problems run in microseconds and would spend seconds tuning
+        tune = self.autotune and size_log2 >= _configs.TUNE_FROM_LOG2
+        cfg = _BEST.get(key) if tune else tuned.configs[0]
         if cfg is None:
             tuned[grid](*args, **{**consts, **(full or {})})
             _BEST[key] = tuned.best_config
-            return
+            return True
         raw[grid(cfg.kwargs)](
             *args, **consts, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages
         )
+        return False
 
     def _splits(self, n: int, m: int, device) -> tuple[int, int]:
         """(splits, moving items per split): n stationary items stream m moving ones.
@@ -208,7 +213,8 @@ class TritonBackend(Backend):
             V_PRECISION=self._dot(),
         )
         key = ("attend", d, p, nb, mb, has_v, split, potential, self._dot(), q.dtype)
-        self._launch(_ATTEND, _attend_kernel, key, grid, args, consts, full={"REPAIR": False})
+        full = {"REPAIR": False}
+        self._launch(_ATTEND, _attend_kernel, key, grid, args, consts, nb + mb, full)
         if split:
             blk = 128
             _combine_kernel[(triton.cdiv(n, blk),)](
@@ -280,9 +286,10 @@ class TritonBackend(Backend):
             PRECISION=self._dot(),
         )
         key = ("plan_sums", d, nb, mb, splits > 1, self._dot(), q.dtype)
-        first = key not in _BEST
-        self._launch(_PLAN_SUMS, _plan_sums_kernel, key, grid, args, consts, full={"GATED": False})
-        if first and gate is not None and not triton_interpreted():
+        was_tuned = self._launch(
+            _PLAN_SUMS, _plan_sums_kernel, key, grid, args, consts, nb + mb, {"GATED": False}
+        )
+        if was_tuned and gate is not None:
             gate_out.zero_()  # the tuning launch ran ungated
         return r, c
 

@@ -91,5 +91,8 @@ def prune(configs, named_args, **kwargs):
     return keep or configs[:1]
 
 
+#: autotune only when n·m ≥ 2^TUNE_FROM_LOG2 (smaller solves cost less than tuning them)
+TUNE_FROM_LOG2 = 24
+
 #: fixed tiles under the interpreter (tl.dot needs ≥ 16 in every dimension)
 INTERPRETER_TILES = {"BLOCK_M": 16, "BLOCK_N": 16}
