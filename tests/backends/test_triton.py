@@ -245,3 +245,16 @@ def test_half_operand_cache_never_serves_another_tensor(gen):
     again = be._operand(q2).float()
     assert torch.equal(again, q2.to(torch.bfloat16).float())
     assert not torch.equal(again, first)
+
+
+def test_exact_range_of_sums_scales_with_the_largest_weight():
+    """A term w_j E_ij with a large weight may matter while E_ij itself underflows
+    (flushed to zero on GPUs): the lower end of the exact range grows with max w."""
+    be = triton_backend()
+    la = torch.log(torch.tensor([1e-3, 2.0, 0.5]))
+    lb = torch.log(torch.tensor([2.0**20, 1.0]))
+    lo_r, lo_c, hi = be._ranges(la.to(DEVICE), lb.to(DEVICE))
+    assert lo_r == pytest.approx(2 * 2.0**20 * 2.0**-100)
+    assert lo_c == pytest.approx(3 * 2.0 * 2.0**-100)
+    assert be.valid_range(3, 0.25) == be.valid_range(3)  # weights below 1 cannot hurt
+    assert hi == 2.0**120

@@ -294,14 +294,25 @@ class TritonBackend(Backend):
         return r, c
 
     @staticmethod
-    def valid_range(size: int) -> tuple[float, float]:
-        """``(lo, hi)`` within which a plan sum over ``size`` terms is exact in float32.
+    def valid_range(size: int, max_weight: float = 1.0) -> tuple[float, float]:
+        """``(lo, hi)`` within which a plan sum ``Σ_j w_j E_ij`` of ``size`` terms is exact.
 
-        Its largest term is at least ``sum/size``; with ``sum > size·2^-100`` every term
-        that matters (within 2^-24 of it) is a normal float, and terms that underflowed
-        add less than ``sum·2^-26``; ``hi`` leaves room below overflow.
+        Its largest term is at least ``sum/size``; with ``sum > size·max(1, w)·2^-100``
+        (``w`` the largest weight) every term that matters (within 2^-24 of it) is a
+        normal float, and terms lost to underflow (``E < 2^-126``) add less than
+        ``sum·2^-26``; ``hi`` leaves room below overflow.
         """
-        return size * 2.0**-100, 2.0**120
+        return size * max(1.0, max_weight) * 2.0**-100, 2.0**120
+
+    def _ranges(self, log_a, log_b, state=None) -> tuple[float, float, float]:
+        """``(lo_r, lo_c, hi)`` for this problem's row and column sums (one sync per solve)."""
+        if state is not None and state.ranges is not None:
+            return state.ranges
+        w_a, w_b = torch.stack([log_a.max(), log_b.max()]).exp().tolist()
+        (lo_r, hi), (lo_c, _) = self.valid_range(len(log_b), w_b), self.valid_range(len(log_a), w_a)
+        if state is not None:
+            state.ranges = (lo_r, lo_c, hi)
+        return lo_r, lo_c, hi
 
     def fast_state(self, device):
         """See :meth:`flashot.backends.base.Backend.fast_state`: the residual gate."""
@@ -321,7 +332,7 @@ class TritonBackend(Backend):
             r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate, limit)
         else:
             r, c = torch.zeros(n, device=dev), torch.zeros(m, device=dev)
-        (lo_r, hi), (lo_c, _) = self.valid_range(m), self.valid_range(n)
+        lo_r, lo_c, hi = self._ranges(log_a, log_b, state)
         lse_r = self._attend(form.q, form.k, eps, (g, form.beta, log_b), repair=(r, lo_r, hi))[0]
         lse_c = self._attend(form.k, form.q, eps, (f, form.alpha, log_a), repair=(c, lo_c, hi))[0]
         f_out, g_out = torch.empty_like(f), torch.empty_like(g)
@@ -376,6 +387,7 @@ class _Gate:
         self.slots = torch.full((2,), float("inf"), device=device, dtype=torch.float32)
         self.parity = 0
         self.eps = None  # the ε of the last step
+        self.ranges = None  # the sums' exact ranges (they depend on the weights only)
 
     def swap(self):
         p, self.parity = self.parity, 1 - self.parity
