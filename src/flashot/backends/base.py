@@ -47,8 +47,6 @@ class Backend:
     name = "base"
     #: precisions this backend implements, besides ``"auto"``.
     precisions: tuple[str, ...] = ("fp32",)
-    #: whether :meth:`jacobi_step` has a fast path (it needs a :meth:`fast_state`).
-    speculative = False
 
     def __init__(self, precision: str = "auto"):
         if precision not in PRECISIONS:

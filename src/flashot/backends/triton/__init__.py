@@ -78,7 +78,7 @@ class TritonBackend(Backend):
         splits: int | None = None,
     ):
         super().__init__(precision)
-        self.speculative, self.autotune, self.splits = fused, autotune, splits
+        self.fused, self.autotune, self.splits = fused, autotune, splits
         self._halves: list = []
 
     # ---- helpers -------------------------------------------------------------------
@@ -316,7 +316,7 @@ class TritonBackend(Backend):
 
     def fast_state(self, device):
         """See :meth:`flashot.backends.base.Backend.fast_state`: the residual gate."""
-        return _Gate(device) if self.speculative else None
+        return _Gate(device) if self.fused else None
 
     def _step(self, form, f, g, log_a, log_b, eps, w_old, w_new, *, rho=(None, None),
               check=False, state=None, log_sums=False):  # fmt: skip
@@ -328,7 +328,7 @@ class TritonBackend(Backend):
         if state is not None:  # |ln R| scales as 1/ε: after an ε-scaling step, predict it
             limit *= min(1.0, eps / (state.eps or eps))
             state.eps = eps
-        if self.speculative:
+        if self.fused:
             r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate, limit)
         else:
             r, c = torch.zeros(n, device=dev), torch.zeros(m, device=dev)
