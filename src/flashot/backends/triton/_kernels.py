@@ -208,6 +208,15 @@ def _combine_kernel(
 
 
 @triton.jit
+def _side_terms(P, OFFSET, LOG_W, offs, ok, scale):
+    """One side's exponent share ``(p − offset)·scale`` (``-inf`` off the tail) and weights."""
+    p = tl.load(P + offs, mask=ok, other=0.0)
+    offset = tl.load(OFFSET + offs, mask=ok, other=0.0)
+    w = tl.exp(tl.load(LOG_W + offs, mask=ok, other=float("-inf")))
+    return tl.where(ok, (p - offset) * scale, float("-inf")), w
+
+
+@triton.jit
 def _plan_sums_kernel(
     Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, n, m, d, scale, gate_limit,
     rows_per_split,
@@ -237,10 +246,7 @@ def _plan_sums_kernel(
         if (pid_n == 0) & (pid_s == 0):
             tl.store(GATE_OUT, 0.0)
     kt_tile = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, D_CHUNKS, True)
-    g = tl.load(G + offs_n, mask=col_ok, other=0.0)
-    beta = tl.load(BETA + offs_n, mask=col_ok, other=0.0)
-    v = tl.where(col_ok, (g - beta) * scale, float("-inf"))
-    b = tl.exp(tl.load(LOG_B + offs_n, mask=col_ok, other=float("-inf")))
+    v, b = _side_terms(G, BETA, LOG_B, offs_n, col_ok, scale)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(row_lo, row_hi, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
@@ -249,10 +255,7 @@ def _plan_sums_kernel(
             Q, K, kt_tile, kt_tile, offs_m, offs_n, row_hi, m, d, stride_qn, stride_qd, stride_kn,
             stride_kd, BLOCK_D, D_CHUNKS, True, PRECISION,
         )
-        f = tl.load(F + offs_m, mask=row_ok, other=0.0)
-        alpha = tl.load(ALPHA + offs_m, mask=row_ok, other=0.0)
-        u = tl.where(row_ok, (f - alpha) * scale, float("-inf"))
-        a = tl.exp(tl.load(LOG_A + offs_m, mask=row_ok, other=float("-inf")))
+        u, a = _side_terms(F, ALPHA, LOG_A, offs_m, row_ok, scale)
         e = tl.exp2(s * scale + u[:, None] + v[None, :])
         tl.atomic_add(R + offs_m, tl.sum(e * b[None, :], 1), mask=row_ok, sem="relaxed")
         acc += e * a[:, None]
