@@ -168,6 +168,20 @@ def test_tol_none_runs_exactly_max_iter(gen):
     assert res.n_iter == 7 and res.converged is None and res.marginal_error > 0
 
 
+@pytest.mark.parametrize("rho", [None, (None, 2.0)])
+def test_marginal_error_of_a_fixed_iteration_solve_is_measured_on_demand(gen, rho):
+    """Without tol a balanced solve skips measuring its error (a pass over the plan);
+    asking for it gives the dense plan's L1 marginal violation either way."""
+    x, y = clouds(gen, 20, 25, 3)
+    res = flashot.sinkhorn(x, y, eps=0.5, max_iter=3, tol=None, rho=rho)
+    assert (res.measured_error is None) == (rho is None)
+    P = res.plan.dense()
+    a, b = torch.full((20,), 1 / 20, dtype=x.dtype), torch.full((25,), 1 / 25, dtype=x.dtype)
+    target_b = b if rho is None else b * torch.exp(-res.g / rho[1])
+    ref = (P.sum(1) - a).abs().sum() + (P.sum(0) - target_b).abs().sum()
+    assert rel(res.marginal_error, ref) < 1e-10
+
+
 @pytest.mark.parametrize("schedule", ["geomloss", EpsilonScaling(0.7), [4.0, 1.0, 0.5]])
 def test_eps_schedules_reach_the_same_answer(gen, schedule):
     x, y = clouds(gen, 30, 30, 3)

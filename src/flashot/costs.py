@@ -115,8 +115,14 @@ def get_cost(cost: str | Cost) -> Cost:
     return COSTS[cost]
 
 
-#: rows per block of the in-place passes (bounds their temporaries)
-_ROWS = 1 << 14
+#: elements per block of the in-place passes (bounds their temporaries to 4 MB)
+_BLOCK = 1 << 20
+
+
+def _row_blocks(u: torch.Tensor):
+    """Views of about ``_BLOCK`` elements covering the rows of u (n, d)."""
+    rows = max(1, _BLOCK // max(1, u.shape[1]))
+    return (u[i : i + rows] for i in range(0, u.shape[0], rows))
 
 
 def _check_fp16_range(u: torch.Tensor, rounding) -> None:
@@ -141,8 +147,8 @@ def _round_block(block: torch.Tensor, rounding) -> None:
 def _round_in_place(u: torch.Tensor, rounding) -> torch.Tensor:
     """:func:`round_operands` in place on a tensor of its own, a block of rows at a time."""
     _check_fp16_range(u, rounding)
-    for i in range(0, u.shape[0], _ROWS):
-        _round_block(u[i : i + _ROWS], rounding)
+    for block in _row_blocks(u):
+        _round_block(block, rounding)
     return u
 
 
@@ -178,14 +184,27 @@ def _centered(u: torch.Tensor, center: torch.Tensor, rounding, factor: float, sc
     w = u - center
     _check_fp16_range(w, rounding)
     norms = torch.empty(w.shape[0], dtype=w.dtype, device=w.device)
-    for i in range(0, w.shape[0], _ROWS):
-        block = w[i : i + _ROWS]
+    start = 0
+    for block in _row_blocks(w):
         if rounding is not None:
             _round_block(block, rounding)
-        norms[i : i + _ROWS] = torch.linalg.vecdot(block, block)
+        norms[start : start + block.shape[0]] = torch.linalg.vecdot(block, block)
+        start += block.shape[0]
         if factor != 1.0:
             block.mul_(factor)
     return w, scale * norms
+
+
+def _joint_center(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The mean of both clouds' rows, accumulated in float64 block by block.
+
+    ``sum(dtype=float64)`` would first copy the whole cloud to float64.
+    """
+    total = torch.zeros(u.shape[1], dtype=torch.float64, device=u.device)
+    for cloud in (u, v):
+        for block in _row_blocks(cloud):
+            total += block.sum(0).double()
+    return (total / (u.shape[0] + v.shape[0])).to(u.dtype)
 
 
 def attention_form(
@@ -214,9 +233,7 @@ def attention_form(
     dtype = dtype or x.dtype
     u, v = cost.embed(x.to(dtype)), cost.embed(y.to(dtype))
     with torch.no_grad():
-        n, m = u.shape[0], v.shape[0]
-        total = u.sum(0, dtype=torch.float64) + v.sum(0, dtype=torch.float64)
-        center = (total / (n + m)).to(dtype)
+        center = _joint_center(u.detach(), v.detach())
     two_s = 2.0 * cost.scale
     q, alpha = _centered(u, center, rounding, two_s, cost.scale)
     k, beta = _centered(v, center, rounding, 1.0, cost.scale)

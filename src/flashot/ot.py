@@ -11,7 +11,6 @@ import torch
 
 from flashot.autodiff.functions import extrapolate, relaxed_side
 from flashot.costs import bounding_diameter
-from flashot.dual import marginal_error
 from flashot.problem import Problem, make_problem
 from flashot.result import SinkhornResult, TransportPlan
 from flashot.solver import EpsilonScaling, geomloss_schedule, solve
@@ -170,13 +169,15 @@ def sinkhorn(
     lam = problem.damping(eps)
     f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, lam, engine)
     fd, gd = f.detach(), g.detach()
-    with torch.no_grad():
-        r, c = engine.marginals(form, fd, gd, log_a, log_b, eps)
-        error = marginal_error(fd, r, log_a, rhos[0]) + marginal_error(gd, c, log_b, rhos[1])
-        error, plan_mass = float(error), r.sum()
-    if not (
-        math.isfinite(error) and bool(torch.isfinite(fd).all()) and bool(torch.isfinite(gd).all())
-    ):
+    plan = TransportPlan(form, fd, gd, log_a, log_b, eps, engine, problem.x, problem.y, rhos)
+    # a fixed-iteration balanced solve needs neither the error nor the plan's mass:
+    # the error is then measured only if asked for (it costs a pass over the plan)
+    error = plan_mass = None
+    if tol is not None or not problem.balanced:
+        error_t, plan_mass = plan._marginal_error()
+        error = float(error_t)
+    finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
+    if not (bool(finite) and (error is None or math.isfinite(error))):
         raise FloatingPointError(
             "Sinkhorn produced non-finite potentials; try a larger eps, an eps_schedule, "
             "or float64 inputs"
@@ -196,8 +197,7 @@ def sinkhorn(
             ConvergenceWarning,
             stacklevel=2,
         )
-    plan = TransportPlan(form, fd, gd, log_a, log_b, eps, engine, problem.x, problem.y)
-    return SinkhornResult(f, g, value, out.n_iter, error, converged, eps, plan)
+    return SinkhornResult(f, g, value, out.n_iter, converged, eps, plan, error)
 
 
 def _dual_value(problem: Problem, f, g, plan_mass) -> torch.Tensor:

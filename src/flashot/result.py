@@ -22,7 +22,7 @@ import torch
 
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
-from flashot.dual import bias
+from flashot.dual import bias, marginal_error
 
 __all__ = ["SinkhornResult", "TransportPlan"]
 
@@ -40,6 +40,7 @@ class TransportPlan:
         eps: ε.
         backend: the streaming primitives.
         x: (n, d) row points.  y: (m, d) column points (original coordinates).
+        rho: (ρ_x, ρ_y) of the problem (None entries are balanced sides).
     """
 
     def __init__(
@@ -53,10 +54,11 @@ class TransportPlan:
         backend: Backend,
         x: torch.Tensor,
         y: torch.Tensor,
+        rho: tuple[float | None, float | None] = (None, None),
     ):
         self._form, self._f, self._g = form, f.detach(), g.detach()
         self._log_a, self._log_b, self._eps, self._backend = log_a, log_b, eps, backend
-        self._x, self._y = x.detach(), y.detach()
+        self._x, self._y, self._rho = x.detach(), y.detach(), tuple(rho)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -76,6 +78,7 @@ class TransportPlan:
             self._backend,
             self._y,
             self._x,
+            self._rho[::-1],
         )
 
     def __repr__(self) -> str:
@@ -89,6 +92,14 @@ class TransportPlan:
             lse, out = self._backend.row_attend(self._form, h, self._eps, v)
             log_r = self._log_a + (self._f - self._form.alpha + lse) / self._eps
             return torch.exp(log_r), out
+
+    def _marginal_error(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(L1 violation of both marginal conditions, total mass), from one fused pass."""
+        form, f, g, log_a, log_b = self._form, self._f, self._g, self._log_a, self._log_b
+        with torch.no_grad():
+            r, c = self._backend.marginals(form, f, g, log_a, log_b, self._eps)
+            error = marginal_error(f, r, log_a, self._rho[0])
+            return error + marginal_error(g, c, log_b, self._rho[1]), r.sum()
 
     def _values(self, v, name: str) -> torch.Tensor:
         if not isinstance(v, torch.Tensor):
@@ -183,20 +194,29 @@ class SinkhornResult:
         cost: entropic OT value (a 0-dim tensor, differentiable w.r.t. x, y, a, b);
             ``⟨a, f⟩ + ⟨b, g⟩`` when balanced, the dual objective when relaxed.
         n_iter: Sinkhorn iterations run.
-        marginal_error: L1 violation of the plan's marginal conditions.
         converged: ``marginal_error <= tol`` (None when ``tol`` was None).
         eps: the final ε.
         plan: the lazy :class:`TransportPlan`.
+        measured_error: the marginal error if the solve measured it (it does when it
+            had a ``tol`` or a relaxed side), else None: :attr:`marginal_error` then
+            measures it on first access.
     """
 
     f: torch.Tensor
     g: torch.Tensor
     cost: torch.Tensor
     n_iter: int
-    marginal_error: float
     converged: bool | None
     eps: float
     plan: TransportPlan
+    measured_error: float | None = None
+
+    @functools.cached_property
+    def marginal_error(self) -> float:
+        """L1 violation of the plan's marginal conditions (one streaming pass if not measured)."""
+        if self.measured_error is not None:
+            return self.measured_error
+        return float(self.plan._marginal_error()[0])
 
     @functools.cached_property
     def transport_cost(self) -> torch.Tensor:

@@ -12,6 +12,7 @@ values stay float32).
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -140,7 +141,8 @@ class TritonBackend(Backend):
         """Row LSE and softmax average; ``bias`` is ``(h,)`` or ``(g, β, log b)``.
 
         ``repair=(sums, lo, hi)`` computes only the row blocks holding a sum outside
-        ``(lo, hi)`` (other rows' outputs are then meaningless).
+        ``(lo[0], hi)`` (``lo`` a 1-element tensor; other rows' outputs are then
+        meaningless).
         """
         q, k = self._operand(q), self._operand(k)
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
@@ -187,7 +189,7 @@ class TritonBackend(Backend):
             p,
             LOG2E / eps,
             eps,
-            0.0 if repair is None else repair[1],
+            h if repair is None else repair[1],
             0.0 if repair is None else repair[2],
             per,
             q.stride(0),
@@ -304,15 +306,17 @@ class TritonBackend(Backend):
         """
         return size * max(1.0, max_weight) * 2.0**-100, 2.0**120
 
-    def _ranges(self, log_a, log_b, state=None) -> tuple[float, float, float]:
-        """``(lo_r, lo_c, hi)`` for this problem's row and column sums (one sync per solve)."""
+    def _ranges(self, log_a, log_b, state=None) -> tuple[torch.Tensor, float]:
+        """``(lo, hi)``: :meth:`valid_range` of the row sums (``lo[0]``) and the column
+        sums (``lo[1]``), computed on the device (no host round trip; once per solve)."""
         if state is not None and state.ranges is not None:
             return state.ranges
-        w_a, w_b = torch.stack([log_a.max(), log_b.max()]).exp().tolist()
-        (lo_r, hi), (lo_c, _) = self.valid_range(len(log_b), w_b), self.valid_range(len(log_a), w_a)
+        # log(size · max(1, w)), with no host tensor (this may run inside a CUDA graph)
+        logs = [lw.max().float().clamp_min(0.0) + math.log(len(lw)) for lw in (log_b, log_a)]
+        ranges = (torch.stack(logs).exp() * self.valid_range(1)[0], self.valid_range(1)[1])
         if state is not None:
-            state.ranges = (lo_r, lo_c, hi)
-        return lo_r, lo_c, hi
+            state.ranges = ranges
+        return ranges
 
     def fast_state(self, device):
         """See :meth:`flashot.backends.base.Backend.fast_state`: the residual gate."""
@@ -332,15 +336,15 @@ class TritonBackend(Backend):
             r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate, limit)
         else:
             r, c = torch.zeros(n, device=dev), torch.zeros(m, device=dev)
-        lo_r, lo_c, hi = self._ranges(log_a, log_b, state)
-        lse_r = self._attend(form.q, form.k, eps, (g, form.beta, log_b), repair=(r, lo_r, hi))[0]
-        lse_c = self._attend(form.k, form.q, eps, (f, form.alpha, log_a), repair=(c, lo_c, hi))[0]
+        lo, hi = self._ranges(log_a, log_b, state)
+        lse_r = self._attend(form.q, form.k, eps, (g, form.beta, log_b), repair=(r, lo[0:1], hi))[0]
+        lse_c = self._attend(form.k, form.q, eps, (f, form.alpha, log_a), repair=(c, lo[1:2], hi))[0]
         f_out, g_out = torch.empty_like(f), torch.empty_like(g)
         err = torch.zeros(1, device=dev, dtype=torch.float32) if check else f_out
         blk = 1024
         _update_kernel[(triton.cdiv(n, blk) + triton.cdiv(m, blk),)](
             f, r, lse_r, form.alpha, log_a, f_out, g, c, lse_c, form.beta, log_b, g_out, err,
-            f_out if gate is None else gate[1], n, m, eps, lo_r, lo_c, hi, w_old[0], w_new[0],
+            f_out if gate is None else gate[1], n, m, eps, lo, hi, w_old[0], w_new[0],
             w_old[1], w_new[1],
             0.0 if rho[0] is None else 1.0 / rho[0],
             0.0 if rho[1] is None else 1.0 / rho[1],

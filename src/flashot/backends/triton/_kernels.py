@@ -100,7 +100,7 @@ def _score_tile(
 
 @triton.jit
 def _attend_kernel(
-    Q, K, H, BETA, LOG_W, V, LSE, OUT, PART_MAX, PART_SUM, PART_ACC, S, n, m, d, p, scale, eps, lo,
+    Q, K, H, BETA, LOG_W, V, LSE, OUT, PART_MAX, PART_SUM, PART_ACC, S, n, m, d, p, scale, eps, LO,
     hi, cols_per_split, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vp,
     stride_on, stride_op, n_bucket, m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, D_CHUNKS: tl.constexpr, HAS_V: tl.constexpr,
@@ -112,7 +112,7 @@ def _attend_kernel(
     Grid: (row blocks, column splits, value chunks of BLOCK_P). Without SPLIT the
     program finalizes (LSE, OUT); with SPLIT it writes (max, sum, acc) partials for
     ``_combine_kernel``. With REPAIR, a row block whose plan sums ``S`` all lie in
-    ``(lo, hi)`` (the fused pass was valid there) streams nothing and its outputs are
+    ``(LO[0], hi)`` (the fused pass was valid there) streams nothing and its outputs are
     meaningless. ``n_bucket``/``m_bucket`` only key the autotuner.
     """
     pid_m = tl.program_id(0)
@@ -125,6 +125,7 @@ def _attend_kernel(
     col_hi = tl.minimum(m, col_lo + cols_per_split)
     if REPAIR:  # an empty column range when every row of the block is valid
         sums = tl.load(S + offs_m, mask=row_ok, other=1.0)
+        lo = tl.load(LO)  # on the device: it depends on the weights, and nobody waits
         bad = row_ok & ((sums <= lo) | (sums >= hi) | (sums != sums))
         col_hi = tl.where(tl.max(bad.to(tl.int32), 0) > 0, col_hi, col_lo)
     q_tile = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, D_CHUNKS, False)
@@ -300,15 +301,15 @@ def _update_side(
 
 @triton.jit
 def _update_kernel(
-    F, R, LSE_R, ALPHA, LOG_A, F_OUT, G, C, LSE_C, BETA, LOG_B, G_OUT, ERR, GATE, n, m, eps, lo_r,
-    lo_c, hi, w_old_x, w_new_x, w_old_y, w_new_y, inv_rho_x, inv_rho_y, BLOCK: tl.constexpr,
+    F, R, LSE_R, ALPHA, LOG_A, F_OUT, G, C, LSE_C, BETA, LOG_B, G_OUT, ERR, GATE, n, m, eps, LO,
+    hi, w_old_x, w_new_x, w_old_y, w_new_y, inv_rho_x, inv_rho_y, BLOCK: tl.constexpr,
     RELAXED_X: tl.constexpr, RELAXED_Y: tl.constexpr, CHECK: tl.constexpr, GATED: tl.constexpr,
     LOG_SUMS: tl.constexpr,
 ):
     """Both potentials from their plan sums: ``f' = w_old f + w_new T(g)``, ``T(g) = f − ε ln R``.
 
     ``R_i = Σ_j b_j e^{(f_i + g_j − C_ij)/ε}`` comes from the fused pass where it lies in
-    ``(lo_r, hi)`` and from the repair pass's row LSE elsewhere (same for C). The
+    ``(LO[0], hi)`` and from the repair pass's row LSE elsewhere (same for C, with LO[1]). The
     averaged Jacobi step is ``w_old = ½, w_new = λ/2``, the extrapolation ``0, λ``; with
     LOG_SUMS the outputs are ``ln R``, ``ln C`` instead. With CHECK, adds the L1
     marginal error ``Σ |a R − target|`` (target a, or ``a e^{−f/ρ}`` when relaxed) to
@@ -319,11 +320,11 @@ def _update_kernel(
     blocks_f = tl.cdiv(n, BLOCK)
     if pid < blocks_f:
         _update_side(
-            pid, F, R, LSE_R, ALPHA, LOG_A, F_OUT, ERR, GATE, n, eps, lo_r, hi, w_old_x,
+            pid, F, R, LSE_R, ALPHA, LOG_A, F_OUT, ERR, GATE, n, eps, tl.load(LO), hi, w_old_x,
             w_new_x, inv_rho_x, BLOCK, RELAXED_X, CHECK, GATED, LOG_SUMS,
         )
     else:
         _update_side(
-            pid - blocks_f, G, C, LSE_C, BETA, LOG_B, G_OUT, ERR, GATE, m, eps, lo_c, hi,
+            pid - blocks_f, G, C, LSE_C, BETA, LOG_B, G_OUT, ERR, GATE, m, eps, tl.load(LO + 1), hi,
             w_old_y, w_new_y, inv_rho_y, BLOCK, RELAXED_Y, CHECK, GATED, LOG_SUMS,
         )
