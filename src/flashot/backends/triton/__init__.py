@@ -307,8 +307,10 @@ class TritonBackend(Backend):
         return size * max(1.0, max_weight) * 2.0**-100, 2.0**120
 
     def _ranges(self, log_a, log_b, state=None) -> tuple[torch.Tensor, float]:
-        """``(lo, hi)``: :meth:`valid_range` of the row sums (``lo[0]``) and the column
-        sums (``lo[1]``), computed on the device (no host round trip; once per solve)."""
+        """``(lo, hi)``: :meth:`valid_range` of row sums (``lo[0]``) and column sums (``lo[1]``).
+
+        ``lo`` is computed on the device (no host round trip), once per solve.
+        """
         if state is not None and state.ranges is not None:
             return state.ranges
         # log(size · max(1, w)), with no host tensor (this may run inside a CUDA graph)
@@ -337,8 +339,9 @@ class TritonBackend(Backend):
         else:
             r, c = torch.zeros(n, device=dev), torch.zeros(m, device=dev)
         lo, hi = self._ranges(log_a, log_b, state)
-        lse_r = self._attend(form.q, form.k, eps, (g, form.beta, log_b), repair=(r, lo[0:1], hi))[0]
-        lse_c = self._attend(form.k, form.q, eps, (f, form.alpha, log_a), repair=(c, lo[1:2], hi))[0]
+        bias_r, bias_c = (g, form.beta, log_b), (f, form.alpha, log_a)
+        lse_r = self._attend(form.q, form.k, eps, bias_r, repair=(r, lo[0:1], hi))[0]
+        lse_c = self._attend(form.k, form.q, eps, bias_c, repair=(c, lo[1:2], hi))[0]
         f_out, g_out = torch.empty_like(f), torch.empty_like(g)
         err = torch.zeros(1, device=dev, dtype=torch.float32) if check else f_out
         blk = 1024
