@@ -3,7 +3,8 @@
 Workload (the peer's own benchmark): x, y ~ N(0, I), random weights, ε = 0.1,
 10 fixed symmetric iterations, float32 inputs, squared Euclidean cost. flashot is
 timed through its public API (``flashot.sinkhorn(..., max_iter=10, tol=None)``,
-which also runs its final extrapolation and a marginal check); the peer through
+which also runs its final extrapolation; repeated calls replay a CUDA graph at
+launch-bound sizes); the peer through
 ``flash_sinkhorn.SamplesLoss`` as its benchmark does (TF32).
 
     python benchmarks/bench_sinkhorn.py --out benchmarks/results
@@ -96,6 +97,7 @@ def methods(skip_peer: bool, variants: bool):
     }
     if variants:
         out["flashot_tf32_twopass"] = TritonBackend("tf32", fused=False)
+        out["flashot_tf32_nograph"] = TritonBackend("tf32", graphs=False)
     if not skip_peer:
         out["peer_tf32"] = "peer"
     return out

@@ -105,3 +105,25 @@ def test_cold_start_fast_path_equals_exact_path(precision):
     ref = flashot.sinkhorn(x, y, backend=exact, **kw)
     assert rel(fast.f, ref.f) < 1e-5 and rel(fast.g, ref.g) < 1e-5
     assert rel(fast.cost, ref.cost) < 1e-6
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_repeated_fixed_iteration_solves_replay_a_cuda_graph(precision, monkeypatch):
+    """New data each call (the bf16 copies must be remade inside the graph); replays
+    equal eager solves; a warm start is another key."""
+    from flashot import graphs, solver
+
+    cache = graphs.GraphCache()
+    monkeypatch.setattr(solver, "GRAPHS", cache)
+    kw = dict(eps=0.1, max_iter=10, tol=None)
+    for seed in range(4):
+        x, y = data(3000, 2000, 64, seed)
+        res = flashot.sinkhorn(x, y, backend=TritonBackend(precision), **kw)
+        ref = flashot.sinkhorn(x, y, backend=TritonBackend(precision, graphs=False), **kw)
+        assert rel(res.f, ref.f) < 1e-6 and rel(res.g, ref.g) < 1e-6
+        assert rel(res.cost, ref.cost) < 1e-6
+        warm = dict(kw, init=(ref.f * 0.9, ref.g * 0.9))
+        res = flashot.sinkhorn(x, y, backend=TritonBackend(precision), **warm)
+        ref = flashot.sinkhorn(x, y, backend=TritonBackend(precision, graphs=False), **warm)
+        assert rel(res.f, ref.f) < 1e-6 and rel(res.cost, ref.cost) < 1e-6
+    assert len(cache._graphs) == 2

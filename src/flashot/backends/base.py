@@ -176,6 +176,15 @@ class Backend:
         """
         return None
 
+    def graph_key(self, form: AttentionForm):
+        """A key if fixed-iteration solves on ``form`` should replay as CUDA graphs, or None.
+
+        See :mod:`flashot.graphs`. The key names what, besides shapes and the solver's
+        options, fixes this backend's launch sequence. Only backends whose primitives
+        never wait for the host may return one.
+        """
+        return None
+
     def extrapolate(
         self, form: AttentionForm, f, g, log_a, log_b, eps: float, lam: tuple[float, float]
     ) -> tuple[torch.Tensor, torch.Tensor]:

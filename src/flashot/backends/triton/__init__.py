@@ -55,6 +55,8 @@ _BEST: dict = {}
 #: skip the fused pass when the last step's largest |ln R| (nats) exceeded this: the sums
 #: would mostly fall outside their valid range (±~70 nats) and need repair anyway
 GATE_LIMIT = 100.0
+#: CUDA graphs pay off while launches cost as much as the work: n·m up to 2^28
+GRAPHS_UP_TO_LOG2 = 28
 
 
 class TritonBackend(Backend):
@@ -66,6 +68,9 @@ class TritonBackend(Backend):
             steps, extrapolation and marginals; False runs two exact passes instead.
         autotune: autotune tile shapes (else the first configuration of each space).
         splits: force the number of column splits (tests); None chooses from the GPU.
+        graphs: replay repeated fixed-iteration solves of launch-bound size
+            (n·m ≤ 2^28) as CUDA graphs (:mod:`flashot.graphs`); each captured solve
+            keeps a copy of its inputs.
     """
 
     name = "triton"
@@ -77,9 +82,10 @@ class TritonBackend(Backend):
         fused: bool = True,
         autotune: bool = True,
         splits: int | None = None,
+        graphs: bool = True,
     ):
         super().__init__(precision)
-        self.fused, self.autotune, self.splits = fused, autotune, splits
+        self.fused, self.autotune, self.splits, self.graphs = fused, autotune, splits, graphs
         self._halves: list = []
 
     # ---- helpers -------------------------------------------------------------------
@@ -319,6 +325,14 @@ class TritonBackend(Backend):
         if state is not None:
             state.ranges = ranges
         return ranges
+
+    def graph_key(self, form):
+        """See :meth:`flashot.backends.base.Backend.graph_key`: small problems on CUDA."""
+        n, m = form.shape
+        small = n * m <= 2**GRAPHS_UP_TO_LOG2 and (n + m) * form.q.shape[1] <= 2**24
+        if not (self.graphs and small and form.q.is_cuda and not triton_interpreted()):
+            return None
+        return (self.name, self.precision, self.fused, self.autotune, self.splits)
 
     def fast_state(self, device):
         """See :meth:`flashot.backends.base.Backend.fast_state`: the residual gate."""

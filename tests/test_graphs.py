@@ -1,0 +1,73 @@
+"""The graph cache's bookkeeping and the solver's use of it, with a stand-in for CUDA
+graph capture (the real capture runs in tests/test_gpu.py)."""
+
+import pytest
+import torch
+
+import flashot
+from flashot import graphs, solver
+from flashot.backends.torch_backend import TorchBackend
+from tests.conftest import clouds, rel
+
+
+class Replayer:
+    """Stands in for a CUDA graph: static inputs and outputs, re-running ``fn`` on replay."""
+
+    log: list = []
+
+    def __init__(self, fn, inputs):
+        self.fn, self.inputs = fn, [t.clone() for t in inputs]
+        self.outputs = fn(*self.inputs)
+        Replayer.log.append("capture")
+
+    def __call__(self, inputs):
+        for static, t in zip(self.inputs, inputs, strict=True):
+            static.copy_(t)
+        for static, new in zip(self.outputs, self.fn(*self.inputs), strict=True):
+            static.copy_(new)
+        Replayer.log.append("replay")
+        return tuple(t.clone() for t in self.outputs)
+
+
+def test_first_call_eager_second_captures_then_replays_and_lru_drops():
+    Replayer.log = []
+    cache = graphs.GraphCache(capacity=2, capture=Replayer)
+    double = lambda t: (2 * t,)  # noqa: E731
+    for value in (1.0, 2.0, 3.0):
+        (out,) = cache("a", double, [torch.tensor([value])])
+        assert out.item() == 2 * value
+    assert Replayer.log == ["capture", "replay", "replay"]
+    out[0] = -1.0  # a copy: the static output is untouched
+    assert cache("a", double, [torch.tensor([5.0])])[0].item() == 10.0
+    for key in ("b", "c"):
+        cache(key, double, [torch.tensor([1.0])])
+        cache(key, double, [torch.tensor([1.0])])
+    assert list(cache._graphs) == ["b", "c"]  # "a" was the least recently used
+
+
+@pytest.mark.parametrize("update", ["symmetric", "alternating"])
+def test_solver_replays_fixed_iteration_solves_with_new_data(gen, monkeypatch, update):
+    Replayer.log = []
+    monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=Replayer))
+    monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form: ("torch",))
+    kw = dict(eps=0.3, max_iter=6, tol=None, update=update)
+    for shift in (0.0, 1.0, 2.0):
+        x, y = clouds(gen, 20, 15, 3, shift=shift)
+        res = flashot.sinkhorn(x, y, **kw)
+        monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form: None)
+        ref = flashot.sinkhorn(x, y, **kw)
+        monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form: ("torch",))
+        assert rel(res.f, ref.f) < 1e-13 and rel(res.cost, ref.cost) < 1e-13
+    assert Replayer.log == ["capture", "replay", "replay"]
+    flashot.sinkhorn(x, y, **{**kw, "eps": 0.4})  # another temperature: another key
+    assert Replayer.log == ["capture", "replay", "replay"]
+
+
+def test_solves_with_a_tolerance_are_never_captured(gen, monkeypatch):
+    Replayer.log = []
+    monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=Replayer))
+    monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form: ("torch",))
+    x, y = clouds(gen, 20, 15, 3)
+    for _ in range(3):
+        flashot.sinkhorn(x, y, eps=0.3, tol=1e-6)
+    assert Replayer.log == []
