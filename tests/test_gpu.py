@@ -78,10 +78,11 @@ def test_auto_picks_triton_on_cuda():
     assert flashot.sinkhorn(x.double(), y.double(), eps=1.0).plan._backend.name == "torch"
 
 
-def test_forward_memory_is_inputs_plus_little():
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_forward_memory_is_inputs_plus_little(precision):
     x, y = data(50_000, 50_000, 64)
     a = torch.full((50_000,), 1 / 50_000, device="cuda")
-    be = TritonBackend(autotune=False)  # the default mode; memory does not depend on tiles
+    be = TritonBackend(precision, autotune=False)  # memory does not depend on tiles
     fn = lambda: flashot.sinkhorn(x, y, a, a, eps=0.1, max_iter=10, tol=None, backend=be)  # noqa: E731
     with torch.no_grad():
         fn()  # compile and tune outside the measurement
@@ -90,7 +91,7 @@ def test_forward_memory_is_inputs_plus_little():
         torch.cuda.reset_peak_memory_stats()
         fn()
         extra = (torch.cuda.max_memory_allocated() - base) / 1e6
-    print(f"extra memory fwd 50k d64 fp32: {extra:.1f} MB")
+    print(f"extra memory fwd 50k d64 {precision}: {extra:.1f} MB")
     assert extra < 32, f"{extra:.1f} MB beyond the inputs"
 
 

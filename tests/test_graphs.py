@@ -1,6 +1,8 @@
 """The graph cache's bookkeeping and the solver's use of it, with a stand-in for CUDA
 graph capture (the real capture runs in tests/test_gpu.py)."""
 
+import typing
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from tests.conftest import clouds, rel
 class Replayer:
     """Stands in for a CUDA graph: static inputs and outputs, re-running ``fn`` on replay."""
 
-    log: list = []
+    log: typing.ClassVar[list] = []
 
     def __init__(self, fn, inputs):
         self.fn, self.inputs = fn, [t.clone() for t in inputs]

@@ -229,13 +229,18 @@ def test_reduced_precision_solves_the_rounded_problem_exactly(gen, precision, dt
 
 @pytest.mark.parametrize("rounding", ["tf32", torch.bfloat16, torch.float16])
 def test_rounded_operands_are_representable(gen, rounding):
-    from flashot.costs import attention_form, get_cost
+    from flashot.costs import attention_form, get_cost, round_operands
 
     x, y = clouds(gen, 20, 20, 5, dtype=torch.float32)
     form = attention_form(get_cost("sqeuclidean"), x, y, rounding=rounding)
     for t in (form.q, form.k):
         if rounding == "tf32":
             assert bool(((t.view(torch.int32) & 0x1FFF) == 0).all())
+            # round to nearest, ties to even, at 11 significant bits (float64 reference)
+            u = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-12), 3.0000002])
+            mant, ex = torch.frexp(u.double())
+            ref = torch.ldexp(torch.round(mant * 2**11), ex - 11).float()
+            assert torch.equal(round_operands(u, "tf32"), ref)
         else:
             assert torch.equal(t, t.to(rounding).float())
     assert rel(form.dense(), attention_form(get_cost("sqeuclidean"), x, y).dense()) < 1e-2

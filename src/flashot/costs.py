@@ -120,8 +120,8 @@ _BLOCK = 1 << 20
 
 
 def _row_blocks(u: torch.Tensor):
-    """Views of about ``_BLOCK`` elements covering the rows of u (n, d)."""
-    rows = max(1, _BLOCK // max(1, u.shape[1]))
+    """Views of about ``_BLOCK`` elements covering the rows of u (n, ...)."""
+    rows = max(1, _BLOCK // max(1, u[:1].numel()))
     return (u[i : i + rows] for i in range(0, u.shape[0], rows))
 
 
@@ -136,10 +136,9 @@ def _round_block(block: torch.Tensor, rounding) -> None:
     """Round a block of coordinates in place (one block-sized temporary)."""
     if rounding == "tf32":  # keep 10 mantissa bits, round to nearest even
         bits = block.view(torch.int32)
-        t = (bits >> 13) & 1
-        t += 0x0FFF
-        t += bits
-        bits.copy_(t & -0x2000)
+        t = bits >> 13  # the only temporary: the rest is in place
+        t.bitwise_and_(1).add_(0x0FFF)
+        bits.add_(t).bitwise_and_(-0x2000)
     else:
         block.copy_(block.to(rounding))
 

@@ -12,6 +12,7 @@ values stay float32).
 
 from __future__ import annotations
 
+import inspect
 import math
 import weakref
 
@@ -37,11 +38,15 @@ _DOT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "tf32", "fp16": "tf32"}
 
 
 def _tuned(kernel, configs, key):
+    options = {}
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        options["cache_results"] = True  # tuned tiles persist on disk across processes
     return triton.autotune(
         configs=configs,
         key=key,
         prune_configs_by={"early_config_prune": _configs.prune},
         reset_to_zero=["R", "C"] if "R" in kernel.arg_names else None,
+        **options,
     )(kernel)
 
 

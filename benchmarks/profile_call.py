@@ -1,0 +1,59 @@
+"""Where one call's time goes: GPU kernel time vs wall time, per kernel (diagnostics).
+
+python benchmarks/profile_call.py --n 10000 --d 64 --precision tf32
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flashot
+from flashot.backends.triton import TritonBackend
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=10_000)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--precision", default="tf32")
+    ap.add_argument("--graphs", type=int, default=1)
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(args.n, args.d, device="cuda", generator=g)
+    y = torch.randn(args.n, args.d, device="cuda", generator=g)
+    be = TritonBackend(args.precision, graphs=bool(args.graphs))
+
+    def call():
+        with torch.no_grad():
+            return flashot.sinkhorn(x, y, eps=0.1, max_iter=10, tol=None, backend=be).cost
+
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / 20 * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name][0] += 1
+            per[e.name][1] += e.device_time / 1e3
+    gpu = sum(v[1] for v in per.values())
+    print(f"n={args.n} d={args.d} {args.precision} graphs={args.graphs}: wall {wall:.3f} ms/call, "
+          f"GPU kernels {gpu:.3f} ms in {sum(v[0] for v in per.values())} launches")  # fmt: skip
+    for name, (count, ms) in sorted(per.items(), key=lambda kv: -kv[1][1])[:12]:
+        print(f"  {ms:8.3f} ms  {count:4d}x  {name[:90]}")
+
+
+if __name__ == "__main__":
+    main()
