@@ -19,9 +19,14 @@ from flashot.backends import triton_interpreted
 __all__ = ["attend_configs", "block_d", "block_p", "bucket", "column_splits", "plan_sums_configs"]
 
 
+#: sizes from 2^BUCKET_CAP up share one autotuning bucket: with hundreds of row blocks
+#: per SM wave the best tiles no longer depend on size, and tuning there costs minutes
+BUCKET_CAP = 16
+
+
 def bucket(size: int) -> int:
-    """Power-of-two bucket of a size: the autotuning key."""
-    return max(0, int(math.log2(max(size, 1))))
+    """Power-of-two bucket of a size (capped at :data:`BUCKET_CAP`): the autotuning key."""
+    return min(BUCKET_CAP, max(0, int(math.log2(max(size, 1)))))
 
 
 def block_d(d: int) -> tuple[int, int]:
