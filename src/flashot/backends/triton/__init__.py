@@ -337,6 +337,8 @@ class TritonBackend(Backend):
         small = n * m <= 2**GRAPHS_UP_TO_LOG2 and (n + m) * form.q.shape[1] <= 2**24
         if not (self.graphs and small and form.q.is_cuda and not triton_interpreted()):
             return None
+        if torch.cuda.is_current_stream_capturing():  # inside the caller's own graph
+            return None
         return (self.name, self.precision, self.fused, self.autotune, self.splits)
 
     def fast_state(self, device):
