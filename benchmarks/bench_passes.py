@@ -26,7 +26,15 @@ def main():
     ap.add_argument("--modes", nargs="*", default=["tf32", "bf16", "fp32"])
     ap.add_argument("--ops", nargs="*", default=None, help="subset of the ops to time")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--block-d", type=int, default=None, help="feature chunk for d > 128")
     args = ap.parse_args()
+    if args.block_d:  # diagnostic: another feature chunk (run each in its own process)
+        from flashot.backends.triton import _configs
+
+        default = _configs.block_d
+        _configs.block_d = lambda d: (
+            (args.block_d, -(-d // args.block_d)) if d > 128 else default(d)
+        )
     rows, eps = [], 0.1
     for n in args.sizes:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -67,6 +75,7 @@ def main():
                     dict(
                         n=n,
                         d=args.d,
+                        block_d=args.block_d or 0,
                         mode=mode,
                         op=name,
                         ms=ms,
