@@ -32,7 +32,7 @@ def main():
         from flashot.backends.triton import _configs
 
         default = _configs.block_d
-        _configs.block_d = lambda d: (
+        _configs.block_d = lambda d, itemsize=4: (
             (args.block_d, -(-d // args.block_d)) if d > 128 else default(d)
         )
     rows, eps = [], 0.1

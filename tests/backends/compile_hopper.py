@@ -15,7 +15,7 @@ from triton.compiler import ASTSource
 
 from flashot.backends.triton import _kernels as K
 
-FLOATS = {"scale", "eps", "lo", "hi", "gate_limit", "lo_r", "lo_c", "inv_rho_x", "inv_rho_y"}
+FLOATS = {"scale", "eps", "hi", "gate_limit", "inv_rho_x", "inv_rho_y"}
 FLOATS |= {f"w_{age}_{side}" for age in ("old", "new") for side in "xy"}
 
 
@@ -40,6 +40,7 @@ def variants():
         (dict(plain, D_CHUNKS=1, SPLIT=False, PRECISION="tf32x3"), False),
         (dict(plain, D_CHUNKS=1, SPLIT=True, REPAIR=True, PRECISION="tf32"), True),
         (dict(plain, D_CHUNKS=4, SPLIT=False, REPAIR=True, PRECISION="tf32x3"), False),
+        (dict(plain, BLOCK_D=32, D_CHUNKS=16, SPLIT=False, PRECISION="tf32"), False),
         (
             dict(
                 D_CHUNKS=4,
@@ -64,9 +65,12 @@ def variants():
         ),
     ):
         yield K._attend_kernel, {**base, **flags, "V_PRECISION": flags["PRECISION"]}, half
-    for chunks, split, gated, half in ((1, False, True, False), (1, True, True, True),
-                                       (4, True, False, False)):  # fmt: skip
-        consts = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=64, D_CHUNKS=chunks, SPLIT=split,
+    # (BLOCK_D, D_CHUNKS, SPLIT, GATED, half operands)
+    plan_sums = ((64, 1, False, True, False), (64, 1, True, True, True),
+                 (64, 4, True, False, False), (32, 16, False, True, False),
+                 (64, 8, False, True, True))  # fmt: skip
+    for bd, chunks, split, gated, half in plan_sums:
+        consts = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=bd, D_CHUNKS=chunks, SPLIT=split,
                       GATED=gated, PRECISION="tf32")  # fmt: skip
         yield K._plan_sums_kernel, consts, half
     yield K._combine_kernel, dict(BLOCK=128, BLOCK_P=64, HAS_V=True), False

@@ -160,7 +160,7 @@ class TritonBackend(Backend):
         dev = q.device
         potential = len(bias) == 3
         h, beta, log_w = bias if potential else (bias[0], bias[0], bias[0])
-        bd, chunks = _configs.block_d(d)
+        bd, chunks = _configs.block_d(d, q.element_size())
         has_v = v is not None
         p = v.shape[1] if has_v else 1
         bp = _configs.block_p(p)
@@ -278,7 +278,7 @@ class TritonBackend(Backend):
         q, k = self._operand(form.q), self._operand(form.k)
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
-        bd, chunks = _configs.block_d(d)
+        bd, chunks = _configs.block_d(d, q.element_size())
         splits, per = self._splits(m, n, dev)
         sums = torch.zeros(n + m, device=dev, dtype=torch.float32)
         r, c = sums[:n], sums[n:]

@@ -29,10 +29,20 @@ def bucket(size: int) -> int:
     return min(BUCKET_CAP, max(0, int(math.log2(max(size, 1)))))
 
 
-def block_d(d: int) -> tuple[int, int]:
-    """(BLOCK_D, D_CHUNKS): features per chunk (≥ 16 for tensor cores) and chunk count."""
-    cap = 16 if triton_interpreted() else 128
-    bd = min(max(16, triton.next_power_of_2(d)), cap)
+def block_d(d: int, itemsize: int = 4) -> tuple[int, int]:
+    """(BLOCK_D, D_CHUNKS): features per chunk (≥ 16 for tensor cores) and chunk count.
+
+    Up to 128 features are one chunk (hoisted out of the streaming loop). Beyond, the
+    chunk is 128 bytes per row (32 float32 or 64 half features), so that the feature
+    loop pipelines with 3 stages in shared memory: measured on the H200 at n = 50k,
+    d = 512, per pass, 128-feature chunks took 20.9 ms (tf32 attend) and 6.9 ms (bf16),
+    32-feature chunks 11.2 ms (tf32), 64-feature chunks 5.5 ms (bf16).
+    """
+    if triton_interpreted():
+        return 16, triton.cdiv(d, 16)
+    if d <= 128:
+        return max(16, triton.next_power_of_2(d)), 1
+    bd = 128 // itemsize
     return bd, triton.cdiv(d, bd)
 
 
