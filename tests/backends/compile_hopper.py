@@ -36,33 +36,14 @@ def compile_for_hopper(fn, consts, half=False):
 def variants():
     base = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_P=64)
     plain = dict(HAS_V=False, POTENTIAL_BIAS=True, REPAIR=False)
+    with_v = dict(HAS_V=True, POTENTIAL_BIAS=False, REPAIR=False, PRECISION="tf32")
     for flags, half in (
         (dict(plain, D_CHUNKS=1, SPLIT=False, PRECISION="tf32x3"), False),
         (dict(plain, D_CHUNKS=1, SPLIT=True, REPAIR=True, PRECISION="tf32"), True),
         (dict(plain, D_CHUNKS=4, SPLIT=False, REPAIR=True, PRECISION="tf32x3"), False),
         (dict(plain, BLOCK_D=32, D_CHUNKS=16, SPLIT=False, PRECISION="tf32"), False),
-        (
-            dict(
-                D_CHUNKS=4,
-                HAS_V=True,
-                SPLIT=True,
-                POTENTIAL_BIAS=False,
-                REPAIR=False,
-                PRECISION="tf32",
-            ),
-            False,
-        ),
-        (
-            dict(
-                D_CHUNKS=1,
-                HAS_V=True,
-                SPLIT=False,
-                POTENTIAL_BIAS=False,
-                REPAIR=False,
-                PRECISION="tf32",
-            ),
-            True,
-        ),
+        (dict(with_v, D_CHUNKS=4, SPLIT=True), False),
+        (dict(with_v, D_CHUNKS=1, SPLIT=False), True),
     ):
         yield K._attend_kernel, {**base, **flags, "V_PRECISION": flags["PRECISION"]}, half
     # (BLOCK_D, D_CHUNKS, SPLIT, GATED, half operands)

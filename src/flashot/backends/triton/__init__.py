@@ -60,6 +60,8 @@ _BEST: dict = {}
 #: skip the fused pass when the last step's largest |ln R| (nats) exceeded this: the sums
 #: would mostly fall outside their valid range (±~70 nats) and need repair anyway
 GATE_LIMIT = 100.0
+#: exact range of a plan sum per unit of size·max(1, weight), and its upper end
+_LO_PER_TERM, _HI = 2.0**-100, 2.0**120
 #: CUDA graphs pay off while launches cost as much as the work: n·m up to 2^28
 GRAPHS_UP_TO_LOG2 = 28
 
@@ -315,7 +317,7 @@ class TritonBackend(Backend):
         normal float, and terms lost to underflow (``E < 2^-126``) add less than
         ``sum·2^-26``; ``hi`` leaves room below overflow.
         """
-        return size * max(1.0, max_weight) * 2.0**-100, 2.0**120
+        return size * max(1.0, max_weight) * _LO_PER_TERM, _HI
 
     def _ranges(self, log_a, log_b, state=None) -> tuple[torch.Tensor, float]:
         """``(lo, hi)``: :meth:`valid_range` of row sums (``lo[0]``) and column sums (``lo[1]``).
@@ -326,7 +328,7 @@ class TritonBackend(Backend):
             return state.ranges
         # log(size · max(1, w)), with no host tensor (this may run inside a CUDA graph)
         logs = [lw.max().float().clamp_min(0.0) + math.log(len(lw)) for lw in (log_b, log_a)]
-        ranges = (torch.stack(logs).exp() * self.valid_range(1)[0], self.valid_range(1)[1])
+        ranges = (torch.stack(logs).exp() * _LO_PER_TERM, _HI)
         if state is not None:
             state.ranges = ranges
         return ranges
