@@ -27,6 +27,7 @@ def main():
     ap.add_argument("--ops", nargs="*", default=None, help="subset of the ops to time")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--block-d", type=int, default=None, help="feature chunk for d > 128")
+    ap.add_argument("--name", default="passes_h200", help="file name of the results")
     args = ap.parse_args()
     if args.block_d:  # diagnostic: another feature chunk (run each in its own process)
         from flashot.backends.triton import _configs
@@ -85,12 +86,16 @@ def main():
                     )
                 )
                 print(rows[-1], flush=True)
-                H.write(rows, args.out, "passes_h200")  # keep what a time limit cuts
+                H.write(rows, args.out, args.name)  # keep what a time limit cuts
             r, c = be.plan_sums(form, f, gg, la, la, eps)
             lo, hi = be.valid_range(n)
             ok = float(((r > lo) & (r < hi)).float().mean() + ((c > lo) & (c < hi)).float().mean())
             print(f"fused sums in range: {ok / 2:.1%}", flush=True)
-    H.write(rows, args.out, "passes_h200")
+    H.write(rows, args.out, args.name)
+    from flashot.backends.triton import _BEST
+
+    for key, cfg in _BEST.items():  # the tuned tiles
+        print("tiles", key, cfg.kwargs, f"warps={cfg.num_warps} stages={cfg.num_stages}")
     print("\n| n | mode | op | ms | floor | x floor |")
     for r in rows:
         cells = (r["n"], r["mode"], r["op"], f"{r['ms']:.4f}", f"{r['floor_ms']:.4f}")

@@ -140,6 +140,7 @@ def main():
     ap.add_argument("--variants", action="store_true", help="also time diagnostic variants")
     ap.add_argument("--methods", nargs="*", default=None, help="subset of the methods")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the precision table")
+    ap.add_argument("--name", default="sinkhorn_h200", help="file name of the results")
     args = ap.parse_args()
     rows = []
     for case in args.cases:
@@ -176,10 +177,10 @@ def main():
                 )
             )
             print(rows[-1], flush=True)
-            H.write(rows, args.out, "sinkhorn_h200")  # keep what a time limit cuts
+            H.write(rows, args.out, args.name)  # keep what a time limit cuts
         del x, y, a, b
         torch.cuda.empty_cache()
-    H.write(rows, args.out, "sinkhorn_h200")
+    H.write(rows, args.out, args.name)
     acc = [] if args.no_accuracy else accuracy()
     if acc:
         H.write(acc, args.out, "precision_h200")

@@ -22,6 +22,7 @@ def main():
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--precision", default="tf32")
     ap.add_argument("--graphs", type=int, default=1)
+    ap.add_argument("--grad", action="store_true", help="forward and gradient w.r.t. x")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(args.n, args.d, device="cuda", generator=g)
@@ -29,6 +30,10 @@ def main():
     be = TritonBackend(args.precision, graphs=bool(args.graphs))
 
     def call():
+        if args.grad:
+            xg = x.detach().requires_grad_()
+            cost = flashot.sinkhorn(xg, y, eps=0.1, max_iter=10, tol=None, backend=be).cost
+            return torch.autograd.grad(cost, xg)[0]
         with torch.no_grad():
             return flashot.sinkhorn(x, y, eps=0.1, max_iter=10, tol=None, backend=be).cost
 
@@ -49,7 +54,8 @@ def main():
             per[e.name][0] += 1
             per[e.name][1] += e.device_time / 1e3
     gpu = sum(v[1] for v in per.values())
-    print(f"n={args.n} d={args.d} {args.precision} graphs={args.graphs}: wall {wall:.3f} ms/call, "
+    print(f"n={args.n} d={args.d} {args.precision} graphs={args.graphs} grad={args.grad}: "
+          f"wall {wall:.3f} ms/call, "
           f"GPU kernels {gpu:.3f} ms in {sum(v[0] for v in per.values())} launches")  # fmt: skip
     for name, (count, ms) in sorted(per.items(), key=lambda kv: -kv[1][1])[:12]:
         print(f"  {ms:8.3f} ms  {count:4d}x  {name[:90]}")

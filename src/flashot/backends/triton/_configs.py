@@ -16,7 +16,14 @@ import triton
 
 from flashot.backends import triton_interpreted
 
-__all__ = ["attend_configs", "block_d", "block_p", "bucket", "column_splits", "plan_sums_configs"]
+__all__ = [
+    "attend_configs",
+    "block_d",
+    "block_p",
+    "bucket",
+    "column_splits",
+    "plan_sums_configs",
+]
 
 
 #: sizes from 2^BUCKET_CAP up share one autotuning bucket: with hundreds of row blocks
