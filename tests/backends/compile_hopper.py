@@ -43,6 +43,7 @@ def variants():
         (dict(plain, D_CHUNKS=4, SPLIT=False, REPAIR=True, PRECISION="tf32x3"), False),
         (dict(plain, BLOCK_D=32, D_CHUNKS=16, SPLIT=False, PRECISION="tf32"), False),
         (dict(with_v, D_CHUNKS=4, SPLIT=True), False),
+        (dict(with_v, BLOCK_M=64, BLOCK_D=32, BLOCK_P=256, D_CHUNKS=16, SPLIT=True), False),
         (dict(with_v, D_CHUNKS=1, SPLIT=False), True),
     ):
         yield K._attend_kernel, {**base, **flags, "V_PRECISION": flags["PRECISION"]}, half

@@ -24,7 +24,8 @@ def triton_backend(**kw):
 
 @pytest.mark.parametrize("splits", [1, 2, 3])
 @pytest.mark.parametrize(
-    "n,m,d,p", [(1, 37, 3, 1), (40, 300, 5, 20), (9, 50, 37, 3), (3, 20, 1000, 2)]
+    "n,m,d,p",
+    [(1, 37, 3, 1), (40, 300, 5, 20), (9, 50, 37, 3), (3, 20, 1000, 2), (9, 40, 7, 300)],
 )
 def test_row_attend_splits_chunks_and_value_tiles(gen, splits, n, m, d, p):
     form, h = problem(gen, n, m, d, torch.float32, DEVICE)

@@ -53,9 +53,19 @@ def block_d(d: int, itemsize: int = 4) -> tuple[int, int]:
     return bd, triton.cdiv(d, bd)
 
 
+#: most value columns per program: each further chunk of values recomputes the scores
+VALUE_TILE_CAP = 256
+
+
 def block_p(p: int) -> int:
-    """Value columns per program (more are split over the grid's third axis)."""
-    cap = 16 if triton_interpreted() else 64
+    """Value columns per program (more are split over the grid's third axis).
+
+    Every program recomputes its score tiles, so wide values (p = d = 512 for a
+    gradient) take chunks as wide as the accumulator allows: 256 columns (2 chunks),
+    where 64 (8 chunks) made the value pass of a gradient at n = 10k, d = 512 cost ~14
+    exact passes on the H200.
+    """
+    cap = 16 if triton_interpreted() else VALUE_TILE_CAP
     return min(max(16, triton.next_power_of_2(p)), cap)
 
 
@@ -100,14 +110,21 @@ def plan_sums_configs() -> list:
 
 
 def prune(configs, named_args, **kwargs):
-    """Drop tiles that cannot pay off: large tiles for large d (register and smem pressure)."""
+    """Drop tiles that cannot pay off.
+
+    Large tiles for large d (register and smem pressure), and value accumulators
+    (BLOCK_M × BLOCK_P floats) beyond 64 registers per thread.
+    """
     d = named_args["d"]
+    values = kwargs.get("BLOCK_P", 0) if kwargs.get("HAS_V") else 0
     keep = []
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         if d > 128 and bm * bn > 128 * 64:
             continue
         if bm * bn > 128 * 128 or (bm * bn >= 128 * 128 and c.num_warps < 8):
+            continue
+        if bm * values > 64 * 256 or (bm * values > 64 * 128 and c.num_warps < 8):
             continue
         keep.append(c)
     return keep or configs[:1]
