@@ -58,10 +58,7 @@ _PLAN_SUMS = _tuned(_plan_sums_kernel, _configs.plan_sums_configs(), _PLAN_SUMS_
 # autotuner's per-call Python work and go straight to the compiled kernel
 _BEST: dict = {}
 #: skip the fused pass when the last step's largest |ln R| (nats) exceeded this: the sums
-#: would mostly fall outside their valid range (±~70 nats) and need repair anyway. Not
-#: on a solve's second step: from a cold start the first step shrinks |ln R| ~8x (923 →
-#: 100 nats at n = 4096, d = 64, ε = 0.1; 9 348 → 1 154 at d = 3, ε = 1e-4), and there
-#: most fused sums are valid (in 89 % of row blocks; 17 % in the second case)
+#: would mostly fall outside their valid range (±~70 nats) and need repair anyway
 GATE_LIMIT = 100.0
 #: exact range of a plan sum per unit of size·max(1, weight), and its upper end
 _LO_PER_TERM, _HI = 2.0**-100, 2.0**120
@@ -361,8 +358,6 @@ class TritonBackend(Backend):
         if state is not None:  # |ln R| scales as 1/ε: after an ε-scaling step, predict it
             limit *= min(1.0, eps / (state.eps or eps))
             state.eps = eps
-            if state.steps == 2:  # the first step shrinks |ln R| ~8x, not 2x: try the sums
-                limit = math.inf
         if self.fused:
             r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate, limit)
         else:
@@ -424,9 +419,7 @@ class _Gate:
         self.parity = 0
         self.eps = None  # the ε of the last step
         self.ranges = None  # the sums' exact ranges (they depend on the weights only)
-        self.steps = 0  # steps taken, this one included once swapped
 
     def swap(self):
-        self.steps += 1
         p, self.parity = self.parity, 1 - self.parity
         return self.slots[p : p + 1], self.slots[1 - p : 2 - p]
