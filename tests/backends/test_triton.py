@@ -22,13 +22,28 @@ def triton_backend(**kw):
     return TritonBackend(**kw)
 
 
+def nan_padded(form):
+    """The same form with q and k as strided views of buffers holding NaN past column d."""
+    d = form.q.shape[1]
+    views = []
+    for t in (form.q, form.k):
+        buf = torch.full((len(t), d + 16), math.nan, device=t.device)
+        buf[:, :d] = t
+        views.append(buf[:, :d])
+    return type(form)(*views, form.alpha, form.beta)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3])
 @pytest.mark.parametrize(
     "n,m,d,p",
-    [(1, 37, 3, 1), (40, 300, 5, 20), (9, 50, 37, 3), (3, 20, 1000, 2), (9, 40, 7, 300)],
-)
+    [(1, 37, 3, 1), (40, 300, 5, 20), (9, 50, 37, 3), (3, 20, 1000, 2), (9, 40, 7, 300),
+     (20, 70, 16, 5)],
+)  # fmt: skip
 def test_row_attend_splits_chunks_and_value_tiles(gen, splits, n, m, d, p):
+    """Whole and partial column tiles, feature chunks, value chunks; NaN beyond the
+    features (strided views) catches a load that ignores d."""
     form, h = problem(gen, n, m, d, torch.float32, DEVICE)
+    form = nan_padded(form)
     v = torch.randn(m, p, generator=gen).to(DEVICE)
     lse, out = triton_backend(splits=splits).row_attend(form, h, 0.4, v)
     ref_lse, ref_out = dense_attend(form, h, 0.4, v)
@@ -46,10 +61,13 @@ def test_non_contiguous_inputs(gen):
 
 
 @pytest.mark.parametrize("splits", [1, 2])
-def test_plan_sums_match_dense(gen, splits):
-    form, _ = problem(gen, 33, 45, 4, torch.float32, DEVICE)
-    f, g = torch.randn(33, generator=gen).to(DEVICE), torch.randn(45, generator=gen).to(DEVICE)
-    a, b = torch.rand(33, generator=gen).to(DEVICE), torch.rand(45, generator=gen).to(DEVICE)
+@pytest.mark.parametrize("n,m,d", [(33, 45, 4), (32, 20, 16), (7, 30, 16), (40, 19, 40)])
+def test_plan_sums_match_dense(gen, splits, n, m, d):
+    """Whole row tiles (unmasked), a partial last tile, both, and feature chunks; NaN
+    beyond the features (a strided view) catches a load that ignores d."""
+    form = nan_padded(problem(gen, n, m, d, torch.float32, DEVICE)[0])
+    f, g = torch.randn(n, generator=gen).to(DEVICE), torch.randn(m, generator=gen).to(DEVICE)
+    a, b = torch.rand(n, generator=gen).to(DEVICE), torch.rand(m, generator=gen).to(DEVICE)
     a[3] = 0.0
     r, c = triton_backend(splits=splits).plan_sums(form, f, g, a.log(), b.log(), 0.7)
     E = torch.exp((f.double()[:, None] + g.double()[None] - form.dense().double()) / 0.7)

@@ -227,6 +227,8 @@ class TritonBackend(Backend):
             REPAIR=repair is not None,
             PRECISION=self._dot(),
             V_PRECISION=self._dot(),
+            UNMASKED=chunks == 1,
+            EVEN_D=d == bd,
         )
         key = ("attend", d, p, nb, mb, has_v, split, potential, self._dot(), q.dtype)
         full = {"REPAIR": False}
@@ -300,6 +302,8 @@ class TritonBackend(Backend):
             SPLIT=splits > 1,
             GATED=gate is not None,
             PRECISION=self._dot(),
+            UNMASKED=chunks == 1,
+            EVEN_D=d == bd,
         )
         key = ("plan_sums", d, nb, mb, splits > 1, self._dot(), q.dtype)
         was_tuned = self._launch(
