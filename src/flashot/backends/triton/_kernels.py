@@ -110,9 +110,14 @@ def _attend_tile(
 
     Without MASKED every column of the tile is in range (``col_ok`` is ignored).
     """
-    if POTENTIAL_BIAS:  # h = g − β + ε log b, in base-2 units
-        g, w = _side_terms(H, BETA, LOG_W, offs_n, col_ok, scale, MASKED, False)
-        h = g + w * LOG2E
+    if POTENTIAL_BIAS and MASKED:  # h = g − β + ε log b, in base-2 units
+        g = tl.load(H + offs_n, mask=col_ok, other=0.0)
+        beta = tl.load(BETA + offs_n, mask=col_ok, other=0.0)
+        log_w = tl.load(LOG_W + offs_n, mask=col_ok, other=float("-inf"))
+        h = (g - beta) * scale + log_w * LOG2E
+    elif POTENTIAL_BIAS:
+        h = (tl.load(H + offs_n) - tl.load(BETA + offs_n)) * scale
+        h += tl.load(LOG_W + offs_n) * LOG2E
     elif MASKED:
         h = tl.load(H + offs_n, mask=col_ok, other=float("-inf")) * scale
     else:
@@ -245,25 +250,17 @@ def _combine_kernel(
 
 
 @triton.jit
-def _side_terms(
-    P, OFFSET, LOG_W, offs, ok, scale, MASKED: tl.constexpr = True, EXP_W: tl.constexpr = True
-):
+def _side_terms(P, OFFSET, LOG_W, offs, ok, scale, MASKED: tl.constexpr = True):
     """One side's exponent share ``(p − offset)·scale`` (``-inf`` off the tail) and weights.
 
-    Without MASKED every entry of ``offs`` is in range (``ok`` is ignored); without
-    EXP_W the log weights are returned as they are.
+    Without MASKED every entry of ``offs`` is in range (``ok`` is ignored).
     """
     if MASKED:
         p = tl.load(P + offs, mask=ok, other=0.0)
         offset = tl.load(OFFSET + offs, mask=ok, other=0.0)
-        log_w = tl.load(LOG_W + offs, mask=ok, other=float("-inf"))
-        share = tl.where(ok, (p - offset) * scale, float("-inf"))
-    else:
-        share = (tl.load(P + offs) - tl.load(OFFSET + offs)) * scale
-        log_w = tl.load(LOG_W + offs)
-    if EXP_W:
-        return share, tl.exp(log_w)
-    return share, log_w
+        w = tl.exp(tl.load(LOG_W + offs, mask=ok, other=float("-inf")))
+        return tl.where(ok, (p - offset) * scale, float("-inf")), w
+    return (tl.load(P + offs) - tl.load(OFFSET + offs)) * scale, tl.exp(tl.load(LOG_W + offs))
 
 
 @triton.jit
