@@ -28,10 +28,18 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--block-d", type=int, default=None, help="feature chunk for d > 128")
     ap.add_argument("--name", default="passes_h200", help="file name of the results")
+    ap.add_argument(
+        "--unmasked",
+        nargs="*",
+        type=int,
+        default=None,
+        help="loop forms to time: 0 every tile masked, 1 whole tiles unmasked (experiment)",
+    )
     args = ap.parse_args()
-    if args.block_d:  # diagnostic: another feature chunk (run each in its own process)
-        from flashot.backends.triton import _configs
+    from flashot.backends.triton import _configs
 
+    forms = args.unmasked if args.unmasked is not None else [int(_configs.UNMASKED_TILES)]
+    if args.block_d:  # diagnostic: another feature chunk (run each in its own process)
         default = _configs.block_d
         _configs.block_d = lambda d, itemsize=4: (
             (args.block_d, -(-d // args.block_d)) if d > 128 else default(d)
@@ -66,27 +74,21 @@ def main():
                 ),
             }
             fl = H.sinkhorn_floor_ms(n, n, args.d, 1, mode)
-            for name, fn in cases.items():
-                if args.ops and name not in args.ops:
-                    continue
-                fn()
-                ms = H.median_ms(fn)
-                floor = fl["floor_ms"] * (2 if name == "step_exact" else 1)
-                rows.append(
-                    dict(
-                        n=n,
-                        d=args.d,
-                        block_d=args.block_d or 0,
-                        mode=mode,
-                        op=name,
-                        ms=ms,
-                        floor_ms=floor,
-                        x_floor=ms / floor,
-                        Gelem_per_s=n * n / ms / 1e6,
-                    )
-                )
-                print(rows[-1], flush=True)
-                H.write(rows, args.out, args.name)  # keep what a time limit cuts
+            for form_flag in forms:
+                _configs.UNMASKED_TILES = bool(form_flag)
+                for name, fn in cases.items():
+                    if args.ops and name not in args.ops:
+                        continue
+                    fn()
+                    ms = H.median_ms(fn)
+                    floor = fl["floor_ms"] * (2 if name == "step_exact" else 1)
+                    rows.append(
+                        dict(n=n, d=args.d, block_d=args.block_d or 0, unmasked=form_flag,
+                             mode=mode, op=name, ms=ms, floor_ms=floor, x_floor=ms / floor,
+                             Gelem_per_s=n * n / ms / 1e6)
+                    )  # fmt: skip
+                    print(rows[-1], flush=True)
+                    H.write(rows, args.out, args.name)  # keep what a time limit cuts
             r, c = be.plan_sums(form, f, gg, la, la, eps)
             lo, hi = be.valid_range(n)
             ok = float(((r > lo) & (r < hi)).float().mean() + ((c > lo) & (c < hi)).float().mean())
@@ -96,9 +98,10 @@ def main():
 
     for key, cfg in _BEST.items():  # the tuned tiles
         print("tiles", key, cfg.kwargs, f"warps={cfg.num_warps} stages={cfg.num_stages}")
-    print("\n| n | mode | op | ms | floor | x floor |")
+    print("\n| n | mode | unmasked | op | ms | floor | x floor |")
     for r in rows:
-        cells = (r["n"], r["mode"], r["op"], f"{r['ms']:.4f}", f"{r['floor_ms']:.4f}")
+        cells = (r["n"], r["mode"], r["unmasked"], r["op"], f"{r['ms']:.4f}",
+                 f"{r['floor_ms']:.4f}")  # fmt: skip
         print("| " + " | ".join(map(str, cells)) + f" | {r['x_floor']:.1f} |")
 
 

@@ -50,9 +50,9 @@ def _tuned(kernel, configs, key):
     )(kernel)
 
 
-_ATTEND_KEY = ["d", "p", "n_bucket", "m_bucket", "HAS_V", "SPLIT", "PRECISION"]
+_ATTEND_KEY = ["d", "p", "n_bucket", "m_bucket", "HAS_V", "SPLIT", "PRECISION", "UNMASKED"]
 _ATTEND = _tuned(_attend_kernel, _configs.attend_configs(), _ATTEND_KEY)
-_PLAN_SUMS_KEY = ["d", "n_bucket", "m_bucket", "SPLIT", "PRECISION"]
+_PLAN_SUMS_KEY = ["d", "n_bucket", "m_bucket", "SPLIT", "PRECISION", "UNMASKED"]
 _PLAN_SUMS = _tuned(_plan_sums_kernel, _configs.plan_sums_configs(), _PLAN_SUMS_KEY)
 # best configuration per (kernel, key): after the first (tuning) call, launches skip the
 # autotuner's per-call Python work and go straight to the compiled kernel
@@ -227,8 +227,11 @@ class TritonBackend(Backend):
             REPAIR=repair is not None,
             PRECISION=self._dot(),
             V_PRECISION=self._dot(),
+            UNMASKED=_configs.unmasked(chunks),
+            EVEN_D=d == bd,
         )
-        key = ("attend", d, p, nb, mb, has_v, split, potential, self._dot(), q.dtype)
+        key = ("attend", d, p, nb, mb, has_v, split, potential, self._dot(), q.dtype,
+               consts["UNMASKED"])  # fmt: skip
         full = {"REPAIR": False}
         self._launch(_ATTEND, _attend_kernel, key, grid, args, consts, d, nb + mb, full)
         if split:
@@ -300,8 +303,10 @@ class TritonBackend(Backend):
             SPLIT=splits > 1,
             GATED=gate is not None,
             PRECISION=self._dot(),
+            UNMASKED=_configs.unmasked(chunks),
+            EVEN_D=d == bd,
         )
-        key = ("plan_sums", d, nb, mb, splits > 1, self._dot(), q.dtype)
+        key = ("plan_sums", d, nb, mb, splits > 1, self._dot(), q.dtype, consts["UNMASKED"])
         was_tuned = self._launch(
             _PLAN_SUMS, _plan_sums_kernel, key, grid, args, consts, d, nb + mb, {"GATED": False}
         )

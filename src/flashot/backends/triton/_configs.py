@@ -23,6 +23,7 @@ __all__ = [
     "bucket",
     "column_splits",
     "plan_sums_configs",
+    "unmasked",
 ]
 
 
@@ -51,6 +52,17 @@ def block_d(d: int, itemsize: int = 4) -> tuple[int, int]:
         return max(16, triton.next_power_of_2(d)), 1
     bd = 128 // itemsize
     return bd, triton.cdiv(d, bd)
+
+
+#: experiment switch, off until measured on a GPU: with one feature chunk, stream whole
+#: tiles without masks through pointers advanced in place and mask only the last partial
+#: tile (offline sm_90 SASS: 10–25 % fewer instructions per tile; see benchmarks/NOTES.md)
+UNMASKED_TILES = False
+
+
+def unmasked(chunks: int) -> bool:
+    """Whether kernels streaming ``chunks`` feature chunks take unmasked whole tiles."""
+    return UNMASKED_TILES and chunks == 1
 
 
 #: most value columns per program on a GPU. Each further chunk of values recomputes the
