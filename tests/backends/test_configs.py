@@ -36,17 +36,3 @@ def test_value_chunks_on_gpus(monkeypatch, p, expected):
 
     monkeypatch.setattr(_configs, "triton_interpreted", lambda: False)
     assert _configs.block_p(p) == expected
-
-
-def test_value_accumulators_fit_in_registers():
-    """Tiles whose BLOCK_M × BLOCK_P accumulator exceeds 64 registers per thread go."""
-    from flashot.backends.triton import _configs
-
-    configs = _configs.attend_configs()
-    for values in (64, 128, 256):
-        kept = _configs.prune(configs, {"d": 512}, HAS_V=True, BLOCK_P=values)
-        assert kept and all(c.kwargs["BLOCK_M"] * values <= 64 * 32 * c.num_warps for c in kept)
-        assert any(c.kwargs["BLOCK_M"] * values == 64 * 32 * c.num_warps for c in kept)
-    # without values the accumulator is not counted
-    plain = _configs.prune(configs, {"d": 512}, HAS_V=False, BLOCK_P=256)
-    assert len(plain) > len(_configs.prune(configs, {"d": 512}, HAS_V=True, BLOCK_P=256))

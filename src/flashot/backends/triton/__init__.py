@@ -117,10 +117,9 @@ class TritonBackend(Backend):
         self._halves = [*self._halves[-3:], (weakref.ref(t), t._version, half)]
         return half
 
-    def _launch(self, tuned, raw, key, grid, args, consts, d, size_log2, full=None):
+    def _launch(self, tuned, raw, key, grid, args, consts, size_log2, full=None):
         """Launch with the tuned tiles (tuning on first use), fixed tiles when interpreted.
 
-        ``d``: the feature size (untuned launches take the first tiles that suit it).
         ``size_log2``: log2 of the n·m elements streamed (small solves are not tuned).
         ``full``: constexpr overrides that make a call that may skip work (gated or
         repair launches) do all of it, for tuning: skipped work would time nothing.
@@ -132,7 +131,7 @@ class TritonBackend(Backend):
             return False
         # tiny problems run in microseconds and would spend seconds tuning
         tune = self.autotune and size_log2 >= _configs.TUNE_FROM_LOG2
-        cfg = _BEST.get(key) if tune else _configs.prune(tuned.configs, {"d": d}, **consts)[0]
+        cfg = _BEST.get(key) if tune else tuned.configs[0]
         if cfg is None:
             tuned[grid](*args, **{**consts, **(full or {})})
             _BEST[key] = tuned.best_config
@@ -233,7 +232,7 @@ class TritonBackend(Backend):
         key = ("attend", d, p, nb, mb, has_v, split, potential, self._dot(), q.dtype,
                consts["UNMASKED"])  # fmt: skip
         full = {"REPAIR": False}
-        self._launch(_ATTEND, _attend_kernel, key, grid, args, consts, d, nb + mb, full)
+        self._launch(_ATTEND, _attend_kernel, key, grid, args, consts, nb + mb, full)
         if split:
             blk = 128
             _combine_kernel[(triton.cdiv(n, blk),)](
@@ -308,7 +307,7 @@ class TritonBackend(Backend):
         )
         key = ("plan_sums", d, nb, mb, splits > 1, self._dot(), q.dtype, consts["UNMASKED"])
         was_tuned = self._launch(
-            _PLAN_SUMS, _plan_sums_kernel, key, grid, args, consts, d, nb + mb, {"GATED": False}
+            _PLAN_SUMS, _plan_sums_kernel, key, grid, args, consts, nb + mb, {"GATED": False}
         )
         if was_tuned and gate is not None:
             gate_out.zero_()  # the tuning launch ran ungated

@@ -118,21 +118,14 @@ def plan_sums_configs() -> list:
 
 
 def prune(configs, named_args, **kwargs):
-    """Drop tiles that cannot pay off.
-
-    Large tiles for large d (register and smem pressure), and value accumulators
-    (BLOCK_M × BLOCK_P floats) beyond 64 registers per thread.
-    """
+    """Drop tiles that cannot pay off: large tiles for large d (register and smem pressure)."""
     d = named_args["d"]
-    values = kwargs.get("BLOCK_P", 0) if kwargs.get("HAS_V") else 0
     keep = []
     for c in configs:
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         if d > 128 and bm * bn > 128 * 64:
             continue
         if bm * bn > 128 * 128 or (bm * bn >= 128 * 128 and c.num_warps < 8):
-            continue
-        if bm * values > 64 * 256 or (bm * values > 64 * 128 and c.num_warps < 8):
             continue
         keep.append(c)
     return keep or configs[:1]

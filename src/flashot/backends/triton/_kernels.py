@@ -65,6 +65,18 @@ def _load_tile(X, offs, size, d, stride_n, stride_d, BLOCK_D: tl.constexpr, D_CH
 
 
 @triton.jit
+def _whole_tile(ptrs, offs_d, d, EVEN_D: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A streamed tile whose items are all in range: masked on features unless d fills it."""
+    if EVEN_D:
+        t = tl.load(ptrs)
+    elif TRANSPOSED:
+        t = tl.load(ptrs, mask=offs_d[:, None] < d, other=0.0)
+    else:
+        t = tl.load(ptrs, mask=offs_d[None, :] < d, other=0.0)
+    return t
+
+
+@triton.jit
 def _score_tile(
     Q, K, q_tile, kt_tile, offs_m, offs_n, n, m, d, stride_qn, stride_qd, stride_kn, stride_kd,
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, HOIST_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -180,10 +192,7 @@ def _attend_kernel(
         offs_n = col_lo + tl.arange(0, BLOCK_N)
         kt_ptrs = K + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
         for _start in range(col_lo, tail, BLOCK_N):
-            if EVEN_D:
-                kt = tl.load(kt_ptrs)
-            else:
-                kt = tl.load(kt_ptrs, mask=offs_d[:, None] < d, other=0.0)
+            kt = _whole_tile(kt_ptrs, offs_d, d, EVEN_D, True)
             s = tl.dot(q_tile, kt, input_precision=PRECISION)
             run_max, run_sum, acc = _attend_tile(
                 s, H, BETA, LOG_W, V, offs_n, offs_n >= 0, offs_p, p, stride_vn, stride_vp,
@@ -313,10 +322,7 @@ def _plan_sums_kernel(
         offs_m = row_lo + tl.arange(0, BLOCK_M)
         q_ptrs = Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
         for _start in range(row_lo, tail, BLOCK_M):
-            if EVEN_D:  # noqa: SIM108 (a compile-time branch)
-                q = tl.load(q_ptrs)
-            else:
-                q = tl.load(q_ptrs, mask=offs_d[None, :] < d, other=0.0)
+            q = _whole_tile(q_ptrs, offs_d, d, EVEN_D, False)
             s = tl.dot(q, kt_tile, input_precision=PRECISION)
             u, a = _side_terms(F, ALPHA, LOG_A, offs_m, offs_m >= 0, scale, False)
             acc = _plan_sums_tile(s, u, a, v, b, acc, R + offs_m, offs_m >= 0, scale, False)
