@@ -29,16 +29,17 @@ def main():
     ap.add_argument("--block-d", type=int, default=None, help="feature chunk for d > 128")
     ap.add_argument("--name", default="passes_h200", help="file name of the results")
     ap.add_argument(
-        "--unmasked",
+        "--balance",
         nargs="*",
         type=int,
-        default=None,
-        help="loop forms to time: 0 every tile masked, 1 whole tiles unmasked (experiment)",
+        default=[1],
+        help="split counts to time: 0 the first guess, 1 balanced waves (the default)",
     )
     args = ap.parse_args()
+    from flashot.backends import triton as backend
     from flashot.backends.triton import _configs
 
-    forms = args.unmasked if args.unmasked is not None else [int(_configs.UNMASKED_TILES)]
+    resident = _configs.resident_programs
     if args.block_d:  # diagnostic: another feature chunk (run each in its own process)
         default = _configs.block_d
         _configs.block_d = lambda d, itemsize=4: (
@@ -74,8 +75,10 @@ def main():
                 ),
             }
             fl = H.sinkhorn_floor_ms(n, n, args.d, 1, mode)
-            for form_flag in forms:
-                _configs.UNMASKED_TILES = bool(form_flag)
+            for balance in args.balance:
+                # unbalanced: the occupancy is unknown, so launches keep the first guess
+                _configs.resident_programs = resident if balance else lambda *a: None
+                backend._RESIDENT.clear()
                 for name, fn in cases.items():
                     if args.ops and name not in args.ops:
                         continue
@@ -83,7 +86,7 @@ def main():
                     ms = H.median_ms(fn)
                     floor = fl["floor_ms"] * (2 if name == "step_exact" else 1)
                     rows.append(
-                        dict(n=n, d=args.d, block_d=args.block_d or 0, unmasked=form_flag,
+                        dict(n=n, d=args.d, block_d=args.block_d or 0, balance=balance,
                              mode=mode, op=name, ms=ms, floor_ms=floor, x_floor=ms / floor,
                              Gelem_per_s=n * n / ms / 1e6)
                     )  # fmt: skip
@@ -96,11 +99,13 @@ def main():
     H.write(rows, args.out, args.name)
     from flashot.backends.triton import _BEST
 
-    for key, cfg in _BEST.items():  # the tuned tiles
-        print("tiles", key, cfg.kwargs, f"warps={cfg.num_warps} stages={cfg.num_stages}")
-    print("\n| n | mode | unmasked | op | ms | floor | x floor |")
+    for key, cfg in _BEST.items():  # the tuned tiles and how many programs an SM holds
+        resident = backend._RESIDENT.get((key, str(cfg)))
+        print("tiles", key, cfg.kwargs, f"warps={cfg.num_warps} stages={cfg.num_stages}",
+              f"resident={resident}")  # fmt: skip
+    print("\n| n | mode | balance | op | ms | floor | x floor |")
     for r in rows:
-        cells = (r["n"], r["mode"], r["unmasked"], r["op"], f"{r['ms']:.4f}",
+        cells = (r["n"], r["mode"], r["balance"], r["op"], f"{r['ms']:.4f}",
                  f"{r['floor_ms']:.4f}")  # fmt: skip
         print("| " + " | ".join(map(str, cells)) + f" | {r['x_floor']:.1f} |")
 

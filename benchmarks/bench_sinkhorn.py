@@ -141,12 +141,7 @@ def main():
     ap.add_argument("--methods", nargs="*", default=None, help="subset of the methods")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the precision table")
     ap.add_argument("--name", default="sinkhorn_h200", help="file name of the results")
-    ap.add_argument("--unmasked", type=int, default=None, help="experiment: 1 unmasked tiles")
     args = ap.parse_args()
-    if args.unmasked is not None:
-        from flashot.backends.triton import _configs
-
-        _configs.UNMASKED_TILES = bool(args.unmasked)
     rows = []
     for case in args.cases:
         kind, n, d = CASES[case]

@@ -23,6 +23,8 @@ def main():
     ap.add_argument("--precision", default="tf32")
     ap.add_argument("--graphs", type=int, default=1)
     ap.add_argument("--grad", action="store_true", help="forward and gradient w.r.t. x")
+    ap.add_argument("--timeline", action="store_true", help="also every flashot kernel in order")
+    ap.add_argument("--host", action="store_true", help="also a Python profile of the host side")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(args.n, args.d, device="cuda", generator=g)
@@ -59,6 +61,27 @@ def main():
           f"GPU kernels {gpu:.3f} ms in {sum(v[0] for v in per.values())} launches")  # fmt: skip
     for name, (count, ms) in sorted(per.items(), key=lambda kv: -kv[1][1])[:12]:
         print(f"  {ms:8.3f} ms  {count:4d}x  {name[:90]}")
+    if args.timeline:  # which launches of a kind are long (full passes) or short (skipped)
+        ours = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                and e.name.startswith("_")]  # fmt: skip
+        ours.sort(key=lambda e: e.time_range.start)
+        print(
+            "  " + " ".join(f"{e.name.split('_')[1][:6]}:{e.device_time / 1e3:.3f}" for e in ours)
+        )
+
+    if args.host:  # where the host's time goes (it adds to the GPU's: the call ends in a sync)
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+        prof.disable()
+        stats = pstats.Stats(prof)
+        stats.sort_stats("cumulative").print_stats(35)
+        stats.sort_stats("tottime").print_stats(15)
 
 
 if __name__ == "__main__":

@@ -36,3 +36,62 @@ def test_value_chunks_on_gpus(monkeypatch, p, expected):
 
     monkeypatch.setattr(_configs, "triton_interpreted", lambda: False)
     assert _configs.block_p(p) == expected
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _waves_cost(units, moving, slots, splits, per):
+    from flashot.backends.triton import _configs
+
+    return _cdiv(units * splits, slots) * (per + _configs.PROGRAM_OVERHEAD)
+
+
+@pytest.mark.parametrize(
+    "units,moving,slots,most",
+    [(782, 50_000, 528, 50_000), (157, 10_000, 528, 10_000), (528, 50_000, 528, 50_000),
+     (391, 50_000, 264, 2), (5, 300, 528, 300), (15_625, 1_000_000, 528, 10**6)],
+)  # fmt: skip
+def test_balanced_splits_cover_the_items_and_beat_every_other_count(units, moving, slots, most):
+    """Splits of a multiple of 128 items cover the moving side exactly once, and no
+    allowed count has fewer, fuller waves under the model."""
+    from flashot.backends.triton import _configs
+
+    splits, per = _configs.balanced_splits(units, moving, slots, most)
+    assert per % 128 == 0 and (splits - 1) * per < moving <= splits * per
+    assert 1 <= splits <= max(1, most)
+    cost = _waves_cost(units, moving, slots, splits, per)
+    for want in range(1, most + 1):
+        p = _cdiv(_cdiv(moving, want), 128) * 128
+        s = _cdiv(moving, p)
+        if s > 1 and p < 512:
+            break
+        assert cost <= _waves_cost(units, moving, slots, s, p)
+
+
+def test_balanced_splits_fill_the_partial_wave_at_50k():
+    """782 blocks on 528 slots run 1.48 waves as 2; two splits make 2.96 waves of 3."""
+    from flashot.backends.triton import _configs
+
+    assert _configs.balanced_splits(782, 50_000, 528, 50_000) == (2, 25_088)
+    assert _configs.balanced_splits(528, 50_000, 528, 50_000)[0] == 1  # one full wave
+    assert _configs.balanced_splits(782, 50_000, 528, 1)[0] == 1  # capped
+
+
+@pytest.mark.parametrize(
+    "regs,warps,smem,expected",
+    [(126, 4, 33_000, 4), (168, 8, 66_000, 1), (32, 4, 0, 16), (64, 4, 100_000, 2),
+     (255, 4, 0, 2)],
+)  # fmt: skip
+def test_resident_programs_from_registers_shared_memory_and_warps(regs, warps, smem, expected):
+    """The H200's limits: 64k registers, 228 KB shared memory, 2048 threads per SM."""
+    from types import SimpleNamespace
+
+    from flashot.backends.triton import _configs
+
+    props = SimpleNamespace(regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=233472,
+                            max_threads_per_multi_processor=2048)  # fmt: skip
+    kernel = SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(num_warps=warps, shared=smem))
+    assert _configs.resident_programs(kernel, props) == expected
+    assert _configs.resident_programs(SimpleNamespace(), props) is None  # not loaded: unknown

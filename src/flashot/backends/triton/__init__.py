@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 import weakref
 
 import torch
@@ -50,13 +51,15 @@ def _tuned(kernel, configs, key):
     )(kernel)
 
 
-_ATTEND_KEY = ["d", "p", "n_bucket", "m_bucket", "HAS_V", "SPLIT", "PRECISION", "UNMASKED"]
+_ATTEND_KEY = ["d", "p", "n_bucket", "m_bucket", "HAS_V", "PRECISION"]
 _ATTEND = _tuned(_attend_kernel, _configs.attend_configs(), _ATTEND_KEY)
-_PLAN_SUMS_KEY = ["d", "n_bucket", "m_bucket", "SPLIT", "PRECISION", "UNMASKED"]
+_PLAN_SUMS_KEY = ["d", "n_bucket", "m_bucket", "PRECISION"]
 _PLAN_SUMS = _tuned(_plan_sums_kernel, _configs.plan_sums_configs(), _PLAN_SUMS_KEY)
 # best configuration per (kernel, key): after the first (tuning) call, launches skip the
 # autotuner's per-call Python work and go straight to the compiled kernel
 _BEST: dict = {}
+# programs per SM of each (kernel, key, tiles), read from the compiled kernel
+_RESIDENT: dict = {}
 #: skip the fused pass when the last step's largest |ln R| (nats) exceeded this: the sums
 #: would mostly fall outside their valid range (±~70 nats) and need repair anyway
 GATE_LIMIT = 100.0
@@ -117,38 +120,68 @@ class TritonBackend(Backend):
         self._halves = [*self._halves[-3:], (weakref.ref(t), t._version, half)]
         return half
 
-    def _launch(self, tuned, raw, key, grid, args, consts, size_log2, full=None):
-        """Launch with the tuned tiles (tuning on first use), fixed tiles when interpreted.
+    def _tiles(self, tuned, key, size_log2):
+        """The tiles a launch takes; None when this call must tune them first.
 
         ``size_log2``: log2 of the n·m elements streamed (small solves are not tuned).
+        """
+        if triton_interpreted():
+            return triton.Config(_configs.INTERPRETER_TILES)
+        # tiny problems run in microseconds and would spend seconds tuning
+        if not (self.autotune and size_log2 >= _configs.TUNE_FROM_LOG2):
+            return tuned.configs[0]
+        return _BEST.get(key)
+
+    def _split(self, raw, key, cfg, build, stationary, moving, device, most=None):
+        """``(splits, per)``: the moving side cut into splits of ``per`` items each.
+
+        Before the tiles are known (tuning) the count is :func:`_configs.column_splits`;
+        afterwards :func:`_configs.balanced_splits` for the compiled kernel's occupancy,
+        at most ``max(most, first guess)`` splits. ``build(splits, per, probe=True)``
+        gives the launch's ``(grid, args, consts)`` for compiling it.
+        """
+        block = cfg.kwargs["BLOCK_M" if raw is _attend_kernel else "BLOCK_N"] if cfg else 128
+        guess = self.splits or _configs.column_splits(
+            triton.cdiv(stationary, block), moving, 64, device
+        )
+        per = triton.cdiv(triton.cdiv(moving, guess), 128) * 128
+        guess = triton.cdiv(moving, per)
+        if cfg is None or self.splits or device.type != "cuda" or triton_interpreted():
+            return guess, per
+        rkey = (key, str(cfg))
+        if rkey not in _RESIDENT:
+            grid, args, consts = build(guess, per, probe=True)
+            try:  # compile (cached) and load without launching: loading sets n_regs
+                kernel = raw.warmup(*args, **consts, **cfg.all_kwargs(), grid=grid(cfg.kwargs))
+                kernel = kernel.result() if hasattr(kernel, "result") else kernel
+                kernel._init_handles()
+            except (AttributeError, TypeError) as err:  # another Triton: keep the guess
+                warnings.warn(f"flashot: occupancy unknown ({err}); splits not balanced",
+                              RuntimeWarning, stacklevel=2)  # fmt: skip
+                kernel = None
+            props = torch.cuda.get_device_properties(device.index or 0)
+            _RESIDENT[rkey] = _configs.resident_programs(kernel, props)
+        if _RESIDENT[rkey] is None:
+            return guess, per
+        slots = _RESIDENT[rkey] * _configs.sm_count(device.index or 0)
+        most = moving if most is None else max(most, guess)
+        return _configs.balanced_splits(triton.cdiv(stationary, block), moving, slots, most)
+
+    def _launch(self, tuned, raw, key, cfg, plan, full=None):
+        """Launch ``plan = (grid, args, consts)`` with tiles ``cfg``, or tune (cfg None).
+
         ``full``: constexpr overrides that make a call that may skip work (gated or
         repair launches) do all of it, for tuning: skipped work would time nothing.
         Returns whether this call tuned (and so ran with ``full``).
         """
-        if triton_interpreted():
-            tiles = _configs.INTERPRETER_TILES
-            raw[grid(tiles)](*args, **consts, **tiles)
-            return False
-        # tiny problems run in microseconds and would spend seconds tuning
-        tune = self.autotune and size_log2 >= _configs.TUNE_FROM_LOG2
-        cfg = _BEST.get(key) if tune else tuned.configs[0]
+        grid, args, consts = plan
         if cfg is None:
             tuned[grid](*args, **{**consts, **(full or {})})
             _BEST[key] = tuned.best_config
             return True
-        raw[grid(cfg.kwargs)](
-            *args, **consts, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages
-        )
+        tiles = cfg.kwargs if triton_interpreted() else cfg.all_kwargs()
+        raw[grid(cfg.kwargs)](*args, **consts, **tiles)
         return False
-
-    def _splits(self, n: int, m: int, device) -> tuple[int, int]:
-        """(splits, moving items per split): n stationary items stream m moving ones.
-
-        The per-split count is a multiple of every tile.
-        """
-        splits = self.splits or _configs.column_splits(triton.cdiv(n, 128), m, 64, device)
-        per = triton.cdiv(triton.cdiv(m, splits), 128) * 128
-        return triton.cdiv(m, per), per
 
     def _attend(self, q, k, eps, bias, v=None, repair=None):
         """Row LSE and softmax average; ``bias`` is ``(h,)`` or ``(g, β, log b)``.
@@ -167,73 +200,44 @@ class TritonBackend(Backend):
         p = v.shape[1] if has_v else 1
         bp = _configs.block_p(p)
         vv = v.to(torch.float32) if has_v else h
-        splits, per = self._splits(n, m, dev)
-        split = splits > 1
         lse = torch.empty(n, device=dev, dtype=torch.float32)
         out = torch.empty(n, p, device=dev, dtype=torch.float32) if has_v else lse
-        if split:
-            part_max = torch.empty(splits, n, device=dev, dtype=torch.float32)
-            part_sum = torch.empty_like(part_max)
-            part_acc = torch.empty(splits, n, p, device=dev, dtype=torch.float32) if has_v else lse
-        else:
-            part_max = part_sum = part_acc = lse
         p_chunks = triton.cdiv(p, bp) if has_v else 1
-
-        def grid(meta):
-            return (triton.cdiv(n, meta["BLOCK_M"]), splits, p_chunks)
-
         nb, mb = _configs.bucket(n), _configs.bucket(m)
-        args = (
-            q,
-            k,
-            h,
-            beta,
-            log_w,
-            vv,
-            lse,
-            out,
-            part_max,
-            part_sum,
-            part_acc,
-            h if repair is None else repair[0],
-            n,
-            m,
-            d,
-            p,
-            LOG2E / eps,
-            eps,
-            h if repair is None else repair[1],
-            0.0 if repair is None else repair[2],
-            per,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            vv.stride(0) if has_v else 0,
-            vv.stride(1) if has_v else 0,
-            out.stride(0) if has_v else 0,
-            out.stride(1) if has_v else 0,
-            nb,
-            mb,
-        )
-        consts = dict(
-            BLOCK_D=bd,
-            BLOCK_P=bp,
-            D_CHUNKS=chunks,
-            HAS_V=has_v,
-            SPLIT=split,
-            POTENTIAL_BIAS=potential,
-            REPAIR=repair is not None,
-            PRECISION=self._dot(),
-            V_PRECISION=self._dot(),
-            UNMASKED=_configs.unmasked(chunks),
-            EVEN_D=d == bd,
-        )
-        key = ("attend", d, p, nb, mb, has_v, split, potential, self._dot(), q.dtype,
-               consts["UNMASKED"])  # fmt: skip
-        full = {"REPAIR": False}
-        self._launch(_ATTEND, _attend_kernel, key, grid, args, consts, nb + mb, full)
-        if split:
+
+        def build(splits, per, probe=False):
+            """Grid, arguments and constexprs; partials allocated unless ``probe``."""
+            split = splits > 1
+            part_max = part_sum = part_acc = lse
+            if split and not probe:
+                part_max = torch.empty(splits, n, device=dev, dtype=torch.float32)
+                part_sum = torch.empty_like(part_max)
+                if has_v:
+                    part_acc = torch.empty(splits, n, p, device=dev, dtype=torch.float32)
+
+            def grid(meta):
+                return (triton.cdiv(n, meta["BLOCK_M"]), splits, p_chunks)
+
+            args = (q, k, h, beta, log_w, vv, lse, out, part_max, part_sum, part_acc,
+                    h if repair is None else repair[0], n, m, d, p, LOG2E / eps, eps,
+                    h if repair is None else repair[1], 0.0 if repair is None else repair[2],
+                    per, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                    vv.stride(0) if has_v else 0, vv.stride(1) if has_v else 0,
+                    out.stride(0) if has_v else 0, out.stride(1) if has_v else 0,
+                    nb, mb)  # fmt: skip
+            consts = dict(BLOCK_D=bd, BLOCK_P=bp, D_CHUNKS=chunks, HAS_V=has_v, SPLIT=split,
+                          POTENTIAL_BIAS=potential, REPAIR=repair is not None,
+                          PRECISION=self._dot(), V_PRECISION=self._dot())  # fmt: skip
+            return grid, args, consts
+
+        key = ("attend", d, p, nb, mb, has_v, potential, self._dot(), q.dtype)
+        cfg = self._tiles(_ATTEND, key, nb + mb)
+        # value partials hold splits·n·p floats: with values, at most 2 splits (or the first guess)
+        splits, per = self._split(_attend_kernel, key, cfg, build, n, m, dev, 2 if has_v else None)
+        plan = build(splits, per)
+        self._launch(_ATTEND, _attend_kernel, key, cfg, plan, {"REPAIR": False})
+        if splits > 1:
+            part_max, part_sum, part_acc = plan[1][8:11]
             blk = 128
             _combine_kernel[(triton.cdiv(n, blk),)](
                 part_max,
@@ -284,31 +288,28 @@ class TritonBackend(Backend):
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
         bd, chunks = _configs.block_d(d, q.element_size())
-        splits, per = self._splits(m, n, dev)
         sums = torch.zeros(n + m, device=dev, dtype=torch.float32)
         r, c = sums[:n], sums[n:]
         gate_in, gate_out = gate if gate is not None else (sums, sums)
-
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_N"]), splits)
-
         nb, mb = _configs.bucket(n), _configs.bucket(m)
-        args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, r, c, gate_in, gate_out, n, m,
-                d, LOG2E / eps, limit, per, q.stride(0), q.stride(1), k.stride(0),
-                k.stride(1), nb, mb)  # fmt: skip
-        consts = dict(
-            BLOCK_D=bd,
-            D_CHUNKS=chunks,
-            SPLIT=splits > 1,
-            GATED=gate is not None,
-            PRECISION=self._dot(),
-            UNMASKED=_configs.unmasked(chunks),
-            EVEN_D=d == bd,
-        )
-        key = ("plan_sums", d, nb, mb, splits > 1, self._dot(), q.dtype, consts["UNMASKED"])
-        was_tuned = self._launch(
-            _PLAN_SUMS, _plan_sums_kernel, key, grid, args, consts, nb + mb, {"GATED": False}
-        )
+
+        def build(splits, per, probe=False):
+            """Grid, arguments and constexprs of a launch with ``splits`` row splits."""
+
+            def grid(meta):
+                return (triton.cdiv(m, meta["BLOCK_N"]), splits)
+
+            args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, r, c, gate_in, gate_out,
+                    n, m, d, LOG2E / eps, limit, per, q.stride(0), q.stride(1), k.stride(0),
+                    k.stride(1), nb, mb)  # fmt: skip
+            consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=gate is not None,
+                          PRECISION=self._dot())  # fmt: skip
+            return grid, args, consts
+
+        key = ("plan_sums", d, nb, mb, self._dot(), q.dtype)
+        cfg = self._tiles(_PLAN_SUMS, key, nb + mb)
+        plan = build(*self._split(_plan_sums_kernel, key, cfg, build, m, n, dev))
+        was_tuned = self._launch(_PLAN_SUMS, _plan_sums_kernel, key, cfg, plan, {"GATED": False})
         if was_tuned and gate is not None:
             gate_out.zero_()  # the tuning launch ran ungated
         return r, c

@@ -18,12 +18,14 @@ from flashot.backends import triton_interpreted
 
 __all__ = [
     "attend_configs",
+    "balanced_splits",
     "block_d",
     "block_p",
     "bucket",
     "column_splits",
     "plan_sums_configs",
-    "unmasked",
+    "resident_programs",
+    "sm_count",
 ]
 
 
@@ -54,17 +56,6 @@ def block_d(d: int, itemsize: int = 4) -> tuple[int, int]:
     return bd, triton.cdiv(d, bd)
 
 
-#: experiment switch, off until measured on a GPU: with one feature chunk, stream whole
-#: tiles without masks through pointers advanced in place and mask only the last partial
-#: tile (offline sm_90 SASS: 10–25 % fewer instructions per tile; see benchmarks/NOTES.md)
-UNMASKED_TILES = False
-
-
-def unmasked(chunks: int) -> bool:
-    """Whether kernels streaming ``chunks`` feature chunks take unmasked whole tiles."""
-    return UNMASKED_TILES and chunks == 1
-
-
 #: most value columns per program on a GPU. Each further chunk of values recomputes the
 #: scores, yet wider chunks were not faster: a gradient at n = 10k, d = 512 (p = 512) on
 #: the H200 took 16.5 ms (tf32) / 11.2 (bf16) with 64, 17.9 / — with 128, 16.9 / 13.2 with 256
@@ -78,19 +69,68 @@ def block_p(p: int) -> int:
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def column_splits(n_row_blocks: int, m: int, block_n: int, device: torch.device) -> int:
-    """How many programs share one row block's columns, so that small n still fills the GPU.
+    """How many programs share one row block's columns before the tiles are known.
 
-    Aims at ~2 programs per SM and at least 4 column tiles per program.
+    Aims at ~2 programs per SM and at least 4 column tiles per program (tuning
+    launches; later launches take :func:`balanced_splits`).
     """
     if device.type != "cuda":
         return 1
-    want = triton.cdiv(2 * _sm_count(device.index or 0), n_row_blocks)
+    want = triton.cdiv(2 * sm_count(device.index or 0), n_row_blocks)
     return max(1, min(want, m // (4 * block_n)))
+
+
+def resident_programs(kernel, props) -> int | None:
+    """Programs of a compiled kernel that one SM holds at once (None if unknown).
+
+    The least of the register, shared-memory, warp and block limits: registers are
+    allocated per warp in units of 256, shared memory with 1 KB reserved per block.
+    ``props``: the device's properties (``torch.cuda.get_device_properties``).
+    """
+    try:
+        regs, warps = int(kernel.n_regs), int(kernel.metadata.num_warps)
+        smem = int(kernel.metadata.shared)
+    except (AttributeError, TypeError):
+        return None
+    regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    per_warp = triton.cdiv(max(regs, 1) * 32, 256) * 256
+    limits = (regs_sm // (per_warp * warps), smem_sm // (smem + 1024), threads_sm // (32 * warps))
+    return max(1, min(32, *limits))
+
+
+#: a program's fixed cost (its stationary tile, pipeline fill, epilogue) in streamed
+#: items, weighed against the idle SMs of a partial last wave
+PROGRAM_OVERHEAD = 256
+
+
+@functools.cache
+def balanced_splits(units: int, moving: int, slots: int, most: int) -> tuple[int, int]:
+    """(splits, items per split) that make the fewest, fullest waves of programs.
+
+    ``units`` stationary blocks each stream ``moving`` items, cut into splits of a
+    multiple of 128 items (of every tile); ``slots`` programs run at once on the GPU.
+    The time is modelled as waves × (items per split + :data:`PROGRAM_OVERHEAD`): at
+    n = 50k, 782 blocks of 64 columns fill 528 slots in 1.48 waves, which run as 2
+    (nsight: 20.7 % achieved occupancy of a possible 25 %); 2 splits make 2.96 waves.
+    """
+    best = None
+    for want in range(1, max(1, most) + 1):
+        per = triton.cdiv(triton.cdiv(moving, want), 128) * 128
+        splits = triton.cdiv(moving, per)
+        if splits > 1 and per < 512:  # at least 4 tiles of ≤128 items per program
+            break
+        cost = triton.cdiv(units * splits, slots) * (per + PROGRAM_OVERHEAD)
+        if best is None or cost < best[0]:
+            best = (cost, splits, per)
+    return best[1], best[2]
 
 
 def _configs(block_ms, block_ns, warps, stages):

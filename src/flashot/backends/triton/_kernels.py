@@ -21,9 +21,7 @@ exponential is one ``exp2``. The kernels:
   residual ``|ln R|`` that gates the next fused launch, in one launch.
 
 Features are tiled over d in BLOCK_D chunks (``D_CHUNKS`` of them); with one chunk the
-stationary tile is loaded once. With one chunk (UNMASKED) whole streamed tiles load
-without masks through pointers advanced in place (EVEN_D: d fills the chunk), and only
-the last partial tile is masked; ``-inf`` biases mark zero weights.
+stationary tile is loaded once; ``-inf`` biases mark zero weights.
 """
 
 from __future__ import annotations
@@ -61,18 +59,6 @@ def _load_tile(X, offs, size, d, stride_n, stride_d, BLOCK_D: tl.constexpr, D_CH
             t = tl.zeros((BLOCK_D, offs.shape[0]), dtype=X.dtype.element_ty)
         else:
             t = tl.zeros((offs.shape[0], BLOCK_D), dtype=X.dtype.element_ty)
-    return t
-
-
-@triton.jit
-def _whole_tile(ptrs, offs_d, d, EVEN_D: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """A streamed tile whose items are all in range: masked on features unless d fills it."""
-    if EVEN_D:
-        t = tl.load(ptrs)
-    elif TRANSPOSED:
-        t = tl.load(ptrs, mask=offs_d[:, None] < d, other=0.0)
-    else:
-        t = tl.load(ptrs, mask=offs_d[None, :] < d, other=0.0)
     return t
 
 
@@ -116,24 +102,15 @@ def _score_tile(
 def _attend_tile(
     s, H, BETA, LOG_W, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, run_max, run_sum, acc,
     scale, POTENTIAL_BIAS: tl.constexpr, HAS_V: tl.constexpr, V_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
 ):
-    """One column tile of ``_attend_kernel``: bias, online max, sum and values.
-
-    Without MASKED every column of the tile is in range (``col_ok`` is ignored).
-    """
-    if POTENTIAL_BIAS and MASKED:  # h = g − β + ε log b, in base-2 units
+    """One column tile of ``_attend_kernel``: bias, online max, sum and values."""
+    if POTENTIAL_BIAS:  # h = g − β + ε log b, in base-2 units
         g = tl.load(H + offs_n, mask=col_ok, other=0.0)
         beta = tl.load(BETA + offs_n, mask=col_ok, other=0.0)
         log_w = tl.load(LOG_W + offs_n, mask=col_ok, other=float("-inf"))
         h = (g - beta) * scale + log_w * LOG2E
-    elif POTENTIAL_BIAS:
-        h = (tl.load(H + offs_n) - tl.load(BETA + offs_n)) * scale
-        h += tl.load(LOG_W + offs_n) * LOG2E
-    elif MASKED:
-        h = tl.load(H + offs_n, mask=col_ok, other=float("-inf")) * scale
     else:
-        h = tl.load(H + offs_n) * scale
+        h = tl.load(H + offs_n, mask=col_ok, other=float("-inf")) * scale
     t = s * scale + h[None, :]
     new_max = tl.maximum(run_max, tl.max(t, 1))
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -141,9 +118,7 @@ def _attend_tile(
     e = tl.exp2(t - shift[:, None])
     run_sum = run_sum * decay + tl.sum(e, 1)
     if HAS_V:
-        v_ok = offs_p[None, :] < p
-        if MASKED:
-            v_ok = col_ok[:, None] & v_ok
+        v_ok = col_ok[:, None] & (offs_p[None, :] < p)
         v = tl.load(V + offs_n[:, None] * stride_vn + offs_p[None, :] * stride_vp, mask=v_ok,
                     other=0.0)  # fmt: skip
         acc = acc * decay[:, None] + tl.dot(e.to(v.dtype), v, input_precision=V_PRECISION)
@@ -157,8 +132,7 @@ def _attend_kernel(
     stride_on, stride_op, n_bucket, m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, D_CHUNKS: tl.constexpr, HAS_V: tl.constexpr,
     SPLIT: tl.constexpr, POTENTIAL_BIAS: tl.constexpr, REPAIR: tl.constexpr,
-    PRECISION: tl.constexpr, V_PRECISION: tl.constexpr, UNMASKED: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    PRECISION: tl.constexpr, V_PRECISION: tl.constexpr,
 ):
     """Row LSE ``ε ln Σ_j e^{(s_ij + h_j)/ε}`` and softmax average of V over one column split.
 
@@ -185,22 +159,7 @@ def _attend_kernel(
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
-    tail = col_lo
-    if UNMASKED:  # whole column tiles of one chunk: no masks, pointers advanced in place
-        tail = col_lo + (col_hi - col_lo) // BLOCK_N * BLOCK_N
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_n = col_lo + tl.arange(0, BLOCK_N)
-        kt_ptrs = K + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-        for _start in range(col_lo, tail, BLOCK_N):
-            kt = _whole_tile(kt_ptrs, offs_d, d, EVEN_D, True)
-            s = tl.dot(q_tile, kt, input_precision=PRECISION)
-            run_max, run_sum, acc = _attend_tile(
-                s, H, BETA, LOG_W, V, offs_n, offs_n >= 0, offs_p, p, stride_vn, stride_vp,
-                run_max, run_sum, acc, scale, POTENTIAL_BIAS, HAS_V, V_PRECISION, False,
-            )
-            kt_ptrs += BLOCK_N * stride_kn
-            offs_n += BLOCK_N
-    for start in range(tail, col_hi, BLOCK_N):  # every tile, or the last partial one
+    for start in range(col_lo, col_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         s = _score_tile(
             Q, K, q_tile, q_tile, offs_m, offs_n, n, col_hi, d, stride_qn, stride_qd, stride_kn,
@@ -208,7 +167,7 @@ def _attend_kernel(
         )
         run_max, run_sum, acc = _attend_tile(
             s, H, BETA, LOG_W, V, offs_n, offs_n < col_hi, offs_p, p, stride_vn, stride_vp,
-            run_max, run_sum, acc, scale, POTENTIAL_BIAS, HAS_V, V_PRECISION, True,
+            run_max, run_sum, acc, scale, POTENTIAL_BIAS, HAS_V, V_PRECISION,
         )
     if SPLIT:
         idx = pid_s * n + offs_m
@@ -259,28 +218,12 @@ def _combine_kernel(
 
 
 @triton.jit
-def _side_terms(P, OFFSET, LOG_W, offs, ok, scale, MASKED: tl.constexpr = True):
-    """One side's exponent share ``(p − offset)·scale`` (``-inf`` off the tail) and weights.
-
-    Without MASKED every entry of ``offs`` is in range (``ok`` is ignored).
-    """
-    if MASKED:
-        p = tl.load(P + offs, mask=ok, other=0.0)
-        offset = tl.load(OFFSET + offs, mask=ok, other=0.0)
-        w = tl.exp(tl.load(LOG_W + offs, mask=ok, other=float("-inf")))
-        return tl.where(ok, (p - offset) * scale, float("-inf")), w
-    return (tl.load(P + offs) - tl.load(OFFSET + offs)) * scale, tl.exp(tl.load(LOG_W + offs))
-
-
-@triton.jit
-def _plan_sums_tile(s, u, a, v, b, acc, R_ROWS, row_ok, scale, MASKED: tl.constexpr):
-    """One (rows, columns) tile of ``_plan_sums_kernel``: row sums out, column sums kept."""
-    e = tl.exp2(s * scale + u[:, None] + v[None, :])
-    if MASKED:
-        tl.atomic_add(R_ROWS, tl.sum(e * b[None, :], 1), mask=row_ok, sem="relaxed")
-    else:
-        tl.atomic_add(R_ROWS, tl.sum(e * b[None, :], 1), sem="relaxed")
-    return acc + e * a[:, None]
+def _side_terms(P, OFFSET, LOG_W, offs, ok, scale):
+    """One side's exponent share ``(p − offset)·scale`` (``-inf`` off the tail) and weights."""
+    p = tl.load(P + offs, mask=ok, other=0.0)
+    offset = tl.load(OFFSET + offs, mask=ok, other=0.0)
+    w = tl.exp(tl.load(LOG_W + offs, mask=ok, other=float("-inf")))
+    return tl.where(ok, (p - offset) * scale, float("-inf")), w
 
 
 @triton.jit
@@ -288,16 +231,16 @@ def _plan_sums_kernel(
     Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, n, m, d, scale, gate_limit,
     rows_per_split,
     stride_qn, stride_qd, stride_kn, stride_kd, n_bucket, m_bucket, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, SPLIT: tl.constexpr,
-    GATED: tl.constexpr, PRECISION: tl.constexpr, UNMASKED: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+    GATED: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """``R_i += Σ_j b_j E_ij`` and ``C_j = Σ_i a_i E_ij``, one exp2 per element.
+    """``R_i += Σ_j b_j E_ij`` and ``C_j += Σ_i a_i E_ij``, one exp2 per element.
 
     ``E_ij = 2^{(s_ij + f_i − α_i + g_j − β_j)·scale}``. Column-stationary: a program
     keeps BLOCK_N columns on chip and streams the row tiles of its row split. Column
     sums accumulate elementwise in a (BLOCK_M, BLOCK_N) register tile and are reduced
     once at the end; row sums are reduced along the tile's cheap axis (within a thread
-    and a quad of lanes) and added atomically. R must be zeroed, and C too when SPLIT.
+    and a quad of lanes). Both are added atomically: R and C must be zeroed.
     With GATED, nothing is streamed when ``GATE_IN`` (the last step's largest
     ``|ln R|``) exceeds ``gate_limit``, and program (0, 0) zeroes ``GATE_OUT``, which
     the update kernel then fills. Grid: (column blocks, row splits).
@@ -315,33 +258,19 @@ def _plan_sums_kernel(
     kt_tile = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, D_CHUNKS, True)
     v, b = _side_terms(G, BETA, LOG_B, offs_n, col_ok, scale)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    tail = row_lo
-    if UNMASKED:  # whole row tiles of one chunk: no masks, pointers advanced in place
-        tail = row_lo + (row_hi - row_lo) // BLOCK_M * BLOCK_M
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_m = row_lo + tl.arange(0, BLOCK_M)
-        q_ptrs = Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
-        for _start in range(row_lo, tail, BLOCK_M):
-            q = _whole_tile(q_ptrs, offs_d, d, EVEN_D, False)
-            s = tl.dot(q, kt_tile, input_precision=PRECISION)
-            u, a = _side_terms(F, ALPHA, LOG_A, offs_m, offs_m >= 0, scale, False)
-            acc = _plan_sums_tile(s, u, a, v, b, acc, R + offs_m, offs_m >= 0, scale, False)
-            q_ptrs += BLOCK_M * stride_qn
-            offs_m += BLOCK_M
-    for start in range(tail, row_hi, BLOCK_M):  # every tile, or the last partial one
+    for start in range(row_lo, row_hi, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < row_hi
         s = _score_tile(
             Q, K, kt_tile, kt_tile, offs_m, offs_n, row_hi, m, d, stride_qn, stride_qd, stride_kn,
             stride_kd, BLOCK_D, D_CHUNKS, True, PRECISION,
         )
-        u, a = _side_terms(F, ALPHA, LOG_A, offs_m, row_ok, scale, True)
-        acc = _plan_sums_tile(s, u, a, v, b, acc, R + offs_m, row_ok, scale, True)
-    c = tl.sum(acc, 0)
-    if SPLIT:
-        tl.atomic_add(C + offs_n, c, mask=col_ok, sem="relaxed")
-    else:
-        tl.store(C + offs_n, c, mask=col_ok)
+        u, a = _side_terms(F, ALPHA, LOG_A, offs_m, row_ok, scale)
+        e = tl.exp2(s * scale + u[:, None] + v[None, :])
+        tl.atomic_add(R + offs_m, tl.sum(e * b[None, :], 1), mask=row_ok, sem="relaxed")
+        acc += e * a[:, None]
+    if row_hi > row_lo:
+        tl.atomic_add(C + offs_n, tl.sum(acc, 0), mask=col_ok, sem="relaxed")
 
 
 @triton.jit
