@@ -280,3 +280,56 @@ def test_exact_range_of_sums_scales_with_the_largest_weight():
     assert lo_c == pytest.approx(3 * 2.0 * 2.0**-100)
     assert be.valid_range(3, 0.25) == be.valid_range(3)  # weights below 1 cannot hurt
     assert hi == 2.0**120
+
+
+class _FakeAutotuner:
+    """Stands in for ``triton.autotune``'s object: ranks four tile shapes."""
+
+    def __init__(self, configs, timings, cached=False):
+        self.cache = {"key": configs[0]} if cached else {}
+        self.configs_timings = timings
+        self.best_config = min(timings, key=timings.get)
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.cache["key"] = self.best_config
+            self.launches.append(kwargs)
+
+        return run
+
+
+class _FakeKernel:
+    def __init__(self):
+        self.block_m = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.block_m.append(kwargs["BLOCK_M"])
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_tuning_times_the_finalists_again_at_their_own_splits(monkeypatch, cached):
+    """The autotuner ranks tiles at the first-guess split count; the fastest three are
+    then timed at their own balanced splits, and the winner is what later calls run."""
+    import triton
+
+    from flashot.backends import triton as backend
+
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": 64}) for bm in (16, 32, 64, 128)]
+    first = dict(zip(configs, ([3.0], [1.0], [2.0], [1.5]), strict=True))  # 32 < 128 < 64 < 16
+    again = {16: 0.1, 32: 1.2, 64: 1.1, 128: 0.9}  # balanced: 128 wins (16 is no finalist)
+    tuned, raw, resets = _FakeAutotuner(configs, first, cached), _FakeKernel(), []
+    monkeypatch.setattr(backend, "_BEST", {})
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or again[raw.block_m[-1]])
+
+    def plan_for(cfg):
+        return (lambda meta: (1,), (), {"SPLITS": None if cfg is None else cfg.kwargs["BLOCK_M"]})
+
+    plan = backend.TritonBackend()._launch(
+        tuned, raw, ("k",), None, plan_for, {"FULL": True}, lambda: resets.append(1)
+    )
+    assert tuned.launches == [{"SPLITS": None, "FULL": True}]  # tuned at the first guess
+    winner = 32 if cached else 128  # a cached ranking (no new timings) is kept as it is
+    assert backend._BEST[("k",)].kwargs["BLOCK_M"] == winner
+    assert raw.block_m == ([] if cached else [32, 128, 64]) + [winner]  # retimed, then run
+    assert plan[2]["SPLITS"] == winner and resets == [1]
