@@ -73,3 +73,37 @@ def test_solves_with_a_tolerance_are_never_captured(gen, monkeypatch):
     for _ in range(3):
         flashot.sinkhorn(x, y, eps=0.3, tol=1e-6)
     assert Replayer.log == []
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_final_step_runs_with_the_loop_and_matches_the_extrapolation(gen, monkeypatch, replayed):
+    """``final_step=True`` returns ``(λ T(g), λ T(f))`` of the loop's last iterate, in
+    the replayed sequence too (so it costs no launches of its own there)."""
+    monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=Replayer))
+    key = ("torch",) if replayed else None
+    monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form: key)
+    x, y = clouds(gen, 20, 15, 3)
+    prob = flashot.problem.make_problem(x, y, eps=0.3, rho=0.5)
+    form, la, lb = prob.form.detach(), prob.log_a, prob.log_b
+    args = (form, la, lb, [1.0, 0.3], prob.damping, (0.5, 0.5), prob.engine)
+    for _ in range(3):  # eager, captured, replayed
+        out = solver.solve(*args, max_iter=5, tol=None, final_step=True)
+        ref = prob.engine.extrapolate(form, out.f, out.g, la, lb, 0.3, prob.damping(0.3))
+        assert out.final is not None
+        assert rel(out.final[0], ref[0]) < 1e-14 and rel(out.final[1], ref[1]) < 1e-14
+    assert solver.solve(*args, max_iter=5, tol=None).final is None
+
+
+def test_a_differentiable_solve_keeps_the_final_step_out_of_the_replay(gen, monkeypatch):
+    """With autograd on x the last step must be the differentiated one: same gradient
+    whether the loop is replayed or not."""
+    monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=Replayer))
+    x, y = clouds(gen, 20, 15, 3)
+    grads = []
+    for key in (("torch",), ("torch",), ("torch",), None):
+        monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form, key=key: key)
+        xg = x.clone().requires_grad_()
+        cost = flashot.sinkhorn(xg, y, eps=0.3, max_iter=6, tol=None).cost
+        grads.append(torch.autograd.grad(cost, xg)[0])
+    assert all(rel(g, grads[-1]) < 1e-13 for g in grads[:-1])
+    assert grads[-1].abs().max() > 0

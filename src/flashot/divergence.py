@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashot.autodiff.functions import dual_term, extrapolate, soft_c_transform
+from flashot.autodiff.functions import dual_term, extrapolate, needs_grad, soft_c_transform
 from flashot.costs import attention_form
 from flashot.dual import bias
 from flashot.ot import ConvergenceWarning, resolve_schedule
@@ -89,9 +89,13 @@ def debiased_potentials(
         (rho, rho),
         engine,
         update=update,
+        final_step=not needs_grad(problem.form),
         **opts,
     )
-    f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, (lam, lam), engine)
+    if out.final is not None:
+        f, g = out.final
+    else:
+        f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, (lam, lam), engine)
     flags = [out.converged]
     p = q = None
     if debias:

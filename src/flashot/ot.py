@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from flashot.autodiff.functions import extrapolate, relaxed_side
+from flashot.autodiff.functions import extrapolate, needs_grad, relaxed_side
 from flashot.costs import bounding_diameter
 from flashot.problem import Problem, make_problem
 from flashot.result import SinkhornResult, TransportPlan
@@ -164,25 +164,29 @@ def sinkhorn(
         update=update,
         init=init,
         progress=progress,
+        final_step=not needs_grad(problem.form),  # then replayed with the loop
     )
     # Final extrapolation: the only differentiated step (GeomLoss' convention).
-    lam = problem.damping(eps)
-    f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, lam, engine)
+    if out.final is not None:
+        f, g = out.final
+    else:
+        lam = problem.damping(eps)
+        f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, lam, engine)
     fd, gd = f.detach(), g.detach()
     plan = TransportPlan(form, fd, gd, log_a, log_b, eps, engine, problem.x, problem.y, rhos)
     # a fixed-iteration balanced solve needs neither the error nor the plan's mass:
     # the error is then measured only if asked for (it costs a pass over the plan)
-    error = plan_mass = None
+    error_t = plan_mass = None
     if tol is not None or not problem.balanced:
         error_t, plan_mass = plan._marginal_error()
-        error = float(error_t)
+    value = _dual_value(problem, f, g, plan_mass)  # queued before the checks wait
+    error = None if error_t is None else float(error_t)
     finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
     if not (bool(finite) and (error is None or math.isfinite(error))):
         raise FloatingPointError(
             "Sinkhorn produced non-finite potentials; try a larger eps, an eps_schedule, "
             "or float64 inputs"
         )
-    value = _dual_value(problem, f, g, plan_mass)
     converged = None if tol is None else error <= tol
     if converged is False:
         if out.stagnated:

@@ -26,7 +26,14 @@ from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
 from flashot.dual import bias
 
-__all__ = ["SoftCTransform", "dual_term", "extrapolate", "relaxed_side", "soft_c_transform"]
+__all__ = [
+    "SoftCTransform",
+    "dual_term",
+    "extrapolate",
+    "needs_grad",
+    "relaxed_side",
+    "soft_c_transform",
+]
 
 
 class SoftCTransform(torch.autograd.Function):
@@ -71,6 +78,12 @@ def soft_c_transform(
     return SoftCTransform.apply(form.q, form.alpha, form.k, h, eps, lam, backend)
 
 
+def needs_grad(form: AttentionForm) -> bool:
+    """Whether autograd must see the final step (grad mode on, a part of form needs it)."""
+    parts = (form.q, form.k, form.alpha, form.beta)
+    return torch.is_grad_enabled() and any(t.requires_grad for t in parts)
+
+
 def extrapolate(
     form: AttentionForm,
     f: torch.Tensor,
@@ -93,8 +106,7 @@ def extrapolate(
         log_a: (n,), log_b: (m,) log weights.  eps: ε.  lam: (λ_x, λ_y).
         backend: the streaming primitives.
     """
-    parts = (form.q, form.k, form.alpha, form.beta)
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in parts)):
+    if not needs_grad(form):
         return backend.extrapolate(form.detach(), f, g, log_a, log_b, eps, lam)
     f_new = soft_c_transform(form, bias(g, form.beta.detach(), log_b, eps), eps, lam[0], backend)
     g_new = soft_c_transform(form.T, bias(f, form.alpha.detach(), log_a, eps), eps, lam[1], backend)
