@@ -58,8 +58,9 @@ def check_cloud(x, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must have shape (n, d), got {tuple(x.shape)}")
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"{name} must be non-empty, got shape {tuple(x.shape)}")
-    lo, hi = torch.aminmax(x.detach())  # NaN and ±inf reach the extremes; no (n, d) temporary
-    if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+    # NaN and ±inf reach the extremes; no (n, d) temporary, one wait for the device
+    lo, hi = torch.stack(torch.aminmax(x.detach())).tolist()
+    if not (math.isfinite(lo) and math.isfinite(hi)):
         raise ValueError(f"{name} contains NaN or infinite values")
     return x
 
