@@ -333,3 +333,16 @@ def test_tuning_times_the_finalists_again_at_their_own_splits(monkeypatch, cache
     assert backend._BEST[("k",)].kwargs["BLOCK_M"] == winner
     assert raw.block_m == ([] if cached else [32, 128, 64]) + [winner]  # retimed, then run
     assert plan[2]["SPLITS"] == winner and resets == [1]
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [(dict(splits=0), ValueError, "splits"), (dict(splits=-1), ValueError, "splits"),
+     (dict(splits=2.5), ValueError, "splits"), (dict(splits=True), ValueError, "splits"),
+     (dict(fused="yes"), TypeError, "fused"), (dict(autotune=1), TypeError, "autotune"),
+     (dict(graphs=None), TypeError, "graphs"), (dict(precision="fp8"), ValueError, "precision")],
+)  # fmt: skip
+def test_constructor_arguments_are_checked_and_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        triton_backend(**kwargs)
+    assert triton_backend(splits=3).splits == 3

@@ -97,6 +97,12 @@ class TritonBackend(Backend):
         graphs: bool = True,
     ):
         super().__init__(precision)
+        for name, flag in (("fused", fused), ("autotune", autotune), ("graphs", graphs)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
+                                   or splits < 1):  # fmt: skip
+            raise ValueError(f"splits must be None or an integer ≥ 1, got {splits!r}")
         self.fused, self.autotune, self.splits, self.graphs = fused, autotune, splits, graphs
         self._halves: list = []
 
