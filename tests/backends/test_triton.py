@@ -22,6 +22,15 @@ def triton_backend(**kw):
     return TritonBackend(**kw)
 
 
+@pytest.fixture(params=[False, True], ids=["loaded", "prefetched"])
+def side(request, monkeypatch):
+    """Both ways of loading the streamed tiles' side vectors: with the tile, or one ahead."""
+    from flashot.backends.triton import _configs
+
+    monkeypatch.setattr(_configs, "PREFETCH_SIDE", request.param)
+    return request.param
+
+
 def nan_padded(form):
     """The same form with q and k as strided views of buffers holding NaN past column d."""
     d = form.q.shape[1]
@@ -39,7 +48,7 @@ def nan_padded(form):
     [(1, 37, 3, 1), (40, 300, 5, 20), (9, 50, 37, 3), (3, 20, 1000, 2), (9, 40, 7, 300),
      (20, 70, 16, 5)],
 )  # fmt: skip
-def test_row_attend_splits_chunks_and_value_tiles(gen, splits, n, m, d, p):
+def test_row_attend_splits_chunks_and_value_tiles(gen, splits, n, m, d, p, side):
     """Whole and partial column tiles, feature chunks, value chunks; NaN beyond the
     features (strided views) catches a load that ignores d."""
     form, h = problem(gen, n, m, d, torch.float32, DEVICE)
@@ -62,7 +71,7 @@ def test_non_contiguous_inputs(gen):
 
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("n,m,d", [(33, 45, 4), (32, 20, 16), (7, 30, 16), (40, 19, 40)])
-def test_plan_sums_match_dense(gen, splits, n, m, d):
+def test_plan_sums_match_dense(gen, splits, n, m, d, side):
     """Whole row tiles, a partial last tile, both, and feature chunks; NaN
     beyond the features (a strided view) catches a load that ignores d."""
     form = nan_padded(problem(gen, n, m, d, torch.float32, DEVICE)[0])
@@ -101,7 +110,7 @@ def _step_setup(gen, rho, n=40, m=30, eps=0.3):
 
 
 @pytest.mark.parametrize("rho", [(None, None), (0.5, 0.5), (0.5, None)])
-def test_fast_jacobi_step_matches_exact_step(gen, rho):
+def test_fast_jacobi_step_matches_exact_step(gen, rho, side):
     form, f, g, la, lb, eps, lam = _step_setup(gen, rho)
     be = triton_backend()
     args = (form, f, g, la, lb, eps, lam, rho)
@@ -142,7 +151,7 @@ def test_gate_limit_follows_eps_scaling(gen, monkeypatch):
     assert ran == [True, False]
 
 
-def test_out_of_range_rows_and_columns_are_repaired_exactly(gen):
+def test_out_of_range_rows_and_columns_are_repaired_exactly(gen, side):
     form, f, g, la, lb, eps, lam = _step_setup(gen, (None, None))
     f, g = f.clone(), g.clone()
     f[[3, 17]] += 60.0  # these rows' sums overflow, and every column sum with them

@@ -261,7 +261,8 @@ class TritonBackend(Backend):
                     nb, mb)  # fmt: skip
             consts = dict(BLOCK_D=bd, BLOCK_P=bp, D_CHUNKS=chunks, HAS_V=has_v, SPLIT=split,
                           POTENTIAL_BIAS=potential, REPAIR=repair is not None,
-                          PRECISION=self._dot(), V_PRECISION=self._dot())  # fmt: skip
+                          PRECISION=self._dot(), V_PRECISION=self._dot(),
+                          PREFETCH=_configs.PREFETCH_SIDE)  # fmt: skip
             return grid, args, consts
 
         key = ("attend", d, p, nb, mb, has_v, potential, self._dot(), q.dtype)
@@ -341,7 +342,7 @@ class TritonBackend(Backend):
                     n, m, d, LOG2E / eps, limit, per, q.stride(0), q.stride(1), k.stride(0),
                     k.stride(1), nb, mb)  # fmt: skip
             consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=gate is not None,
-                          PRECISION=self._dot())  # fmt: skip
+                          PRECISION=self._dot(), PREFETCH=_configs.PREFETCH_SIDE)  # fmt: skip
             return grid, args, consts
 
         key = ("plan_sums", d, nb, mb, self._dot(), q.dtype)

@@ -99,18 +99,26 @@ def _score_tile(
 
 
 @triton.jit
+def _side_load(P, OFFSET, LOG_W, offs, ok, FULL: tl.constexpr):
+    """One tile's side vectors as stored: ``(p, offset, log w)``.
+
+    Off the tail the log weight is ``-inf``; without FULL only ``p`` is loaded (``-inf``
+    off the tail) and returned three times.
+    """
+    if FULL:
+        p = tl.load(P + offs, mask=ok, other=0.0)
+        offset = tl.load(OFFSET + offs, mask=ok, other=0.0)
+        return p, offset, tl.load(LOG_W + offs, mask=ok, other=float("-inf"))
+    p = tl.load(P + offs, mask=ok, other=float("-inf"))
+    return p, p, p
+
+
+@triton.jit
 def _attend_tile(
-    s, H, BETA, LOG_W, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, run_max, run_sum, acc,
-    scale, POTENTIAL_BIAS: tl.constexpr, HAS_V: tl.constexpr, V_PRECISION: tl.constexpr,
+    s, h, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, run_max, run_sum, acc, scale,
+    HAS_V: tl.constexpr, V_PRECISION: tl.constexpr,
 ):
-    """One column tile of ``_attend_kernel``: bias, online max, sum and values."""
-    if POTENTIAL_BIAS:  # h = g − β + ε log b, in base-2 units
-        g = tl.load(H + offs_n, mask=col_ok, other=0.0)
-        beta = tl.load(BETA + offs_n, mask=col_ok, other=0.0)
-        log_w = tl.load(LOG_W + offs_n, mask=col_ok, other=float("-inf"))
-        h = (g - beta) * scale + log_w * LOG2E
-    else:
-        h = tl.load(H + offs_n, mask=col_ok, other=float("-inf")) * scale
+    """One column tile of ``_attend_kernel``: online max, sum and values (``h`` in base 2)."""
     t = s * scale + h[None, :]
     new_max = tl.maximum(run_max, tl.max(t, 1))
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -132,7 +140,7 @@ def _attend_kernel(
     stride_on, stride_op, n_bucket, m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, D_CHUNKS: tl.constexpr, HAS_V: tl.constexpr,
     SPLIT: tl.constexpr, POTENTIAL_BIAS: tl.constexpr, REPAIR: tl.constexpr,
-    PRECISION: tl.constexpr, V_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, V_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Row LSE ``ε ln Σ_j e^{(s_ij + h_j)/ε}`` and softmax average of V over one column split.
 
@@ -159,15 +167,31 @@ def _attend_kernel(
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    if PREFETCH:  # the first tile's bias vectors
+        ahead = col_lo + tl.arange(0, BLOCK_N)
+        g_next, beta_next, lw_next = _side_load(H, BETA, LOG_W, ahead, ahead < col_hi,
+                                                POTENTIAL_BIAS)  # fmt: skip
     for start in range(col_lo, col_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < col_hi
+        if PREFETCH:  # loaded a tile early, so their latency hides behind a whole tile
+            g, beta, log_w = g_next, beta_next, lw_next
+            ahead = offs_n + BLOCK_N
+            g_next, beta_next, lw_next = _side_load(H, BETA, LOG_W, ahead, ahead < col_hi,
+                                                    POTENTIAL_BIAS)  # fmt: skip
+        else:
+            g, beta, log_w = _side_load(H, BETA, LOG_W, offs_n, col_ok, POTENTIAL_BIAS)
         s = _score_tile(
             Q, K, q_tile, q_tile, offs_m, offs_n, n, col_hi, d, stride_qn, stride_qd, stride_kn,
             stride_kd, BLOCK_D, D_CHUNKS, False, PRECISION,
         )
+        if POTENTIAL_BIAS:  # noqa: SIM108 (a compile-time branch) h = g − β + ε log b, base 2
+            h = (g - beta) * scale + log_w * LOG2E
+        else:
+            h = g * scale
         run_max, run_sum, acc = _attend_tile(
-            s, H, BETA, LOG_W, V, offs_n, offs_n < col_hi, offs_p, p, stride_vn, stride_vp,
-            run_max, run_sum, acc, scale, POTENTIAL_BIAS, HAS_V, V_PRECISION,
+            s, h, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, run_max, run_sum, acc,
+            scale, HAS_V, V_PRECISION,
         )
     if SPLIT:
         idx = pid_s * n + offs_m
@@ -218,12 +242,9 @@ def _combine_kernel(
 
 
 @triton.jit
-def _side_terms(P, OFFSET, LOG_W, offs, ok, scale):
+def _side_terms(p, offset, log_w, ok, scale):
     """One side's exponent share ``(p − offset)·scale`` (``-inf`` off the tail) and weights."""
-    p = tl.load(P + offs, mask=ok, other=0.0)
-    offset = tl.load(OFFSET + offs, mask=ok, other=0.0)
-    w = tl.exp(tl.load(LOG_W + offs, mask=ok, other=float("-inf")))
-    return tl.where(ok, (p - offset) * scale, float("-inf")), w
+    return tl.where(ok, (p - offset) * scale, float("-inf")), tl.exp(log_w)
 
 
 @triton.jit
@@ -232,7 +253,7 @@ def _plan_sums_kernel(
     rows_per_split,
     stride_qn, stride_qd, stride_kn, stride_kd, n_bucket, m_bucket, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
-    GATED: tl.constexpr, PRECISION: tl.constexpr,
+    GATED: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """``R_i += Σ_j b_j E_ij`` and ``C_j += Σ_i a_i E_ij``, one exp2 per element.
 
@@ -256,16 +277,27 @@ def _plan_sums_kernel(
         if (pid_n == 0) & (pid_s == 0):
             tl.store(GATE_OUT, 0.0)
     kt_tile = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, D_CHUNKS, True)
-    v, b = _side_terms(G, BETA, LOG_B, offs_n, col_ok, scale)
+    g, beta, log_b = _side_load(G, BETA, LOG_B, offs_n, col_ok, True)
+    v, b = _side_terms(g, beta, log_b, col_ok, scale)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:  # the first tile's row vectors
+        ahead = row_lo + tl.arange(0, BLOCK_M)
+        f_next, alpha_next, la_next = _side_load(F, ALPHA, LOG_A, ahead, ahead < row_hi, True)
     for start in range(row_lo, row_hi, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < row_hi
+        if PREFETCH:  # loaded a tile early, so their latency hides behind a whole tile
+            f, alpha, log_a = f_next, alpha_next, la_next
+            ahead = offs_m + BLOCK_M
+            f_next, alpha_next, la_next = _side_load(F, ALPHA, LOG_A, ahead, ahead < row_hi,
+                                                     True)  # fmt: skip
+        else:
+            f, alpha, log_a = _side_load(F, ALPHA, LOG_A, offs_m, row_ok, True)
         s = _score_tile(
             Q, K, kt_tile, kt_tile, offs_m, offs_n, row_hi, m, d, stride_qn, stride_qd, stride_kn,
             stride_kd, BLOCK_D, D_CHUNKS, True, PRECISION,
         )
-        u, a = _side_terms(F, ALPHA, LOG_A, offs_m, row_ok, scale)
+        u, a = _side_terms(f, alpha, log_a, row_ok, scale)
         e = tl.exp2(s * scale + u[:, None] + v[None, :])
         tl.atomic_add(R + offs_m, tl.sum(e * b[None, :], 1), mask=row_ok, sem="relaxed")
         acc += e * a[:, None]
