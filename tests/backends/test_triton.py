@@ -329,19 +329,22 @@ def test_tuning_times_the_finalists_again_at_their_own_splits(monkeypatch, cache
     again = {16: 0.1, 32: 1.2, 64: 1.1, 128: 0.9}  # balanced: 128 wins (16 is no finalist)
     tuned, raw, resets = _FakeAutotuner(configs, first, cached), _FakeKernel(), []
     monkeypatch.setattr(backend, "_BEST", {})
+    monkeypatch.setattr(backend, "_RETIMED", {})
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or again[raw.block_m[-1]])
 
     def plan_for(cfg):
         return (lambda meta: (1,), (), {"SPLITS": None if cfg is None else cfg.kwargs["BLOCK_M"]})
 
-    plan = backend.TritonBackend()._launch(
-        tuned, raw, ("k",), None, plan_for, {"FULL": True}, lambda: resets.append(1)
-    )
+    be = backend.TritonBackend()
+    plan = be._launch(tuned, raw, ("k",), None, plan_for, {"FULL": True}, lambda: resets.append(1))
     assert tuned.launches == [{"SPLITS": None, "FULL": True}]  # tuned at the first guess
     winner = 32 if cached else 128  # a cached ranking (no new timings) is kept as it is
     assert backend._BEST[("k",)].kwargs["BLOCK_M"] == winner
     assert raw.block_m == ([] if cached else [32, 128, 64]) + [winner]  # retimed, then run
     assert plan[2]["SPLITS"] == winner and resets == [1]
+    # a variant keyed beyond the autotuner's key shares its ranking, and its winner
+    be._launch(tuned, raw, ("k", "variant"), None, plan_for, shared=("k",))
+    assert backend._BEST[("k", "variant")].kwargs["BLOCK_M"] == winner
 
 
 @pytest.mark.parametrize(

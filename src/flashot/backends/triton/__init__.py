@@ -60,6 +60,8 @@ _PLAN_SUMS = _tuned(_plan_sums_kernel, _configs.plan_sums_configs(), _PLAN_SUMS_
 _BEST: dict = {}
 # programs per SM of each (kernel, key, tiles), read from the compiled kernel
 _RESIDENT: dict = {}
+# the retimed winner of each autotuner ranking (keyed as the autotuner keys)
+_RETIMED: dict = {}
 #: skip the fused pass when the last step's largest |ln R| (nats) exceeded this: the sums
 #: would mostly fall outside their valid range (±~70 nats) and need repair anyway
 GATE_LIMIT = 100.0
@@ -175,7 +177,7 @@ class TritonBackend(Backend):
         most = moving if most is None else max(most, guess)
         return _configs.balanced_splits(triton.cdiv(stationary, block), moving, slots, most)
 
-    def _launch(self, tuned, raw, key, cfg, plan_for, full=None, reset=None):
+    def _launch(self, tuned, raw, key, cfg, plan_for, full=None, reset=None, shared=None):
         """Launch with tiles ``cfg``, or tune them first (cfg None); returns the plan run.
 
         ``plan_for(tiles)`` gives ``(grid, args, consts)`` with the split count for
@@ -184,16 +186,20 @@ class TritonBackend(Backend):
         (small tiles gain most from balancing, so the first ranking is biased against
         them). ``full``: constexpr overrides that make a call that may skip work (gated
         or repair launches) do all of it while timing: skipped work would time nothing.
-        ``reset()`` clears outputs that launches accumulate into.
+        ``reset()`` clears outputs that launches accumulate into. ``shared``: the part of
+        ``key`` that the autotuner keys on (default ``key``): launches that differ only
+        beyond it share the autotuner's ranking, and so its retimed winner.
         """
         if cfg is None:
             grid, args, consts = plan_for(None)
             tuned_keys = len(tuned.cache)
             tuned[grid](*args, **{**consts, **(full or {})})
-            cfg = tuned.best_config
+            shared = key if shared is None else shared
+            cfg = _RETIMED.get(shared, tuned.best_config)
             timings = getattr(tuned, "configs_timings", None)
             if len(tuned.cache) > tuned_keys and timings:  # this call tuned: rank again
                 cfg = self._retime(raw, sorted(timings, key=timings.get), plan_for, full)
+                _RETIMED[shared] = cfg
             _BEST[key] = cfg
             if reset is not None:
                 reset()
@@ -265,7 +271,8 @@ class TritonBackend(Backend):
                           PREFETCH=_configs.PREFETCH_SIDE)  # fmt: skip
             return grid, args, consts
 
-        key = ("attend", d, p, nb, mb, has_v, potential, self._dot(), q.dtype)
+        shared = ("attend", d, p, nb, mb, has_v, self._dot(), q.dtype)  # the autotuner's key
+        key = (*shared, potential)
         # value partials hold splits·n·p floats: with values, at most 2 splits (or the first guess)
         most = 2 if has_v else None
 
@@ -273,7 +280,8 @@ class TritonBackend(Backend):
             return build(*self._split(_attend_kernel, key, tiles, build, n, m, dev, most))
 
         cfg = self._tiles(_ATTEND, key, nb + mb)
-        plan = self._launch(_ATTEND, _attend_kernel, key, cfg, plan_for, {"REPAIR": False})
+        full = {"REPAIR": False}
+        plan = self._launch(_ATTEND, _attend_kernel, key, cfg, plan_for, full, shared=shared)
         if plan[2]["SPLIT"]:
             part_max, part_sum, part_acc = plan[1][8:11]
             splits = part_max.shape[0]
