@@ -114,6 +114,36 @@ def _side_load(P, OFFSET, LOG_W, offs, ok, FULL: tl.constexpr):
 
 
 @triton.jit
+def _side_first(P, OFFSET, LOG_W, lo, hi, BLOCK: tl.constexpr, FULL: tl.constexpr,
+                PREFETCH: tl.constexpr):  # fmt: skip
+    """The first tile's side vectors when they are loaded ahead (PREFETCH), else dummies."""
+    if PREFETCH:
+        offs = lo + tl.arange(0, BLOCK)
+        p, o, w = _side_load(P, OFFSET, LOG_W, offs, offs < hi, FULL)
+    else:  # one return for both (Triton 3.6 types every return of a function alike)
+        p, o, w = 0.0, 0.0, 0.0
+    return p, o, w
+
+
+@triton.jit
+def _side_tile(P, OFFSET, LOG_W, offs, hi, ahead_p, ahead_o, ahead_w, FULL: tl.constexpr,
+               PREFETCH: tl.constexpr):  # fmt: skip
+    """This tile's side vectors, then the three to carry as ``ahead``.
+
+    With PREFETCH, ``ahead`` holds this tile's vectors, loaded one tile earlier so that
+    a whole tile hides their latency, and the next tile's are loaded now; without it,
+    this tile's are loaded now and ``ahead`` passes through unused.
+    """
+    if PREFETCH:
+        nxt = offs + offs.shape[0]
+        p, o, w = ahead_p, ahead_o, ahead_w
+        ahead_p, ahead_o, ahead_w = _side_load(P, OFFSET, LOG_W, nxt, nxt < hi, FULL)
+    else:
+        p, o, w = _side_load(P, OFFSET, LOG_W, offs, offs < hi, FULL)
+    return p, o, w, ahead_p, ahead_o, ahead_w
+
+
+@triton.jit
 def _attend_tile(
     s, h, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, run_max, run_sum, acc, scale,
     HAS_V: tl.constexpr, V_PRECISION: tl.constexpr,
@@ -167,20 +197,14 @@ def _attend_kernel(
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
-    if PREFETCH:  # the first tile's bias vectors
-        ahead = col_lo + tl.arange(0, BLOCK_N)
-        g_next, beta_next, lw_next = _side_load(H, BETA, LOG_W, ahead, ahead < col_hi,
-                                                POTENTIAL_BIAS)  # fmt: skip
+    ah_p, ah_o, ah_w = _side_first(H, BETA, LOG_W, col_lo, col_hi, BLOCK_N, POTENTIAL_BIAS,
+                                   PREFETCH)  # fmt: skip
     for start in range(col_lo, col_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < col_hi
-        if PREFETCH:  # loaded a tile early, so their latency hides behind a whole tile
-            g, beta, log_w = g_next, beta_next, lw_next
-            ahead = offs_n + BLOCK_N
-            g_next, beta_next, lw_next = _side_load(H, BETA, LOG_W, ahead, ahead < col_hi,
-                                                    POTENTIAL_BIAS)  # fmt: skip
-        else:
-            g, beta, log_w = _side_load(H, BETA, LOG_W, offs_n, col_ok, POTENTIAL_BIAS)
+        g, beta, log_w, ah_p, ah_o, ah_w = _side_tile(
+            H, BETA, LOG_W, offs_n, col_hi, ah_p, ah_o, ah_w, POTENTIAL_BIAS, PREFETCH
+        )
         s = _score_tile(
             Q, K, q_tile, q_tile, offs_m, offs_n, n, col_hi, d, stride_qn, stride_qd, stride_kn,
             stride_kd, BLOCK_D, D_CHUNKS, False, PRECISION,
@@ -280,19 +304,13 @@ def _plan_sums_kernel(
     g, beta, log_b = _side_load(G, BETA, LOG_B, offs_n, col_ok, True)
     v, b = _side_terms(g, beta, log_b, col_ok, scale)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH:  # the first tile's row vectors
-        ahead = row_lo + tl.arange(0, BLOCK_M)
-        f_next, alpha_next, la_next = _side_load(F, ALPHA, LOG_A, ahead, ahead < row_hi, True)
+    ah_p, ah_o, ah_w = _side_first(F, ALPHA, LOG_A, row_lo, row_hi, BLOCK_M, True, PREFETCH)
     for start in range(row_lo, row_hi, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < row_hi
-        if PREFETCH:  # loaded a tile early, so their latency hides behind a whole tile
-            f, alpha, log_a = f_next, alpha_next, la_next
-            ahead = offs_m + BLOCK_M
-            f_next, alpha_next, la_next = _side_load(F, ALPHA, LOG_A, ahead, ahead < row_hi,
-                                                     True)  # fmt: skip
-        else:
-            f, alpha, log_a = _side_load(F, ALPHA, LOG_A, offs_m, row_ok, True)
+        f, alpha, log_a, ah_p, ah_o, ah_w = _side_tile(
+            F, ALPHA, LOG_A, offs_m, row_hi, ah_p, ah_o, ah_w, True, PREFETCH
+        )
         s = _score_tile(
             Q, K, kt_tile, kt_tile, offs_m, offs_n, row_hi, m, d, stride_qn, stride_qd, stride_kn,
             stride_kd, BLOCK_D, D_CHUNKS, True, PRECISION,
