@@ -35,13 +35,6 @@ def main():
         default=[1],
         help="split counts to time: 0 the first guess, 1 balanced waves (the default)",
     )
-    ap.add_argument(
-        "--prefetch",
-        nargs="*",
-        type=int,
-        default=None,
-        help="side-vector loads to time: 0 with their tile, 1 one tile ahead (experiment)",
-    )
     args = ap.parse_args()
     from flashot.backends import triton as backend
     from flashot.backends.triton import _configs
@@ -82,11 +75,9 @@ def main():
                 ),
             }
             fl = H.sinkhorn_floor_ms(n, n, args.d, 1, mode)
-            prefetch_forms = args.prefetch or [int(_configs.PREFETCH_SIDE)]
-            for balance, prefetch in [(b, f) for f in prefetch_forms for b in args.balance]:
+            for balance in args.balance:
                 # unbalanced: the occupancy is unknown, so launches keep the first guess
                 _configs.resident_programs = resident if balance else lambda *a: None
-                _configs.PREFETCH_SIDE = bool(prefetch)
                 backend._RESIDENT.clear()
                 for name, fn in cases.items():
                     if args.ops and name not in args.ops:
@@ -96,7 +87,7 @@ def main():
                     floor = fl["floor_ms"] * (2 if name == "step_exact" else 1)
                     rows.append(
                         dict(n=n, d=args.d, block_d=args.block_d or 0, balance=balance,
-                             prefetch=prefetch, mode=mode, op=name, ms=ms, floor_ms=floor,
+                             mode=mode, op=name, ms=ms, floor_ms=floor,
                              x_floor=ms / floor, Gelem_per_s=n * n / ms / 1e6)
                     )  # fmt: skip
                     print(rows[-1], flush=True)
@@ -112,9 +103,9 @@ def main():
         resident = backend._RESIDENT.get((key, str(cfg)))
         print("tiles", key, cfg.kwargs, f"warps={cfg.num_warps} stages={cfg.num_stages}",
               f"resident={resident}")  # fmt: skip
-    print("\n| n | mode | balance | prefetch | op | ms | floor | x floor |")
+    print("\n| n | mode | balance | op | ms | floor | x floor |")
     for r in rows:
-        cells = (r["n"], r["mode"], r["balance"], r["prefetch"], r["op"], f"{r['ms']:.4f}",
+        cells = (r["n"], r["mode"], r["balance"], r["op"], f"{r['ms']:.4f}",
                  f"{r['floor_ms']:.4f}")  # fmt: skip
         print("| " + " | ".join(map(str, cells)) + f" | {r['x_floor']:.1f} |")
 

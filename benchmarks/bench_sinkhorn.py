@@ -141,12 +141,7 @@ def main():
     ap.add_argument("--methods", nargs="*", default=None, help="subset of the methods")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the precision table")
     ap.add_argument("--name", default="sinkhorn_h200", help="file name of the results")
-    ap.add_argument("--prefetch", type=int, default=None, help="experiment: 1 side loads ahead")
     args = ap.parse_args()
-    if args.prefetch is not None:
-        from flashot.backends.triton import _configs
-
-        _configs.PREFETCH_SIDE = bool(args.prefetch)
     rows = []
     for case in args.cases:
         kind, n, d = CASES[case]

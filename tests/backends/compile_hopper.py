@@ -46,14 +46,14 @@ def variants():
         (dict(with_v, BLOCK_M=64, BLOCK_D=32, BLOCK_P=256, D_CHUNKS=16, SPLIT=True), False),
         (dict(with_v, D_CHUNKS=1, SPLIT=False), True),
     ):
-        flags = dict(flags, V_PRECISION=flags["PRECISION"], PREFETCH=half)
+        flags = dict(flags, V_PRECISION=flags["PRECISION"])
         yield K._attend_kernel, {**base, **flags}, half
     # (BLOCK_D, D_CHUNKS, GATED, half operands)
     plan_sums = ((64, 1, True, False), (64, 1, True, True), (64, 4, False, False),
                  (32, 16, True, False), (64, 8, True, True))  # fmt: skip
     for bd, chunks, gated, half in plan_sums:
         consts = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=bd, D_CHUNKS=chunks, GATED=gated,
-                      PRECISION="tf32", PREFETCH=gated)  # fmt: skip
+                      PRECISION="tf32")  # fmt: skip
         yield K._plan_sums_kernel, consts, half
     yield K._combine_kernel, dict(BLOCK=128, BLOCK_P=64, HAS_V=True), False
     yield (

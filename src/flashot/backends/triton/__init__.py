@@ -51,7 +51,7 @@ def _tuned(kernel, configs, key):
     )(kernel)
 
 
-_ATTEND_KEY = ["d", "p", "n_bucket", "m_bucket", "HAS_V", "PRECISION"]
+_ATTEND_KEY = ["d", "p", "n_bucket", "m_bucket", "HAS_V", "POTENTIAL_BIAS", "PRECISION"]
 _ATTEND = _tuned(_attend_kernel, _configs.attend_configs(), _ATTEND_KEY)
 _PLAN_SUMS_KEY = ["d", "n_bucket", "m_bucket", "PRECISION"]
 _PLAN_SUMS = _tuned(_plan_sums_kernel, _configs.plan_sums_configs(), _PLAN_SUMS_KEY)
@@ -62,11 +62,14 @@ _BEST: dict = {}
 _RESIDENT: dict = {}
 # the retimed winner of each autotuner ranking (keyed as the autotuner keys)
 _RETIMED: dict = {}
-#: skip the fused pass when the last step's largest |ln R| (nats) exceeded this: the sums
-#: would mostly fall outside their valid range (±~70 nats) and need repair anyway
+#: relaxed problems skip the fused pass when the last step's largest |ln R| (nats)
+#: exceeded this: the sums would mostly fall outside their window and need repair anyway
 GATE_LIMIT = 100.0
 #: exact range of a plan sum per unit of size·max(1, weight), and its upper end
 _LO_PER_TERM, _HI = 2.0**-100, 2.0**120
+#: the fused sums of a step carry a factor 2^SUM_SHIFT: their window of exact residuals
+#: ln R is then about ±70 nats around 0 for n up to 10^6 (unshifted: −58…+83 at 50k)
+SUM_SHIFT = 18.0
 #: CUDA graphs pay off while launches cost as much as the work: n·m up to 2^28
 GRAPHS_UP_TO_LOG2 = 28
 #: autotuning's fastest configurations timed again at their balanced split counts
@@ -177,7 +180,7 @@ class TritonBackend(Backend):
         most = moving if most is None else max(most, guess)
         return _configs.balanced_splits(triton.cdiv(stationary, block), moving, slots, most)
 
-    def _launch(self, tuned, raw, key, cfg, plan_for, full=None, reset=None, shared=None):
+    def _launch(self, tuned, raw, key, cfg, plan_for, full=None, reset=None):
         """Launch with tiles ``cfg``, or tune them first (cfg None); returns the plan run.
 
         ``plan_for(tiles)`` gives ``(grid, args, consts)`` with the split count for
@@ -186,20 +189,19 @@ class TritonBackend(Backend):
         (small tiles gain most from balancing, so the first ranking is biased against
         them). ``full``: constexpr overrides that make a call that may skip work (gated
         or repair launches) do all of it while timing: skipped work would time nothing.
-        ``reset()`` clears outputs that launches accumulate into. ``shared``: the part of
-        ``key`` that the autotuner keys on (default ``key``): launches that differ only
-        beyond it share the autotuner's ranking, and so its retimed winner.
+        ``reset()`` clears outputs that launches accumulate into. ``key`` holds what the
+        autotuner keys on, so a ranking it kept from an earlier call maps to that
+        call's retimed winner.
         """
         if cfg is None:
             grid, args, consts = plan_for(None)
             tuned_keys = len(tuned.cache)
             tuned[grid](*args, **{**consts, **(full or {})})
-            shared = key if shared is None else shared
-            cfg = _RETIMED.get(shared, tuned.best_config)
+            cfg = _RETIMED.get(key, tuned.best_config)
             timings = getattr(tuned, "configs_timings", None)
             if len(tuned.cache) > tuned_keys and timings:  # this call tuned: rank again
                 cfg = self._retime(raw, sorted(timings, key=timings.get), plan_for, full)
-                _RETIMED[shared] = cfg
+                _RETIMED[key] = cfg
             _BEST[key] = cfg
             if reset is not None:
                 reset()
@@ -267,12 +269,11 @@ class TritonBackend(Backend):
                     nb, mb)  # fmt: skip
             consts = dict(BLOCK_D=bd, BLOCK_P=bp, D_CHUNKS=chunks, HAS_V=has_v, SPLIT=split,
                           POTENTIAL_BIAS=potential, REPAIR=repair is not None,
-                          PRECISION=self._dot(), V_PRECISION=self._dot(),
-                          PREFETCH=_configs.PREFETCH_SIDE)  # fmt: skip
+                          PRECISION=self._dot(), V_PRECISION=self._dot())  # fmt: skip
             return grid, args, consts
 
-        shared = ("attend", d, p, nb, mb, has_v, self._dot(), q.dtype)  # the autotuner's key
-        key = (*shared, potential)
+        # tuned apart: forming the bias in the kernel adds loads (16 % slower in tf32 at 50k)
+        key = ("attend", d, p, nb, mb, has_v, self._dot(), q.dtype, potential)
         # value partials hold splits·n·p floats: with values, at most 2 splits (or the first guess)
         most = 2 if has_v else None
 
@@ -281,7 +282,7 @@ class TritonBackend(Backend):
 
         cfg = self._tiles(_ATTEND, key, nb + mb)
         full = {"REPAIR": False}
-        plan = self._launch(_ATTEND, _attend_kernel, key, cfg, plan_for, full, shared=shared)
+        plan = self._launch(_ATTEND, _attend_kernel, key, cfg, plan_for, full)
         if plan[2]["SPLIT"]:
             part_max, part_sum, part_acc = plan[1][8:11]
             splits = part_max.shape[0]
@@ -309,24 +310,28 @@ class TritonBackend(Backend):
         """See :meth:`flashot.backends.base.Backend.row_attend`."""
         return self._attend(form.q, form.k, eps, (h.to(torch.float32).contiguous(),), v)
 
-    def plan_sums(self, form, f, g, log_a, log_b, eps, gate=None, limit=GATE_LIMIT):
+    def plan_sums(self, form, f, g, log_a, log_b, eps, gate=None, limit=GATE_LIMIT, span=False,
+                  shift=0.0):  # fmt: skip
         r"""Weighted row and column sums of ``E_ij = exp((f_i + g_j − C_ij)/ε)``.
 
         .. math::
 
-            R_i = \sum_j b_j E_{ij}, \qquad C_j = \sum_i a_i E_{ij},
+            R_i = 2^s \sum_j b_j E_{ij}, \qquad C_j = 2^s \sum_i a_i E_{ij},
 
-        one exponential per element (``a_i b_j E_ij`` is the plan ``P_ij``). A sum is
-        exact when it lies in :meth:`valid_range`; outside it, terms may have over- or
-        underflowed.
+        one exponential per element (``a_i b_j E_ij`` is the plan ``P_ij``; ``s`` the
+        ``shift``). A sum is exact when it lies in :meth:`valid_range`; outside it,
+        terms may have over- or underflowed.
 
         Args:
             form: attention form.  f: (n,), g: (m,) potentials.
             log_a: (n,), log_b: (m,) log weights.  eps: ε.
-            gate: optional ``(gate_in, gate_out)`` 1-element float32 tensors: skip the
-                pass (sums stay 0) when ``gate_in`` exceeds ``limit``, and zero
-                ``gate_out``.
+            gate: optional ``(gate_in, gate_out)`` 2-element float32 tensors: skip the
+                pass (sums stay 0) when the bound ``gate_in`` gives exceeds ``limit``,
+                and zero ``gate_out``. ``gate_in`` holds the largest ``ln R`` and
+                ``−ln R`` (rows and columns, from 0) of the last step.
             limit: the gate's threshold, in nats.
+            span: the bound is half the sum of ``gate_in`` (else its larger entry).
+            shift: ``s``, in base 2.
 
         Returns:
             ``(R (n,), C (m,))``.
@@ -347,10 +352,10 @@ class TritonBackend(Backend):
                 return (triton.cdiv(m, meta["BLOCK_N"]), splits)
 
             args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, r, c, gate_in, gate_out,
-                    n, m, d, LOG2E / eps, limit, per, q.stride(0), q.stride(1), k.stride(0),
-                    k.stride(1), nb, mb)  # fmt: skip
+                    n, m, d, LOG2E / eps, shift, limit, int(span), per, q.stride(0), q.stride(1),
+                    k.stride(0), k.stride(1), nb, mb)  # fmt: skip
             consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=gate is not None,
-                          PRECISION=self._dot(), PREFETCH=_configs.PREFETCH_SIDE)  # fmt: skip
+                          PRECISION=self._dot())  # fmt: skip
             return grid, args, consts
 
         key = ("plan_sums", d, nb, mb, self._dot(), q.dtype)
@@ -374,7 +379,8 @@ class TritonBackend(Backend):
         Its largest term is at least ``sum/size``; with ``sum > size·max(1, w)·2^-100``
         (``w`` the largest weight) every term that matters (within 2^-24 of it) is a
         normal float, and terms lost to underflow (``E < 2^-126``) add less than
-        ``sum·2^-26``; ``hi`` leaves room below overflow.
+        ``sum·2^-26``; ``hi`` leaves room below overflow. With a shift ``s`` the sums
+        are exact for ``ln R`` in ``(ln lo − s ln 2, ln hi − s ln 2)``.
         """
         return size * max(1.0, max_weight) * _LO_PER_TERM, _HI
 
@@ -408,16 +414,24 @@ class TritonBackend(Backend):
 
     def _step(self, form, f, g, log_a, log_b, eps, w_old, w_new, *, rho=(None, None),
               check=False, state=None, log_sums=False):  # fmt: skip
-        """Fused sums (when allowed), exact repair where needed, then both updates."""
+        """Fused sums (when allowed), exact repair where needed, then both updates.
+
+        The gate: a balanced averaged step ``f' = f − ½ε ln R``, ``g' = g − ½ε ln C``
+        gives ``ln R'_i = ½ ln R_i + ln Σ_j π_ij C_j^{−1/2}`` (``π`` the row-normalized
+        plan), so every residual of the new potentials lies within half the span of the
+        old ones: a bound with no lag, checked against the sums' window. Relaxed steps
+        compare the last residual itself with :data:`GATE_LIMIT`.
+        """
         n, m = f.shape[0], g.shape[0]
         dev = f.device
         gate = None if state is None else state.swap()
-        limit = GATE_LIMIT
+        span = rho == (None, None) and w_old == w_new == (0.5, 0.5)
+        limit = _window(n, m) if span else GATE_LIMIT
         if state is not None:  # |ln R| scales as 1/ε: after an ε-scaling step, predict it
             limit *= min(1.0, eps / (state.eps or eps))
             state.eps = eps
         if self.fused:
-            r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate, limit)
+            r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate, limit, span, SUM_SHIFT)
         else:
             r, c = torch.zeros(n, device=dev), torch.zeros(m, device=dev)
         lo, hi = self._ranges(log_a, log_b, state)
@@ -429,7 +443,7 @@ class TritonBackend(Backend):
         blk = 1024
         _update_kernel[(triton.cdiv(n, blk) + triton.cdiv(m, blk),)](
             f, r, lse_r, form.alpha, log_a, f_out, g, c, lse_c, form.beta, log_b, g_out, err,
-            f_out if gate is None else gate[1], n, m, eps, lo, hi, w_old[0], w_new[0],
+            f_out if gate is None else gate[1], n, m, eps, SUM_SHIFT, lo, hi, w_old[0], w_new[0],
             w_old[1], w_new[1],
             0.0 if rho[0] is None else 1.0 / rho[0],
             0.0 if rho[1] is None else 1.0 / rho[1],
@@ -465,19 +479,29 @@ class TritonBackend(Backend):
         return torch.exp(log_a + ln_r), torch.exp(log_b + ln_c)
 
 
+def _window(n: int, m: int) -> float:
+    """Half-width (nats) of the residuals ``|ln R|`` that balanced fused sums hold exactly.
+
+    :meth:`TritonBackend.valid_range` with weights ≤ 1 and the :data:`SUM_SHIFT`, less
+    one nat of rounding slack.
+    """
+    low = (100.0 + SUM_SHIFT) * math.log(2.0) - math.log(max(n, m))
+    return min(low, math.log(_HI) - SUM_SHIFT * math.log(2.0)) - 1.0
+
+
 class _Gate:
     """Device-side residual gate of a solve.
 
-    Two slots, one read by a step and one written by it for the next, so that a fused
-    launch never reads the slot being filled.
+    Two slots of (largest ln R, largest −ln R), one read by a step and one written by it
+    for the next, so that a fused launch never reads the slot being filled.
     """
 
     def __init__(self, device):
-        self.slots = torch.full((2,), float("inf"), device=device, dtype=torch.float32)
+        self.slots = torch.full((4,), float("inf"), device=device, dtype=torch.float32)
         self.parity = 0
         self.eps = None  # the ε of the last step
         self.ranges = None  # the sums' exact ranges (they depend on the weights only)
 
     def swap(self):
         p, self.parity = self.parity, 1 - self.parity
-        return self.slots[p : p + 1], self.slots[1 - p : 2 - p]
+        return self.slots[2 * p : 2 * p + 2], self.slots[2 - 2 * p : 4 - 2 * p]

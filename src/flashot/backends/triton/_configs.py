@@ -56,12 +56,6 @@ def block_d(d: int, itemsize: int = 4) -> tuple[int, int]:
     return bd, triton.cdiv(d, bd)
 
 
-#: experiment switch, off until measured on a GPU: load each streamed tile's side vectors
-#: (potentials, offsets, log weights) one tile ahead. In the sm_90 SASS those loads are
-#: plain LDGs at the top of the loop whose latency only the tile's MMA covers (nsight:
-#: 0.40 long-scoreboard stall cycles per instruction in the fused pass); see NOTES.md v6
-PREFETCH_SIDE = False
-
 #: most value columns per program on a GPU. Each further chunk of values recomputes the
 #: scores, yet wider chunks were not faster: a gradient at n = 10k, d = 512 (p = 512) on
 #: the H200 took 16.5 ms (tf32) / 11.2 (bf16) with 64, 17.9 / — with 128, 16.9 / 13.2 with 256

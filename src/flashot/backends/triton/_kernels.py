@@ -17,8 +17,8 @@ exponential is one ``exp2``. The kernels:
 * the same ``_attend_kernel`` with REPAIR recomputes, exactly, only the row blocks
   holding a sum out of that range; the fast path never needs the host to verify.
 * ``_update_kernel``: both potential updates (Jacobi step, extrapolation or log-sums)
-  from the valid sums or the repaired LSEs, the marginal error, and the largest
-  residual ``|ln R|`` that gates the next fused launch, in one launch.
+  from the valid sums or the repaired LSEs, the marginal error, and the extreme
+  residuals ``ln R`` that gate the next fused launch, in one launch.
 
 Features are tiled over d in BLOCK_D chunks (``D_CHUNKS`` of them); with one chunk the
 stationary tile is loaded once; ``-inf`` biases mark zero weights.
@@ -114,33 +114,16 @@ def _side_load(P, OFFSET, LOG_W, offs, ok, FULL: tl.constexpr):
 
 
 @triton.jit
-def _side_first(P, OFFSET, LOG_W, lo, hi, BLOCK: tl.constexpr, FULL: tl.constexpr,
-                PREFETCH: tl.constexpr):  # fmt: skip
-    """The first tile's side vectors when they are loaded ahead (PREFETCH), else dummies."""
-    if PREFETCH:
-        offs = lo + tl.arange(0, BLOCK)
-        p, o, w = _side_load(P, OFFSET, LOG_W, offs, offs < hi, FULL)
-    else:  # one return for both (Triton 3.6 types every return of a function alike)
-        p, o, w = 0.0, 0.0, 0.0
-    return p, o, w
+def _side_ahead(P, OFFSET, LOG_W, offs, hi, ahead_p, ahead_o, ahead_w):
+    """This tile's side vectors (loaded one tile earlier), then the next tile's.
 
-
-@triton.jit
-def _side_tile(P, OFFSET, LOG_W, offs, hi, ahead_p, ahead_o, ahead_w, FULL: tl.constexpr,
-               PREFETCH: tl.constexpr):  # fmt: skip
-    """This tile's side vectors, then the three to carry as ``ahead``.
-
-    With PREFETCH, ``ahead`` holds this tile's vectors, loaded one tile earlier so that
-    a whole tile hides their latency, and the next tile's are loaded now; without it,
-    this tile's are loaded now and ``ahead`` passes through unused.
+    A whole tile then hides the loads' latency, which in the sm_90 SASS otherwise only
+    the tile's MMA covered (measured on the H200, fused pass at n = 50k: bf16 1.29 →
+    1.16 ms, tf32 1.46 → 1.34 ms; the exact pass did not gain, see NOTES.md v7).
     """
-    if PREFETCH:
-        nxt = offs + offs.shape[0]
-        p, o, w = ahead_p, ahead_o, ahead_w
-        ahead_p, ahead_o, ahead_w = _side_load(P, OFFSET, LOG_W, nxt, nxt < hi, FULL)
-    else:
-        p, o, w = _side_load(P, OFFSET, LOG_W, offs, offs < hi, FULL)
-    return p, o, w, ahead_p, ahead_o, ahead_w
+    nxt = offs + offs.shape[0]
+    p, o, w = _side_load(P, OFFSET, LOG_W, nxt, nxt < hi, True)
+    return ahead_p, ahead_o, ahead_w, p, o, w
 
 
 @triton.jit
@@ -170,7 +153,7 @@ def _attend_kernel(
     stride_on, stride_op, n_bucket, m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, D_CHUNKS: tl.constexpr, HAS_V: tl.constexpr,
     SPLIT: tl.constexpr, POTENTIAL_BIAS: tl.constexpr, REPAIR: tl.constexpr,
-    PRECISION: tl.constexpr, V_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    PRECISION: tl.constexpr, V_PRECISION: tl.constexpr,
 ):
     """Row LSE ``ε ln Σ_j e^{(s_ij + h_j)/ε}`` and softmax average of V over one column split.
 
@@ -197,14 +180,10 @@ def _attend_kernel(
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
-    ah_p, ah_o, ah_w = _side_first(H, BETA, LOG_W, col_lo, col_hi, BLOCK_N, POTENTIAL_BIAS,
-                                   PREFETCH)  # fmt: skip
     for start in range(col_lo, col_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < col_hi
-        g, beta, log_w, ah_p, ah_o, ah_w = _side_tile(
-            H, BETA, LOG_W, offs_n, col_hi, ah_p, ah_o, ah_w, POTENTIAL_BIAS, PREFETCH
-        )
+        g, beta, log_w = _side_load(H, BETA, LOG_W, offs_n, col_ok, POTENTIAL_BIAS)
         s = _score_tile(
             Q, K, q_tile, q_tile, offs_m, offs_n, n, col_hi, d, stride_qn, stride_qd, stride_kn,
             stride_kd, BLOCK_D, D_CHUNKS, False, PRECISION,
@@ -273,22 +252,24 @@ def _side_terms(p, offset, log_w, ok, scale):
 
 @triton.jit
 def _plan_sums_kernel(
-    Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, n, m, d, scale, gate_limit,
-    rows_per_split,
-    stride_qn, stride_qd, stride_kn, stride_kd, n_bucket, m_bucket, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
-    GATED: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, n, m, d, scale, shift,
+    gate_limit, gate_span, rows_per_split, stride_qn, stride_qd, stride_kn, stride_kd, n_bucket,
+    m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """``R_i += Σ_j b_j E_ij`` and ``C_j += Σ_i a_i E_ij``, one exp2 per element.
 
-    ``E_ij = 2^{(s_ij + f_i − α_i + g_j − β_j)·scale}``. Column-stationary: a program
-    keeps BLOCK_N columns on chip and streams the row tiles of its row split. Column
-    sums accumulate elementwise in a (BLOCK_M, BLOCK_N) register tile and are reduced
-    once at the end; row sums are reduced along the tile's cheap axis (within a thread
-    and a quad of lanes). Both are added atomically: R and C must be zeroed.
-    With GATED, nothing is streamed when ``GATE_IN`` (the last step's largest
-    ``|ln R|``) exceeds ``gate_limit``, and program (0, 0) zeroes ``GATE_OUT``, which
-    the update kernel then fills. Grid: (column blocks, row splits).
+    ``E_ij = 2^{(s_ij + f_i − α_i + g_j − β_j)·scale + shift}``: ``shift`` (base 2) puts the
+    window of exactly summable residuals where they are expected (see ``valid_range``).
+    Column-stationary: a program keeps BLOCK_N columns on chip and streams the row tiles
+    of its row split. Column sums accumulate elementwise in a (BLOCK_M, BLOCK_N) register
+    tile and are reduced once at the end; row sums are reduced along the tile's cheap
+    axis (within a thread and a quad of lanes). Both are added atomically: R and C must
+    be zeroed.
+    With GATED, nothing is streamed when the bound read from ``GATE_IN`` (the last
+    step's largest ``ln R`` and ``−ln R``, rows and columns; with ``gate_span`` half
+    their sum, else the larger) exceeds ``gate_limit``, and program (0, 0) zeroes
+    ``GATE_OUT``, which the update kernel then fills. Grid: (column blocks, row splits).
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -297,26 +278,30 @@ def _plan_sums_kernel(
     row_lo = pid_s * rows_per_split
     row_hi = tl.minimum(n, row_lo + rows_per_split)
     if GATED:
-        row_hi = tl.where(tl.load(GATE_IN) <= gate_limit, row_hi, row_lo)
+        top, bottom = tl.load(GATE_IN), tl.load(GATE_IN + 1)
+        bound = tl.where(gate_span != 0, 0.5 * (top + bottom), tl.maximum(top, bottom))
+        row_hi = tl.where(bound <= gate_limit, row_hi, row_lo)
         if (pid_n == 0) & (pid_s == 0):
             tl.store(GATE_OUT, 0.0)
+            tl.store(GATE_OUT + 1, 0.0)
     kt_tile = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, D_CHUNKS, True)
     g, beta, log_b = _side_load(G, BETA, LOG_B, offs_n, col_ok, True)
     v, b = _side_terms(g, beta, log_b, col_ok, scale)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    ah_p, ah_o, ah_w = _side_first(F, ALPHA, LOG_A, row_lo, row_hi, BLOCK_M, True, PREFETCH)
+    first = row_lo + tl.arange(0, BLOCK_M)
+    ah_p, ah_o, ah_w = _side_load(F, ALPHA, LOG_A, first, first < row_hi, True)
     for start in range(row_lo, row_hi, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < row_hi
-        f, alpha, log_a, ah_p, ah_o, ah_w = _side_tile(
-            F, ALPHA, LOG_A, offs_m, row_hi, ah_p, ah_o, ah_w, True, PREFETCH
+        f, alpha, log_a, ah_p, ah_o, ah_w = _side_ahead(
+            F, ALPHA, LOG_A, offs_m, row_hi, ah_p, ah_o, ah_w
         )
         s = _score_tile(
             Q, K, kt_tile, kt_tile, offs_m, offs_n, row_hi, m, d, stride_qn, stride_qd, stride_kn,
             stride_kd, BLOCK_D, D_CHUNKS, True, PRECISION,
         )
         u, a = _side_terms(f, alpha, log_a, row_ok, scale)
-        e = tl.exp2(s * scale + u[:, None] + v[None, :])
+        e = tl.exp2(s * scale + (u + shift)[:, None] + v[None, :])
         tl.atomic_add(R + offs_m, tl.sum(e * b[None, :], 1), mask=row_ok, sem="relaxed")
         acc += e * a[:, None]
     if row_hi > row_lo:
@@ -325,7 +310,8 @@ def _plan_sums_kernel(
 
 @triton.jit
 def _update_side(
-    pid, F, S, LSE, OFFSET, LOG_W, OUT, ERR, GATE, size, eps, lo, hi, w_old, w_new, inv_rho,
+    pid, F, S, LSE, OFFSET, LOG_W, OUT, ERR, GATE, size, eps, shift, lo, hi, w_old, w_new,
+    inv_rho,
     BLOCK: tl.constexpr, RELAXED: tl.constexpr, CHECK: tl.constexpr, GATED: tl.constexpr,
     LOG_SUMS: tl.constexpr,
 ):
@@ -339,9 +325,10 @@ def _update_side(
     # LSE: ln R = (f − α + lse)/ε, always finite
     offset = tl.load(OFFSET + offs, mask=ok, other=0.0)
     exact = (f - offset + tl.load(LSE + offs, mask=ok, other=0.0)) / eps
-    ln_r = tl.where(valid, tl.log(tl.where(valid, sums, 1.0)), exact)
-    if GATED:
-        tl.atomic_max(GATE, tl.max(tl.where(ok, tl.abs(ln_r), 0.0), 0), sem="relaxed")
+    ln_r = tl.where(valid, tl.log(tl.where(valid, sums, 1.0)) - shift / LOG2E, exact)
+    if GATED:  # the largest ln R and −ln R (from 0: bounds either way)
+        tl.atomic_max(GATE, tl.max(tl.where(ok, ln_r, 0.0), 0), sem="relaxed")
+        tl.atomic_max(GATE + 1, tl.max(tl.where(ok, -ln_r, 0.0), 0), sem="relaxed")
     if LOG_SUMS:
         tl.store(OUT + offs, ln_r, mask=ok)
     else:
@@ -357,30 +344,32 @@ def _update_side(
 
 @triton.jit
 def _update_kernel(
-    F, R, LSE_R, ALPHA, LOG_A, F_OUT, G, C, LSE_C, BETA, LOG_B, G_OUT, ERR, GATE, n, m, eps, LO,
-    hi, w_old_x, w_new_x, w_old_y, w_new_y, inv_rho_x, inv_rho_y, BLOCK: tl.constexpr,
+    F, R, LSE_R, ALPHA, LOG_A, F_OUT, G, C, LSE_C, BETA, LOG_B, G_OUT, ERR, GATE, n, m, eps,
+    shift, LO, hi, w_old_x, w_new_x, w_old_y, w_new_y, inv_rho_x, inv_rho_y, BLOCK: tl.constexpr,
     RELAXED_X: tl.constexpr, RELAXED_Y: tl.constexpr, CHECK: tl.constexpr, GATED: tl.constexpr,
     LOG_SUMS: tl.constexpr,
 ):
     """Both potentials from their plan sums: ``f' = w_old f + w_new T(g)``, ``T(g) = f − ε ln R``.
 
-    ``R_i = Σ_j b_j e^{(f_i + g_j − C_ij)/ε}`` comes from the fused pass where it lies in
-    ``(LO[0], hi)`` and from the repair pass's row LSE elsewhere (same for C, with LO[1]). The
-    averaged Jacobi step is ``w_old = ½, w_new = λ/2``, the extrapolation ``0, λ``; with
-    LOG_SUMS the outputs are ``ln R``, ``ln C`` instead. With CHECK, adds the L1
-    marginal error ``Σ |a R − target|`` (target a, or ``a e^{−f/ρ}`` when relaxed) to
-    ERR; with GATED, the largest ``|ln R|``, ``|ln C|`` goes to ``GATE`` for the
-    next fused launch. Programs ``[0, cdiv(n, BLOCK))`` do f, the rest g.
+    ``R_i = Σ_j b_j e^{(f_i + g_j − C_ij)/ε}`` comes from the fused pass (as ``2^shift R_i``)
+    where that lies in ``(LO[0], hi)`` and from the repair pass's row LSE elsewhere (same
+    for C, with LO[1]). The averaged Jacobi step is ``w_old = ½, w_new = λ/2``, the
+    extrapolation ``0, λ``; with LOG_SUMS the outputs are ``ln R``, ``ln C`` instead.
+    With CHECK, adds the L1 marginal error ``Σ |a R − target|`` (target a, or
+    ``a e^{−f/ρ}`` when relaxed) to ERR; with GATED, the largest ``ln R``, ``ln C`` goes
+    to ``GATE[0]`` and the largest ``−ln R``, ``−ln C`` to ``GATE[1]``, for the next
+    fused launch. Programs ``[0, cdiv(n, BLOCK))`` do f, the rest g.
     """
     pid = tl.program_id(0)
     blocks_f = tl.cdiv(n, BLOCK)
     if pid < blocks_f:
         _update_side(
-            pid, F, R, LSE_R, ALPHA, LOG_A, F_OUT, ERR, GATE, n, eps, tl.load(LO), hi, w_old_x,
-            w_new_x, inv_rho_x, BLOCK, RELAXED_X, CHECK, GATED, LOG_SUMS,
+            pid, F, R, LSE_R, ALPHA, LOG_A, F_OUT, ERR, GATE, n, eps, shift, tl.load(LO), hi,
+            w_old_x, w_new_x, inv_rho_x, BLOCK, RELAXED_X, CHECK, GATED, LOG_SUMS,
         )
     else:
         _update_side(
-            pid - blocks_f, G, C, LSE_C, BETA, LOG_B, G_OUT, ERR, GATE, m, eps, tl.load(LO + 1), hi,
-            w_old_y, w_new_y, inv_rho_y, BLOCK, RELAXED_Y, CHECK, GATED, LOG_SUMS,
+            pid - blocks_f, G, C, LSE_C, BETA, LOG_B, G_OUT, ERR, GATE, m, eps, shift,
+            tl.load(LO + 1), hi, w_old_y, w_new_y, inv_rho_y, BLOCK, RELAXED_Y, CHECK, GATED,
+            LOG_SUMS,
         )
