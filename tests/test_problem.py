@@ -104,6 +104,25 @@ def test_named_errors(kwargs, exc, match):
         flashot.sinkhorn(x, y, a, b, **args)
 
 
+@pytest.mark.parametrize(
+    "broken,match",
+    [(("x", "a"), "^x contains NaN"), (("y", "b"), "^y contains NaN"), (("a", "b"), "^a has neg")],
+)
+def test_several_bad_values_name_the_first_argument(broken, match):
+    """The value checks wait for the device once: the first broken argument is named."""
+    x, y = good()
+    args = dict(
+        x=x, y=y, a=torch.full((6,), 1 / 6, dtype=F64), b=torch.full((5,), 1 / 5, dtype=F64)
+    )
+    for which in broken:
+        if which in ("x", "y"):
+            args[which][0, 0] = math.nan
+        else:
+            args[which][0] = -1.0
+    with pytest.raises(ValueError, match=match):
+        flashot.sinkhorn(args["x"], args["y"], args["a"], args["b"], eps=0.5)
+
+
 def test_mixed_devices_are_named():
     if not torch.cuda.is_available():
         pytest.skip("needs a second device")

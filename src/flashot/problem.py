@@ -73,10 +73,10 @@ class DeviceChecks:
                 raise error
 
 
-def check_cloud(x, name: str, checks: DeviceChecks | None = None) -> torch.Tensor:
+def check_cloud(x, name: str, checks: DeviceChecks) -> torch.Tensor:
     """A finite (n, d) floating-point tensor with n, d ≥ 1.
 
-    The finiteness verdict goes to ``checks`` when given (else it is verified now).
+    The finiteness verdict goes to ``checks``.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -86,13 +86,9 @@ def check_cloud(x, name: str, checks: DeviceChecks | None = None) -> torch.Tenso
         raise ValueError(f"{name} must have shape (n, d), got {tuple(x.shape)}")
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"{name} must be non-empty, got shape {tuple(x.shape)}")
-    own = checks is None
-    checks = DeviceChecks() if own else checks
     # NaN and ±inf reach the extremes: no (n, d) temporary
     finite = torch.isfinite(torch.stack(torch.aminmax(x.detach()))).all()
     checks.add(finite, ValueError(f"{name} contains NaN or infinite values"))
-    if own:
-        checks.verify()
     return x
 
 
