@@ -485,8 +485,9 @@ def _window(n: int, m: int) -> float:
     :meth:`TritonBackend.valid_range` with weights ≤ 1 and the :data:`SUM_SHIFT`, less
     one nat of rounding slack.
     """
-    low = (100.0 + SUM_SHIFT) * math.log(2.0) - math.log(max(n, m))
-    return min(low, math.log(_HI) - SUM_SHIFT * math.log(2.0)) - 1.0
+    shift = SUM_SHIFT * math.log(2.0)
+    low = -math.log(_LO_PER_TERM * max(n, m)) + shift
+    return min(low, math.log(_HI) - shift) - 1.0
 
 
 class _Gate:
