@@ -194,6 +194,49 @@ def test_balanced_solve_runs_only_fused_passes_that_need_no_repair(gen, monkeypa
     assert rel(res.cost.cpu(), ref.cost) < 1e-5
 
 
+def test_probe_writes_the_sampled_residual_extremes(gen, monkeypatch):
+    from flashot.backends import triton as backend
+
+    monkeypatch.setattr(backend, "PROBE_ROWS", 8)
+    form, f, g, la, lb, eps, _ = _step_setup(gen, (None, None))
+    f, g = f + 0.3 * torch.randn(40, generator=gen).to(DEVICE), g - 0.2
+    slot = torch.full((2,), -1.0, device=DEVICE)
+    triton_backend()._probe(form, f, g, la, lb, eps, slot)
+    z = (f.double()[:, None] + g.double()[None, :] - form.dense().double()) / eps
+    ln_r, ln_c = (z + lb.double()).logsumexp(1)[::5], (z + la.double()[:, None]).logsumexp(0)[::3]
+    logs = torch.cat([ln_r, ln_c])  # rows 0, 5, …, 35 of 40; columns 0, 3, …, 27 of 30
+    want = [max(0.0, float(logs.max())) * 1.25, max(0.0, float(-logs.min())) * 1.25]
+    assert slot.tolist() == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert want[1] > 1.0  # the shift made the residuals negative: a real check
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_second_step_runs_fused_when_the_probe_finds_the_window(gen, monkeypatch, probe):
+    """After the initialization the span bound exceeds the sums' window here (the
+    second step stays exact without the probe); the sampled estimate finds state 1
+    inside it and the second step runs fused, with the same answer."""
+    from flashot.backends import triton as backend
+
+    monkeypatch.setattr(backend, "PROBE_ROWS", 8)
+    monkeypatch.setattr(backend, "PROBE_FROM", 16 if probe else 10**9)
+    ran = []
+    plan_sums = backend.TritonBackend.plan_sums
+
+    def spy(self, *args, **kw):
+        r, c = plan_sums(self, *args, **kw)
+        ran.append(bool((r != 0).any()))
+        return r, c
+
+    monkeypatch.setattr(backend.TritonBackend, "plan_sums", spy)
+    x, y = clouds(gen, 40, 30, 3, dtype=torch.float32)
+    y = y + 1.0
+    kw = dict(eps=0.02, max_iter=6, tol=None)
+    ref = flashot.sinkhorn(x, y, backend="torch", **kw)
+    res = flashot.sinkhorn(x.to(DEVICE), y.to(DEVICE), backend="triton", **kw)
+    assert ran[:3] == [False, probe, True]
+    assert rel(res.cost.cpu(), ref.cost) < 1e-5
+
+
 def test_gate_limit_follows_eps_scaling(gen, monkeypatch):
     """|ln R| scales as 1/ε: after ε drops 4x, a gate value of 50 nats predicts 200."""
     from flashot.backends.triton import TritonBackend

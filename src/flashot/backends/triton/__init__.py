@@ -70,6 +70,10 @@ _LO_PER_TERM, _HI = 2.0**-100, 2.0**120
 #: the fused sums of a step carry a factor 2^SUM_SHIFT: their window of exact residuals
 #: ln R is then about ±70 nats around 0 for n up to 10^6 (unshifted: −58…+83 at 50k)
 SUM_SHIFT = 18.0
+#: after the first (exact) step the span bound is loose (the initial residuals are all
+#: large): the second step estimates its residual range from PROBE_ROWS strided rows and
+#: as many columns, times PROBE_MARGIN, on clouds of at least PROBE_FROM points each
+PROBE_ROWS, PROBE_MARGIN, PROBE_FROM = 256, 1.25, 4096
 #: CUDA graphs pay off while launches cost as much as the work: n·m up to 2^28
 GRAPHS_UP_TO_LOG2 = 28
 #: autotuning's fastest configurations timed again at their balanced split counts
@@ -115,22 +119,28 @@ class TritonBackend(Backend):
     def _dot(self) -> str:
         return "ieee" if triton_interpreted() else _DOT[self.precision]
 
-    def _operand(self, t: torch.Tensor) -> torch.Tensor:
-        """A feature matrix as the kernels read it: float32, or a cached half copy."""
+    def _operand(self, t: torch.Tensor, keep: bool = True) -> torch.Tensor:
+        """A feature matrix as the kernels read it: float32, or a half copy (cached if ``keep``)."""
         if t.dtype != torch.float32:
             raise TypeError(f"the triton backend computes in float32, got {t.dtype}")
         if self.precision not in _HALF:
             return t
+        if not keep:  # a one-off sample: its copy must not evict the clouds' cached ones
+            return self._half(t)
         # the solver reuses q and k: convert each once. Entries hold a weak reference to
         # their source, so a new tensor at a freed one's address never hits a stale copy.
         self._halves = [e for e in self._halves if e[0]() is not None]
         for ref, version, half in self._halves:
             if ref() is t and version == t._version:
                 return half
+        half = self._half(t)
+        self._halves = [*self._halves[-3:], (weakref.ref(t), t._version, half)]
+        return half
+
+    def _half(self, t: torch.Tensor) -> torch.Tensor:
         half = t.to(_HALF[self.precision])
         if triton_interpreted():  # numpy has no bfloat16: round, compute in float32
             half = half.float()  # (exact: products of halves fit in float32)
-        self._halves = [*self._halves[-3:], (weakref.ref(t), t._version, half)]
         return half
 
     def _tiles(self, tuned, key, size_log2):
@@ -225,14 +235,14 @@ class TritonBackend(Backend):
                 best = (ms, cfg)
         return best[1]
 
-    def _attend(self, q, k, eps, bias, v=None, repair=None):
+    def _attend(self, q, k, eps, bias, v=None, repair=None, keep_q=True):
         """Row LSE and softmax average; ``bias`` is ``(h,)`` or ``(g, β, log b)``.
 
         ``repair=(sums, lo, hi)`` computes only the row blocks holding a sum outside
         ``(lo[0], hi)`` (``lo`` a 1-element tensor; other rows' outputs are then
-        meaningless).
+        meaningless). ``keep_q``: cache q's half copy (False for a one-off sample).
         """
-        q, k = self._operand(q), self._operand(k)
+        q, k = self._operand(q, keep_q), self._operand(k)
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
         potential = len(bias) == 3
@@ -419,19 +429,27 @@ class TritonBackend(Backend):
         The gate: a balanced averaged step ``f' = f − ½ε ln R``, ``g' = g − ½ε ln C``
         gives ``ln R'_i = ½ ln R_i + ln Σ_j π_ij C_j^{−1/2}`` (``π`` the row-normalized
         plan), so every residual of the new potentials lies within half the span of the
-        old ones: a bound with no lag, checked against the sums' window. Relaxed steps
-        compare the last residual itself with :data:`GATE_LIMIT`.
+        old ones: a bound with no lag, checked against the sums' window. After the
+        initialization that bound is loose, so a solve's second step takes a sampled
+        estimate instead (:meth:`_probe`, on clouds of :data:`PROBE_FROM` points or
+        more). Relaxed steps compare the last residual itself with :data:`GATE_LIMIT`.
         """
         n, m = f.shape[0], g.shape[0]
         dev = f.device
         gate = None if state is None else state.swap()
         span = rho == (None, None) and w_old == w_new == (0.5, 0.5)
         limit = _window(n, m) if span else GATE_LIMIT
-        if state is not None:  # |ln R| scales as 1/ε: after an ε-scaling step, predict it
+        probe = span and self.fused and state is not None and state.steps == 1
+        probe = probe and min(n, m) >= PROBE_FROM
+        if probe:  # an estimate at this ε replaces the bound
+            self._probe(form, f, g, log_a, log_b, eps, gate[0])
+        elif state is not None:  # |ln R| scales as 1/ε: after an ε-scaling step, predict it
             limit *= min(1.0, eps / (state.eps or eps))
-            state.eps = eps
+        if state is not None:
+            state.eps, state.steps = eps, state.steps + 1
         if self.fused:
-            r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate, limit, span, SUM_SHIFT)
+            r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate, limit, span and not probe,
+                                  SUM_SHIFT)  # fmt: skip
         else:
             r, c = torch.zeros(n, device=dev), torch.zeros(m, device=dev)
         lo, hi = self._ranges(log_a, log_b, state)
@@ -455,6 +473,24 @@ class TritonBackend(Backend):
             LOG_SUMS=log_sums,
         )  # fmt: skip
         return f_out, g_out, (err[0] if check else None)
+
+    def _probe(self, form, f, g, log_a, log_b, eps, slot):
+        """Write an estimate of this step's largest ``ln R`` and ``−ln R`` into ``slot``.
+
+        The exact residuals of :data:`PROBE_ROWS` strided rows and as many columns,
+        times :data:`PROBE_MARGIN`: a sample, not a bound. Where it is wrong the fused
+        pass's out-of-range sums are repaired exactly, at the cost of that pass.
+        """
+        logs = []
+        for q, k, p, offset, bias in (
+            (form.q, form.k, f, form.alpha, (g, form.beta, log_b)),
+            (form.k, form.q, g, form.beta, (f, form.alpha, log_a)),
+        ):
+            step = max(1, len(p) // PROBE_ROWS)
+            lse = self._attend(q[::step], k, eps, bias, keep_q=False)[0]
+            logs.append((p[::step] - offset[::step] + lse) / eps)
+        ln = torch.cat(logs)
+        slot.copy_(torch.stack([ln.max(), -ln.min()]).clamp_min(0.0) * PROBE_MARGIN)
 
     def jacobi_step(self, form, f, g, log_a, log_b, eps, lam, rho, *, check=False, state=None):
         """See :meth:`flashot.backends.base.Backend.jacobi_step`.
@@ -500,6 +536,7 @@ class _Gate:
     def __init__(self, device):
         self.slots = torch.full((4,), float("inf"), device=device, dtype=torch.float32)
         self.parity = 0
+        self.steps = 0  # steps taken
         self.eps = None  # the ε of the last step
         self.ranges = None  # the sums' exact ranges (they depend on the weights only)
 
