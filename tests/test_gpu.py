@@ -111,11 +111,14 @@ def test_cold_start_fast_path_equals_exact_path(precision):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_repeated_fixed_iteration_solves_replay_a_cuda_graph(precision, monkeypatch):
     """New data each call (the bf16 copies must be remade inside the graph); replays
-    equal eager solves; a warm start is another key."""
+    equal eager solves; a warm start is another key. The second step's probe runs
+    inside the graph too."""
     from flashot import graphs, solver
+    from flashot.backends import triton as backend
 
     cache = graphs.GraphCache()
     monkeypatch.setattr(solver, "GRAPHS", cache)
+    monkeypatch.setattr(backend, "PROBE_FROM", 1024)
     kw = dict(eps=0.1, max_iter=10, tol=None)
     for seed in range(4):
         x, y = data(3000, 2000, 64, seed)
