@@ -141,7 +141,12 @@ def main():
     ap.add_argument("--methods", nargs="*", default=None, help="subset of the methods")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the precision table")
     ap.add_argument("--name", default="sinkhorn_h200", help="file name of the results")
+    ap.add_argument("--probe", type=int, default=1, help="0: no probe at the second step (A/B)")
     args = ap.parse_args()
+    if not args.probe:
+        from flashot.backends import triton as triton_backend
+
+        triton_backend.PROBE_FROM = 2**62
     rows = []
     for case in args.cases:
         kind, n, d = CASES[case]

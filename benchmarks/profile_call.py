@@ -25,7 +25,12 @@ def main():
     ap.add_argument("--grad", action="store_true", help="forward and gradient w.r.t. x")
     ap.add_argument("--timeline", action="store_true", help="also every flashot kernel in order")
     ap.add_argument("--host", action="store_true", help="also a Python profile of the host side")
+    ap.add_argument("--probe", type=int, default=1, help="0: no probe at the second step (A/B)")
     args = ap.parse_args()
+    if not args.probe:
+        from flashot.backends import triton as triton_backend
+
+        triton_backend.PROBE_FROM = 2**62
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(args.n, args.d, device="cuda", generator=g)
     y = torch.randn(args.n, args.d, device="cuda", generator=g)
