@@ -131,3 +131,27 @@ def test_repeated_fixed_iteration_solves_replay_a_cuda_graph(precision, monkeypa
         ref = flashot.sinkhorn(x, y, backend=TritonBackend(precision, graphs=False), **warm)
         assert rel(res.f, ref.f) < 1e-6 and rel(res.cost, ref.cost) < 1e-6
     assert len(cache._graphs) == 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("n", [3000, 20_000])  # replayed as a CUDA graph, and eager
+def test_solves_on_a_gpu_that_is_not_the_current_one(n):
+    """Triton launches (and CUDA graphs replay) on the current device: tensors on
+    cuda:1 while cuda:0 is current must still be solved there, with the same answer."""
+    x, y = data(n, n, 16)
+    kw = dict(eps=0.1, max_iter=10, tol=None)
+    ref = flashot.sinkhorn(x, y, backend=TritonBackend(autotune=False), **kw)
+    x1, y1 = x.to("cuda:1").requires_grad_(), y.to("cuda:1")
+    current = torch.cuda.current_device()
+    for _ in range(3):  # eager, captured, replayed (below 2^28 elements)
+        with torch.no_grad():
+            res = flashot.sinkhorn(x1, y1, backend=TritonBackend(autotune=False), **kw)
+        assert res.f.device == x1.device and rel(res.cost.cpu(), ref.cost.cpu()) < 1e-5
+    cost = flashot.sinkhorn(x1, y1, backend=TritonBackend(autotune=False), **kw).cost
+    grad = torch.autograd.grad(cost, x1)[0]
+    xg = x.detach().requires_grad_()
+    want = torch.autograd.grad(
+        flashot.sinkhorn(xg, y, backend=TritonBackend(autotune=False), **kw).cost, xg
+    )[0]
+    assert rel(grad.cpu(), want.cpu()) < 1e-4
+    assert torch.cuda.current_device() == current  # nothing global changed

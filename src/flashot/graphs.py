@@ -21,6 +21,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from flashot.backends import on_device
+
 __all__ = ["GRAPHS", "GraphCache"]
 
 
@@ -29,14 +31,16 @@ class _Captured:
 
     def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor]):
         self.inputs = [t.detach().clone(memory_format=torch.contiguous_format) for t in inputs]
+        self.device = inputs[0].device  # captured and replayed there, whichever is current
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with on_device(self.device), torch.cuda.graph(self.graph):
             self.outputs = fn(*self.inputs)
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         for static, t in zip(self.inputs, inputs, strict=True):
             static.copy_(t)
-        self.graph.replay()
+        with on_device(self.device):
+            self.graph.replay()
         # the next replay overwrites the static outputs: the caller gets copies
         return tuple(t.clone() for t in self.outputs)
 

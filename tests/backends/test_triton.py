@@ -445,7 +445,9 @@ def test_tuning_times_the_finalists_again_at_their_own_splits(monkeypatch, cache
         return (lambda meta: (1,), (), {"SPLITS": None if cfg is None else cfg.kwargs["BLOCK_M"]})
 
     be = backend.TritonBackend()
-    plan = be._launch(tuned, raw, ("k",), None, plan_for, {"FULL": True}, lambda: resets.append(1))
+    cpu = torch.device("cpu")
+    reset = lambda: resets.append(1)  # noqa: E731
+    plan = be._launch(tuned, raw, ("k",), None, plan_for, cpu, {"FULL": True}, reset)
     assert tuned.launches == [{"SPLITS": None, "FULL": True}]  # tuned at the first guess
     winner = 32 if cached else 128  # a cached ranking (no new timings) is kept as it is
     assert backend._BEST[("k",)].kwargs["BLOCK_M"] == winner
@@ -453,7 +455,7 @@ def test_tuning_times_the_finalists_again_at_their_own_splits(monkeypatch, cache
     assert plan[2]["SPLITS"] == winner and resets == [1]
     # a later call that finds the ranking kept (no new timings) takes the retimed winner
     backend._BEST.clear()
-    be._launch(tuned, raw, ("k",), None, plan_for)
+    be._launch(tuned, raw, ("k",), None, plan_for, cpu)
     assert backend._BEST[("k",)].kwargs["BLOCK_M"] == winner
 
 

@@ -7,6 +7,7 @@ instance may also be passed wherever a backend name is accepted.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -15,7 +16,7 @@ import torch
 from flashot.backends.base import PRECISIONS, Backend
 from flashot.backends.torch_backend import TorchBackend
 
-__all__ = ["PRECISIONS", "Backend", "available_backends", "resolve_backend"]
+__all__ = ["PRECISIONS", "Backend", "available_backends", "on_device", "resolve_backend"]
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -23,6 +24,15 @@ BACKENDS = ("auto", "torch", "triton")
 def triton_interpreted() -> bool:
     """Whether Triton runs in interpreter mode (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def on_device(device: torch.device):
+    """Make ``device`` the current CUDA device for a block (a no-op off CUDA).
+
+    Triton launches kernels, and CUDA graphs capture and replay, on the current device:
+    tensors on another GPU (``cuda:1`` while ``cuda:0`` is current) need this.
+    """
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def triton_available() -> bool:

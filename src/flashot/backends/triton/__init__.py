@@ -20,7 +20,7 @@ import weakref
 import torch
 import triton
 
-from flashot.backends import triton_interpreted
+from flashot.backends import on_device, triton_interpreted
 from flashot.backends.base import Backend
 from flashot.backends.triton import _configs
 from flashot.backends.triton._kernels import (
@@ -190,7 +190,7 @@ class TritonBackend(Backend):
         most = moving if most is None else max(most, guess)
         return _configs.balanced_splits(triton.cdiv(stationary, block), moving, slots, most)
 
-    def _launch(self, tuned, raw, key, cfg, plan_for, full=None, reset=None):
+    def _launch(self, tuned, raw, key, cfg, plan_for, device, full=None, reset=None):
         """Launch with tiles ``cfg``, or tune them first (cfg None); returns the plan run.
 
         ``plan_for(tiles)`` gives ``(grid, args, consts)`` with the split count for
@@ -199,26 +199,27 @@ class TritonBackend(Backend):
         (small tiles gain most from balancing, so the first ranking is biased against
         them). ``full``: constexpr overrides that make a call that may skip work (gated
         or repair launches) do all of it while timing: skipped work would time nothing.
-        ``reset()`` clears outputs that launches accumulate into. ``key`` holds what the
-        autotuner keys on, so a ranking it kept from an earlier call maps to that
-        call's retimed winner.
+        ``reset()`` clears outputs that launches accumulate into; ``device``: the data's.
+        ``key`` holds what the autotuner keys on, so a ranking it kept from an earlier
+        call maps to that call's retimed winner.
         """
-        if cfg is None:
-            grid, args, consts = plan_for(None)
-            tuned_keys = len(tuned.cache)
-            tuned[grid](*args, **{**consts, **(full or {})})
-            cfg = _RETIMED.get(key, tuned.best_config)
-            timings = getattr(tuned, "configs_timings", None)
-            if len(tuned.cache) > tuned_keys and timings:  # this call tuned: rank again
-                cfg = self._retime(raw, sorted(timings, key=timings.get), plan_for, full)
-                _RETIMED[key] = cfg
-            _BEST[key] = cfg
-            if reset is not None:
-                reset()
-        grid, args, consts = plan = plan_for(cfg)
-        tiles = cfg.kwargs if triton_interpreted() else cfg.all_kwargs()
-        raw[grid(cfg.kwargs)](*args, **consts, **tiles)
-        return plan
+        with on_device(device):  # tuning, compiling and launching on the data's GPU
+            if cfg is None:
+                grid, args, consts = plan_for(None)
+                tuned_keys = len(tuned.cache)
+                tuned[grid](*args, **{**consts, **(full or {})})
+                cfg = _RETIMED.get(key, tuned.best_config)
+                timings = getattr(tuned, "configs_timings", None)
+                if len(tuned.cache) > tuned_keys and timings:  # this call tuned: rank again
+                    cfg = self._retime(raw, sorted(timings, key=timings.get), plan_for, full)
+                    _RETIMED[key] = cfg
+                _BEST[key] = cfg
+                if reset is not None:
+                    reset()
+            grid, args, consts = plan = plan_for(cfg)
+            tiles = cfg.kwargs if triton_interpreted() else cfg.all_kwargs()
+            raw[grid(cfg.kwargs)](*args, **consts, **tiles)
+            return plan
 
     @staticmethod
     def _retime(raw, ranked, plan_for, full):
@@ -292,27 +293,17 @@ class TritonBackend(Backend):
 
         cfg = self._tiles(_ATTEND, key, nb + mb)
         full = {"REPAIR": False}
-        plan = self._launch(_ATTEND, _attend_kernel, key, cfg, plan_for, full)
+        plan = self._launch(_ATTEND, _attend_kernel, key, cfg, plan_for, dev, full)
         if plan[2]["SPLIT"]:
             part_max, part_sum, part_acc = plan[1][8:11]
             splits = part_max.shape[0]
             blk = 128
-            _combine_kernel[(triton.cdiv(n, blk),)](
-                part_max,
-                part_sum,
-                part_acc,
-                lse,
-                out,
-                n,
-                p,
-                splits,
-                eps,
-                out.stride(0) if has_v else 0,
-                out.stride(1) if has_v else 0,
-                BLOCK=blk,
-                BLOCK_P=triton.next_power_of_2(p) if has_v else 1,
-                HAS_V=has_v,
-            )
+            with on_device(dev):
+                _combine_kernel[(triton.cdiv(n, blk),)](
+                    part_max, part_sum, part_acc, lse, out, n, p, splits, eps,
+                    out.stride(0) if has_v else 0, out.stride(1) if has_v else 0,
+                    BLOCK=blk, BLOCK_P=triton.next_power_of_2(p) if has_v else 1, HAS_V=has_v,
+                )  # fmt: skip
         return lse, (out if has_v else None)
 
     # ---- primitives ----------------------------------------------------------------
@@ -379,7 +370,8 @@ class TritonBackend(Backend):
                 gate_out.zero_()
 
         cfg = self._tiles(_PLAN_SUMS, key, nb + mb)
-        self._launch(_PLAN_SUMS, _plan_sums_kernel, key, cfg, plan_for, {"GATED": False}, reset)
+        self._launch(_PLAN_SUMS, _plan_sums_kernel, key, cfg, plan_for, dev, {"GATED": False},
+                     reset)  # fmt: skip
         return r, c
 
     @staticmethod
@@ -459,19 +451,20 @@ class TritonBackend(Backend):
         f_out, g_out = torch.empty_like(f), torch.empty_like(g)
         err = torch.zeros(1, device=dev, dtype=torch.float32) if check else f_out
         blk = 1024
-        _update_kernel[(triton.cdiv(n, blk) + triton.cdiv(m, blk),)](
-            f, r, lse_r, form.alpha, log_a, f_out, g, c, lse_c, form.beta, log_b, g_out, err,
-            f_out if gate is None else gate[1], n, m, eps, SUM_SHIFT, lo, hi, w_old[0], w_new[0],
-            w_old[1], w_new[1],
-            0.0 if rho[0] is None else 1.0 / rho[0],
-            0.0 if rho[1] is None else 1.0 / rho[1],
-            BLOCK=blk,
-            RELAXED_X=rho[0] is not None,
-            RELAXED_Y=rho[1] is not None,
-            CHECK=check,
-            GATED=gate is not None,
-            LOG_SUMS=log_sums,
-        )  # fmt: skip
+        with on_device(dev):
+            _update_kernel[(triton.cdiv(n, blk) + triton.cdiv(m, blk),)](
+                f, r, lse_r, form.alpha, log_a, f_out, g, c, lse_c, form.beta, log_b, g_out, err,
+                f_out if gate is None else gate[1], n, m, eps, SUM_SHIFT, lo, hi, w_old[0],
+                w_new[0], w_old[1], w_new[1],
+                0.0 if rho[0] is None else 1.0 / rho[0],
+                0.0 if rho[1] is None else 1.0 / rho[1],
+                BLOCK=blk,
+                RELAXED_X=rho[0] is not None,
+                RELAXED_Y=rho[1] is not None,
+                CHECK=check,
+                GATED=gate is not None,
+                LOG_SUMS=log_sums,
+            )  # fmt: skip
         return f_out, g_out, (err[0] if check else None)
 
     def _probe(self, form, f, g, log_a, log_b, eps, slot):
