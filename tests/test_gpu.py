@@ -155,3 +155,13 @@ def test_solves_on_a_gpu_that_is_not_the_current_one(n):
     )[0]
     assert rel(grad.cpu(), want.cpu()) < 1e-4
     assert torch.cuda.current_device() == current  # nothing global changed
+
+
+def test_a_solve_inside_the_callers_cuda_graph_is_refused_clearly():
+    x, y = data(100, 80, 3)
+    before = flashot.sinkhorn(x, y, eps=0.1, max_iter=5, tol=None).cost
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="CUDA graph capture"), torch.cuda.graph(graph):
+        flashot.sinkhorn(x, y, eps=0.1, max_iter=5, tol=None)
+    after = flashot.sinkhorn(x, y, eps=0.1, max_iter=5, tol=None).cost  # still works
+    assert rel(after.cpu(), before.cpu()) < 1e-6

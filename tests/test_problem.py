@@ -123,6 +123,21 @@ def test_several_bad_values_name_the_first_argument(broken, match):
         flashot.sinkhorn(args["x"], args["y"], args["a"], args["b"], eps=0.5)
 
 
+def test_a_solve_inside_a_cuda_graph_capture_is_refused_clearly(monkeypatch):
+    """Value checks wait for the host, which a capture forbids: a clear error, not a
+    CUDA failure (checked with stand-ins: no GPU here)."""
+    from flashot.problem import DeviceChecks
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    checks = DeviceChecks()
+    checks.add(torch.tensor(True), ValueError("never raised"))
+    checks.verify()  # CPU verdicts: no capture concerns them
+    verdict = type("CudaVerdict", (), {"is_cuda": True})()
+    checks._items = [(verdict, ValueError("never raised"))]
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        checks.verify()
+
+
 def test_mixed_devices_are_named():
     if not torch.cuda.is_available():
         pytest.skip("needs a second device")

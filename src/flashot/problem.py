@@ -67,6 +67,12 @@ class DeviceChecks:
         """Wait once for every queued verdict; raise the first failed check's error."""
         if not self._items:
             return
+        if self._items[0][0].is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "flashot cannot run inside a CUDA graph capture: it checks its inputs and "
+                "results on the host. Fixed-iteration solves (tol=None) of launch-bound size "
+                "are replayed as CUDA graphs by flashot itself"
+            )
         verdicts = torch.stack([ok for ok, _ in self._items]).tolist()
         for ok, (_, error) in zip(verdicts, self._items, strict=True):
             if not ok:
