@@ -73,7 +73,7 @@ SUM_SHIFT = 18.0
 #: after the first (exact) step the span bound is loose (the initial residuals are all
 #: large): the second step estimates its residual range from PROBE_ROWS strided rows and
 #: as many columns, times PROBE_MARGIN, on clouds of at least PROBE_FROM points each
-PROBE_ROWS, PROBE_MARGIN, PROBE_FROM = 256, 1.25, 4096
+PROBE_ROWS, PROBE_MARGIN, PROBE_FROM = 256, 1.1, 4096
 #: CUDA graphs pay off while launches cost as much as the work: n·m up to 2^28
 GRAPHS_UP_TO_LOG2 = 28
 #: autotuning's fastest configurations timed again at their balanced split counts
