@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bias", "marginal_error", "row_mass"]
+__all__ = ["bias", "log_residual", "marginal_error", "row_mass"]
 
 
 def bias(
@@ -18,6 +18,16 @@ def bias(
     return potential - offset + eps * log_w
 
 
+def log_residual(
+    pot: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``ln R_i = (f_i − α_i + lse_i)/ε``: the log of a row's plan mass per unit weight.
+
+    ``lse`` is the row LSE of the other potential's bias; 0 at the Sinkhorn fixed point.
+    """
+    return (pot - offset + lse) / eps
+
+
 def row_mass(
     pot: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor, log_w: torch.Tensor, eps: float
 ) -> torch.Tensor:
@@ -25,7 +35,7 @@ def row_mass(
 
     ``lse`` is the row LSE of the other potential's bias.
     """
-    return torch.exp(log_w + (pot - offset + lse) / eps)
+    return torch.exp(log_w + log_residual(pot, lse, offset, eps))
 
 
 def marginal_error(

@@ -29,6 +29,7 @@ from flashot.backends.triton._kernels import (
     _plan_sums_kernel,
     _update_kernel,
 )
+from flashot.dual import log_residual
 
 __all__ = ["TritonBackend"]
 
@@ -481,7 +482,7 @@ class TritonBackend(Backend):
         ):
             step = max(1, len(p) // PROBE_ROWS)
             lse = self._attend(q[::step], k, eps, bias, keep_q=False)[0]
-            logs.append((p[::step] - offset[::step] + lse) / eps)
+            logs.append(log_residual(p[::step], lse, offset[::step], eps))
         ln = torch.cat(logs)
         slot.copy_(torch.stack([ln.max(), -ln.min()]).clamp_min(0.0) * PROBE_MARGIN)
 
