@@ -136,17 +136,23 @@ def test_repeated_fixed_iteration_solves_replay_a_cuda_graph(precision, monkeypa
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("n", [3000, 20_000])  # replayed as a CUDA graph, and eager
 def test_solves_on_a_gpu_that_is_not_the_current_one(n):
-    """Triton launches (and CUDA graphs replay) on the current device: tensors on
-    cuda:1 while cuda:0 is current must still be solved there, with the same answer."""
-    x, y = data(n, n, 16)
+    """Triton launches (and CUDA graphs capture and replay) on the current device:
+    tensors on cuda:1 while cuda:0 is current must still be solved there, with the same
+    answer. New data each call: a graph captured on the wrong stream would be empty and
+    its replay would return the previous call's answer."""
     kw = dict(eps=0.1, max_iter=10, tol=None)
-    ref = flashot.sinkhorn(x, y, backend=TritonBackend(autotune=False), **kw)
-    x1, y1 = x.to("cuda:1").requires_grad_(), y.to("cuda:1")
     current = torch.cuda.current_device()
-    for _ in range(3):  # eager, captured, replayed (below 2^28 elements)
+    for seed in range(4):  # eager, captured, replayed, replayed (below 2^28 elements)
+        x, y = data(n, n, 16, seed)
+        ref = flashot.sinkhorn(x, y, backend=TritonBackend(autotune=False), **kw)
         with torch.no_grad():
-            res = flashot.sinkhorn(x1, y1, backend=TritonBackend(autotune=False), **kw)
-        assert res.f.device == x1.device and rel(res.cost.cpu(), ref.cost.cpu()) < 1e-5
+            res = flashot.sinkhorn(
+                x.to("cuda:1"), y.to("cuda:1"), backend=TritonBackend(autotune=False), **kw
+            )
+        assert res.f.device == torch.device("cuda", 1)
+        assert rel(res.cost.cpu(), ref.cost.cpu()) < 1e-5
+        assert rel(res.f.cpu(), ref.f.cpu()) < 1e-5
+    x1, y1 = x.to("cuda:1").requires_grad_(), y.to("cuda:1")
     cost = flashot.sinkhorn(x1, y1, backend=TritonBackend(autotune=False), **kw).cost
     grad = torch.autograd.grad(cost, x1)[0]
     xg = x.detach().requires_grad_()

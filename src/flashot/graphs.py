@@ -33,7 +33,11 @@ class _Captured:
         self.inputs = [t.detach().clone(memory_format=torch.contiguous_format) for t in inputs]
         self.device = inputs[0].device  # captured and replayed there, whichever is current
         self.graph = torch.cuda.CUDAGraph()
-        with on_device(self.device), torch.cuda.graph(self.graph):
+        # torch.cuda.graph's default capture stream is created once, on the device then
+        # current: captured on another GPU's stream, the launches would run eagerly and
+        # leave an empty graph. A stream of the inputs' device avoids that.
+        stream = torch.cuda.Stream(self.device)
+        with on_device(self.device), torch.cuda.graph(self.graph, stream=stream):
             self.outputs = fn(*self.inputs)
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
