@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import platform
 import time
 from pathlib import Path
@@ -28,7 +29,11 @@ def environment() -> dict:
 
     import flashot
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor()
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0)
+    else:  # kernels under Triton's interpreter, or the torch backend
+        cpu = platform.processor() or platform.machine()
+        gpu = f"none (CPU {cpu}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')})"
     return dict(
         gpu=gpu,
         torch=torch.__version__,

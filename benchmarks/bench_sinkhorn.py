@@ -8,6 +8,11 @@ launch-bound sizes); the peer through
 ``flash_sinkhorn.SamplesLoss`` as its benchmark does (TF32).
 
     python benchmarks/bench_sinkhorn.py --out benchmarks/results
+
+Without a GPU, ``TRITON_INTERPRET=1 python benchmarks/bench_sinkhorn.py --accuracy-only
+--accuracy-n 512`` measures the precision table with the kernels under Triton's
+interpreter (CPU): faithful for "fp32" (IEEE there), "bf16" and "fp16" (operands are
+rounded before the kernels); "tf32" is skipped (the interpreter computes IEEE dots).
 """
 
 from __future__ import annotations
@@ -37,12 +42,12 @@ CASES = {  # name: (kind, n, d)
 }
 
 
-def data(n: int, d: int, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(n, d, device="cuda", generator=g)
-    y = torch.randn(n, d, device="cuda", generator=g)
-    a = torch.rand(n, device="cuda", generator=g) + 0.1
-    b = torch.rand(n, device="cuda", generator=g) + 0.1
+def data(n: int, d: int, seed: int = 0, device: str = "cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, d, device=device, generator=g)
+    y = torch.randn(n, d, device=device, generator=g)
+    a = torch.rand(n, device=device, generator=g) + 0.1
+    b = torch.rand(n, device=device, generator=g) + 0.1
     return x, y, a / a.sum(), b / b.sum()
 
 
@@ -103,9 +108,9 @@ def methods(skip_peer: bool, variants: bool):
     return out
 
 
-def accuracy(n: int = 8192, d: int = 64) -> list[dict]:
+def accuracy(n: int = 8192, d: int = 64, device: str = "cuda") -> list[dict]:
     """Error of each mode's 10-iteration solve against the float64 torch backend."""
-    x, y, a, b = data(n, d, seed=1)
+    x, y, a, b = data(n, d, seed=1, device=device)
     ref = flashot.sinkhorn(
         x.double(),
         y.double(),
@@ -117,7 +122,9 @@ def accuracy(n: int = 8192, d: int = 64) -> list[dict]:
         backend="torch",
     )
     rows = []
-    for name, be in methods(True, False).items():
+    modes = ("fp32", "bf16", "fp16") if device == "cpu" else ("fp32", "tf32", "bf16", "fp16")
+    for mode in modes:
+        name, be = f"flashot_{mode}", TritonBackend(mode)
         res = flashot.sinkhorn(x, y, a, b, eps=EPS, max_iter=ITERS, tol=None, backend=be)
         rows.append(
             dict(
@@ -141,6 +148,8 @@ def main():
     ap.add_argument("--methods", nargs="*", default=None, help="subset of the methods")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the precision table")
     ap.add_argument("--name", default="sinkhorn_h200", help="file name of the results")
+    ap.add_argument("--accuracy-only", action="store_true", help="only the precision table")
+    ap.add_argument("--accuracy-n", type=int, default=8192, help="points per cloud there")
     ap.add_argument("--probe", type=int, default=1, help="0: no probe at the second step (A/B)")
     args = ap.parse_args()
     if not args.probe:
@@ -148,7 +157,7 @@ def main():
 
         triton_backend.PROBE_FROM = 2**62
     rows = []
-    for case in args.cases:
+    for case in [] if args.accuracy_only else args.cases:
         kind, n, d = CASES[case]
         x, y, a, b = data(n, d)
         inputs_mb = (x.numel() + y.numel() + a.numel() + b.numel()) * 4 / 1e6
@@ -185,11 +194,14 @@ def main():
             H.write(rows, args.out, args.name)  # keep what a time limit cuts
         del x, y, a, b
         torch.cuda.empty_cache()
-    H.write(rows, args.out, args.name)
-    acc = [] if args.no_accuracy else accuracy()
+    if rows:
+        H.write(rows, args.out, args.name)
+    gpu = torch.cuda.is_available()
+    acc = [] if args.no_accuracy else accuracy(args.accuracy_n, device="cuda" if gpu else "cpu")
     if acc:
-        H.write(acc, args.out, "precision_h200")
-    print("\n| case | method | ms | floor ms | x floor | first call s | extra MB |")
+        H.write(acc, args.out, "precision_h200" if gpu else "precision_interpreter")
+    if rows:
+        print("\n| case | method | ms | floor ms | x floor | first call s | extra MB |")
     for r in rows:
         print(
             f"| {r['case']} | {r['method']} | {r['ms']:.2f} | {r['floor_ms']:.2f} | "
