@@ -25,7 +25,9 @@ def data(n, m, d, seed=0):
 
 
 @pytest.mark.parametrize("precision", sorted(TOLERANCES))
-@pytest.mark.parametrize("n,m,d", [(3000, 2500, 3), (2048, 3000, 64), (1000, 1100, 700)])
+@pytest.mark.parametrize(
+    "n,m,d", [(3000, 2500, 3), (2048, 3000, 64), (1000, 1100, 700), (500, 600, 4099)]
+)
 def test_converged_solve_matches_float64(precision, n, m, d):
     from flashot.costs import round_operands
 
