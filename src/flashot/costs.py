@@ -44,7 +44,10 @@ class AttentionForm:
         alpha: (n,) row offsets.
         beta: (m,) column offsets.
         row_features: maps new (r, d) row points to their (r, d') features, or None;
-            lets a plan extend its barycentric map to points outside the source cloud.
+            lets a plan extend its maps to points outside the row cloud.
+        col_features: the same for new column points (the rows of :attr:`T`).
+        cost_bound: a host bound on ``max C_ij`` (None if unknown); backends use it to
+            pick the near-uniform LSE at large ε (:mod:`flashot.backends.near`).
     """
 
     q: torch.Tensor
@@ -52,11 +55,16 @@ class AttentionForm:
     alpha: torch.Tensor
     beta: torch.Tensor
     row_features: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
+    col_features: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
+    cost_bound: float | None = field(default=None, compare=False)
 
     @property
     def T(self) -> AttentionForm:
-        """The transposed form, ``C^T``: rows and columns swap roles."""
-        return AttentionForm(self.k, self.q, self.beta, self.alpha, self.row_features)
+        """The transposed form, ``C^T``: rows and columns swap roles (with their feature maps)."""
+        return AttentionForm(
+            self.k, self.q, self.beta, self.alpha, self.col_features, self.row_features,
+            self.cost_bound,
+        )  # fmt: skip
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -75,6 +83,8 @@ class AttentionForm:
             self.alpha.detach(),
             self.beta.detach(),
             self.row_features,
+            self.col_features,
+            self.cost_bound,
         )
 
 
@@ -234,10 +244,17 @@ def attention_form(
     q, alpha = _centered(u, center, rounding, two_s, cost.scale)
     k, beta = _centered(v, center, rounding, 1.0, cost.scale)
 
-    def features(z: torch.Tensor) -> torch.Tensor:
+    def row_features(z: torch.Tensor) -> torch.Tensor:
         return two_s * round_operands(cost.embed(z.to(dtype)) - center, rounding)
 
-    return AttentionForm(q, k, alpha, beta, features)
+    def col_features(z: torch.Tensor) -> torch.Tensor:
+        return round_operands(cost.embed(z.to(dtype)) - center, rounding)
+
+    # C_ij = s|u_i − v_j|² ≤ (√α_i + √β_j)²: one wait for the device, here
+    with torch.no_grad():
+        tops = torch.stack([alpha.detach().max(), beta.detach().max()]).clamp_min(0)
+        bound = float(tops.sqrt().sum().double() ** 2)
+    return AttentionForm(q, k, alpha, beta, row_features, col_features, bound)
 
 
 def bounding_diameter(cost: Cost, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -22,10 +22,9 @@ import torch
 
 from flashot.autodiff.functions import dual_term, extrapolate, needs_grad, soft_c_transform
 from flashot.costs import attention_form
-from flashot.dual import bias
 from flashot.ot import ConvergenceWarning, resolve_schedule
 from flashot.problem import Problem, make_problem
-from flashot.solver import solve, solve_self
+from flashot.solver import describe_miss, solve, solve_self
 
 __all__ = ["DebiasedPotentials", "debiased_potentials", "sinkhorn_divergence"]
 
@@ -39,6 +38,7 @@ class DebiasedPotentials:
         p: (n,) symmetric potential of OT(a, a), or None without debiasing.
         q: (m,) symmetric potential of OT(b, b), or None without debiasing.
         converged: False if any problem missed ``tol`` (None when tol is None).
+        misses: the warning text of each problem that missed ``tol``.
     """
 
     f: torch.Tensor
@@ -46,6 +46,7 @@ class DebiasedPotentials:
     p: torch.Tensor | None
     q: torch.Tensor | None
     converged: bool | None
+    misses: tuple[str, ...] = ()
 
     def value(self, problem: Problem) -> torch.Tensor:
         """The (debiased) Sinkhorn cost, differentiable w.r.t. x, y, a, b."""
@@ -96,12 +97,12 @@ def debiased_potentials(
         f, g = out.final
     else:
         f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, (lam, lam), engine)
-    flags = [out.converged]
+    dtype = problem.form.q.dtype
+    outs = [("OT(a, b)", out)]
     p = q = None
     if debias:
         selves = []
-        dtype = problem.form.q.dtype
-        for cloud, log_w in ((problem.x, log_a), (problem.y, log_b)):
+        for cloud, log_w, name in ((problem.x, log_a, "OT(a, a)"), (problem.y, log_b, "OT(b, b)")):
             self_form = attention_form(problem.cost, cloud, cloud.detach(), dtype, engine.rounding)
             res = solve_self(
                 self_form.detach(),
@@ -112,12 +113,17 @@ def debiased_potentials(
                 engine,
                 **opts,
             )
-            flags.append(res.converged)
-            h = bias(res.f, self_form.beta.detach(), log_w, eps)
-            selves.append(soft_c_transform(self_form, h, eps, lam, engine))
+            outs.append((name, res))
+            h = res.f - self_form.beta.detach()
+            selves.append(soft_c_transform(self_form, h, log_w, eps, lam, engine))
         p, q = selves
-    converged = None if tol is None else all(flags)
-    return DebiasedPotentials(f, g, p, q, converged)
+    converged = None if tol is None else all(o.converged for _, o in outs)
+    misses = tuple(
+        f"{name}: " + describe_miss(o.cause or "max_iter", tol, o.error, o.floor, o.n_iter, dtype)
+        for name, o in outs
+        if o.converged is False
+    )
+    return DebiasedPotentials(f, g, p, q, converged, misses)
 
 
 def sinkhorn_divergence(
@@ -168,10 +174,7 @@ def sinkhorn_divergence(
     )
     if pots.converged is False:
         warnings.warn(
-            f"sinkhorn_divergence: a Sinkhorn problem did not reach tol={tol:g} in "
-            f"max_iter={max_iter} iterations; increase max_iter or eps",
-            ConvergenceWarning,
-            stacklevel=2,
+            "sinkhorn_divergence: " + "; ".join(pots.misses), ConvergenceWarning, stacklevel=2
         )
     value = pots.value(problem)
     if not bool(torch.isfinite(value)):

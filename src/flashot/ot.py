@@ -13,13 +13,13 @@ from flashot.autodiff.functions import extrapolate, needs_grad, relaxed_side
 from flashot.costs import bounding_diameter
 from flashot.problem import Problem, make_problem
 from flashot.result import SinkhornResult, TransportPlan
-from flashot.solver import EpsilonScaling, geomloss_schedule, solve
+from flashot.solver import EpsilonScaling, describe_miss, geomloss_schedule, solve
 
 __all__ = ["ConvergenceWarning", "resolve_schedule", "sinkhorn"]
 
 
 class ConvergenceWarning(UserWarning):
-    """Sinkhorn stopped at ``max_iter`` before reaching ``tol``."""
+    """Sinkhorn missed ``tol``; the message names the cause and what to try."""
 
 
 def resolve_schedule(eps_schedule, problem: Problem) -> list[float]:
@@ -189,18 +189,9 @@ def sinkhorn(
         )
     converged = None if tol is None else error <= tol
     if converged is False:
-        if out.stagnated:
-            why = (
-                f"the error stopped decreasing after {out.n_iter} iterations, at the precision "
-                f"floor of {problem.form.q.dtype}; use float64 inputs or a larger tol"
-            )
-        else:
-            why = f"max_iter={max_iter} iterations were not enough; increase max_iter or eps"
-        warnings.warn(
-            f"Sinkhorn did not reach tol={tol:g} (marginal error {error:.3e}): {why}",
-            ConvergenceWarning,
-            stacklevel=2,
-        )
+        why = describe_miss(out.cause or "max_iter", tol, error, out.floor, out.n_iter,
+                            problem.form.q.dtype)  # fmt: skip
+        warnings.warn(why, ConvergenceWarning, stacklevel=2)
     return SinkhornResult(f, g, value, out.n_iter, converged, eps, plan, error)
 
 
@@ -215,15 +206,17 @@ def _dual_value(problem: Problem, f, g, plan_mass) -> torch.Tensor:
     a, b, eps = problem.a, problem.b, problem.eps
     if problem.balanced:
         return (a * f).sum() + (b * g).sum()
+    rho_x, rho_y = problem.rho_x, problem.rho_y
     m_a, m_b = a.sum(), b.sum()
-    with torch.no_grad():
-        fd, gd = f.detach(), g.detach()
-        mass_f = m_a if problem.rho_x is None else (a * torch.exp(-fd / problem.rho_x)).sum()
-        mass_g = m_b if problem.rho_y is None else (b * torch.exp(-gd / problem.rho_y)).sum()
-        correction = eps * (mass_f + mass_g - plan_mass)
-    return (
-        relaxed_side(f, a, eps, problem.rho_x)
-        + relaxed_side(g, b, eps, problem.rho_y)
-        + eps * m_a * m_b
-        + correction.detach()
-    )
+    # carries the envelope derivatives; its value has ε-sized terms that cancel
+    grads = relaxed_side(f, a, eps, rho_x) + relaxed_side(g, b, eps, rho_y) + eps * m_a * m_b
+    with torch.no_grad():  # the value, with no ε-sized cancellation
+        value = _phi_sum(f, a, rho_x) + _phi_sum(g, b, rho_y) - eps * (plan_mass - m_a * m_b)
+    return value + (grads - grads.detach())
+
+
+def _phi_sum(pot, weights, rho):
+    """``Σ_i w_i φ(f_i)``, ``φ(t) = −ρ expm1(−t/ρ)`` (``t`` on a balanced side)."""
+    if rho is None:
+        return (weights * pot).sum()
+    return -rho * (weights * torch.expm1(-pot.detach() / rho)).sum()

@@ -22,7 +22,7 @@ import torch
 
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
-from flashot.dual import bias, marginal_error
+from flashot.dual import marginal_error
 
 __all__ = ["SinkhornResult", "TransportPlan"]
 
@@ -88,8 +88,8 @@ class TransportPlan:
     def _attend(self, v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Row masses r (n,) and the softmax averages of v (n, p)."""
         with torch.no_grad():
-            h = bias(self._g, self._form.beta, self._log_b, self._eps)
-            lse, out = self._backend.row_attend(self._form, h, self._eps, v)
+            h = self._g - self._form.beta
+            lse, out = self._backend.row_attend(self._form, h, self._eps, v, self._log_b)
             log_r = self._log_a + (self._f - self._form.alpha + lse) / self._eps
             return torch.exp(log_r), out
 
@@ -151,8 +151,10 @@ class TransportPlan:
         with torch.no_grad():
             qz = form.row_features(points.detach().to(self._x.dtype))
             form_z = AttentionForm(qz, form.k, torch.zeros_like(qz[:, 0]), form.beta)
-            h = bias(self._g, form.beta, self._log_b, self._eps)
-            return self._backend.row_attend(form_z, h, self._eps, y)[1].to(self._y.dtype)
+            h = self._g - form.beta
+            return self._backend.row_attend(form_z, h, self._eps, y, self._log_b)[1].to(
+                self._y.dtype
+            )
 
     def transport_cost(self) -> torch.Tensor:
         """``⟨P, C⟩ = Σ_i r_i (α_i + E_w[β] − ⟨q_i, E_w[k]⟩)``, one streaming pass."""

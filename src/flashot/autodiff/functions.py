@@ -24,7 +24,6 @@ import torch
 
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
-from flashot.dual import bias
 
 __all__ = [
     "SoftCTransform",
@@ -40,11 +39,12 @@ class SoftCTransform(torch.autograd.Function):
     """``f = λ (α − ε LSE_j[(q k^T + h)/ε])``, differentiable in q and α."""
 
     @staticmethod
-    def forward(ctx, q, alpha, k, h, eps, lam, backend):
+    def forward(ctx, q, alpha, k, h, log_w, eps, lam, backend, bound):
         """Forward: one streaming pass; also ``Σ_j w_ij k_j`` when q needs a gradient."""
-        form = AttentionForm(q.detach(), k.detach(), alpha.detach(), torch.zeros_like(h))
+        form = AttentionForm(q.detach(), k.detach(), alpha.detach(), torch.zeros_like(h),
+                             cost_bound=bound)  # fmt: skip
         need_q = ctx.needs_input_grad[0]
-        lse, wk = backend.row_attend(form, h.detach(), eps, form.k if need_q else None)
+        lse, wk = backend.row_attend(form, h.detach(), eps, form.k if need_q else None, log_w)
         ctx.save_for_backward(wk if need_q else None)
         ctx.lam = lam
         return lam * (alpha.detach() - lse)
@@ -57,17 +57,23 @@ class SoftCTransform(torch.autograd.Function):
         lam = ctx.lam
         grad_q = None if wk is None else (-lam) * grad_f[:, None] * wk
         grad_alpha = lam * grad_f if ctx.needs_input_grad[1] else None
-        return grad_q, grad_alpha, None, None, None, None, None
+        return grad_q, grad_alpha, None, None, None, None, None, None, None
 
 
 def soft_c_transform(
-    form: AttentionForm, h: torch.Tensor, eps: float, lam: float, backend: Backend
+    form: AttentionForm,
+    h: torch.Tensor,
+    log_w: torch.Tensor,
+    eps: float,
+    lam: float,
+    backend: Backend,
 ) -> torch.Tensor:
     """Differentiable soft c-transform of the rows of ``form`` (see module docstring).
 
     Args:
         form: attention form; gradients flow to ``form.q`` and ``form.alpha`` only.
-        h: (m,) column bias ``g − β + ε log b`` (treated as a constant).
+        h: (m,) column bias ``g − β`` (treated as a constant).
+        log_w: (m,) log column weights ``log b``.
         eps: ε > 0.
         lam: unbalanced damping λ ∈ (0, 1] (1 when balanced).
         backend: the streaming primitives.
@@ -75,7 +81,9 @@ def soft_c_transform(
     Returns:
         (n,) potential.
     """
-    return SoftCTransform.apply(form.q, form.alpha, form.k, h, eps, lam, backend)
+    return SoftCTransform.apply(
+        form.q, form.alpha, form.k, h, log_w, eps, lam, backend, form.cost_bound
+    )
 
 
 def needs_grad(form: AttentionForm) -> bool:
@@ -108,8 +116,8 @@ def extrapolate(
     """
     if not needs_grad(form):
         return backend.extrapolate(form.detach(), f, g, log_a, log_b, eps, lam)
-    f_new = soft_c_transform(form, bias(g, form.beta.detach(), log_b, eps), eps, lam[0], backend)
-    g_new = soft_c_transform(form.T, bias(f, form.alpha.detach(), log_a, eps), eps, lam[1], backend)
+    f_new = soft_c_transform(form, g - form.beta.detach(), log_b, eps, lam[0], backend)
+    g_new = soft_c_transform(form.T, f - form.alpha.detach(), log_a, eps, lam[1], backend)
     return f_new, g_new
 
 
@@ -137,7 +145,8 @@ def relaxed_side(
     """
     if rho is None:
         return (weights * (pot - eps)).sum()
-    return (weights * (rho - (rho + eps) * torch.exp(-pot / rho))).sum()
+    # ρ − (ρ + ε) e^{−f/ρ} = −(ρ + ε) expm1(−f/ρ) − ε: no cancellation as ρ → ∞
+    return -(rho + eps) * (weights * torch.expm1(-pot / rho)).sum() - eps * weights.sum()
 
 
 def dual_term(
@@ -161,6 +170,7 @@ def dual_term(
     """
     if rho is None:
         return (weights * pot).sum()
-    with torch.no_grad():
-        restore = 0.5 * eps * (weights * torch.exp(-pot / rho)).sum()
-    return relaxed_side(pot, weights, eps, rho) + 0.5 * eps * weights.sum() + restore
+    # value −(ρ + ε/2) ⟨w, expm1(−f/ρ)⟩; the last term adds ∂/∂w = −ε/2 and is exactly 0
+    shrink = (weights * torch.expm1(-pot / rho)).sum()
+    mass = weights.sum()
+    return -(rho + eps) * shrink + 0.5 * eps * shrink.detach() - 0.5 * eps * (mass - mass.detach())

@@ -10,9 +10,9 @@ of an :class:`~flashot.costs.AttentionForm` without ever storing it. Two
 primitives cover the whole library; everything else (column updates, plan
 products, marginals, transport cost, gradients) is built on them in Python:
 
-* ``row_attend(form, h, eps, v)``: the row log-sum-exp
-  :math:`\ell_i = \varepsilon \log \sum_j e^{S_{ij}}` and, when ``v`` is given,
-  the softmax average :math:`o_i = \sum_j \mathrm{softmax}_j(S_{i\cdot})\, v_j`.
+* ``row_attend(form, h, eps, v, log_w)``: the row log-sum-exp
+  :math:`\ell_i = \varepsilon \log \sum_j w_j e^{S_{ij}}` and, when ``v`` is given,
+  the softmax average :math:`o_i = \sum_j \mathrm{softmax}_j(S_{i\cdot} + \log w)\, v_j`.
 * ``symmetric_lse(form, h_col, h_row, eps)``: the row LSE with column bias
   ``h_col`` and the column LSE (``form.T``) with row bias ``h_row``, the two
   halves of one Jacobi Sinkhorn step; a backend may fuse them.
@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from flashot.costs import AttentionForm
-from flashot.dual import bias, marginal_error, row_mass
+from flashot.backends.near import is_near_uniform, near_attend
+from flashot.dual import marginal_error, row_mass
 
 __all__ = ["PRECISIONS", "Backend"]
 
@@ -72,30 +73,45 @@ class Backend:
         h: torch.Tensor,
         eps: float,
         v: torch.Tensor | None = None,
+        log_w: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         r"""Row log-sum-exp and softmax average of the biased scores.
 
         .. math::
 
-            \ell_i = \varepsilon \log \sum_j
+            \ell_i = \varepsilon \log \sum_j w_j
                 \exp\Big(\frac{\langle q_i, k_j\rangle + h_j}{\varepsilon}\Big),
             \qquad
-            o_i = \sum_j \exp\Big(\frac{\langle q_i, k_j\rangle + h_j - \ell_i}
+            o_i = \sum_j w_j \exp\Big(\frac{\langle q_i, k_j\rangle + h_j - \ell_i}
                 {\varepsilon}\Big)\, v_j .
+
+        At large ε (:func:`~flashot.backends.near.is_near_uniform`) every backend takes
+        the near-uniform evaluation of :mod:`flashot.backends.near`, which keeps the
+        weights apart from the bias; otherwise the backend's :meth:`_row_attend` streams
+        the bias ``h + ε log w``.
 
         Args:
             form: attention form with q (n, d'), k (m, d').
-            h: (m,) column bias, may hold ``-inf``.
+            h: (m,) column bias (``g − β`` for a potential g), may hold ``-inf``.
             eps: temperature ε > 0.
             v: optional (m, p) values.
+            log_w: optional (m,) log weights (``-inf`` for zero weights); None: w = 1.
 
         Returns:
             ``(lse, out)``: lse (n,) and out (n, p), or None when ``v`` is None.
         """
+        if is_near_uniform(form, eps):
+            return near_attend(form, h, eps, v, log_w)
+        return self._row_attend(form, h if log_w is None else h + eps * log_w, eps, v)
+
+    def _row_attend(
+        self, form: AttentionForm, h: torch.Tensor, eps: float, v: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`row_attend` with the weights folded into ``h`` (the backend's streaming pass)."""
         raise NotImplementedError
 
     def symmetric_lse(
-        self, form: AttentionForm, h_col: torch.Tensor, h_row: torch.Tensor, eps: float
+        self, form: AttentionForm, h_col, h_row, eps: float, log_w_col=None, log_w_row=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Jacobi step: ``row_attend(form, h_col)`` and ``row_attend(form.T, h_row)``.
 
@@ -104,24 +120,26 @@ class Backend:
             h_col: (m,) column bias for the row reduction.
             h_row: (n,) row bias for the column reduction.
             eps: temperature ε > 0.
+            log_w_col: optional (m,) and log_w_row: optional (n,) log weights.
 
         Returns:
             ``(lse_rows (n,), lse_cols (m,))``.
         """
-        return self.row_attend(form, h_col, eps)[0], self.row_attend(form.T, h_row, eps)[0]
+        return (
+            self.row_attend(form, h_col, eps, log_w=log_w_col)[0],
+            self.row_attend(form.T, h_row, eps, log_w=log_w_row)[0],
+        )
 
     def potential_lse(
         self, form: AttentionForm, f, g, log_a, log_b, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`symmetric_lse` with the biases of potentials, ``h = g − β + ε log b``.
+        """:meth:`symmetric_lse` with the biases of potentials, ``h = g − β``, weights b.
 
         Args:
             form: attention form.  f: (n,), g: (m,) potentials.
             log_a: (n,), log_b: (m,) log weights.  eps: ε.
         """
-        return self.symmetric_lse(
-            form, bias(g, form.beta, log_b, eps), bias(f, form.alpha, log_a, eps), eps
-        )
+        return self.symmetric_lse(form, g - form.beta, f - form.alpha, eps, log_b, log_a)
 
     def jacobi_step(
         self,

@@ -53,8 +53,8 @@ class TorchBackend(Backend):
             raise ValueError(f"budget must be a positive number of elements, got {budget}")
         self.budget = int(budget)
 
-    def row_attend(self, form, h, eps, v=None):
-        """See :meth:`flashot.backends.base.Backend.row_attend`."""
+    def _row_attend(self, form, h, eps, v=None):
+        """See :meth:`flashot.backends.base.Backend._row_attend`."""
         q, k = form.q, form.k
         n, m = q.shape[0], k.shape[0]
         inv_eps = 1.0 / eps

@@ -22,6 +22,7 @@ import triton
 
 from flashot.backends import on_device, triton_interpreted
 from flashot.backends.base import Backend
+from flashot.backends.near import is_near_uniform
 from flashot.backends.triton import _configs
 from flashot.backends.triton._kernels import (
     _attend_kernel,
@@ -308,8 +309,8 @@ class TritonBackend(Backend):
         return lse, (out if has_v else None)
 
     # ---- primitives ----------------------------------------------------------------
-    def row_attend(self, form, h, eps, v=None):
-        """See :meth:`flashot.backends.base.Backend.row_attend`."""
+    def _row_attend(self, form, h, eps, v=None):
+        """See :meth:`flashot.backends.base.Backend._row_attend`."""
         return self._attend(form.q, form.k, eps, (h.to(torch.float32).contiguous(),), v)
 
     def plan_sums(self, form, f, g, log_a, log_b, eps, gate=None, limit=GATE_LIMIT, span=False,
@@ -495,15 +496,21 @@ class TritonBackend(Backend):
         every row takes the exact path. Either way the update and the marginal error are
         one more small launch, and nothing waits for the host.
         """
+        if is_near_uniform(form, eps):  # ε above the cost's range: the exact near path
+            return super().jacobi_step(form, f, g, log_a, log_b, eps, lam, rho, check=check)
         return self._step(form, f, g, log_a, log_b, eps, (0.5, 0.5), (0.5 * lam[0], 0.5 * lam[1]),
                           rho=rho, check=check, state=state)  # fmt: skip
 
     def extrapolate(self, form, f, g, log_a, log_b, eps, lam):
         """See :meth:`flashot.backends.base.Backend.extrapolate` (fused where valid)."""
+        if is_near_uniform(form, eps):
+            return super().extrapolate(form, f, g, log_a, log_b, eps, lam)
         return self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), lam)[:2]
 
     def marginals(self, form, f, g, log_a, log_b, eps):
         """See :meth:`flashot.backends.base.Backend.marginals` (fused where valid)."""
+        if is_near_uniform(form, eps):
+            return super().marginals(form, f, g, log_a, log_b, eps)
         ln_r, ln_c, _ = self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), (0.0, 0.0),
                                    log_sums=True)  # fmt: skip
         return torch.exp(log_a + ln_r), torch.exp(log_b + ln_c)

@@ -1,0 +1,123 @@
+r"""The row LSE at large ε, where every score of a row is within a few nats of the others.
+
+For ε above the cost's range the soft c-transform is nearly a weighted mean,
+
+.. math::
+
+    \varepsilon \log \sum_j w_j e^{t_{ij}/\varepsilon}
+        = \varepsilon \log W + \bar t_i + O(\mathrm{spread}^2/\varepsilon),
+    \qquad t_{ij} = \langle q_i, k_j\rangle + h_j,
+
+and the usual evaluation (weights folded into the bias as ``h + ε log w``, then a sum
+of exponentials near W) loses it: ``ε log w`` swallows ``h``, and ``ε log(sum)`` turns
+the sum's rounding into an error of ``ε·ulp``. At ε = 10⁸ and unit data that error is
+larger than the answer. Here the weights stay separate and normalized, ``π = w/W``,
+and each row keeps two sums after the usual max shift ``M``,
+
+.. math::
+
+    s_i = \sum_j \pi_j e^{S_{ij} - M_i}, \qquad
+    E_i = \sum_j \pi_j \operatorname{expm1}(S_{ij} - M_i) = s_i - 1,
+
+whose terms all have one sign, so ``E`` keeps its relative accuracy when ``s ≈ 1``.
+The LSE is ``ε (M + log1p(E))`` when ``s ≥ ½`` and ``ε (M + log s)`` otherwise, plus
+``ε log W``: the error is a few ulps of ``max |t|``, whatever ε. A total weight within
+rounding of 1 (:func:`log_mass`) is taken as exactly 1, since balanced problems give
+probability vectors whose float sum is only approximately 1.
+
+This path costs two transcendentals per element; backends take it only when
+``ε ≥ cost_bound`` (:func:`is_near_uniform`), where the usual path's ``ε·ulp`` error
+would exceed a few ulps of the cost's range.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["is_near_uniform", "log_mass", "near_attend"]
+
+#: the near-uniform path runs when ε ≥ NEAR_FROM × (bound on the cost)
+NEAR_FROM = 1.0
+
+
+def is_near_uniform(form, eps: float) -> bool:
+    """Whether the row LSEs of ``form`` at ``eps`` take :func:`near_attend`."""
+    bound = getattr(form, "cost_bound", None)
+    return bound is not None and eps >= NEAR_FROM * bound
+
+
+def log_mass(log_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log π, log W)``: normalized log weights and the log of the total, on the device.
+
+    ``W`` is summed in float64 and taken as exactly 1 when it is within the rounding of
+    a normalized vector of this size and dtype, ``4 (log2 m + 2)`` ulps.
+    """
+    m = log_w.shape[0]
+    top = log_w.max()
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = torch.exp((log_w - top).double()).sum() * torch.exp(top.double())
+    slack = 4.0 * (math.log2(max(m, 1)) + 2.0) * torch.finfo(log_w.dtype).eps
+    log_total = torch.where((total - 1.0).abs() <= slack, 0.0, torch.log(total))
+    return (log_w.double() - torch.log(total)).to(log_w.dtype), log_total
+
+
+def near_attend(form, h, eps, v=None, log_w=None, budget: int = 1 << 20):
+    """:meth:`~flashot.backends.base.Backend.row_attend`, accurate for any ε (see module).
+
+    Args:
+        form: attention form, q (n, d'), k (m, d').
+        h: (m,) column bias without weights (may hold ``-inf``).
+        eps: ε > 0.
+        v: optional (m, p) values.
+        log_w: (m,) log weights, None for unit weights.
+        budget: largest score tile, in elements.
+
+    Returns:
+        ``(lse (n,), out (n, p) or None)``.
+    """
+    q, k = form.q, form.k
+    n, m = q.shape[0], k.shape[0]
+    dtype, dev = q.dtype, q.device
+    if log_w is None:
+        log_pi = torch.full((m,), -math.log(m), dtype=dtype, device=dev)
+        log_total = torch.tensor(math.log(m), dtype=torch.float64, device=dev)
+    else:
+        log_pi, log_total = log_mass(log_w)
+    pi = torch.exp(log_pi)
+    block_n = min(m, 8192)
+    block_m = max(1, min(n, budget // block_n))
+    lse = torch.empty(n, dtype=dtype, device=dev)
+    out = None if v is None else torch.empty(n, v.shape[1], dtype=dtype, device=dev)
+    for i0 in range(0, n, block_m):
+        i1 = min(n, i0 + block_m)
+        top = torch.full((i1 - i0,), -math.inf, dtype=dtype, device=dev)
+        s = torch.zeros(i1 - i0, dtype=dtype, device=dev)
+        e = torch.zeros_like(s)
+        seen = torch.zeros_like(s)  # Σ π over the columns streamed so far
+        acc = None if v is None else torch.zeros(i1 - i0, v.shape[1], dtype=dtype, device=dev)
+        for j0 in range(0, m, block_n):
+            j1 = min(m, j0 + block_n)
+            t = torch.addmm(h[j0:j1], q[i0:i1], k[j0:j1].T, beta=1.0 / eps, alpha=1.0 / eps)
+            t = t.masked_fill(pi[j0:j1] == 0, -math.inf)
+            new_top = torch.maximum(top, t.amax(1))
+            shift = torch.where(torch.isfinite(new_top), new_top, torch.zeros_like(new_top))
+            delta = torch.where(torch.isfinite(top), top - shift, torch.full_like(top, -math.inf))
+            decay = torch.exp(delta)
+            z = t - shift[:, None]
+            w = pi[j0:j1]
+            ez = torch.exp(z)
+            # all terms ≤ 0: e keeps its relative accuracy through every rescale
+            e = e * decay + seen * torch.expm1(delta) + torch.expm1(z) @ w
+            s = s * decay + ez @ w
+            seen = seen + w.sum()
+            if v is not None:
+                acc = acc * decay[:, None] + (ez * w) @ v[j0:j1]
+            top = shift
+        near = s >= 0.5
+        log_sum = torch.where(near, torch.log1p(e), torch.log(torch.where(near, 1.0, s)))
+        lse[i0:i1] = eps * top + eps * log_sum + (eps * log_total).to(dtype)
+        if v is not None:
+            out[i0:i1] = acc / s[:, None]
+    return lse, out
