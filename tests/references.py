@@ -29,15 +29,17 @@ def softmin(C, h, eps):
     return -eps * torch.logsumexp(h[None, :] - C / eps, dim=1)
 
 
-def sinkhorn_dense(C, a, b, eps, rho=(None, None), tol=1e-13, max_iter=100_000):
+def sinkhorn_dense(C, a, b, eps, rho=(None, None), tol=1e-13, max_iter=100_000, init_g=None):
     """Alternating log-domain Sinkhorn on the full matrix, to convergence.
 
-    Returns (f, g) with P = a b exp((f + g - C)/eps); g is the last update.
+    Returns (f, g) with P = a b exp((f + g - C)/eps); g is the last update. ``init_g``
+    only shortens the run: the fixed point does not depend on it.
     """
     C, a, b = C.to(F64), a.to(F64), b.to(F64)
     la, lb = a.log(), b.log()
     lam = [1.0 if r is None else r / (r + eps) for r in rho]
-    f, g = torch.zeros_like(a), torch.zeros_like(b)
+    f = torch.zeros_like(a)
+    g = torch.zeros_like(b) if init_g is None else init_g.detach().to(F64)
     for _ in range(max_iter):
         f = lam[0] * softmin(C, lb + g / eps, eps)
         g = lam[1] * softmin(C.T, la + f / eps, eps)
@@ -70,10 +72,10 @@ def primal(C, a, b, P, eps, rho=(None, None)):
     return val
 
 
-def entropic_ot(x, y, a, b, eps, cost="sqeuclidean", rho=(None, None)):
+def entropic_ot(x, y, a, b, eps, cost="sqeuclidean", rho=(None, None), init_g=None, max_iter=100_000):
     """OT_eps by the dense reference, as the primal value of the converged plan."""
     C = dense_cost(x, y, cost)
-    f, g = sinkhorn_dense(C, a, b, eps, rho)
+    f, g = sinkhorn_dense(C, a, b, eps, rho, init_g=init_g, max_iter=max_iter)
     return primal(C, a.to(F64), b.to(F64), plan_dense(C, a.to(F64), b.to(F64), f, g, eps), eps, rho)
 
 

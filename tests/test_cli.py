@@ -1,10 +1,11 @@
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 
-from flashot.cli import load_array, main
+from flashot.cli import EXIT_NOT_CONVERGED, CliError, load_array, main
 
 
 @pytest.fixture
@@ -58,18 +59,100 @@ def test_solve_human_summary(files, capsys):
     assert "OT_eps" in capsys.readouterr().out
 
 
+def run(argv, capsys):
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 @pytest.mark.parametrize(
     "argv,match",
     [
         (["solve", "missing.npy", "missing.npy"], "no such file"),
         (["solve", "{d}/x.npy", "{d}/y.csv", "--eps", "-1"], "eps must be"),
-        (["solve", "{d}/both.npz", "{d}/y.csv"], "--key"),
+        (["solve", "{d}/both.npz", "{d}/y.csv"], "--x-key"),
+        (["solve", "{d}/both.npz", "{d}/y.csv", "--x-key", "z"], "no array 'z'"),
+        (["solve", "{d}/empty.npy", "{d}/y.csv"], "cannot read"),
+        (["solve", "{d}/corrupt.npz", "{d}/y.csv"], "cannot read"),
+        (["solve", "{d}/corrupt.pt", "{d}/y.csv"], "cannot read"),
+        (["solve", "{d}/complex.npy", "{d}/y.csv"], "complex"),
+        (["solve", "{d}/x.npy", "{d}/y.csv", "--scaling", "0"], "scaling must be"),
+        (["solve", "{d}/x.npy", "{d}/y.csv", "--device", "cuda:7"], "CUDA|cuda"),
+        (["solve", "{d}/both.npz", "{d}/y.csv", "--x-key", "x", "--save", "{d}/both.npz"],
+         "overwrite an input"),
+        (["solve", "{d}/x.npy", "{d}/y.csv", "--save", "{d}/nodir/out.npz"], "no directory"),
+        (["solve", "{d}/x.npy", "{d}/y.csv", "--save", "{d}/both.npz"], "exists; pass --force"),
+        (["solve", "{d}/x.npy", "{d}/y.csv", "--eps", "1e-300", "--dtype", "float64"], "outside"),
     ],
 )
-def test_solve_errors_are_one_line(files, argv, match):
+def test_user_mistakes_are_one_line_and_exit_1(files, capsys, argv, match):
     d, _, _ = files
-    with pytest.raises(SystemExit, match=match):
-        main([a.format(d=d) for a in argv])
+    (d / "empty.npy").write_bytes(b"")
+    (d / "corrupt.npz").write_bytes(b"PK\x03\x04 not a zip")
+    (d / "corrupt.pt").write_bytes(b"garbage")
+    np.save(d / "complex.npy", np.ones((4, 2)) * (1 + 2j))
+    code, out, err = run([a.format(d=d) for a in argv], capsys)
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith("flashot: ")
+    assert re.search(match, err)
+
+
+def test_csv_with_bom_header_and_missing_cells(tmp_path):
+    rows = np.arange(120.0).reshape(40, 3)
+    body = "\n".join(",".join(f"{v:g}" for v in r) for r in rows)
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(("\ufeff" + body + "\n").encode("utf-8"))
+    assert load_array(str(bom)).shape == (40, 3)  # was 39: the BOM row taken as a header
+    head = tmp_path / "head.csv"
+    head.write_text("a,b,c\n" + body)
+    assert np.array_equal(load_array(str(head)), rows)
+    with pytest.raises(CliError, match="not numeric"):
+        load_array(str(head), header="no")
+    assert load_array(str(bom), header="yes").shape == (39, 3)  # asked for explicitly
+    hole = tmp_path / "hole.csv"
+    hole.write_text("1,,3\n4,5,6\n")
+    with pytest.raises(CliError, match="row 1, column 2 is empty"):
+        load_array(str(hole))
+    ragged = tmp_path / "ragged.csv"
+    ragged.write_text("1,2,3\n4,5\n")
+    with pytest.raises(CliError, match="row 2 has 2 columns"):
+        load_array(str(ragged))
+
+
+def test_save_adds_the_suffix_it_reports_and_force_overwrites(files, capsys):
+    d, _, _ = files
+    base = ["solve", str(d / "x.npy"), str(d / "y.csv"), "--eps", "0.5", "--json"]
+    code, out, _ = run([*base, "--save", str(d / "res.npy")], capsys)
+    assert code == 0 and json.loads(out)["saved"] == str(d / "res.npy.npz")
+    assert (d / "res.npy.npz").is_file()
+    code, _, err = run([*base, "--save", str(d / "res.npy.npz")], capsys)
+    assert code == 1 and "exists" in err
+    code, _, _ = run([*base, "--save", str(d / "res.npy.npz"), "--force"], capsys)
+    assert code == 0
+
+
+def test_not_converged_has_its_own_exit_code(files, capsys):
+    d, _, _ = files
+    argv = ["solve", str(d / "x.npy"), str(d / "y.csv"), "--eps", "0.01", "--max-iter", "20",
+            "--tol", "1e-9", "--schedule", "none", "--quiet"]  # fmt: skip
+    code, out, err = run(argv, capsys)
+    assert code == EXIT_NOT_CONVERGED == 3
+    assert "NOT converged" in out and "not converged" in err
+
+
+def test_demo_without_matplotlib_is_one_line(monkeypatch, capsys):
+    import builtins
+
+    real = builtins.__import__
+
+    def fake(name, *args, **kw):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("no matplotlib")
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    code, _, err = run(["demo", "--out", "x.png"], capsys)
+    assert code == 1 and "needs matplotlib" in err
 
 
 def test_info(capsys):

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -16,91 +18,194 @@ import torch
 
 import flashot
 
-__all__ = ["load_array", "main"]
+__all__ = ["EXIT_ERROR", "EXIT_NOT_CONVERGED", "CliError", "load_array", "main"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def load_array(path: str, key: str | None = None) -> np.ndarray:
-    """Read a 1-D or 2-D array from .npy, .npz, .pt/.pth or .csv.
+#: exit codes: 0 solved and converged, 1 a user mistake (one-line message), 2 bad
+#: arguments (argparse), 3 solved but not converged
+EXIT_ERROR, EXIT_NOT_CONVERGED = 1, 3
+
+
+class CliError(Exception):
+    """A user mistake: printed as one line, exit code :data:`EXIT_ERROR`."""
+
+
+def _read_csv(p: Path, header: str) -> np.ndarray:
+    """Numbers of a comma-separated file; ``header`` is "auto", "yes" or "no".
+
+    A UTF-8 byte-order mark is skipped. With "auto" only a first line holding a
+    non-numeric cell is a header; a row that does not parse is an error naming it.
+    """
+    try:
+        text = p.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise CliError(f"{p}: not a UTF-8 text file ({err.reason})") from err
+    lines = [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
+    if not lines:
+        raise CliError(f"{p}: no data rows")
+
+    def parse(number: int, line: str) -> list[float] | None:
+        out = []
+        for col, cell in enumerate(line.split(","), start=1):
+            cell = cell.strip()
+            if not cell:
+                raise CliError(f"{p}: row {number}, column {col} is empty")
+            try:
+                out.append(float(cell))
+            except ValueError:
+                return None
+        return out
+
+    first = parse(*lines[0])
+    if header == "yes" or (header == "auto" and first is None):
+        lines = lines[1:]
+    elif first is None:
+        raise CliError(f"{p}: row {lines[0][0]} is not numeric (a header? pass --header yes)")
+    rows = []
+    for number, line in lines:
+        row = parse(number, line)
+        if row is None:
+            raise CliError(f"{p}: row {number} holds a non-numeric cell: {line.strip()[:60]!r}")
+        if rows and len(row) != len(rows[0]):
+            raise CliError(f"{p}: row {number} has {len(row)} columns, the first {len(rows[0])}")
+        rows.append(row)
+    if not rows:
+        raise CliError(f"{p}: no data rows after the header")
+    return np.asarray(rows, dtype=np.float64)
+
+
+def load_array(path: str, key: str | None = None, header: str = "auto") -> np.ndarray:
+    """Read a 1-D or 2-D real array from .npy, .npz, .pt/.pth or .csv/.txt.
 
     Args:
         path: the file.
         key: the array's name inside an .npz with several arrays (or a dict in a .pt file).
+        header: for text files, "auto" (a non-numeric first line is a header), "yes", "no".
+
+    Raises:
+        CliError: with a one-line message, for anything wrong with the file.
     """
     p = Path(path)
     if not p.is_file():
-        raise SystemExit(f"flashot: no such file: {path}")
+        raise CliError(f"no such file: {path}")
     suffix = p.suffix.lower()
-    if suffix == ".npy":
-        arr = np.load(p, allow_pickle=False)
-    elif suffix == ".npz":
-        with np.load(p, allow_pickle=False) as data:
-            names = list(data.keys())
-            if key is None and len(names) != 1:
-                raise SystemExit(f"flashot: {path} holds arrays {names}; choose one with --key")
-            arr = data[key or names[0]]
-    elif suffix in (".pt", ".pth"):
-        obj = torch.load(p, map_location="cpu", weights_only=True)
-        if isinstance(obj, dict):
-            if key is None and len(obj) != 1:
-                raise SystemExit(f"flashot: {path} holds {sorted(obj)}; choose one with --key")
-            obj = obj[key or next(iter(obj))]
-        if not isinstance(obj, torch.Tensor):
-            raise SystemExit(f"flashot: {path} does not hold a tensor")
-        arr = obj.detach().cpu().numpy()
-    elif suffix in (".csv", ".txt"):
-        try:
-            arr = np.loadtxt(p, delimiter=",", ndmin=2)
-        except ValueError:  # a header line
-            arr = np.loadtxt(p, delimiter=",", ndmin=2, skiprows=1)
-    else:
-        raise SystemExit(f"flashot: unsupported file type {suffix!r} (use .npy, .npz, .pt, .csv)")
-    if not np.issubdtype(arr.dtype, np.number):
-        raise SystemExit(f"flashot: {path} is not numeric")
+    try:
+        if suffix == ".npy":
+            arr = np.load(p, allow_pickle=False)
+        elif suffix == ".npz":
+            with np.load(p, allow_pickle=False) as data:
+                names = list(data.keys())
+                if key is None and len(names) != 1:
+                    raise CliError(f"{path} holds arrays {names}; choose one with --x-key/--y-key")
+                if key is not None and key not in names:
+                    raise CliError(f"{path} has no array {key!r} (it holds {names})")
+                arr = data[key or names[0]]
+        elif suffix in (".pt", ".pth"):
+            obj = torch.load(p, map_location="cpu", weights_only=True)
+            if isinstance(obj, dict):
+                if key is None and len(obj) != 1:
+                    raise CliError(f"{path} holds {sorted(obj)}; choose one with --x-key/--y-key")
+                if key is not None and key not in obj:
+                    raise CliError(f"{path} has no entry {key!r} (it holds {sorted(obj)})")
+                obj = obj[key or next(iter(obj))]
+            if not isinstance(obj, torch.Tensor):
+                raise CliError(f"{path} does not hold a tensor")
+            arr = obj.detach().cpu().numpy()
+        elif suffix in (".csv", ".txt"):
+            arr = _read_csv(p, header)
+        else:
+            raise CliError(f"unsupported file type {suffix!r} (use .npy, .npz, .pt, .csv)")
+    except CliError:
+        raise
+    except Exception as err:  # numpy/torch/zip errors on empty or corrupt files
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise CliError(f"cannot read {path}: {type(err).__name__}: {first}") from err
+    if np.iscomplexobj(arr):
+        raise CliError(f"{path} holds complex numbers; flashot needs real points")
+    if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+        raise CliError(f"{path} is not numeric (dtype {arr.dtype})")
+    if arr.ndim not in (1, 2) or arr.size == 0:
+        raise CliError(f"{path} must hold a non-empty 1-D or 2-D array, got shape {arr.shape}")
     return arr
 
 
-def _cloud(path, key, dtype, device) -> torch.Tensor:
-    arr = load_array(path, key)
+def _cloud(path, key, header, dtype, device) -> torch.Tensor:
+    arr = load_array(path, key, header)
     if arr.ndim == 1:
         arr = arr[:, None]
     return torch.from_numpy(np.ascontiguousarray(arr)).to(device=device, dtype=dtype)
 
 
-def _weights(path, dtype, device) -> torch.Tensor | None:
+def _weights(path, header, dtype, device) -> torch.Tensor | None:
     if path is None:
         return None
-    return torch.from_numpy(np.ascontiguousarray(load_array(path).reshape(-1))).to(device, dtype)
+    arr = load_array(path, None, header)
+    return torch.from_numpy(np.ascontiguousarray(arr.reshape(-1))).to(device, dtype)
+
+
+def _save_target(args) -> Path | None:
+    """The path --save will write (``.npz`` added when missing), checked before solving."""
+    if not args.save:
+        return None
+    out = Path(args.save)
+    if out.suffix.lower() != ".npz":
+        out = out.with_name(out.name + ".npz")
+    inputs = [Path(p).resolve() for p in (args.x, args.y, args.a, args.b) if p]
+    if out.resolve() in inputs:
+        raise CliError(f"--save {out} would overwrite an input file")
+    if out.exists() and not args.force:
+        raise CliError(f"{out} exists; pass --force to overwrite it")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise CliError(f"cannot save to {out}: no directory {parent}")
+    if not os.access(parent, os.W_OK):
+        raise CliError(f"cannot save to {out}: directory {parent} is not writable")
+    return out
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise CliError(f"--device {name!r}: {err}") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {name}: CUDA is not available on this machine")
+    return device
 
 
 def _solve(args) -> int:
-    device = torch.device(args.device)
+    device = _device(args.device)
     dtype = DTYPES[args.dtype]
-    x = _cloud(args.x, args.key, dtype, device)
-    y = _cloud(args.y, args.key, dtype, device)
-    a, b = _weights(args.a, dtype, device), _weights(args.b, dtype, device)
+    out = _save_target(args)
+    x = _cloud(args.x, args.x_key or args.key, args.header, dtype, device)
+    y = _cloud(args.y, args.y_key or args.key, args.header, dtype, device)
+    a, b = _weights(args.a, args.header, dtype, device), _weights(args.b, args.header, dtype, device)
     rho = None if args.rho is None else args.rho
-    schedule = None if args.schedule == "none" else flashot.EpsilonScaling(args.scaling)
     try:
-        res = flashot.sinkhorn(
-            x,
-            y,
-            a,
-            b,
-            eps=args.eps,
-            cost=args.cost,
-            rho=rho,
-            max_iter=args.max_iter,
-            tol=args.tol,
-            update=args.update,
-            eps_schedule=schedule,
-            backend=args.backend,
-            precision=args.precision,
-            progress=not args.json and not args.quiet,
-        )
-    except (ValueError, TypeError) as err:
-        raise SystemExit(f"flashot: {err}") from err
+        schedule = None if args.schedule == "none" else flashot.EpsilonScaling(args.scaling)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", flashot.ConvergenceWarning)  # reported below
+            res = flashot.sinkhorn(
+                x,
+                y,
+                a,
+                b,
+                eps=args.eps,
+                cost=args.cost,
+                rho=rho,
+                max_iter=args.max_iter,
+                tol=args.tol,
+                update=args.update,
+                eps_schedule=schedule,
+                backend=args.backend,
+                precision=args.precision,
+                progress=not args.json and not args.quiet,
+            )
+        transport_cost = res.transport_cost.item()
+    except (ValueError, TypeError, FloatingPointError) as err:
+        raise CliError(" ".join(str(err).split())) from err
     summary = dict(
         n=x.shape[0],
         m=y.shape[0],
@@ -109,7 +214,7 @@ def _solve(args) -> int:
         eps=args.eps,
         rho=rho,
         ot_cost=res.cost.item(),
-        transport_cost=res.transport_cost.item(),
+        transport_cost=transport_cost,
         n_iter=res.n_iter,
         marginal_error=res.marginal_error,
         converged=res.converged,
@@ -117,14 +222,14 @@ def _solve(args) -> int:
         device=str(device),
         dtype=args.dtype,
     )
-    if args.save:
+    if out is not None:
         np.savez(
-            args.save,
-            f=res.f.cpu().numpy(),
-            g=res.g.cpu().numpy(),
+            out,
+            f=res.f.detach().cpu().numpy(),
+            g=res.g.detach().cpu().numpy(),
             barycentric_map=res.plan.barycentric_map().cpu().numpy(),
         )
-        summary["saved"] = args.save
+        summary["saved"] = str(out)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -132,10 +237,14 @@ def _solve(args) -> int:
         print(f"  cost {args.cost}, eps {args.eps:g}" + ("" if rho is None else f", rho {rho:g}"))
         print(f"  OT_eps          {summary['ot_cost']:.8g}")
         print(f"  <P, C>          {summary['transport_cost']:.8g}")
-        state = "converged" if res.converged else "NOT converged"
+        state = "converged" if res.converged is not False else "NOT converged"
         print(f"  iterations      {res.n_iter} ({state}, marginal error {res.marginal_error:.2e})")
-        if args.save:
-            print(f"  saved f, g and the barycentric map to {args.save}")
+        if out is not None:
+            print(f"  saved f, g and the barycentric map to {out}")
+    if res.converged is False:
+        print(f"flashot: not converged: marginal error {res.marginal_error:.3e} > tol "
+              f"{args.tol:g} after {res.n_iter} iterations", file=sys.stderr)  # fmt: skip
+        return EXIT_NOT_CONVERGED
     return 0
 
 
@@ -168,6 +277,11 @@ def _info(args) -> int:
 def _demo(args) -> int:
     from flashot.demo import run_demo
 
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        raise CliError("flashot demo needs matplotlib: pip install 'flashot[demo]'") from err
+    _device(args.device)
     summary = run_demo(args.out, n=args.n, eps=args.eps, device=args.device, progress=not args.json)
     if args.json:
         print(json.dumps(summary))
@@ -192,7 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("solve", help="entropic OT between two point clouds stored in files")
     s.add_argument("x", help="source points (n, d): .npy, .npz, .pt or .csv")
     s.add_argument("y", help="target points (m, d)")
-    s.add_argument("--key", help="array name inside .npz/.pt files")
+    s.add_argument("--key", help="array name inside .npz/.pt files (both inputs)")
+    s.add_argument("--x-key", help="array name inside x's .npz/.pt file")
+    s.add_argument("--y-key", help="array name inside y's .npz/.pt file")
+    s.add_argument("--header", default="auto", choices=["auto", "yes", "no"],
+                   help="CSV first line is a header: auto (only if non-numeric), yes, no")  # fmt: skip
     s.add_argument("--a", help="source weights (n,)")
     s.add_argument("--b", help="target weights (m,)")
     s.add_argument("--eps", type=float, default=0.05, help="entropic regularization (default 0.05)")
@@ -213,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     s.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     s.add_argument("--save", help="write f, g and the barycentric map to this .npz")
+    s.add_argument("--force", action="store_true", help="let --save overwrite an existing file")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(run=_solve)
@@ -234,7 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flashot`` command."""
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except CliError as err:
+        print(f"flashot: {err}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -119,7 +119,7 @@ def debiased_potentials(
         p, q = selves
     converged = None if tol is None else all(o.converged for _, o in outs)
     misses = tuple(
-        f"{name}: " + describe_miss(o.cause or "max_iter", tol, o.error, o.floor, o.n_iter, dtype)
+        f"{name}: " + describe_miss(o.cause or "max_iter", tol, o.error, o.floor, o.n_iter, dtype, update)
         for name, o in outs
         if o.converged is False
     )

@@ -9,13 +9,26 @@ from collections.abc import Sequence
 
 import torch
 
-from flashot.autodiff.functions import extrapolate, needs_grad, relaxed_side
+from flashot.autodiff.functions import extrapolate, guarded, needs_grad, relaxed_side
 from flashot.costs import bounding_diameter
 from flashot.problem import Problem, make_problem
 from flashot.result import SinkhornResult, TransportPlan
-from flashot.solver import EpsilonScaling, describe_miss, geomloss_schedule, solve
+from flashot.solver import (
+    FLOOR_FACTOR,
+    EpsilonScaling,
+    describe_miss,
+    geomloss_schedule,
+    precision_floor,
+    solve,
+)
 
 __all__ = ["ConvergenceWarning", "resolve_schedule", "sinkhorn"]
+
+
+POTENTIAL_GRADIENT = (
+    "the potentials res.f and res.g are not differentiable yet (their exact derivative "
+    "needs implicit differentiation); differentiate res.cost, or detach the potentials"
+)
 
 
 class ConvergenceWarning(UserWarning):
@@ -173,7 +186,8 @@ def sinkhorn(
         lam = problem.damping(eps)
         f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, lam, engine)
     fd, gd = f.detach(), g.detach()
-    plan = TransportPlan(form, fd, gd, log_a, log_b, eps, engine, problem.x, problem.y, rhos)
+    plan = TransportPlan(form, fd, gd, log_a, log_b, eps, engine, problem.x, problem.y, rhos,
+                         sources=(problem.x, problem.y, problem.a, problem.b))  # fmt: skip
     # a fixed-iteration balanced solve needs neither the error nor the plan's mass:
     # the error is then measured only if asked for (it costs a pass over the plan)
     error_t = plan_mass = None
@@ -189,10 +203,14 @@ def sinkhorn(
         )
     converged = None if tol is None else error <= tol
     if converged is False:
-        why = describe_miss(out.cause or "max_iter", tol, error, out.floor, out.n_iter,
-                            problem.form.q.dtype)  # fmt: skip
+        cause, floor = out.cause or "max_iter", out.floor
+        if out.converged:  # the loop met tol; the final (extrapolated) potentials do not
+            floor = precision_floor(form, fd, gd, log_a, log_b, eps)
+            cause = "precision_floor" if error <= FLOOR_FACTOR * floor else "final_step"
+        why = describe_miss(cause, tol, error, floor, out.n_iter, problem.form.q.dtype, update)
         warnings.warn(why, ConvergenceWarning, stacklevel=2)
-    return SinkhornResult(f, g, value, out.n_iter, converged, eps, plan, error)
+    f_out, g_out = (guarded(p, POTENTIAL_GRADIENT) for p in (f, g))
+    return SinkhornResult(f_out, g_out, value, out.n_iter, converged, eps, plan, error)
 
 
 def _dual_value(problem: Problem, f, g, plan_mass) -> torch.Tensor:

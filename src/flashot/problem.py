@@ -23,7 +23,16 @@ from flashot.backends import resolve_backend
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm, Cost, attention_form, get_cost
 
-__all__ = ["DeviceChecks", "Problem", "check_cloud", "check_positive", "make_problem", "parse_rho"]
+__all__ = [
+    "DeviceChecks",
+    "Problem",
+    "check_cloud",
+    "check_eps_range",
+    "check_positive",
+    "eps_range",
+    "make_problem",
+    "parse_rho",
+]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -77,6 +86,28 @@ class DeviceChecks:
         for ok, (_, error) in zip(verdicts, self._items, strict=True):
             if not ok:
                 raise error
+
+
+def eps_range(cost_bound: float, dtype: torch.dtype) -> tuple[float, float]:
+    """``(lo, hi)``: the temperatures a solve in ``dtype`` supports for costs up to ``cost_bound``.
+
+    Below ``lo`` the scores ``C/ε`` leave the dtype's range (``√max`` keeps sums of
+    products of them finite); above ``hi``, ``1/ε`` falls into subnormals and the scores
+    lose their digits.
+    """
+    info = torch.finfo(dtype)
+    return cost_bound / math.sqrt(info.max), info.max**0.75
+
+
+def check_eps_range(eps: float, cost_bound: float, dtype: torch.dtype, name: str) -> None:
+    """ValueError naming ``name`` when ``eps`` is outside :func:`eps_range`."""
+    lo, hi = eps_range(cost_bound, dtype)
+    if not lo <= eps <= hi:
+        raise ValueError(
+            f"{name}={eps:g} is outside the range {dtype} supports for these points "
+            f"({lo:.3g} ≤ {name} ≤ {hi:.3g}, the costs reaching {cost_bound:.3g}): scores C/eps "
+            "would overflow or lose all their digits; rescale the data or use float64"
+        )
 
 
 def check_cloud(x, name: str, checks: DeviceChecks) -> torch.Tensor:
@@ -239,4 +270,5 @@ def make_problem(
         a, b = a / a.sum(), b / b.sum()
     engine = resolve_backend(backend, x.device, precision, dtype)
     form = attention_form(cost, x, y, dtype, engine.rounding)
+    check_eps_range(eps, form.cost_bound, dtype, "eps")
     return Problem(x, y, a, b, eps, rho_x, rho_y, cost, form, engine)

@@ -31,7 +31,10 @@ class TransportPlan:
     """The entropic transport plan ``P`` (n × m) as a lazy operator.
 
     Supports ``plan @ V``, ``plan.T @ U``, marginals, the barycentric map and,
-    for small problems only, :meth:`dense`. Plan products are not differentiable.
+    for small problems only, :meth:`dense`. ``plan @ V`` is differentiable in V
+    (``∂/∂V = Pᵀ G``); a gradient through the plan to x, y, a or b raises (it needs
+    implicit differentiation). The plan refuses to run after its inputs (x, y or the
+    potentials) were modified in place.
 
     Args:
         form: cost in attention form (detached).
@@ -41,6 +44,8 @@ class TransportPlan:
         backend: the streaming primitives.
         x: (n, d) row points.  y: (m, d) column points (original coordinates).
         rho: (ρ_x, ρ_y) of the problem (None entries are balanced sides).
+        sources: the tensors the plan depends on (x, y, a, b as given): a gradient
+            requested through the plan to any of them raises.
     """
 
     def __init__(
@@ -55,10 +60,26 @@ class TransportPlan:
         x: torch.Tensor,
         y: torch.Tensor,
         rho: tuple[float | None, float | None] = (None, None),
+        sources: tuple[torch.Tensor, ...] = (),
     ):
         self._form, self._f, self._g = form, f.detach(), g.detach()
         self._log_a, self._log_b, self._eps, self._backend = log_a, log_b, eps, backend
         self._x, self._y, self._rho = x.detach(), y.detach(), tuple(rho)
+        self._sources = tuple(t for t in sources if t.requires_grad)
+        self._versions = self._state()
+
+    def _state(self) -> tuple[int, ...]:
+        return tuple(t._version for t in (self._x, self._y, self._f, self._g))
+
+    def _check_fresh(self) -> None:
+        """Raise if x, y or the potentials changed in place since the solve."""
+        if self._state() != self._versions:
+            names = [n for n, a, b in zip(("x", "y", "f", "g"), self._state(), self._versions,
+                                          strict=True) if a != b]  # fmt: skip
+            raise RuntimeError(
+                f"{', '.join(names)} changed in place after the solve (e.g. an optimizer step); "
+                "this plan belongs to the old values: solve again"
+            )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -79,6 +100,7 @@ class TransportPlan:
             self._y,
             self._x,
             self._rho[::-1],
+            self._sources,
         )
 
     def __repr__(self) -> str:
@@ -87,6 +109,7 @@ class TransportPlan:
 
     def _attend(self, v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Row masses r (n,) and the softmax averages of v (n, p)."""
+        self._check_fresh()
         with torch.no_grad():
             h = self._g - self._form.beta
             lse, out = self._backend.row_attend(self._form, h, self._eps, v, self._log_b)
@@ -111,14 +134,23 @@ class TransportPlan:
             raise ValueError(f"{name} is on {v.device} but the plan is on {self._f.device}")
         if not v.is_floating_point():
             raise TypeError(f"{name} must have a floating dtype, got {v.dtype}")
-        return v.detach().to(self._f.dtype).reshape(m, -1)
+        return v.to(self._f.dtype).reshape(m, -1)
 
     def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
-        """``P @ V`` for V of shape (m,) or (m, p); returns (n,) or (n, p) in V's dtype."""
+        """``P @ V`` for V of shape (m,) or (m, p); returns (n,) or (n, p) in V's dtype.
+
+        Differentiable in V; a gradient through the plan to x, y, a or b raises.
+        """
         vv = self._values(v, "V")
-        r, out = self._attend(vv)
-        res = r[:, None] * out
+        if torch.is_grad_enabled() and (v.requires_grad or self._sources):
+            res = _PlanProduct.apply(vv, self, v.requires_grad, *self._sources)
+        else:
+            res = self._apply(vv)
         return (res[:, 0] if v.dim() == 1 else res).to(v.dtype)
+
+    def _apply(self, vv: torch.Tensor) -> torch.Tensor:
+        r, out = self._attend(vv)
+        return r[:, None] * out
 
     def row_sums(self) -> torch.Tensor:
         """``P 1`` (n,): the plan's first marginal."""
@@ -136,6 +168,7 @@ class TransportPlan:
                 map ``Σ_j softmax_j((g_j − C(z, y_j))/ε + log b_j) y_j`` at each point z,
                 which agrees with the barycentric projection on the source cloud.
         """
+        self._check_fresh()
         y = self._y.to(self._f.dtype)
         if points is None:
             return self._attend(y)[1].to(self._y.dtype)
@@ -157,7 +190,16 @@ class TransportPlan:
             )
 
     def transport_cost(self) -> torch.Tensor:
-        """``⟨P, C⟩ = Σ_i r_i (α_i + E_w[β] − ⟨q_i, E_w[k]⟩)``, one streaming pass."""
+        """``⟨P, C⟩ = Σ_i r_i (α_i + E_w[β] − ⟨q_i, E_w[k]⟩)``, one streaming pass.
+
+        Not differentiable yet: a gradient through it to x, y, a or b raises.
+        """
+        value = self._transport_cost()
+        if torch.is_grad_enabled() and self._sources:
+            return guarded_by(value, self._sources, TRANSPORT_COST_GRADIENT)
+        return value
+
+    def _transport_cost(self) -> torch.Tensor:
         form = self._form
         v = torch.cat([form.k, form.beta[:, None]], dim=1)
         r, out = self._attend(v)
@@ -177,6 +219,7 @@ class TransportPlan:
                 f"max_elements={max_elements}; "
                 "use plan @ V instead"
             )
+        self._check_fresh()
         form = self._form
         log_p = (
             self._log_a[:, None]
@@ -184,6 +227,53 @@ class TransportPlan:
             + (self._f[:, None] + self._g[None, :] - form.dense()) / self._eps
         )
         return torch.exp(log_p)
+
+
+PLAN_GRADIENT = (
+    "plan @ V is differentiable in V only: its derivative through the plan to x, y, a or b "
+    "needs implicit differentiation, which flashot does not do yet; detach those inputs "
+    "or differentiate res.cost"
+)
+TRANSPORT_COST_GRADIENT = (
+    "transport_cost is not differentiable yet (its derivative needs implicit "
+    "differentiation); differentiate res.cost, or compute it under torch.no_grad()"
+)
+
+
+class _PlanProduct(torch.autograd.Function):
+    """``P @ V`` with ``∂/∂V = Pᵀ G``; gradients to the plan's sources raise."""
+
+    @staticmethod
+    def forward(ctx, v, plan, v_grad, *sources):
+        ctx.plan, ctx.v_grad = plan, v_grad
+        return plan._apply(v.detach())
+
+    @staticmethod
+    def backward(ctx, grad):
+        if any(ctx.needs_input_grad[3:]):
+            raise RuntimeError(PLAN_GRADIENT)
+        if torch.is_grad_enabled():
+            raise RuntimeError("plan @ V cannot be differentiated twice (create_graph=True)")
+        grad_v = ctx.plan.T._apply(grad) if ctx.v_grad else None
+        return (grad_v, None, None, *(None for _ in ctx.needs_input_grad[3:]))
+
+
+class _Raising(torch.autograd.Function):
+    """A value whose derivative w.r.t. ``sources`` raises ``message``."""
+
+    @staticmethod
+    def forward(ctx, value, message, *sources):
+        ctx.message = message
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(ctx.message)
+
+
+def guarded_by(value: torch.Tensor, sources, message: str) -> torch.Tensor:
+    """``value`` (detached) tied to ``sources`` so that differentiating it raises ``message``."""
+    return _Raising.apply(value.detach(), message, *sources)
 
 
 @dataclass(frozen=True)
@@ -222,5 +312,5 @@ class SinkhornResult:
 
     @functools.cached_property
     def transport_cost(self) -> torch.Tensor:
-        """``⟨P, C⟩``, streamed on first access (not differentiable)."""
+        """``⟨P, C⟩``, streamed on first access (a gradient through it raises)."""
         return self.plan.transport_cost()

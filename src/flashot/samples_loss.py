@@ -13,7 +13,7 @@ import torch
 
 from flashot.costs import bounding_diameter, get_cost
 from flashot.divergence import debiased_potentials
-from flashot.problem import check_positive, make_problem
+from flashot.problem import check_positive, compute_dtype, eps_range, make_problem
 from flashot.solver import geomloss_schedule
 
 __all__ = ["SamplesLoss"]
@@ -113,6 +113,14 @@ class SamplesLoss(torch.nn.Module):
 
     def _schedule(self, x, y) -> list[float]:
         diameter = self.diameter or bounding_diameter(self.cost, x, y)
+        dtype = compute_dtype(x.dtype) if isinstance(x, torch.Tensor) else torch.float32
+        hi = eps_range(0.0, dtype)[1]
+        for value, name in ((self.blur, "blur"), (diameter, "diameter")):
+            if value**2 > hi:  # the schedule starts at ε = diameter², ends at blur²
+                raise ValueError(
+                    f"{name}={value:g} gives eps = {name}² = {value**2:.3g}, beyond what {dtype} "
+                    f"supports ({hi:.3g}); rescale the data or use float64"
+                )
         return geomloss_schedule(max(diameter, self.blur), self.blur**2, self.scaling)
 
     def _single(self, a, x, b, y, temps):

@@ -44,6 +44,8 @@ __all__ = [
 ]
 
 UPDATES = ("symmetric", "alternating")
+#: the longest ε schedule (temperatures) built: beyond it scaling is surely a mistake
+MAX_SCHEDULE = 10_000
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,13 @@ def geomloss_schedule(diameter: float, eps: float, scaling: float) -> list[float
     """
     p = 2
     blur = math.sqrt(eps)
+    count = max(0.0, math.log(diameter / blur) / math.log(1 / scaling))
+    if count > MAX_SCHEDULE:
+        raise ValueError(
+            f"scaling={scaling!r} gives an eps schedule of {count:.3g} temperatures from the "
+            f"diameter {diameter:g} down to blur {blur:g}; at most {MAX_SCHEDULE} are "
+            "supported: use a smaller scaling"
+        )
     steps = np.arange(p * np.log(diameter), p * np.log(blur), p * np.log(scaling))
     return [diameter**p] + [float(np.exp(e)) for e in steps] + [eps]
 
@@ -111,10 +120,12 @@ class SolverOutput:
 
 
 #: causes a solve that missed ``tol`` can report (``SolverOutput.cause``)
-CAUSES = ("max_iter", "oscillation", "precision_floor", "eps_too_small")
+CAUSES = ("max_iter", "oscillation", "precision_floor", "eps_too_small", "final_step")
 #: a stalled error is at the precision floor when within this factor of the estimate
 #: (float32 solves stalled at 0.01–0.25 of it on 48 random problems, both updates)
 FLOOR_FACTOR = 1.0
+#: a tol under the floor estimate by this factor is out of reach (stalls were ≥ 0.008 of it)
+UNREACHABLE = 1000.0
 
 
 def precision_floor(form, f, g, log_a, log_b, eps: float) -> float:
@@ -189,7 +200,10 @@ class _Stopping:
         if self.converged is not False or self.cause is not None:
             return
         recent = self.errors[-self.patience :]
-        if len(recent) >= 4 and min(recent) > 0.999 * self.best and _swings(recent):
+        self.floor = self.floor_fn()
+        if self.floor > UNREACHABLE * self.tol:  # even the best rounding luck is above tol
+            self.cause = "eps_too_small"
+        elif len(recent) >= 4 and min(recent) > 0.999 * self.best and _swings(recent):
             self.cause = "oscillation"
         else:
             self.cause = "max_iter"
@@ -202,20 +216,24 @@ def _swings(errors: list[float]) -> bool:
 
 
 def describe_miss(cause: str, tol: float, error: float, floor: float | None, n_iter: int,
-                  dtype: torch.dtype) -> str:  # fmt: skip
+                  dtype: torch.dtype, update: str = "symmetric") -> str:  # fmt: skip
     """The warning text of a solve that missed ``tol``: what happened and what works."""
+    other = "alternating" if update == "symmetric" else "symmetric"
     head = f"Sinkhorn did not reach tol={tol:g} (marginal error {error:.3e} after {n_iter} iterations)"
     fl = "" if floor is None else f"{floor:.1e}"
     why = {
-        "max_iter": "max_iter was not enough; increase max_iter, use an eps_schedule, or "
-        "update='alternating' (faster at small eps)",
-        "oscillation": "the error oscillates without decreasing; use update='alternating' "
-        "or an eps_schedule",
+        "max_iter": "max_iter was not enough; increase max_iter or use an eps_schedule"
+        + (", or update='alternating' (fewer iterations at small eps)" if other == "alternating"
+           else ""),
+        "oscillation": f"the error oscillates without decreasing; try update='{other}' or an "
+        "eps_schedule",
         "precision_floor": f"the error stalled at the precision floor of {dtype} for these "
         f"potentials and eps (rounding bound {fl}); use float64 inputs, a larger eps or a "
         "larger tol",
-        "eps_too_small": f"eps is too small for {dtype}: the error stalled at its rounding "
-        f"floor (bound {fl}), far above tol; use float64 inputs or a larger eps",
+        "final_step": "the iterations met tol but the final extrapolated potentials measure "
+        "slightly above it (rounding of the backend's sums); use a larger tol or float64",
+        "eps_too_small": f"eps is too small for {dtype}: rounding alone leaves marginal errors "
+        f"up to {fl}, far above tol; use float64 inputs or a larger eps",
     }[cause]
     return f"{head}: {why}"
 

@@ -26,13 +26,47 @@ from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
 
 __all__ = [
+    "SECOND_ORDER",
     "SoftCTransform",
+    "guarded",
     "dual_term",
     "extrapolate",
     "needs_grad",
     "relaxed_side",
     "soft_c_transform",
 ]
+
+
+SECOND_ORDER = (
+    "flashot does not differentiate OT values twice yet (create_graph=True): its first "
+    "derivatives come from the envelope theorem, whose own derivative would miss how the "
+    "potentials move with the points. Compute the gradient without create_graph"
+)
+
+
+class _Guard(torch.autograd.Function):
+    """Identity whose backward raises: marks an output that has no exact derivative yet."""
+
+    @staticmethod
+    def forward(ctx, t, message):
+        ctx.message = message
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(ctx.message)
+
+
+def guarded(t: torch.Tensor, message: str) -> torch.Tensor:
+    """``t`` as a view that raises ``message`` if autograd ever differentiates through it.
+
+    Outputs whose gradient flashot cannot compute exactly (e.g. the potentials, whose
+    envelope derivative is right only inside the OT value) are returned through this
+    instead of silently giving a partial derivative.
+    """
+    if not (torch.is_grad_enabled() and t.requires_grad):
+        return t
+    return _Guard.apply(t, message)
 
 
 class SoftCTransform(torch.autograd.Function):
@@ -50,9 +84,10 @@ class SoftCTransform(torch.autograd.Function):
         return lam * (alpha.detach() - lse)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_f):
         """Backward: ``∂q = −λ grad_f ⊙ (W k)``, ``∂α = λ grad_f``."""
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative was asked for
+            raise RuntimeError(SECOND_ORDER)
         (wk,) = ctx.saved_tensors
         lam = ctx.lam
         grad_q = None if wk is None else (-lam) * grad_f[:, None] * wk

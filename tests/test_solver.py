@@ -1,0 +1,139 @@
+"""Stopping: a solve stops early only at the dtype's precision floor, and a miss names its
+cause truthfully. Checked on the reported cases and as a property over random problems."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flashot
+from flashot import ConvergenceWarning
+from flashot.backends import available_backends
+from tests.references import dense_cost, entropic_ot
+
+F64 = torch.float64
+
+
+def d0():
+    torch.manual_seed(0)
+    return torch.randn(20, 3).double(), torch.randn(15, 3).double()
+
+
+def solve(*args, **kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = flashot.sinkhorn(*args, **kw)
+    misses = [str(w.message) for w in caught if issubclass(w.category, ConvergenceWarning)]
+    return res, misses
+
+
+def test_reported_plateau_runs_on_to_the_right_value():
+    # was: stopped at iteration 300 (error 3.3e-2), "at the precision floor of float64"
+    x, y = d0()
+    a, b = torch.full((20,), 1 / 20, dtype=F64), torch.full((15,), 1 / 15, dtype=F64)
+    ref = float(entropic_ot(x, y, a, b, 0.1))
+    res, misses = solve(x, y, eps=0.1, max_iter=5000)
+    assert res.converged and not misses
+    assert abs(float(res.cost) - ref) <= 1e-8 * abs(ref)
+    C = dense_cost(x, y)
+    pot = pytest.importorskip("ot")
+    plan = pot.sinkhorn(a.numpy(), b.numpy(), C.numpy(), 0.1, method="sinkhorn_log",
+                        stopThr=1e-12, numItermax=100000)  # fmt: skip
+    assert float(res.transport_cost) == pytest.approx(float((plan * C.numpy()).sum()), rel=1e-6)
+
+
+def test_a_short_budget_says_max_iter_not_precision():
+    x, y = d0()
+    res, misses = solve(x, y, eps=0.1, max_iter=1000)
+    assert not res.converged and res.n_iter == 1000
+    assert len(misses) == 1 and "max_iter was not enough" in misses[0]
+    assert "precision" not in misses[0]
+
+
+def test_float32_stall_at_the_floor_is_named_and_true():
+    x, y = d0()
+    x, y = x.float(), y.float()
+    res, misses = solve(x, y, eps=0.1, tol=1e-9, max_iter=20000, update="alternating")
+    assert not res.converged and res.n_iter < 20000  # stopped early: at the floor
+    assert len(misses) == 1 and ("precision floor" in misses[0] or "too small" in misses[0])
+    more, _ = solve(x, y, eps=0.1, tol=1e-9, max_iter=5000, update="alternating",
+                    init=(res.f, res.g))  # fmt: skip
+    assert not more.converged
+
+
+def test_tiny_eps_in_float32_says_eps_is_too_small():
+    x, y = d0()
+    res, misses = solve(x.float(), y.float(), eps=1e-4, tol=1e-6, max_iter=20000,
+                        update="alternating")  # fmt: skip
+    assert not res.converged and len(misses) == 1
+    assert "precision floor" in misses[0] or "eps is too small" in misses[0]
+
+
+@st.composite
+def problems(draw, dtype=F64, max_n=60):
+    n, m = draw(st.integers(2, max_n)), draw(st.integers(2, max_n))
+    d = draw(st.integers(1, 5))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen, dtype=F64)
+    y = torch.randn(m, d, generator=gen, dtype=F64) * draw(st.floats(0.3, 2)) + draw(st.floats(0, 2))
+    a = torch.rand(n, generator=gen, dtype=F64) + 0.05
+    b = torch.rand(m, generator=gen, dtype=F64) + 0.05
+    mean_cost = float(dense_cost(x, y).mean())
+    eps = mean_cost * 10 ** draw(st.floats(-3, 3))
+    rho = draw(st.sampled_from([None, None, "small", "large"]))
+    rho = None if rho is None else mean_cost * (0.5 if rho == "small" else 50.0)
+    if rho is None:
+        a, b = a / a.sum(), b / b.sum()
+    update = draw(st.sampled_from(["symmetric", "alternating"]))
+    return x.to(dtype), y.to(dtype), a.to(dtype), b.to(dtype), eps, rho, update
+
+
+def check_truthful(x, y, a, b, eps, rho, update, rtol, backend="torch", max_iter=1000):
+    """Converged and right, or a miss whose named cause holds."""
+    res, misses = solve(x, y, a, b, eps=eps, rho=rho, update=update, max_iter=max_iter,
+                        backend=backend)  # fmt: skip
+    if res.converged:
+        assert not misses
+        rhos = (rho, rho)
+        ref = float(entropic_ot(x.double(), y.double(), a.double(), b.double(), eps, rho=rhos,
+                                init_g=res.g.double(), max_iter=200_000))  # fmt: skip
+        assert abs(float(res.cost) - ref) <= rtol * max(abs(ref), 1e-300)
+        return "converged"
+    assert len(misses) == 1
+    text = misses[0]
+    if "precision floor" in text or "too small" in text:
+        # true only if more iterations of the same update do not reach tol
+        more, _ = solve(x, y, a, b, eps=eps, rho=rho, update=update, max_iter=2000,
+                        init=(res.f, res.g), tol=1e-6 / 4, backend=backend)  # fmt: skip
+        assert not more.converged, text
+        return "floor"
+    if "final extrapolated" in text:  # the loop met tol; the last measurement is above it
+        assert res.marginal_error <= 10 * 1e-6
+        return "final"
+    assert "max_iter was not enough" in text or "oscillates" in text
+    assert res.n_iter == max_iter  # never an early stop without a floor
+    return "max_iter"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_never_a_converged_wrong_answer_float64(problem):
+    check_truthful(*problem, rtol=1e-8)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(dtype=torch.float32))
+def test_never_a_converged_wrong_answer_float32(problem):
+    check_truthful(*problem, rtol=2e-5)
+
+
+@pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(dtype=torch.float32, max_n=24))
+def test_never_a_converged_wrong_answer_on_the_kernels(problem):
+    check_truthful(*problem, rtol=2e-5, backend="triton", max_iter=300)
