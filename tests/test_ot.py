@@ -244,3 +244,95 @@ def test_rounded_operands_are_representable(gen, rounding):
         else:
             assert torch.equal(t, t.to(rounding).float())
     assert rel(form.dense(), attention_form(get_cost("sqeuclidean"), x, y).dense()) < 1e-2
+
+
+# ---- limits: eps -> inf gives <a x b, C>; rho -> inf gives the balanced value -----------
+
+
+def _d0():
+    torch.manual_seed(0)
+    return torch.randn(20, 3).double(), torch.randn(15, 3).double()
+
+
+def _backends_and_modes():
+    from flashot.backends import available_backends
+
+    out = [("torch", "fp32"), ("torch", "bf16")]
+    if "triton" in available_backends("cpu"):
+        out += [("triton", "fp32"), ("triton", "bf16")]
+    return out
+
+
+@pytest.mark.parametrize("backend,precision", _backends_and_modes())
+@pytest.mark.parametrize("eps", [1e4, 1e8, 1e20])
+def test_large_eps_tends_to_the_independent_coupling_float32(backend, precision, eps):
+    # was: eps=1e8 returned -20.50 (converged=True) against 4.7134
+    x, y = _d0()
+    res = flashot.sinkhorn(x.float(), y.float(), eps=eps, backend=backend, precision=precision)
+    C = dense_cost(x, y)
+    limit = float(C.mean())  # uniform weights: <a x b, C>
+    inter = C - C.mean(0, keepdim=True) - C.mean(1, keepdim=True) + C.mean()
+    correction = float((inter**2).mean()) / (2 * eps)  # next term: potentials absorb the rest
+    rtol = 2e-6 if precision == "fp32" else 3e-3  # bf16 solves the problem of rounded clouds
+    assert res.converged
+    assert float(res.cost) == pytest.approx(limit - correction, rel=rtol)
+    assert float(res.transport_cost) == pytest.approx(limit - 2 * correction, rel=rtol)
+
+
+@pytest.mark.parametrize("eps", [1e12, 1e30, 1e200])
+def test_large_eps_float64(eps):
+    # was: eps=1e30 returned 4.529 against 4.7134
+    x, y = _d0()
+    res = flashot.sinkhorn(x, y, eps=eps)
+    C = dense_cost(x, y)
+    assert float(res.cost) == pytest.approx(float(C.mean()), rel=1e-12)  # O(1/eps) < 1e-12
+
+
+def test_moderately_large_eps_matches_the_dense_reference_float32(gen):
+    x, y = clouds(gen, 30, 25, 3)
+    a, b = weights(gen, 30), weights(gen, 25)
+    ref = float(entropic_ot(x, y, a, b, 300.0))
+    res = flashot.sinkhorn(x.float(), y.float(), a.float(), b.float(), eps=300.0)
+    assert float(res.cost) == pytest.approx(ref, rel=2e-6)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 2e-6), (torch.float64, 1e-9)])
+@pytest.mark.parametrize("rho", [1e8, 1e12, 1e30])
+def test_large_rho_is_balanced(dtype, rtol, rho):
+    # was: rho=1e8 float32 gave 1.5333, rho=1e12 (and float64 1e30) 0.2000, against 1.68088
+    x, y = _d0()
+    balanced = flashot.sinkhorn(x, y, eps=0.1, update="alternating", tol=1e-12, max_iter=20000)
+    res = flashot.sinkhorn(x.to(dtype), y.to(dtype), eps=0.1, rho=rho, update="alternating",
+                           max_iter=20000)  # fmt: skip
+    # the relaxation itself moves the value by O(1/rho): 2.6/rho here
+    assert float(res.cost) == pytest.approx(float(balanced.cost), rel=rtol + 10 / rho)
+
+
+def test_large_eps_divergence_is_the_squared_mean_gap():
+    # was: 0.323 against 0.376 at eps=1e6 in float32
+    x, y = _d0()
+    gap = float(((x.mean(0) - y.mean(0)) ** 2).sum())  # limit of S_eps for |x - y|^2
+    for dtype, rtol in ((torch.float32, 1e-4), (torch.float64, 1e-7)):  # O(1/eps) = 3e-8
+        s = flashot.sinkhorn_divergence(x.to(dtype), y.to(dtype), eps=1e8)
+        assert float(s) == pytest.approx(gap, rel=rtol)
+
+
+def test_second_derivatives_raise():
+    x, y = _d0()
+    x = x.requires_grad_()
+    cost = flashot.sinkhorn(x, y, eps=0.5).cost
+    with pytest.raises(RuntimeError, match="twice"):
+        torch.autograd.grad(cost, x, create_graph=True)
+    (grad,) = torch.autograd.grad(flashot.sinkhorn(x, y, eps=0.5).cost, x)  # first order works
+    assert torch.isfinite(grad).all()
+
+
+def test_potentials_and_transport_cost_raise_when_differentiated():
+    x, y = _d0()
+    x = x.requires_grad_()
+    res = flashot.sinkhorn(x, y, eps=0.5)
+    with pytest.raises(RuntimeError, match="potentials"):
+        torch.autograd.grad((res.f**2).sum(), x)
+    with pytest.raises(RuntimeError, match="transport_cost"):
+        torch.autograd.grad(res.transport_cost, x)
+    assert torch.equal(res.f.detach(), res.plan._f)  # values untouched

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -90,3 +91,51 @@ def test_float32_plan_product_accuracy(gen):
     )
     V = torch.randn(80, 3, generator=gen)
     assert rel(r32.plan @ V, P @ V.double()) < 1e-5
+
+
+def test_plan_product_is_differentiable_in_v_and_raises_through_the_plan(gen):
+    x, y = clouds(gen, 12, 9, 2)
+    res = flashot.sinkhorn(x, y, eps=0.5, tol=1e-12, max_iter=5000)
+    v = torch.randn(9, 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda v: res.plan @ v, (v,))
+    assert torch.autograd.gradcheck(lambda u: res.plan.T @ u, (torch.randn(12, 3, dtype=torch.float64, requires_grad=True),))
+    xg = x.clone().requires_grad_()
+    res2 = flashot.sinkhorn(xg, y, eps=0.5)
+    with pytest.raises(RuntimeError, match="plan @ V is differentiable in V only"):
+        torch.autograd.grad((res2.plan @ v).sum(), xg)
+
+
+def test_in_place_changes_of_the_inputs_are_detected(gen):
+    x, y = clouds(gen, 12, 9, 2)
+    res = flashot.sinkhorn(x, y, eps=0.5)
+    y.add_(1.0)  # e.g. an optimizer step
+    with pytest.raises(RuntimeError, match="y changed in place"):
+        res.plan.barycentric_map()
+    with pytest.raises(RuntimeError, match="y changed in place"):
+        res.plan @ torch.ones(9, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("cost", ["sqeuclidean", "half_sqeuclidean", "cosine"])
+def test_target_side_map_at_new_points(gen, cost):
+    # was: plan.T.barycentric_map(y) differed from plan.T.barycentric_map() by 0.99
+    x, y = clouds(gen, 30, 25, 2)
+    res = flashot.sinkhorn(x, y, eps=0.5, cost=cost, tol=1e-12, max_iter=10000)
+    assert torch.allclose(res.plan.T.barycentric_map(y), res.plan.T.barycentric_map(), atol=1e-12)
+    assert torch.allclose(res.plan.barycentric_map(x), res.plan.barycentric_map(), atol=1e-12)
+    # the map at a new target point z: softmax_i((f_i - C(x_i, z))/eps + log a_i) x_i
+    z = torch.randn(4, 2, generator=gen, dtype=torch.float64)
+    C = dense_cost(x, z, cost)
+    w = torch.softmax((res.f.detach()[:, None] - C) / 0.5 + torch.log(torch.tensor(1 / 30)), 0)
+    assert torch.allclose(res.plan.T.barycentric_map(z), w.T @ x, atol=1e-12)
+
+
+def test_inverse_transform_matches_pot(gen):
+    ot = pytest.importorskip("ot")
+    x, y = clouds(gen, 30, 25, 2)
+    res = flashot.sinkhorn(x, y, eps=0.5, tol=1e-12, max_iter=10000)
+    st = ot.da.SinkhornTransport(reg_e=0.5, metric="sqeuclidean", norm=None, max_iter=10000,
+                                 tol=1e-12)  # fmt: skip
+    st.fit(Xs=x.numpy(), Xt=y.numpy())
+    new = torch.tensor([[0.3, -0.2], [2.0, 1.5]], dtype=torch.float64)
+    assert np.allclose(res.plan.T.barycentric_map(new).numpy(), st.inverse_transform(Xt=new.numpy()), atol=1e-6)
+    assert np.allclose(res.plan.T.barycentric_map().numpy(), st.inverse_transform(Xt=y.numpy()), atol=1e-6)

@@ -111,3 +111,28 @@ def test_bad_call_forms(gen):
         loss(x)
     with pytest.raises(ValueError, match="batched"):
         loss(x, y[None])
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(diameter=1e20), "diameter=1e\\+20 gives eps"),
+        (dict(scaling=1 - 1e-9), "scaling=.* at most 10000"),
+        (dict(blur=1e-30), "outside the range"),
+    ],
+)
+def test_options_out_of_range_are_clear_errors(kw, match):
+    x, y = torch.randn(20, 3), torch.randn(15, 3)
+    with pytest.raises(ValueError, match=match):
+        flashot.SamplesLoss(**kw)(x, y)
+
+
+def test_huge_diameter_and_blur_stay_accurate_in_float32():
+    # was: diameter=1e10 gave -0.248 (GeomLoss 0.658), blur=1e3 0.2731 against 0.3149
+    torch.manual_seed(0)
+    x, y = torch.randn(20, 3).double(), torch.randn(15, 3).double()
+    for kw in (dict(diameter=1e10), dict(blur=1e3)):
+        ref = float(flashot.SamplesLoss(**kw)(x, y))
+        assert float(flashot.SamplesLoss(**kw)(x.float(), y.float())) == pytest.approx(ref, rel=1e-5)
+    half_gap = 0.5 * float(((x.mean(0) - y.mean(0)) ** 2).sum())
+    assert float(flashot.SamplesLoss(blur=1e4)(x, y)) == pytest.approx(half_gap, rel=1e-7)
