@@ -1,21 +1,15 @@
 """Dual-potential helpers shared by the solver, the backends and the results.
 
 With potentials (f, g) the plan is ``P_ij = a_i b_j exp((f_i + g_j − C_ij)/ε)``; in
-attention form its rows are softmaxes of the biased scores ``⟨q_i, k_j⟩ + h_j``.
+attention form its rows are softmaxes of the biased scores ``⟨q_i, k_j⟩ + h_j`` with
+``h = g − β`` and the weights b kept apart (see ``Backend.row_attend``).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["bias", "log_residual", "marginal_error", "row_mass"]
-
-
-def bias(
-    potential: torch.Tensor, offset: torch.Tensor, log_w: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """Score bias of a potential: ``h = g − β + ε log b`` (``-inf`` where b = 0)."""
-    return potential - offset + eps * log_w
+__all__ = ["log_residual", "marginal_error", "row_mass"]
 
 
 def log_residual(
