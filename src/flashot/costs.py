@@ -29,6 +29,7 @@ __all__ = [
     "Cost",
     "attention_form",
     "bounding_diameter",
+    "box_cost_bound",
     "get_cost",
     "round_operands",
 ]
@@ -46,8 +47,9 @@ class AttentionForm:
         row_features: maps new (r, d) row points to their (r, d') features, or None;
             lets a plan extend its maps to points outside the row cloud.
         col_features: the same for new column points (the rows of :attr:`T`).
-        cost_bound: a host bound on ``max C_ij`` (None if unknown); backends use it to
-            pick the near-uniform LSE at large ε (:mod:`flashot.backends.near`).
+        cost_bound: a host bound on ``max C_ij`` (None if unknown; up to the operands'
+            rounding in reduced precision); backends use it to pick the near-uniform
+            LSE at large ε (:mod:`flashot.backends.near`).
     """
 
     q: torch.Tensor
@@ -213,12 +215,26 @@ def _joint_center(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return (u.sum(0) + v.sum(0)) / (u.shape[0] + v.shape[0])
 
 
+def box_cost_bound(cost: Cost, box_x: torch.Tensor, box_y: torch.Tensor) -> torch.Tensor:
+    """A bound on ``C(x_i, y_j)`` from the clouds' bounding boxes (0-d float64, on the device).
+
+    Args:
+        cost: the ground cost.
+        box_x: (2, d) coordinate minima and maxima of x.  box_y: (2, d) those of y.
+    """
+    if cost.normalize:  # points on the unit sphere: |u − v|² ≤ 4
+        return torch.tensor(4.0 * cost.scale, dtype=torch.float64, device=box_x.device)
+    span = torch.maximum(box_x[1], box_y[1]).double() - torch.minimum(box_x[0], box_y[0]).double()
+    return cost.scale * (span**2).sum()
+
+
 def attention_form(
     cost: Cost,
     x: torch.Tensor,
     y: torch.Tensor,
     dtype: torch.dtype | None = None,
     rounding=None,
+    cost_bound: float | None = None,
 ) -> AttentionForm:
     """Compile ``C(x_i, y_j)`` into attention form (differentiable in x and y).
 
@@ -232,6 +248,8 @@ def attention_form(
         y: (m, d) target cloud.
         dtype: compute dtype of the form (default: x's dtype).
         rounding: operand rounding of reduced-precision modes (see :func:`round_operands`).
+        cost_bound: a bound on the cost (:func:`box_cost_bound`) when the caller has one;
+            else it is measured here, with one wait for the device.
 
     Returns:
         The attention form; the joint center is detached (C does not depend on it).
@@ -250,11 +268,10 @@ def attention_form(
     def col_features(z: torch.Tensor) -> torch.Tensor:
         return round_operands(cost.embed(z.to(dtype)) - center, rounding)
 
-    # C_ij = s|u_i − v_j|² ≤ (√α_i + √β_j)²: one wait for the device, here
-    with torch.no_grad():
-        tops = torch.stack([alpha.detach().max(), beta.detach().max()]).clamp_min(0)
-        bound = float(tops.sqrt().sum().double() ** 2)
-    return AttentionForm(q, k, alpha, beta, row_features, col_features, bound)
+    if cost_bound is None:
+        boxes = [torch.stack(torch.aminmax(t.detach(), dim=0)) for t in (x, y)]
+        cost_bound = float(box_cost_bound(cost, *boxes))
+    return AttentionForm(q, k, alpha, beta, row_features, col_features, cost_bound)
 
 
 def bounding_diameter(cost: Cost, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -103,7 +103,9 @@ def debiased_potentials(
     if debias:
         selves = []
         for cloud, log_w, name in ((problem.x, log_a, "OT(a, a)"), (problem.y, log_b, "OT(b, b)")):
-            self_form = attention_form(problem.cost, cloud, cloud.detach(), dtype, engine.rounding)
+            # the joint box holds each cloud's own: the problem's bound serves
+            self_form = attention_form(problem.cost, cloud, cloud.detach(), dtype, engine.rounding,
+                                       problem.form.cost_bound)  # fmt: skip
             res = solve_self(
                 self_form.detach(),
                 log_w,
@@ -119,7 +121,8 @@ def debiased_potentials(
         p, q = selves
     converged = None if tol is None else all(o.converged for _, o in outs)
     misses = tuple(
-        f"{name}: " + describe_miss(o.cause or "max_iter", tol, o.error, o.floor, o.n_iter, dtype, update)
+        f"{name}: "
+        + describe_miss(o.cause or "max_iter", tol, o.error, o.floor, o.n_iter, dtype, update)
         for name, o in outs
         if o.converged is False
     )

@@ -21,7 +21,7 @@ import torch
 
 from flashot.backends import resolve_backend
 from flashot.backends.base import Backend
-from flashot.costs import AttentionForm, Cost, attention_form, get_cost
+from flashot.costs import AttentionForm, Cost, attention_form, box_cost_bound, get_cost
 
 __all__ = [
     "DeviceChecks",
@@ -67,10 +67,18 @@ class DeviceChecks:
 
     def __init__(self):
         self._items: list[tuple[torch.Tensor, Exception]] = []
+        self._measured: list[torch.Tensor] = []
+        #: the values of :meth:`measure`, read by :meth:`verify`
+        self.values: list[float] = []
 
     def add(self, ok: torch.Tensor, error: Exception) -> None:
         """Queue a 0-d boolean verdict and the error to raise when it is False."""
         self._items.append((ok, error))
+
+    def measure(self, value: torch.Tensor) -> int:
+        """Queue a 0-d value for the host; its index in :attr:`values` after :meth:`verify`."""
+        self._measured.append(value)
+        return len(self._measured) - 1
 
     def verify(self) -> None:
         """Wait once for every queued verdict; raise the first failed check's error."""
@@ -82,7 +90,9 @@ class DeviceChecks:
                 "results on the host. Fixed-iteration solves (tol=None) of launch-bound size "
                 "are replayed as CUDA graphs by flashot itself"
             )
-        verdicts = torch.stack([ok for ok, _ in self._items]).tolist()
+        read = torch.stack([ok.double() for ok, _ in self._items] +
+                           [v.double() for v in self._measured]).tolist()  # fmt: skip
+        verdicts, self.values = read[: len(self._items)], read[len(self._items) :]
         for ok, (_, error) in zip(verdicts, self._items, strict=True):
             if not ok:
                 raise error
@@ -110,10 +120,11 @@ def check_eps_range(eps: float, cost_bound: float, dtype: torch.dtype, name: str
         )
 
 
-def check_cloud(x, name: str, checks: DeviceChecks) -> torch.Tensor:
-    """A finite (n, d) floating-point tensor with n, d ≥ 1.
+def check_cloud(x, name: str, checks: DeviceChecks) -> tuple[torch.Tensor, torch.Tensor]:
+    """A finite (n, d) floating-point tensor with n, d ≥ 1, and its bounding box.
 
-    The finiteness verdict goes to ``checks``.
+    The finiteness verdict goes to ``checks``. Returns ``(x, box)``, box (2, d) the
+    coordinates' minima and maxima (on the device, not waited for).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -124,9 +135,9 @@ def check_cloud(x, name: str, checks: DeviceChecks) -> torch.Tensor:
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"{name} must be non-empty, got shape {tuple(x.shape)}")
     # NaN and ±inf reach the extremes: no (n, d) temporary
-    finite = torch.isfinite(torch.stack(torch.aminmax(x.detach()))).all()
-    checks.add(finite, ValueError(f"{name} contains NaN or infinite values"))
-    return x
+    box = torch.stack(torch.aminmax(x.detach(), dim=0))
+    checks.add(torch.isfinite(box).all(), ValueError(f"{name} contains NaN or infinite values"))
+    return x, box
 
 
 def check_weights(w, n: int, like: torch.Tensor, name: str, checks: DeviceChecks) -> torch.Tensor:
@@ -243,7 +254,7 @@ def make_problem(
         precision: precision mode; reduced modes round the clouds once, here.
     """
     checks = DeviceChecks()  # the value checks wait for the device once, at the end
-    x, y = check_cloud(x, "x", checks), check_cloud(y, "y", checks)
+    (x, box_x), (y, box_y) = check_cloud(x, "x", checks), check_cloud(y, "y", checks)
     if x.device != y.device:
         raise ValueError(f"x is on {x.device} but y is on {y.device}")
     if x.dtype != y.dtype:
@@ -263,12 +274,13 @@ def make_problem(
             )
     a = check_weights(a, x.shape[0], x, "a", checks)
     b = check_weights(b, y.shape[0], y, "b", checks)
+    bound_at = checks.measure(box_cost_bound(cost, box_x, box_y))
     checks.verify()
     dtype = compute_dtype(x.dtype)
     a, b = a.to(dtype), b.to(dtype)
     if normalize and rho_x is None and rho_y is None:
         a, b = a / a.sum(), b / b.sum()
     engine = resolve_backend(backend, x.device, precision, dtype)
-    form = attention_form(cost, x, y, dtype, engine.rounding)
+    form = attention_form(cost, x, y, dtype, engine.rounding, checks.values[bound_at])
     check_eps_range(eps, form.cost_bound, dtype, "eps")
     return Problem(x, y, a, b, eps, rho_x, rho_y, cost, form, engine)

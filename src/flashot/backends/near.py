@@ -44,8 +44,7 @@ NEAR_FROM = 1.0
 
 def is_near_uniform(form, eps: float) -> bool:
     """Whether the row LSEs of ``form`` at ``eps`` take :func:`near_attend`."""
-    bound = getattr(form, "cost_bound", None)
-    return bound is not None and eps >= NEAR_FROM * bound
+    return form.cost_bound is not None and eps >= NEAR_FROM * form.cost_bound
 
 
 def log_mass(log_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,9 +84,10 @@ def near_attend(form, h, eps, v=None, log_w=None, budget: int = 1 << 20):
         log_total = torch.tensor(math.log(m), dtype=torch.float64, device=dev)
     else:
         log_pi, log_total = log_mass(log_w)
+    from flashot.backends.torch_backend import tile_sizes  # (its module imports this one)
+
     pi = torch.exp(log_pi)
-    block_n = min(m, 8192)
-    block_m = max(1, min(n, budget // block_n))
+    block_m, block_n = tile_sizes(n, m, budget)
     lse = torch.empty(n, dtype=dtype, device=dev)
     out = None if v is None else torch.empty(n, v.shape[1], dtype=dtype, device=dev)
     for i0 in range(0, n, block_m):
