@@ -115,7 +115,7 @@ def check_truthful(x, y, a, b, eps, rho, update, rtol, backend="torch", max_iter
     if "final extrapolated" in text:  # the loop met tol; the last measurement is above it
         assert res.marginal_error <= 10 * 1e-6
         return "final"
-    assert "max_iter was not enough" in text or "oscillates" in text
+    assert "max_iter was not enough" in text or "oscillates" in text or "has not changed" in text
     assert res.n_iter == max_iter  # never an early stop without a floor
     return "max_iter"
 
@@ -137,3 +137,21 @@ def test_never_a_converged_wrong_answer_float32(problem):
 @given(problems(dtype=torch.float32, max_n=24))
 def test_never_a_converged_wrong_answer_on_the_kernels(problem):
     check_truthful(*problem, rtol=2e-5, backend="triton", max_iter=300)
+
+
+@pytest.mark.parametrize(
+    "errors, cause",
+    [
+        ([0.7646330013, 0.7646330009, 0.7646330014, 0.7646330005] * 2, "no_progress"),
+        ([0.30, 0.36, 0.31, 0.37, 0.30, 0.36, 0.31, 0.37], "oscillation"),
+        ([0.5, 0.45, 0.41, 0.37, 0.34, 0.31, 0.29, 0.27], "max_iter"),
+    ],
+)
+def test_a_miss_at_max_iter_is_named_from_the_last_errors(errors, cause):
+    from flashot.solver import _Stopping
+
+    stop = _Stopping(1e-6, floor=lambda: 1e-12)
+    for it, e in enumerate([1.0] + errors):
+        assert not stop.done(e, it)
+    stop.finish()
+    assert stop.cause == cause

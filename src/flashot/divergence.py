@@ -122,7 +122,8 @@ def debiased_potentials(
     converged = None if tol is None else all(o.converged for _, o in outs)
     misses = tuple(
         f"{name}: "
-        + describe_miss(o.cause or "max_iter", tol, o.error, o.floor, o.n_iter, dtype, update)
+        + describe_miss(o.cause or "max_iter", tol, o.error, o.floor, o.n_iter, dtype, update,
+                        problem.form.cost_bound / eps)  # fmt: skip
         for name, o in outs
         if o.converged is False
     )

@@ -202,15 +202,17 @@ def sinkhorn(
             "or float64 inputs"
         )
     converged = None if tol is None else error <= tol
+    cause = None
     if converged is False:
         cause, floor = out.cause or "max_iter", out.floor
         if out.converged:  # the loop met tol; the final (extrapolated) potentials do not
             floor = precision_floor(form, fd, gd, log_a, log_b, eps)
             cause = "precision_floor" if error <= FLOOR_FACTOR * floor else "final_step"
-        why = describe_miss(cause, tol, error, floor, out.n_iter, problem.form.q.dtype, update)
+        why = describe_miss(cause, tol, error, floor, out.n_iter, problem.form.q.dtype, update,
+                            problem.form.cost_bound / eps)  # fmt: skip
         warnings.warn(why, ConvergenceWarning, stacklevel=2)
     f_out, g_out = (guarded(p, POTENTIAL_GRADIENT) for p in (f, g))
-    return SinkhornResult(f_out, g_out, value, out.n_iter, converged, eps, plan, error)
+    return SinkhornResult(f_out, g_out, value, out.n_iter, converged, eps, plan, error, cause)
 
 
 def _dual_value(problem: Problem, f, g, plan_mass) -> torch.Tensor:

@@ -292,6 +292,10 @@ class SinkhornResult:
         measured_error: the marginal error if the solve measured it (it does when it
             had a ``tol`` or a relaxed side), else None: :attr:`marginal_error` then
             measures it on first access.
+        cause: why ``tol`` was missed, one of ``flashot.solver.CAUSES``
+            (``"max_iter"``, ``"no_progress"``, ``"oscillation"``, ``"precision_floor"``,
+            ``"eps_too_small"``, ``"final_step"``); None when converged or without tol.
+            The :class:`ConvergenceWarning` says the same in words.
     """
 
     f: torch.Tensor
@@ -302,6 +306,7 @@ class SinkhornResult:
     eps: float
     plan: TransportPlan
     measured_error: float | None = None
+    cause: str | None = None
 
     @functools.cached_property
     def marginal_error(self) -> float:

@@ -121,12 +121,16 @@ class SolverOutput:
 
 
 #: causes a solve that missed ``tol`` can report (``SolverOutput.cause``)
-CAUSES = ("max_iter", "oscillation", "precision_floor", "eps_too_small", "final_step")
+CAUSES = ("max_iter", "no_progress", "oscillation", "precision_floor", "eps_too_small",
+          "final_step")
 #: a stalled error is at the precision floor when within this factor of the estimate
 #: (float32 solves stalled at 0.01–0.25 of it on 48 random problems, both updates)
 FLOOR_FACTOR = 1.0
 #: a tol under the floor estimate by this factor is out of reach (stalls were ≥ 0.008 of it)
 UNREACHABLE = 1000.0
+#: Relative spread of the last checks' errors under which a miss made no progress at all
+#: (rounding noise: the potentials no longer move), and over which ups and downs swing.
+FLAT, SWING = 1e-4, 1e-3
 
 
 def precision_floor(form, f, g, log_a, log_b, eps: float) -> float:
@@ -204,6 +208,8 @@ class _Stopping:
         self.floor = self.floor_fn()
         if self.floor > UNREACHABLE * self.tol:  # even the best rounding luck is above tol
             self.cause = "eps_too_small"
+        elif len(recent) >= 4 and max(recent) - min(recent) <= FLAT * max(recent):
+            self.cause = "no_progress"
         elif len(recent) >= 4 and min(recent) > 0.999 * self.best and _swings(recent):
             self.cause = "oscillation"
         else:
@@ -213,12 +219,16 @@ class _Stopping:
 def _swings(errors: list[float]) -> bool:
     """Whether a sequence of errors rises as often as it falls (no trend, an oscillation)."""
     ups = sum(b > a for a, b in zip(errors, errors[1:], strict=False))
-    return ups >= (len(errors) - 1) // 2
+    return ups >= (len(errors) - 1) // 2 and max(errors) - min(errors) > SWING * max(errors)
 
 
 def describe_miss(cause: str, tol: float, error: float, floor: float | None, n_iter: int,
-                  dtype: torch.dtype, update: str = "symmetric") -> str:  # fmt: skip
-    """The warning text of a solve that missed ``tol``: what happened and what works."""
+                  dtype: torch.dtype, update: str = "symmetric",
+                  scale: float | None = None) -> str:  # fmt: skip
+    """The warning text of a solve that missed ``tol``: what happened and what works.
+
+    ``scale`` is the cost's bound over ε, the iterations a flat error may still need.
+    """
     other = "alternating" if update == "symmetric" else "symmetric"
     head = f"Sinkhorn did not reach tol={tol:g} (marginal error {error:.3e} after {n_iter} iterations)"
     fl = "" if floor is None else f"{floor:.1e}"
@@ -226,6 +236,10 @@ def describe_miss(cause: str, tol: float, error: float, floor: float | None, n_i
         "max_iter": "max_iter was not enough; increase max_iter or use an eps_schedule"
         + (", or update='alternating' (fewer iterations at small eps)" if other == "alternating"
            else ""),
+        "no_progress": "the error has not changed over the last checks: the potentials move "
+        "by about eps per iteration and may need up to cost scale / eps"
+        + ("" if scale is None else f" = {scale:.1e}")
+        + " iterations; increase max_iter a lot, use eps_schedule='geomloss' or a larger eps",
         "oscillation": f"the error oscillates without decreasing; try update='{other}' or an "
         "eps_schedule",
         "precision_floor": f"the error stalled at the precision floor of {dtype} for these "
