@@ -93,7 +93,8 @@ def problems(draw, dtype=F64, max_n=60):
     return x.to(dtype), y.to(dtype), a.to(dtype), b.to(dtype), eps, rho, update
 
 
-def check_truthful(x, y, a, b, eps, rho, update, rtol, backend="torch", max_iter=1000):
+def check_truthful(x, y, a, b, eps, rho, update, rtol, backend="torch", max_iter=1000,
+                   more_iter=2000):  # fmt: skip
     """Converged and right, or a miss whose named cause holds."""
     res, misses = solve(x, y, a, b, eps=eps, rho=rho, update=update, max_iter=max_iter,
                         backend=backend)  # fmt: skip
@@ -108,11 +109,11 @@ def check_truthful(x, y, a, b, eps, rho, update, rtol, backend="torch", max_iter
     text = misses[0]
     if "precision floor" in text or "too small" in text:
         # true only if more iterations of the same update do not reach tol
-        more, _ = solve(x, y, a, b, eps=eps, rho=rho, update=update, max_iter=2000,
+        more, _ = solve(x, y, a, b, eps=eps, rho=rho, update=update, max_iter=more_iter,
                         init=(res.f, res.g), tol=1e-6 / 4, backend=backend)  # fmt: skip
         assert not more.converged, text
         return "floor"
-    if "final extrapolated" in text:  # the loop met tol; the last measurement is above it
+    if "after the final" in text:  # the loop met tol; the last measurement is above it
         assert res.marginal_error <= 10 * 1e-6
         return "final"
     assert "max_iter was not enough" in text or "oscillates" in text or "has not changed" in text
@@ -136,7 +137,7 @@ def test_never_a_converged_wrong_answer_float32(problem):
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(dtype=torch.float32, max_n=24))
 def test_never_a_converged_wrong_answer_on_the_kernels(problem):
-    check_truthful(*problem, rtol=2e-5, backend="triton", max_iter=300)
+    check_truthful(*problem, rtol=2e-5, backend="triton", max_iter=300, more_iter=600)
 
 
 @pytest.mark.parametrize(

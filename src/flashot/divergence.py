@@ -96,7 +96,8 @@ def debiased_potentials(
     if out.final is not None:
         f, g = out.final
     else:
-        f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, (lam, lam), engine)
+        f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, (lam, lam), engine,
+                           update)  # fmt: skip
     dtype = problem.form.q.dtype
     outs = [("OT(a, b)", out)]
     p = q = None

@@ -184,16 +184,16 @@ def sinkhorn(
         f, g = out.final
     else:
         lam = problem.damping(eps)
-        f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, lam, engine)
+        f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, lam, engine, update)
     fd, gd = f.detach(), g.detach()
     plan = TransportPlan(form, fd, gd, log_a, log_b, eps, engine, problem.x, problem.y, rhos,
                          sources=(problem.x, problem.y, problem.a, problem.b))  # fmt: skip
     # a fixed-iteration balanced solve needs neither the error nor the plan's mass:
     # the error is then measured only if asked for (it costs a pass over the plan)
-    error_t = plan_mass = None
+    error_t = excess = None
     if tol is not None or not problem.balanced:
-        error_t, plan_mass = plan._marginal_error()
-    value = _dual_value(problem, f, g, plan_mass)  # queued before the checks wait
+        error_t, excess = plan._marginal_error()
+    value = _dual_value(problem, f, g, excess)  # queued before the checks wait
     error = None if error_t is None else float(error_t)
     finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
     if not (bool(finite) and (error is None or math.isfinite(error))):
@@ -215,13 +215,14 @@ def sinkhorn(
     return SinkhornResult(f_out, g_out, value, out.n_iter, converged, eps, plan, error, cause)
 
 
-def _dual_value(problem: Problem, f, g, plan_mass) -> torch.Tensor:
+def _dual_value(problem: Problem, f, g, excess) -> torch.Tensor:
     """The entropic OT value with envelope-exact gradients.
 
     Balanced: ``⟨a, f⟩ + ⟨b, g⟩``. Relaxed: the dual objective
     ``⟨a, φ(f)⟩ + ⟨b, φ(g)⟩ − ε (m(P) − m(a) m(b))``, written as
     :func:`~flashot.autodiff.functions.relaxed_side` terms (whose derivatives are the
     envelope ones) plus a detached correction that restores the exact value.
+    ``excess`` is ``m(P) − m(a) m(b)`` (:func:`~flashot.dual.mass_excess`).
     """
     a, b, eps = problem.a, problem.b, problem.eps
     if problem.balanced:
@@ -231,7 +232,7 @@ def _dual_value(problem: Problem, f, g, plan_mass) -> torch.Tensor:
     # carries the envelope derivatives; its value has ε-sized terms that cancel
     grads = relaxed_side(f, a, eps, rho_x) + relaxed_side(g, b, eps, rho_y) + eps * m_a * m_b
     with torch.no_grad():  # the value, with no ε-sized cancellation
-        value = _phi_sum(f, a, rho_x) + _phi_sum(g, b, rho_y) - eps * (plan_mass - m_a * m_b)
+        value = _phi_sum(f, a, rho_x) + _phi_sum(g, b, rho_y) - eps * excess
     return value + (grads - grads.detach())
 
 

@@ -22,7 +22,7 @@ import torch
 
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
-from flashot.dual import marginal_error
+from flashot.dual import marginal_error, mass_excess
 
 __all__ = ["SinkhornResult", "TransportPlan"]
 
@@ -117,12 +117,17 @@ class TransportPlan:
             return torch.exp(log_r), out
 
     def _marginal_error(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(L1 violation of both marginal conditions, total mass), from one fused pass."""
+        """(L1 violation of both marginal conditions, ``m(P) − m(a) m(b)``).
+
+        One fused pass, and a second at ε above the cost's bound (see
+        :func:`~flashot.dual.mass_excess`).
+        """
         form, f, g, log_a, log_b = self._form, self._f, self._g, self._log_a, self._log_b
         with torch.no_grad():
             r, c = self._backend.marginals(form, f, g, log_a, log_b, self._eps)
             error = marginal_error(f, r, log_a, self._rho[0])
-            return error + marginal_error(g, c, log_b, self._rho[1]), r.sum()
+            excess = mass_excess(self._backend, form, f, g, log_a, log_b, self._eps, r)
+            return error + marginal_error(g, c, log_b, self._rho[1]), excess
 
     def _values(self, v, name: str) -> torch.Tensor:
         if not isinstance(v, torch.Tensor):

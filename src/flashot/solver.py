@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from flashot.backends.base import Backend
+from flashot.autodiff.functions import extrapolate
 from flashot.backends.near import is_near_uniform
 from flashot.costs import AttentionForm
 from flashot.dual import marginal_error, row_mass
@@ -245,8 +246,8 @@ def describe_miss(cause: str, tol: float, error: float, floor: float | None, n_i
         "precision_floor": f"the error stalled at the precision floor of {dtype} for these "
         f"potentials and eps (rounding bound {fl}); use float64 inputs, a larger eps or a "
         "larger tol",
-        "final_step": "the iterations met tol but the final extrapolated potentials measure "
-        "slightly above it (rounding of the backend's sums); use a larger tol or float64",
+        "final_step": "the loop met tol, but the potentials after the final (differentiated) "
+        "step measure slightly above it; a smaller tol lands the final step under yours",
         "eps_too_small": f"eps is too small for {dtype}: rounding alone leaves marginal errors "
         f"up to {fl}, far above tol; use float64 inputs or a larger eps",
     }[cause]
@@ -343,7 +344,9 @@ def solve(
     eps, lam = eps_list[-1], damping(eps_list[-1])
 
     def final(form, out, la, lb):
-        return backend.extrapolate(form, out.f, out.g, la, lb, eps, lam) if final_step else None
+        if not final_step:
+            return None
+        return extrapolate(form, out.f, out.g, la, lb, eps, lam, backend, update)
 
     backend_key = backend.graph_key(form) if tol is None and not progress else None
     if backend_key is None:

@@ -136,22 +136,34 @@ def extrapolate(
     eps: float,
     lam: tuple[float, float],
     backend: Backend,
+    update: str = "symmetric",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The final step ``(λ_x T(g), λ_y T(f))``, the only one autograd sees.
+    """The final step, the only one autograd sees.
 
-    ``T(g)`` is differentiable in the row side of ``form`` and ``T(f)`` in its column
-    side (the other potential held fixed). When autograd needs neither, the backend's
-    own (possibly fused) extrapolation runs instead.
+    ``(λ_x T(g), λ_y T(f))`` after symmetric updates (GeomLoss), and the alternating
+    step ``f' = λ_x T(g), g' = λ_y T(f')`` after alternating ones: a Jacobi step from
+    an alternating iterate can undo its exact column marginal, and measure above the
+    loop's error. ``T(g)`` is differentiable in the row side of ``form`` and the
+    column transform in its column side (the other potential held fixed). When
+    autograd needs neither, the backend's own (possibly fused) passes run instead.
 
     Args:
         form: attention form (with its autograd history).
         f: (n,), g: (m,) detached potentials of the last iteration.
         log_a: (n,), log_b: (m,) log weights.  eps: ε.  lam: (λ_x, λ_y).
         backend: the streaming primitives.
+        update: the loop's update, ``"symmetric"`` or ``"alternating"``.
     """
     if not needs_grad(form):
-        return backend.extrapolate(form.detach(), f, g, log_a, log_b, eps, lam)
+        form = form.detach()
+        if update != "alternating":
+            return backend.extrapolate(form, f, g, log_a, log_b, eps, lam)
+        f_new = lam[0] * (form.alpha - backend.row_attend(form, g - form.beta, eps, log_w=log_b)[0])
+        lse_c = backend.row_attend(form.T, f_new - form.alpha, eps, log_w=log_a)[0]
+        return f_new, lam[1] * (form.beta - lse_c)
     f_new = soft_c_transform(form, g - form.beta.detach(), log_b, eps, lam[0], backend)
+    if update == "alternating":
+        f = f_new.detach()
     g_new = soft_c_transform(form.T, f - form.alpha.detach(), log_a, eps, lam[1], backend)
     return f_new, g_new
 

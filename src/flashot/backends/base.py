@@ -27,6 +27,7 @@ import torch
 
 from flashot.costs import AttentionForm
 from flashot.backends.near import is_near_uniform, near_attend
+from flashot.backends.plan_vjp import PlanVJP, plan_vjp_tiles
 from flashot.dual import marginal_error, row_mass
 
 __all__ = ["PRECISIONS", "Backend"]
@@ -214,6 +215,22 @@ class Backend:
         """
         lse_r, lse_c = self.potential_lse(form, f, g, log_a, log_b, eps)
         return lam[0] * (form.alpha - lse_r), lam[1] * (form.beta - lse_c)
+
+    def plan_vjp(self, form: AttentionForm, f, g, a, b, eps: float, v, d) -> PlanVJP:
+        r"""Reverse-mode product of the plan: reductions of ``S = P ⊙ (D Vᵀ)`` and ``Pᵀ D``.
+
+        See :mod:`flashot.backends.plan_vjp` for the math; the default streams score
+        tiles in PyTorch (any device), O((n + m)(d' + p)) memory.
+
+        Args:
+            form: attention form (detached).  f: (n,), g: (m,) potentials.
+            a: (n,), b: (m,) weights.  eps: ε.
+            v: (m, p) values.  d: (n, p) cotangent of ``P v``.
+
+        Returns:
+            A :class:`~flashot.backends.plan_vjp.PlanVJP`.
+        """
+        return plan_vjp_tiles(form, f, g, a, b, eps, v, d, getattr(self, "budget", 1 << 20))
 
     def marginals(
         self, form: AttentionForm, f, g, log_a, log_b, eps: float

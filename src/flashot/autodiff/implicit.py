@@ -1,0 +1,225 @@
+r"""Exact derivatives of converged potentials: the implicit function theorem, streamed.
+
+The entropic dual is :math:`L(z, \theta)` with potentials ``z = (f, g)`` and problem
+data ``θ = (q, α, k, β, a, b)`` (the cost in attention form and the weights):
+
+.. math::
+
+    L = \langle a, \varphi_x(f)\rangle + \langle b, \varphi_y(g)\rangle
+        - \varepsilon \sum_{ij} (P_{ij} - a_i b_j), \qquad
+    P_{ij} = a_i b_j e^{(f_i + g_j - \alpha_i - \beta_j + \langle q_i, k_j\rangle)/\varepsilon},
+
+with ``φ(t) = t`` on a balanced side and ``ρ(1 − e^{−t/ρ})`` on a relaxed one. The
+converged potentials solve ``∂_z L = 0``, so ``dz/dθ = M⁻¹ ∂_z∂_θ L`` with the
+negative dual Hessian
+
+.. math::
+
+    M = -\partial_z^2 L = \frac1\varepsilon
+        \begin{pmatrix} D_r & P \\ P^T & D_c \end{pmatrix}, \qquad
+    D_r = \mathrm{diag}\big(r + \tfrac{\varepsilon}{\rho_x} a e^{-f/\rho_x}\big)
+
+(``D_r = diag(r)`` when balanced; the same for columns). :class:`ImplicitPotentials`
+returns z as a function of θ whose backward solves ``M w = z̄`` by conjugate
+gradients on the Schur complement ``S = D_c − Pᵀ D_r⁻¹ P`` (two plan products per
+iteration, preconditioned by ``D_c``). When both sides are balanced, ``S`` has the
+null vector 1 (the potentials' constant shift); the solve adds ``c cᵀ / Σc``, which
+leaves ``S``'s range alone and picks the solution with ``⟨c, w_g⟩ = 0``.
+:class:`PlanProduct` is ``P V`` as a function of θ, z and V whose backward is the
+streamed :meth:`~flashot.backends.base.Backend.plan_vjp`; with these, the exact
+gradient of the OT value (:func:`value_gradient`) is an ordinary differentiable
+expression, and its derivative is the exact Hessian.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashot.backends.base import Backend
+from flashot.costs import AttentionForm
+from flashot.linalg import cg
+
+__all__ = ["DualSpec", "ImplicitPotentials", "PlanProduct", "plan_times", "value_gradient"]
+
+
+@dataclass(frozen=True)
+class DualSpec:
+    """The non-tensor data of a dual problem.
+
+    Attributes:
+        eps: ε.  rho: (ρ_x, ρ_y), None for a balanced side.
+        backend: the streaming primitives.  cost_bound: the form's bound on the cost.
+        cg_tol: relative residual of the dual solves.  cg_max_iter: their iterations at most.
+    """
+
+    eps: float
+    rho: tuple[float | None, float | None]
+    backend: Backend
+    cost_bound: float | None
+    cg_tol: float
+    cg_max_iter: int = 10_000
+
+    @property
+    def T(self) -> DualSpec:
+        return DualSpec(self.eps, self.rho[::-1], self.backend, self.cost_bound, self.cg_tol,
+                        self.cg_max_iter)  # fmt: skip
+
+
+def _form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:
+    return AttentionForm(q.detach(), k.detach(), alpha.detach(), beta.detach(),
+                         cost_bound=spec.cost_bound)  # fmt: skip
+
+
+def plan_times(backend: Backend, form: AttentionForm, f, g, a, b, eps: float, v):
+    """``P v`` (n, p) for values v (m, p): one streaming pass, no autograd."""
+    with torch.no_grad():
+        log_a, log_b = torch.log(a), torch.log(b)
+        lse, out = backend.row_attend(form, g - form.beta, eps, v, log_b)
+        return torch.exp(log_a + (f - form.alpha + lse) / eps)[:, None] * out
+
+
+class PlanProduct(torch.autograd.Function):
+    """``P(θ, z) V``, differentiable once in q, α, k, β, a, b, f, g and V."""
+
+    @staticmethod
+    def forward(ctx, q, alpha, k, beta, a, b, f, g, v, spec):
+        form = _form(q, alpha, k, beta, spec)
+        ctx.save_for_backward(q, alpha, k, beta, a, b, f, g, v)
+        ctx.spec = spec
+        return plan_times(spec.backend, form, f.detach(), g.detach(), a.detach(), b.detach(),
+                          spec.eps, v.detach())  # fmt: skip
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, alpha, k, beta, a, b, f, g, v = ctx.saved_tensors
+        spec, eps = ctx.spec, ctx.spec.eps
+        vjp = spec.backend.plan_vjp(_form(q, alpha, k, beta, spec), f, g, a, b, eps, v, dout)
+        row, col = vjp.row / eps, vjp.col / eps
+        return (vjp.row_k / eps, -row, vjp.col_q / eps, -col, vjp.per_a, vjp.per_b, row, col,
+                vjp.pt_d, None)  # fmt: skip
+
+
+def plan_product(theta, z, v, spec: DualSpec, transpose: bool = False):
+    """``P V`` (or ``Pᵀ V``) through :class:`PlanProduct`; θ = (q, α, k, β, a, b), z = (f, g)."""
+    q, alpha, k, beta, a, b = theta
+    f, g = z
+    if transpose:
+        return PlanProduct.apply(k, beta, q, alpha, b, a, g, f, v, spec.T)
+    return PlanProduct.apply(q, alpha, k, beta, a, b, f, g, v, spec)
+
+
+def _relaxed_weight(pot, w, rho):
+    """``w e^{−f/ρ}``, the target of a relaxed side's marginal (w when balanced)."""
+    return w if rho is None else w * torch.exp(-pot / rho)
+
+
+def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
+    """``w = M⁻¹ (f̄, ḡ)`` by CG on the Schur complement (see the module docstring).
+
+    All arguments detached: form, f (n,), g (m,), a (n,), b (m,), f̄ (n,), ḡ (m,).
+    """
+    eps, (rho_x, rho_y), backend = spec.eps, spec.rho, spec.backend
+    ones = torch.ones(g.shape[0], 1, dtype=g.dtype, device=g.device)
+    r = plan_times(backend, form, f, g, a, b, eps, ones)[:, 0]
+    c = plan_times(backend, form.T, g, f, b, a, eps, torch.ones_like(r)[:, None])[:, 0]
+    d_r = r if rho_x is None else r + (eps / rho_x) * _relaxed_weight(f, a, rho_x)
+    d_c = c if rho_y is None else c + (eps / rho_y) * _relaxed_weight(g, b, rho_y)
+    d_r_inv = torch.where(d_r > 0, 1.0 / d_r, torch.zeros_like(d_r))
+    d_c_inv = torch.where(d_c > 0, 1.0 / d_c, torch.zeros_like(d_c))
+    deflate = rho_x is None and rho_y is None
+
+    def p_times(w):  # P w: (m,) -> (n,)
+        return plan_times(backend, form, f, g, a, b, eps, w[:, None])[:, 0]
+
+    def pt_times(u):  # Pᵀ u: (n,) -> (m,)
+        return plan_times(backend, form.T, g, f, b, a, eps, u[:, None])[:, 0]
+
+    def schur(w):
+        out = d_c * w - pt_times(d_r_inv * p_times(w))
+        if deflate:
+            out = out + c * (c @ w) / c.sum()
+        return out
+
+    rhs = eps * (g_bar - pt_times(d_r_inv * f_bar))
+    if deflate:  # the part along 1 is a gauge dependence: no solution, dropped
+        rhs = rhs - c * rhs.sum() / c.sum()
+    res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter,
+             preconditioner=lambda v: d_c_inv * v)  # fmt: skip
+    w_g = res.x
+    w_f = d_r_inv * (eps * f_bar - p_times(w_g))
+    return w_f, w_g
+
+
+class ImplicitPotentials(torch.autograd.Function):
+    """The converged ``(f, g)`` as a function of θ = (q, α, k, β, a, b) (see module)."""
+
+    @staticmethod
+    def forward(ctx, q, alpha, k, beta, a, b, f, g, spec):
+        ctx.save_for_backward(q, alpha, k, beta, a, b, f, g)
+        ctx.spec = spec
+        return f.detach().clone(), g.detach().clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, f_bar, g_bar):
+        q, alpha, k, beta, a, b, f, g = ctx.saved_tensors
+        spec, eps = ctx.spec, ctx.spec.eps
+        form = _form(q, alpha, k, beta, spec)
+        f_bar = torch.zeros_like(f) if f_bar is None else f_bar
+        g_bar = torch.zeros_like(g) if g_bar is None else g_bar
+        w_f, w_g = solve_dual(form, f, g, a, b, spec, f_bar, g_bar)
+        # θ̄ = ∂_θ ⟨∂_z L, w⟩ = ∂_θ [⟨a', w_f⟩ + ⟨b', w_g⟩ − Σ_ij P_ij (w_f,i + w_g,j)]
+        ones_n, ones_m = torch.ones_like(w_f), torch.ones_like(w_g)
+        v = torch.stack([ones_m, w_g], 1)
+        d = torch.stack([w_f, ones_n], 1)
+        vjp = spec.backend.plan_vjp(form, f, g, a, b, eps, v, d)
+        row, col = vjp.row / eps, vjp.col / eps
+        grad_a = _relaxed_weight(f, ones_n, spec.rho[0]) * w_f - vjp.per_a
+        grad_b = _relaxed_weight(g, ones_m, spec.rho[1]) * w_g - vjp.per_b
+        return -vjp.row_k / eps, row, -vjp.col_q / eps, col, grad_a, grad_b, None, None, None
+
+
+def implicit_potentials(theta, f, g, spec: DualSpec):
+    """``(f, g)`` carrying the exact derivatives of the converged potentials in θ."""
+    return ImplicitPotentials.apply(*theta, f.detach(), g.detach(), spec)
+
+
+def _phi(pot, rho):
+    return pot if rho is None else -rho * torch.expm1(-pot / rho)
+
+
+def value_gradient(theta, z, spec: DualSpec):
+    r"""The exact gradient of the OT value in θ, differentiable (through z = z(θ)) once more.
+
+    .. math::
+
+        \partial_q = -P k,\quad \partial_\alpha = P 1,\quad
+        \partial_k = -P^T q,\quad \partial_\beta = P^T 1,\quad
+        \partial_{a_i} = \varphi_x(f_i) - \varepsilon (r_i / a_i - m(b))
+
+    (the columns alike), with ``r_i / a_i = e^{−f_i/ρ_x}`` (1 when balanced) at the
+    solution: written so, it holds on the whole solution manifold.
+
+    Args:
+        theta: (q, α, k, β, a, b) with their autograd history.
+        z: (f, g) from :func:`implicit_potentials`.
+        spec: the dual's :class:`DualSpec`.
+
+    Returns:
+        The six gradients, shaped like θ.
+    """
+    q, alpha, k, beta, a, b = theta
+    f, g = z
+    eps, (rho_x, rho_y) = spec.eps, spec.rho
+    ones_m = torch.ones(k.shape[0], 1, dtype=k.dtype, device=k.device)
+    ones_n = torch.ones(q.shape[0], 1, dtype=q.dtype, device=q.device)
+    rows = plan_product(theta, z, torch.cat([ones_m, k], 1), spec)
+    cols = plan_product(theta, z, torch.cat([ones_n, q], 1), spec, transpose=True)
+    one_x = torch.ones_like(f) if rho_x is None else torch.exp(-f / rho_x)
+    one_y = torch.ones_like(g) if rho_y is None else torch.exp(-g / rho_y)
+    grad_a = _phi(f, rho_x) - eps * (one_x - b.sum())
+    grad_b = _phi(g, rho_y) - eps * (one_y - a.sum())
+    return -rows[:, 1:], rows[:, 0], -cols[:, 1:], cols[:, 0], grad_a, grad_b

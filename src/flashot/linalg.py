@@ -1,0 +1,223 @@
+r"""Matrix-free linear algebra on callables: conjugate gradients and Lanczos.
+
+Both take the operator as a function ``matvec(v) -> A v`` on tensors of any shape
+(the vector space is that of ``b`` or of the start vector), so Hessians of OT losses
+given by :func:`flashot.hvp` and the dual systems of the implicit derivatives can be
+used without ever forming a matrix. Inner products are taken in float64 whatever the
+operands' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CGResult", "CGWarning", "NegativeCurvature", "cg", "lanczos"]
+
+Matvec = Callable[[torch.Tensor], torch.Tensor]
+
+
+class CGWarning(UserWarning):
+    """Conjugate gradients stopped above the requested tolerance."""
+
+
+class NegativeCurvature(RuntimeError):
+    """The operator is not positive definite along a CG direction ``p`` (``⟨p, Ap⟩ ≤ 0``).
+
+    Attributes:
+        direction: the direction ``p``.  curvature: ``⟨p, Ap⟩ / ⟨p, p⟩``.
+    """
+
+    def __init__(self, direction: torch.Tensor, curvature: float):
+        super().__init__(
+            f"the operator has nonpositive curvature {curvature:.3e} along a CG direction; "
+            "it is not positive definite (pass on_negative_curvature='return' to get it)"
+        )
+        self.direction, self.curvature = direction, curvature
+
+
+@dataclass(frozen=True)
+class CGResult:
+    """Outcome of :func:`cg`.
+
+    Attributes:
+        x: the solution, shaped like ``b``.
+        n_iter: CG iterations (one ``matvec`` each).
+        residual: ``‖b − A x‖ / ‖b‖``, recomputed from ``x`` at the end (one more matvec).
+        converged: ``residual ≤ tol``.
+        negative_curvature: a direction ``p`` with ``⟨p, Ap⟩ ≤ 0`` when CG met one and
+            was asked to return it, else None.
+    """
+
+    x: torch.Tensor
+    n_iter: int
+    residual: float
+    converged: bool
+    negative_curvature: torch.Tensor | None = None
+
+
+def _dot(u: torch.Tensor, v: torch.Tensor) -> float:
+    return float(torch.sum(u.double() * v.double()))
+
+
+def cg(
+    matvec: Matvec,
+    b: torch.Tensor,
+    *,
+    x0: torch.Tensor | None = None,
+    tol: float = 1e-6,
+    max_iter: int | None = None,
+    preconditioner: Matvec | None = None,
+    on_negative_curvature: str = "raise",
+) -> CGResult:
+    r"""Preconditioned conjugate gradients for ``A x = b``, A symmetric positive definite.
+
+    Stops when the recursive residual satisfies ``‖r‖ ≤ tol ‖b‖``, then measures the true
+    residual ``‖b − A x‖ / ‖b‖`` once more (recursions drift in finite precision) and
+    warns with :class:`CGWarning` if it is above ``tol``.
+
+    Args:
+        matvec: ``v -> A v`` for tensors shaped like ``b``.
+        b: right-hand side (any shape).
+        x0: starting point (default 0).
+        tol: relative residual to reach.
+        max_iter: iterations at most (default ``10 · b.numel()``, at least 100).
+        preconditioner: ``r -> M⁻¹ r`` for a symmetric positive definite M ≈ A.
+        on_negative_curvature: ``"raise"`` (:class:`NegativeCurvature`) or
+            ``"return"``: stop and return the current iterate with the direction in
+            :attr:`CGResult.negative_curvature`.
+
+    Returns:
+        A :class:`CGResult`.
+    """
+    if on_negative_curvature not in ("raise", "return"):
+        raise ValueError(
+            f"on_negative_curvature must be 'raise' or 'return', got {on_negative_curvature!r}"
+        )
+    if not (isinstance(tol, (int, float)) and tol > 0):
+        raise ValueError(f"tol must be a positive float, got {tol!r}")
+    max_iter = max(100, 10 * b.numel()) if max_iter is None else int(max_iter)
+    if max_iter < 0:
+        raise ValueError(f"max_iter must be ≥ 0, got {max_iter}")
+    precond = preconditioner or (lambda r: r)
+    b_norm = math.sqrt(_dot(b, b))
+    if b_norm == 0.0:
+        return CGResult(torch.zeros_like(b), 0, 0.0, True)
+    x = torch.zeros_like(b) if x0 is None else x0.clone()
+    r = b - matvec(x) if x0 is not None else b.clone()
+    z = precond(r)
+    p = z.clone()
+    rz = _dot(r, z)
+    it, curvature_dir = 0, None
+    while it < max_iter and math.sqrt(_dot(r, r)) > tol * b_norm:
+        ap = matvec(p)
+        pap = _dot(p, ap)
+        if pap <= 0.0:
+            if on_negative_curvature == "raise":
+                raise NegativeCurvature(p, pap / max(_dot(p, p), 1e-300))
+            curvature_dir = p
+            break
+        step = rz / pap
+        x = x + step * p
+        r = r - step * ap
+        z = precond(r)
+        rz_new = _dot(r, z)
+        p = z + (rz_new / rz) * p
+        rz = rz_new
+        it += 1
+    true_r = b - matvec(x)
+    residual = math.sqrt(_dot(true_r, true_r)) / b_norm
+    converged = residual <= tol
+    if not converged and curvature_dir is None:
+        warnings.warn(
+            f"cg did not reach tol={tol:g}: relative residual {residual:.3e} after {it} "
+            "iterations (ill-conditioned operator or max_iter too small)",
+            CGWarning,
+            stacklevel=2,
+        )
+    return CGResult(x, it, residual, converged, curvature_dir)
+
+
+def lanczos(
+    matvec: Matvec,
+    n: int | torch.Tensor,
+    k: int = 1,
+    which: str = "smallest",
+    *,
+    tol: float = 1e-8,
+    max_iter: int | None = None,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Extreme eigenpairs of a symmetric operator by Lanczos with full reorthogonalization.
+
+    Builds an orthonormal Krylov basis ``V`` (each new vector orthogonalized twice
+    against all previous ones, so k should stay small against the dimension) and the
+    tridiagonal ``T = Vᵀ A V``; Ritz pairs of ``T`` approximate the extreme eigenpairs.
+    Stops when the ``k`` wanted Ritz pairs have residuals ``|β_j s_j| ≤ tol · ‖T‖``,
+    when the space is exhausted, or at ``max_iter``.
+
+    Args:
+        matvec: ``v -> A v``.
+        n: the dimension, or a tensor whose shape is the vector shape.
+        k: number of eigenpairs.
+        which: ``"smallest"`` or ``"largest"`` (algebraic).
+        tol: residual tolerance relative to the operator's estimated norm.
+        max_iter: Krylov dimension at most (default ``min(dim, max(4k + 40, 60))``).
+        generator: RNG of the start vector (deterministic given a seeded generator).
+        dtype, device: of the vectors (``n`` a tensor: its dtype and device).
+
+    Returns:
+        ``(values (k,), vectors (k, *shape))``, values sorted ascending for
+        ``"smallest"`` and descending for ``"largest"``.
+    """
+    if which not in ("smallest", "largest"):
+        raise ValueError(f"which must be 'smallest' or 'largest', got {which!r}")
+    if isinstance(n, torch.Tensor):
+        shape, dtype, device = tuple(n.shape), n.dtype, n.device
+    else:
+        shape = (int(n),)
+    dim = math.prod(shape)
+    if not 1 <= k <= dim:
+        raise ValueError(f"k must be in [1, {dim}], got {k}")
+    max_iter = min(dim, max(4 * k + 40, 60)) if max_iter is None else min(int(max_iter), dim)
+    if max_iter < k:
+        raise ValueError(f"max_iter must be ≥ k = {k}, got {max_iter}")
+    start = torch.randn(dim, generator=generator, dtype=torch.float64)
+    basis = [start / start.norm()]
+    alphas: list[float] = []
+    betas: list[float] = []
+    values = vectors = None
+    for j in range(max_iter):
+        v = basis[-1]
+        w = matvec(v.reshape(shape).to(dtype=dtype, device=device)).reshape(-1)
+        w = w.detach().to(device="cpu", dtype=torch.float64)
+        alphas.append(float(v @ w))
+        V = torch.stack(basis)
+        for _ in range(2):  # full reorthogonalization, twice is enough
+            w = w - V.T @ (V @ w)
+        beta = float(w.norm())
+        T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+        if betas:
+            off = torch.tensor(betas, dtype=torch.float64)
+            T = T + torch.diag(off, 1) + torch.diag(off, -1)
+        theta, S = torch.linalg.eigh(T)
+        order = torch.arange(len(alphas)) if which == "smallest" else torch.arange(len(alphas) - 1, -1, -1)
+        if len(alphas) >= k:
+            pick = order[:k]
+            scale = max(float(theta.abs().max()), 1e-300)
+            resid = (beta * S[-1, pick]).abs()
+            values, vectors = theta[pick], (S[:, pick].T @ V)
+            if bool((resid <= tol * scale).all()) or beta <= tol * scale:
+                break
+        if beta <= 1e-300:
+            break
+        betas.append(beta)
+        basis.append(w / beta)
+    out = vectors.reshape(k, *shape).to(dtype=dtype, device=device)
+    return values.to(dtype=dtype, device=device), out

@@ -1,0 +1,93 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashot.linalg import CGWarning, NegativeCurvature, cg, lanczos
+
+F64 = torch.float64
+
+
+def spd(n, seed, cond=100.0):
+    gen = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=F64))
+    w = torch.logspace(0, torch.log10(torch.tensor(cond)).item(), n, dtype=F64)
+    return Q @ torch.diag(w) @ Q.T
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 40), st.integers(0, 10**6), st.floats(1.0, 1e4))
+def test_cg_solves_spd_systems(n, seed, cond):
+    A = spd(n, seed, cond)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1), dtype=F64)
+    res = cg(lambda v: A @ v, b, tol=1e-10, max_iter=10 * n + 50)
+    assert res.converged and res.residual <= 1e-10
+    assert torch.allclose(res.x, torch.linalg.solve(A, b), rtol=0, atol=1e-8 * cond * b.norm())
+
+
+def test_cg_on_matrix_shaped_unknowns_with_a_preconditioner():
+    A = spd(12, 3, 1e3)
+    d = torch.diag(A)
+    B = torch.randn(4, 3, dtype=F64)  # the unknown is (4, 3): A acts on its flattening
+    op = lambda v: (A @ v.reshape(-1)).reshape(4, 3)  # noqa: E731
+    res = cg(op, B, tol=1e-12, preconditioner=lambda r: (r.reshape(-1) / d).reshape(4, 3))
+    assert res.converged
+    assert torch.allclose(res.x.reshape(-1), torch.linalg.solve(A, B.reshape(-1)), atol=1e-9)
+
+
+def test_cg_warns_when_it_stops_short_and_reports_the_true_residual():
+    A = spd(30, 0, 1e6)
+    b = torch.ones(30, dtype=F64)
+    with pytest.warns(CGWarning, match="did not reach"):
+        res = cg(lambda v: A @ v, b, tol=1e-12, max_iter=3)
+    assert not res.converged and res.n_iter == 3
+    assert res.residual == pytest.approx(float((b - A @ res.x).norm() / b.norm()), rel=1e-12)
+
+
+def test_cg_negative_curvature_raises_or_returns_the_direction():
+    A = torch.diag(torch.tensor([2.0, 1.0, -1.0], dtype=F64))
+    b = torch.ones(3, dtype=F64)
+    with pytest.raises(NegativeCurvature):
+        cg(lambda v: A @ v, b)
+    res = cg(lambda v: A @ v, b, on_negative_curvature="return")
+    p = res.negative_curvature
+    assert p is not None and float(p @ A @ p) <= 0
+
+
+def test_cg_zero_rhs_and_bad_options():
+    res = cg(lambda v: 2 * v, torch.zeros(5, dtype=F64))
+    assert res.converged and res.n_iter == 0 and torch.equal(res.x, torch.zeros(5, dtype=F64))
+    with pytest.raises(ValueError, match="tol"):
+        cg(lambda v: v, torch.ones(2), tol=0)
+    with pytest.raises(ValueError, match="on_negative_curvature"):
+        cg(lambda v: v, torch.ones(2), on_negative_curvature="ignore")
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(5, 60), st.integers(0, 10**6), st.integers(1, 3),
+       st.sampled_from(["smallest", "largest"]))  # fmt: skip
+def test_lanczos_matches_eigvalsh(n, seed, k, which):
+    gen = torch.Generator().manual_seed(seed)
+    M = torch.randn(n, n, generator=gen, dtype=F64)
+    A = (M + M.T) / 2
+    k = min(k, n)
+    vals, vecs = lanczos(lambda v: A @ v, n, k=k, which=which, tol=1e-12, max_iter=n,
+                         generator=torch.Generator().manual_seed(1))  # fmt: skip
+    ref = torch.linalg.eigvalsh(A)
+    ref = ref[:k] if which == "smallest" else ref.flip(0)[:k]
+    assert torch.allclose(vals, ref, atol=1e-8 * float(ref.abs().max()))
+    for lam, v in zip(vals, vecs, strict=True):
+        assert float((A @ v - lam * v).norm()) <= 1e-6 * float(ref.abs().max())
+
+
+def test_lanczos_is_deterministic_given_a_generator_and_keeps_shapes():
+    A = spd(24, 5)
+    op = lambda v: (A @ v.reshape(-1)).reshape(8, 3)  # noqa: E731
+    shape = torch.zeros(8, 3, dtype=F64)
+    one = lanczos(op, shape, generator=torch.Generator().manual_seed(7))
+    two = lanczos(op, shape, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(one[0], two[0]) and one[1].shape == (1, 8, 3)
+    with pytest.raises(ValueError, match="which"):
+        lanczos(op, shape, which="middle")
+    with pytest.raises(ValueError, match="k must"):
+        lanczos(op, shape, k=0)
