@@ -16,11 +16,12 @@ potentials, and one final extrapolation is differentiated. In dual form,
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from flashot.autodiff.functions import dual_term, extrapolate, needs_grad, soft_c_transform
+from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.costs import attention_form
 from flashot.ot import ConvergenceWarning, resolve_schedule
 from flashot.problem import Problem, make_problem
@@ -49,12 +50,26 @@ class DebiasedPotentials:
     misses: tuple[str, ...] = ()
 
     def value(self, problem: Problem) -> torch.Tensor:
-        """The (debiased) Sinkhorn cost, differentiable w.r.t. x, y, a, b."""
+        """The (debiased) Sinkhorn cost, differentiable w.r.t. x, y, a, b (twice: see
+        :mod:`flashot.autodiff.second_order`)."""
         a, b, eps, rho = problem.a, problem.b, problem.eps, problem.rho_x
         out = dual_term(self.f, a, eps, rho) + dual_term(self.g, b, eps, rho)
         if self.p is not None:
             out = out - dual_term(self.p, a, eps, rho) - dual_term(self.q, b, eps, rho)
-        return out
+        if not (torch.is_grad_enabled() and out.requires_grad):
+            return out
+        pf, relaxed = problem.form, rho is not None
+        dtype = self.f.dtype
+        pieces = [Piece(1.0, (pf.q, pf.alpha, pf.k, pf.beta, a, b), self.f.detach(),
+                        self.g.detach(), spec_of(problem, dtype), relaxed)]  # fmt: skip
+        if self.p is not None:
+            for cloud, w, pot in ((problem.x, a, self.p), (problem.y, b, self.q)):
+                sf = attention_form(problem.cost, cloud, cloud, dtype, problem.engine.rounding,
+                                    pf.cost_bound)  # fmt: skip
+                spec = replace(spec_of(problem, dtype), rho=(rho, rho))
+                pieces.append(Piece(-0.5, (sf.q, sf.alpha, sf.k, sf.beta, w, w), pot.detach(),
+                                    pot.detach(), spec, relaxed))  # fmt: skip
+        return exact_second_order(out, pieces)
 
 
 def debiased_potentials(

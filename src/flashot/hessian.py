@@ -8,8 +8,9 @@ For ``V(x, y) = OT_ε(a, x; b, y)`` (:func:`flashot.sinkhorn`'s ``cost``),
 
 including how the potentials move with the points: ``∇V`` is written as the exact
 gradient of the dual in the attention form, ``J_θᵀ ∂_θ L(z(θ), θ)``, with the
-potentials ``z(θ)`` from :mod:`flashot.autodiff.implicit`; one reverse pass through
-it gives the product. The cost: a solve, a few streaming passes, and a conjugate
+potentials ``z(θ)`` from :mod:`flashot.autodiff.implicit`
+(:mod:`flashot.autodiff.second_order`); one reverse pass through it gives the
+product: :func:`hvp` is a double backward of ``sinkhorn(...).cost``. The cost: a solve, a few streaming passes, and a conjugate
 gradient solve of the dual system (two plan products per iteration). Memory stays
 O((n + m) d); nothing of size n × m or (nd)² is formed.
 """
@@ -18,18 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from flashot.autodiff.implicit import DualSpec, implicit_potentials, value_gradient
+from flashot.autodiff.second_order import dual_solve_options
 from flashot.ot import sinkhorn
-from flashot.problem import make_problem
 
 __all__ = ["hvp"]
 
 WRT = ("x", "y", "xy")
-
-
-def default_cg_tol(dtype: torch.dtype) -> float:
-    """Relative residual of the dual solves: ~1e-10 in float64, ~1e-5 in float32."""
-    return 1e-10 if dtype == torch.float64 else 1e-5
 
 
 def hvp(
@@ -87,32 +82,21 @@ def hvp(
         batched = is_batch
         if not torch.isfinite(d).all():
             raise ValueError(f"{name} has non-finite entries")
-    res = sinkhorn(x.detach(), y.detach(), a, b, eps=eps, **sinkhorn_options)
+    if cg_tol is not None and not (isinstance(cg_tol, (int, float)) and cg_tol > 0):
+        raise ValueError(f"cg_tol must be a positive float, got {cg_tol!r}")
     with torch.enable_grad():
         xs = x.detach().requires_grad_(wrt in ("x", "xy"))
         ys = y.detach().requires_grad_(wrt in ("y", "xy"))
-        keep = {k: sinkhorn_options[k] for k in ("cost", "rho", "backend", "precision")
-                if k in sinkhorn_options}  # fmt: skip
-        problem = make_problem(xs, ys, a, b, eps=eps, **keep)
-        form = problem.form
-        dtype = form.q.dtype
-        spec = DualSpec(problem.eps, (problem.rho_x, problem.rho_y), problem.engine,
-                        form.cost_bound, cg_tol or default_cg_tol(dtype), cg_max_iter)  # fmt: skip
-        theta = (form.q, form.alpha, form.k, form.beta, problem.a, problem.b)
-        z = implicit_potentials(theta, res.f.detach().to(dtype), res.g.detach().to(dtype), spec)
-        grads = value_gradient(theta, z, spec)
         inputs = [t for t in (xs, ys) if t.requires_grad]
-        pairs = [(t, g) for t, g in zip(theta[:4], grads[:4], strict=True) if t.requires_grad]
-        first = torch.autograd.grad([t for t, _ in pairs], inputs,
-                                    grad_outputs=[g for _, g in pairs], create_graph=True)
-        count = dirs[0].shape[0] if batched else 1
-        outs = []
-        for i in range(count):
-            di = [d[i] if batched else d for d in dirs]
-            hv = torch.autograd.grad(first, inputs, grad_outputs=[d.to(t.dtype) for d, t in
-                                                                   zip(di, first, strict=True)],
-                                     retain_graph=i + 1 < count)  # fmt: skip
-            outs.append([h.detach() for h in hv])
+        with dual_solve_options(cg_tol, cg_max_iter):
+            cost = sinkhorn(xs, ys, a, b, eps=eps, **sinkhorn_options).cost
+            first = torch.autograd.grad(cost, inputs, create_graph=True)
+            count = dirs[0].shape[0] if batched else 1
+            outs = []
+            for i in range(count):
+                di = [(d[i] if batched else d).to(t.dtype) for d, t in zip(dirs, first, strict=True)]
+                hv = torch.autograd.grad(first, inputs, grad_outputs=di, retain_graph=i + 1 < count)
+                outs.append([h.detach() for h in hv])
     stacked = [torch.stack([o[j] for o in outs]) if batched else outs[0][j]
                for j in range(len(inputs))]  # fmt: skip
     return tuple(stacked) if wrt == "xy" else stacked[0]

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from flashot.autodiff.functions import extrapolate, guarded, needs_grad, relaxed_side
+from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.costs import bounding_diameter
 from flashot.problem import Problem, make_problem
 from flashot.result import SinkhornResult, TransportPlan
@@ -194,6 +195,9 @@ def sinkhorn(
     if tol is not None or not problem.balanced:
         error_t, excess = plan._marginal_error()
     value = _dual_value(problem, f, g, excess)  # queued before the checks wait
+    pf = problem.form
+    value = exact_second_order(value, [Piece(1.0, (pf.q, pf.alpha, pf.k, pf.beta, problem.a,
+                                                   problem.b), fd, gd, spec_of(problem, fd.dtype))])
     error = None if error_t is None else float(error_t)
     finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
     if not (bool(finite) and (error is None or math.isfinite(error))):

@@ -81,11 +81,16 @@ class SoftCTransform(torch.autograd.Function):
         lse, wk = backend.row_attend(form, h.detach(), eps, form.k if need_q else None, log_w)
         ctx.save_for_backward(wk if need_q else None)
         ctx.lam = lam
+        # a double backward reaches here with no gradient (the value's exact second-order
+        # path replaced this graph): undefined, not zeros, so it can tell
+        ctx.set_materialize_grads(False)
         return lam * (alpha.detach() - lse)
 
     @staticmethod
     def backward(ctx, grad_f):
         """Backward: ``∂q = −λ grad_f ⊙ (W k)``, ``∂α = λ grad_f``."""
+        if grad_f is None:
+            return (None,) * 9
         if torch.is_grad_enabled():  # create_graph=True: a second derivative was asked for
             raise RuntimeError(SECOND_ORDER)
         (wk,) = ctx.saved_tensors

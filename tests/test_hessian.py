@@ -1,0 +1,209 @@
+"""Second order: hvp and double backward against central differences of the dense
+float64 reference gradient (envelope on the converged dense plan), symmetry, and Lanczos
+against the dense Hessian assembled from HVPs."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flashot
+from flashot.backends import available_backends
+from flashot.hessian import hvp
+from flashot.linalg import lanczos
+from tests.conftest import rel
+from tests.references import dense_hvp_fd
+
+F64 = torch.float64
+TIGHT = dict(tol=1e-13, max_iter=100_000, update="alternating")
+
+
+def problem(seed, n=9, m=7, d=2, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen, dtype=F64)
+    y = torch.randn(m, d, generator=gen, dtype=F64) + 0.5
+    a = torch.rand(n, generator=gen, dtype=F64) + 0.2
+    b = torch.rand(m, generator=gen, dtype=F64) + 0.2
+    vx = torch.randn(n, d, generator=gen, dtype=F64)
+    vy = torch.randn(m, d, generator=gen, dtype=F64)
+    return [t.to(dtype) for t in (x, y, a, b, vx, vy)]
+
+
+def rho_pair(rho):
+    return rho if isinstance(rho, tuple) else (rho, rho)
+
+
+@pytest.mark.parametrize("cost", ["sqeuclidean", "half_sqeuclidean", "cosine"])
+@pytest.mark.parametrize("rho", [None, 1.0, (None, 2.0)])
+def test_hvp_matches_finite_differences_of_the_dense_gradient(cost, rho):
+    x, y, a, b, vx, vy = problem(0)
+    eps = 0.5
+    ref_x, ref_y = dense_hvp_fd(x, y, *reference_weights(a, b, rho), eps, vx, vy, cost=cost,
+                                rho=rho_pair(rho))  # fmt: skip
+    hx, hy = hvp(x, y, (vx, vy), a, b, wrt="xy", eps=eps, cost=cost, rho=rho, **TIGHT)
+    assert rel(hx, ref_x) < 1e-5 and rel(hy, ref_y) < 1e-5
+    # single blocks: H_xx v_x and H_yy v_y
+    ref_xx, _ = dense_hvp_fd(x, y, *reference_weights(a, b, rho), eps, vx, 0 * vy, cost=cost,
+                             rho=rho_pair(rho))  # fmt: skip
+    assert rel(hvp(x, y, vx, a, b, eps=eps, cost=cost, rho=rho, **TIGHT), ref_xx) < 1e-5
+    _, ref_yy = dense_hvp_fd(x, y, *reference_weights(a, b, rho), eps, 0 * vx, vy, cost=cost,
+                             rho=rho_pair(rho))  # fmt: skip
+    assert rel(hvp(x, y, vy, a, b, wrt="y", eps=eps, cost=cost, rho=rho, **TIGHT), ref_yy) < 1e-5
+
+
+def reference_weights(a, b, rho):
+    if rho is None:  # balanced problems are between the normalized weights
+        return a / a.sum(), b / b.sum()
+    return a, b
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.integers(2, 12), st.integers(2, 12), st.integers(1, 3),
+       st.floats(0.2, 5.0), st.sampled_from([None, 0.5, 5.0]))  # fmt: skip
+def test_hvp_property_float64(seed, n, m, d, eps, rho):
+    x, y, a, b, vx, vy = problem(seed, n, m, d)
+    ref = dense_hvp_fd(x, y, *reference_weights(a, b, rho), eps, vx, vy, rho=(rho, rho))
+    out = hvp(x, y, (vx, vy), a, b, wrt="xy", eps=eps, rho=rho, **TIGHT)
+    scale = max(float(ref[0].norm()), float(ref[1].norm()), 1e-3)
+    for o, r in zip(out, ref, strict=True):
+        assert float((o - r).norm()) <= 1e-5 * scale
+
+
+def test_hvp_float32_and_batches():
+    x, y, a, b, vx, vy = problem(1)
+    ref, _ = dense_hvp_fd(x, y, a / a.sum(), b / b.sum(), 0.5, vx, 0 * vy)
+    h32 = hvp(x.float(), y.float(), vx.float(), a.float(), b.float(), eps=0.5, tol=1e-7,
+              max_iter=20000, update="alternating")  # fmt: skip
+    assert h32.dtype == torch.float32 and rel(h32, ref) < 1e-3
+    batch = torch.stack([vx, 2 * vx, -vx])
+    hb = hvp(x, y, batch, a, b, eps=0.5, **TIGHT)
+    assert hb.shape == (3, *x.shape)
+    assert rel(hb[1], 2 * ref) < 1e-5 and rel(hb[2], -ref) < 1e-5
+
+
+def test_hessian_is_symmetric():
+    x, y, a, b, u, _ = problem(2)
+    v = torch.randn_like(u)
+    hu = hvp(x, y, u, a, b, eps=0.3, rho=0.8, **TIGHT)
+    hv = hvp(x, y, v, a, b, eps=0.3, rho=0.8, **TIGHT)
+    assert abs(float((u * hv).sum() - (v * hu).sum())) <= 1e-8 * float(hu.norm() * v.norm())
+
+
+def dense_hessian(x, y, a, b, eps, **kw):
+    n, d = x.shape
+    basis = torch.eye(n * d, dtype=F64).reshape(n * d, n, d)
+    cols = hvp(x, y, basis, a, b, eps=eps, **kw)
+    return cols.reshape(n * d, n * d)
+
+
+def test_lanczos_on_the_hessian_matches_eigvalsh():
+    x, y, a, b, _, _ = problem(3, n=12, m=10, d=3)
+    H = dense_hessian(x, y, a, b, 0.4, **TIGHT)
+    assert torch.allclose(H, H.T, atol=1e-8 * float(H.abs().max()))
+    ref = torch.linalg.eigvalsh((H + H.T) / 2)
+    op = lambda v: hvp(x, y, v, a, b, eps=0.4, **TIGHT)  # noqa: E731
+    for which, want in (("smallest", ref[:2]), ("largest", ref.flip(0)[:2])):
+        vals, vecs = lanczos(op, x, k=2, which=which, tol=1e-10,
+                             generator=torch.Generator().manual_seed(0))  # fmt: skip
+        assert torch.allclose(vals, want, atol=1e-7 * float(ref.abs().max()))
+        assert vecs.shape == (2, *x.shape)
+
+
+@pytest.mark.parametrize("rho", [None, 1.0])
+@pytest.mark.parametrize("cost", ["sqeuclidean", "cosine"])
+def test_double_backward_of_the_divergence(rho, cost):
+    x, y, a, b, vx, vy = problem(4)
+    a, b = a / a.sum(), b / b.sum()
+
+    def grads(x, y, create_graph=False):
+        x, y = x.clone().requires_grad_(), y.clone().requires_grad_()
+        s = flashot.sinkhorn_divergence(x, y, a, b, eps=0.5, rho=rho, cost=cost, **TIGHT)
+        return torch.autograd.grad(s, (x, y), create_graph=create_graph), (x, y)
+
+    h = 1e-5
+    plus, _ = grads(x + h * vx, y + h * vy)
+    minus, _ = grads(x - h * vx, y - h * vy)
+    fd = [(p - m) / (2 * h) for p, m in zip(plus, minus, strict=True)]
+    (gx, gy), leaves = grads(x, y, create_graph=True)
+    hx, hy = torch.autograd.grad((gx * vx).sum() + (gy * vy).sum(), leaves)
+    assert rel(hx, fd[0]) < 1e-5 and rel(hy, fd[1]) < 1e-5
+
+
+def test_samples_loss_double_backward_is_the_divergence_hessian_at_its_potentials():
+    # SamplesLoss runs GeomLoss' fixed schedule (not converged): its Hessian is that of
+    # the converged value at its final potentials, close to the converged divergence's
+    x, y, a, b, vx, _ = problem(5)
+    a, b = a / a.sum(), b / b.sum()
+    xs = x.clone().requires_grad_()
+    loss = flashot.SamplesLoss(blur=0.5, scaling=0.999, cost=None)(a, xs, b, y)
+    (g,) = torch.autograd.grad(loss, xs, create_graph=True)
+    (h_sl,) = torch.autograd.grad((g * vx).sum(), xs)
+    xd = x.clone().requires_grad_()
+    div = flashot.sinkhorn_divergence(xd, y, a, b, eps=0.25, cost="half_sqeuclidean", **TIGHT)
+    (g,) = torch.autograd.grad(div, xd, create_graph=True)
+    (h_div,) = torch.autograd.grad((g * vx).sum(), xd)
+    assert rel(h_sl, h_div) < 2e-2
+
+
+def test_double_backward_through_a_model():
+    # points = model(theta): the chain rule through the exact Hessian
+    x, y, a, b, _, _ = problem(6)
+    theta = torch.tensor([[1.1, 0.2], [-0.1, 0.9]], dtype=F64, requires_grad=True)
+    shift = torch.tensor([0.3, -0.2], dtype=F64, requires_grad=True)
+
+    def loss(theta, shift):
+        return flashot.sinkhorn(x @ theta + shift, y, a, b, eps=0.5, **TIGHT).cost
+
+    H = torch.autograd.functional.hessian(loss, (theta, shift))
+    h = 1e-5
+    e = torch.zeros_like(theta)
+    e[0, 1] = 1.0
+
+    def grad_at(t):
+        t = t.clone().requires_grad_()
+        return torch.autograd.grad(loss(t, shift.detach()), t)[0]
+
+    fd = (grad_at(theta.detach() + h * e) - grad_at(theta.detach() - h * e)) / (2 * h)
+    assert rel(H[0][0][:, :, 0, 1], fd) < 1e-5
+
+
+def test_weights_second_order_and_mixed_blocks():
+    x, y, a, b, vx, _ = problem(7)
+    rho = 1.0  # relaxed: the weights' masses matter
+
+    def grad_a(x):
+        aa = a.clone().requires_grad_()
+        return torch.autograd.grad(flashot.sinkhorn(x, y, aa, b, eps=0.5, rho=rho, **TIGHT).cost,
+                                   aa)[0]  # fmt: skip
+
+    h = 1e-5
+    fd = (grad_a(x + h * vx) - grad_a(x - h * vx)) / (2 * h)  # d/dx (d cost / da) along vx
+    xs, aa = x.clone().requires_grad_(), a.clone().requires_grad_()
+    cost = flashot.sinkhorn(xs, y, aa, b, eps=0.5, rho=rho, **TIGHT).cost
+    (gx,) = torch.autograd.grad(cost, xs, create_graph=True)
+    (mixed,) = torch.autograd.grad((gx * vx).sum(), aa)
+    assert rel(mixed, fd) < 1e-5
+
+
+def test_hvp_options_are_checked():
+    x, y, a, b, vx, vy = problem(8)
+    with pytest.raises(ValueError, match="wrt"):
+        hvp(x, y, vx, eps=0.5, wrt="z")
+    with pytest.raises(ValueError, match="v must have shape"):
+        hvp(x, y, vy, eps=0.5)
+    with pytest.raises(ValueError, match="pair"):
+        hvp(x, y, (vx,), eps=0.5, wrt="xy")
+    with pytest.raises(ValueError, match="non-finite"):
+        hvp(x, y, vx * float("nan"), eps=0.5)
+    with pytest.raises(ValueError, match="cg_tol"):
+        hvp(x, y, vx, eps=0.5, cg_tol=-1.0)
+
+
+@pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
+def test_triton_backend_matches_torch():
+    x, y, a, b, vx, vy = problem(9, n=8, m=6)
+    kw = dict(eps=0.5, tol=1e-6, max_iter=5000, update="alternating")
+    args = (x.float(), y.float(), (vx.float(), vy.float()), a.float(), b.float())
+    ht = hvp(*args, wrt="xy", backend="torch", **kw)
+    hk = hvp(*args, wrt="xy", backend="triton", **kw)
+    assert rel(hk[0], ht[0]) < 1e-3 and rel(hk[1], ht[1]) < 1e-3
