@@ -349,22 +349,10 @@ def test_large_eps_divergence_is_the_squared_mean_gap():
         assert float(s) == pytest.approx(gap, rel=rtol)
 
 
-def test_second_derivatives_raise():
+def test_first_order_is_unchanged_by_the_second_order_wrapper():
     x, y = _d0()
     x = x.requires_grad_()
-    cost = flashot.sinkhorn(x, y, eps=0.5).cost
-    with pytest.raises(RuntimeError, match="twice"):
-        torch.autograd.grad(cost, x, create_graph=True)
-    (grad,) = torch.autograd.grad(flashot.sinkhorn(x, y, eps=0.5).cost, x)  # first order works
-    assert torch.isfinite(grad).all()
-
-
-def test_potentials_and_transport_cost_raise_when_differentiated():
-    x, y = _d0()
-    x = x.requires_grad_()
-    res = flashot.sinkhorn(x, y, eps=0.5)
-    with pytest.raises(RuntimeError, match="potentials"):
-        torch.autograd.grad((res.f**2).sum(), x)
-    with pytest.raises(RuntimeError, match="transport_cost"):
-        torch.autograd.grad(res.transport_cost, x)
-    assert torch.equal(res.f.detach(), res.plan._f)  # values untouched
+    (grad,) = torch.autograd.grad(flashot.sinkhorn(x, y, eps=0.5).cost, x)
+    (again,) = torch.autograd.grad(flashot.sinkhorn(x, y, eps=0.5).cost, x, create_graph=True)
+    # the envelope gradient and the exact one agree to the solve's tolerance
+    assert torch.allclose(grad, again.detach(), rtol=1e-5, atol=1e-6)

@@ -93,16 +93,12 @@ def test_float32_plan_product_accuracy(gen):
     assert rel(r32.plan @ V, P @ V.double()) < 1e-5
 
 
-def test_plan_product_is_differentiable_in_v_and_raises_through_the_plan(gen):
+def test_plan_product_is_differentiable_in_v(gen):
     x, y = clouds(gen, 12, 9, 2)
     res = flashot.sinkhorn(x, y, eps=0.5, tol=1e-12, max_iter=5000)
     v = torch.randn(9, 2, generator=gen, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda v: res.plan @ v, (v,))
     assert torch.autograd.gradcheck(lambda u: res.plan.T @ u, (torch.randn(12, 3, dtype=torch.float64, requires_grad=True),))
-    xg = x.clone().requires_grad_()
-    res2 = flashot.sinkhorn(xg, y, eps=0.5)
-    with pytest.raises(RuntimeError, match="plan @ V is differentiable in V only"):
-        torch.autograd.grad((res2.plan @ v).sum(), xg)
 
 
 def test_in_place_changes_of_the_inputs_are_detected(gen):

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-from flashot.autodiff.functions import extrapolate, guarded, needs_grad, relaxed_side
+from flashot.autodiff.functions import extrapolate, needs_grad, relaxed_side
+from flashot.autodiff.implicit import implicit_potentials
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.costs import bounding_diameter
 from flashot.problem import Problem, make_problem
@@ -24,12 +25,6 @@ from flashot.solver import (
 )
 
 __all__ = ["ConvergenceWarning", "resolve_schedule", "sinkhorn"]
-
-
-POTENTIAL_GRADIENT = (
-    "the potentials res.f and res.g are not differentiable yet (their exact derivative "
-    "needs implicit differentiation); differentiate res.cost, or detach the potentials"
-)
 
 
 class ConvergenceWarning(UserWarning):
@@ -187,17 +182,21 @@ def sinkhorn(
         lam = problem.damping(eps)
         f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, lam, engine, update)
     fd, gd = f.detach(), g.detach()
+    pf = problem.form
+    theta = (pf.q, pf.alpha, pf.k, pf.beta, problem.a, problem.b)
+    exact = None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in theta):
+        exact = (theta, spec_of(problem, fd.dtype))
     plan = TransportPlan(form, fd, gd, log_a, log_b, eps, engine, problem.x, problem.y, rhos,
-                         sources=(problem.x, problem.y, problem.a, problem.b))  # fmt: skip
+                         exact)  # fmt: skip
     # a fixed-iteration balanced solve needs neither the error nor the plan's mass:
     # the error is then measured only if asked for (it costs a pass over the plan)
     error_t = excess = None
     if tol is not None or not problem.balanced:
         error_t, excess = plan._marginal_error()
     value = _dual_value(problem, f, g, excess)  # queued before the checks wait
-    pf = problem.form
-    value = exact_second_order(value, [Piece(1.0, (pf.q, pf.alpha, pf.k, pf.beta, problem.a,
-                                                   problem.b), fd, gd, spec_of(problem, fd.dtype))])
+    if exact is not None:
+        value = exact_second_order(value, [Piece(1.0, theta, fd, gd, exact[1])])
     error = None if error_t is None else float(error_t)
     finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
     if not (bool(finite) and (error is None or math.isfinite(error))):
@@ -215,7 +214,7 @@ def sinkhorn(
         why = describe_miss(cause, tol, error, floor, out.n_iter, problem.form.q.dtype, update,
                             problem.form.cost_bound / eps)  # fmt: skip
         warnings.warn(why, ConvergenceWarning, stacklevel=2)
-    f_out, g_out = (guarded(p, POTENTIAL_GRADIENT) for p in (f, g))
+    f_out, g_out = (f, g) if exact is None else implicit_potentials(theta, fd, gd, exact[1])
     return SinkhornResult(f_out, g_out, value, out.n_iter, converged, eps, plan, error, cause)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
+from flashot.autodiff.implicit import DualSpec, implicit_potentials, plan_product
 from flashot.dual import marginal_error, mass_excess
 
 __all__ = ["SinkhornResult", "TransportPlan"]
@@ -31,10 +32,11 @@ class TransportPlan:
     """The entropic transport plan ``P`` (n × m) as a lazy operator.
 
     Supports ``plan @ V``, ``plan.T @ U``, marginals, the barycentric map and,
-    for small problems only, :meth:`dense`. ``plan @ V`` is differentiable in V
-    (``∂/∂V = Pᵀ G``); a gradient through the plan to x, y, a or b raises (it needs
-    implicit differentiation). The plan refuses to run after its inputs (x, y or the
-    potentials) were modified in place.
+    for small problems only, :meth:`dense`. ``plan @ V``, :meth:`transport_cost` and
+    :meth:`barycentric_map` (on the cloud) are differentiable in V and, through the
+    potentials' implicit derivatives (:mod:`flashot.autodiff.implicit`), exactly in
+    x, y, a and b. The plan refuses to run after its inputs (x, y or the potentials)
+    were modified in place.
 
     Args:
         form: cost in attention form (detached).
@@ -44,8 +46,9 @@ class TransportPlan:
         backend: the streaming primitives.
         x: (n, d) row points.  y: (m, d) column points (original coordinates).
         rho: (ρ_x, ρ_y) of the problem (None entries are balanced sides).
-        sources: the tensors the plan depends on (x, y, a, b as given): a gradient
-            requested through the plan to any of them raises.
+        exact: ``(θ, spec)``: the problem's (q, α, k, β, a, b) with their autograd
+            history and its :class:`~flashot.autodiff.implicit.DualSpec`, when any of
+            them needs a gradient (None otherwise).
     """
 
     def __init__(
@@ -60,12 +63,13 @@ class TransportPlan:
         x: torch.Tensor,
         y: torch.Tensor,
         rho: tuple[float | None, float | None] = (None, None),
-        sources: tuple[torch.Tensor, ...] = (),
+        exact: tuple | None = None,
     ):
         self._form, self._f, self._g = form, f.detach(), g.detach()
         self._log_a, self._log_b, self._eps, self._backend = log_a, log_b, eps, backend
         self._x, self._y, self._rho = x.detach(), y.detach(), tuple(rho)
-        self._sources = tuple(t for t in sources if t.requires_grad)
+        self._x_graph, self._y_graph = x, y  # the maps' values, differentiable
+        self._exact = exact
         self._versions = self._state()
 
     def _state(self) -> tuple[int, ...]:
@@ -97,10 +101,10 @@ class TransportPlan:
             self._log_a,
             self._eps,
             self._backend,
-            self._y,
-            self._x,
+            self._y_graph,
+            self._x_graph,
             self._rho[::-1],
-            self._sources,
+            None if self._exact is None else _transposed(*self._exact),
         )
 
     def __repr__(self) -> str:
@@ -144,14 +148,31 @@ class TransportPlan:
     def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
         """``P @ V`` for V of shape (m,) or (m, p); returns (n,) or (n, p) in V's dtype.
 
-        Differentiable in V; a gradient through the plan to x, y, a or b raises.
+        Differentiable in V and (exactly, once) in x, y, a and b.
         """
         vv = self._values(v, "V")
-        if torch.is_grad_enabled() and (v.requires_grad or self._sources):
-            res = _PlanProduct.apply(vv, self, v.requires_grad, *self._sources)
-        else:
-            res = self._apply(vv)
+        res = self._exact_product(vv) if self._needs_grad(v) else self._apply(vv)
         return (res[:, 0] if v.dim() == 1 else res).to(v.dtype)
+
+    def _needs_grad(self, *values) -> bool:
+        return torch.is_grad_enabled() and (
+            self._exact is not None or any(t.requires_grad for t in values)
+        )
+
+    def _exact_product(self, vv: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+        """``P V`` (or ``Pᵀ V``) as a function of θ, the implicit potentials and V."""
+        self._check_fresh()
+        theta, spec = self._exact if self._exact is not None else (self._theta_const(), None)
+        spec = spec or DualSpec(self._eps, self._rho, self._backend, self._form.cost_bound, 1.0)
+        if self._exact is None:
+            z = (self._f, self._g)
+        else:
+            z = implicit_potentials(theta, self._f, self._g, spec)
+        return plan_product(theta, z, vv, spec, transpose)
+
+    def _theta_const(self):
+        form = self._form
+        return (form.q, form.alpha, form.k, form.beta, self._log_a.exp(), self._log_b.exp())
 
     def _apply(self, vv: torch.Tensor) -> torch.Tensor:
         r, out = self._attend(vv)
@@ -176,7 +197,13 @@ class TransportPlan:
         self._check_fresh()
         y = self._y.to(self._f.dtype)
         if points is None:
+            yg = self._y_graph.to(self._f.dtype)
+            if self._needs_grad(yg):
+                rows = self._exact_product(torch.cat([torch.ones_like(yg[:, :1]), yg], 1))
+                return (rows[:, 1:] / rows[:, :1]).to(self._y.dtype)
             return self._attend(y)[1].to(self._y.dtype)
+        if self._needs_grad(points):
+            raise RuntimeError(MAP_GRADIENT)
         form = self._form
         if form.row_features is None:
             raise ValueError("this plan cannot evaluate its map at new points")
@@ -197,12 +224,17 @@ class TransportPlan:
     def transport_cost(self) -> torch.Tensor:
         """``⟨P, C⟩ = Σ_i r_i (α_i + E_w[β] − ⟨q_i, E_w[k]⟩)``, one streaming pass.
 
-        Not differentiable yet: a gradient through it to x, y, a or b raises.
+        Differentiable (exactly, once) in x, y, a and b: the value is this pass's, the
+        derivative that of ``⟨P1, α⟩ + ⟨Pᵀ1, β⟩ − Σ_i ⟨q_i, (P k)_i⟩``.
         """
         value = self._transport_cost()
-        if torch.is_grad_enabled() and self._sources:
-            return guarded_by(value, self._sources, TRANSPORT_COST_GRADIENT)
-        return value
+        if self._exact is None or not torch.is_grad_enabled():
+            return value
+        q, alpha, k, beta = self._exact[0][:4]
+        rows = self._exact_product(torch.cat([torch.ones_like(beta)[:, None], k], 1))
+        cols = self._exact_product(torch.ones_like(alpha)[:, None], transpose=True)
+        expr = (rows[:, 0] * alpha).sum() + (cols[:, 0] * beta).sum() - (q * rows[:, 1:]).sum()
+        return value + (expr - expr.detach())
 
     def _transport_cost(self) -> torch.Tensor:
         form = self._form
@@ -234,51 +266,15 @@ class TransportPlan:
         return torch.exp(log_p)
 
 
-PLAN_GRADIENT = (
-    "plan @ V is differentiable in V only: its derivative through the plan to x, y, a or b "
-    "needs implicit differentiation, which flashot does not do yet; detach those inputs "
-    "or differentiate res.cost"
-)
-TRANSPORT_COST_GRADIENT = (
-    "transport_cost is not differentiable yet (its derivative needs implicit "
-    "differentiation); differentiate res.cost, or compute it under torch.no_grad()"
+MAP_GRADIENT = (
+    "the entropic map at new points is not differentiable; call barycentric_map() on the "
+    "cloud itself (differentiable), or compute the map under torch.no_grad()"
 )
 
 
-class _PlanProduct(torch.autograd.Function):
-    """``P @ V`` with ``∂/∂V = Pᵀ G``; gradients to the plan's sources raise."""
-
-    @staticmethod
-    def forward(ctx, v, plan, v_grad, *sources):
-        ctx.plan, ctx.v_grad = plan, v_grad
-        return plan._apply(v.detach())
-
-    @staticmethod
-    def backward(ctx, grad):
-        if any(ctx.needs_input_grad[3:]):
-            raise RuntimeError(PLAN_GRADIENT)
-        if torch.is_grad_enabled():
-            raise RuntimeError("plan @ V cannot be differentiated twice (create_graph=True)")
-        grad_v = ctx.plan.T._apply(grad) if ctx.v_grad else None
-        return (grad_v, None, None, *(None for _ in ctx.needs_input_grad[3:]))
-
-
-class _Raising(torch.autograd.Function):
-    """A value whose derivative w.r.t. ``sources`` raises ``message``."""
-
-    @staticmethod
-    def forward(ctx, value, message, *sources):
-        ctx.message = message
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError(ctx.message)
-
-
-def guarded_by(value: torch.Tensor, sources, message: str) -> torch.Tensor:
-    """``value`` (detached) tied to ``sources`` so that differentiating it raises ``message``."""
-    return _Raising.apply(value.detach(), message, *sources)
+def _transposed(theta, spec):
+    q, alpha, k, beta, a, b = theta
+    return (k, beta, q, alpha, b, a), spec.T
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ from flashot.costs import AttentionForm
 __all__ = [
     "SECOND_ORDER",
     "SoftCTransform",
-    "guarded",
     "dual_term",
     "extrapolate",
     "needs_grad",
@@ -38,35 +37,10 @@ __all__ = [
 
 
 SECOND_ORDER = (
-    "flashot does not differentiate OT values twice yet (create_graph=True): its first "
-    "derivatives come from the envelope theorem, whose own derivative would miss how the "
-    "potentials move with the points. Compute the gradient without create_graph"
+    "these extrapolated potentials (e.g. SamplesLoss(potentials=True)) are differentiable "
+    "once only (create_graph=True is not supported through them); OT values are "
+    "differentiable twice"
 )
-
-
-class _Guard(torch.autograd.Function):
-    """Identity whose backward raises: marks an output that has no exact derivative yet."""
-
-    @staticmethod
-    def forward(ctx, t, message):
-        ctx.message = message
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError(ctx.message)
-
-
-def guarded(t: torch.Tensor, message: str) -> torch.Tensor:
-    """``t`` as a view that raises ``message`` if autograd ever differentiates through it.
-
-    Outputs whose gradient flashot cannot compute exactly (e.g. the potentials, whose
-    envelope derivative is right only inside the OT value) are returned through this
-    instead of silently giving a partial derivative.
-    """
-    if not (torch.is_grad_enabled() and t.requires_grad):
-        return t
-    return _Guard.apply(t, message)
 
 
 class SoftCTransform(torch.autograd.Function):

@@ -170,6 +170,8 @@ class ImplicitPotentials(torch.autograd.Function):
         form = _form(q, alpha, k, beta, spec)
         f_bar = torch.zeros_like(f) if f_bar is None else f_bar
         g_bar = torch.zeros_like(g) if g_bar is None else g_bar
+        if spec.rho == (None, None):
+            _check_gauge(f_bar, g_bar)
         w_f, w_g = solve_dual(form, f, g, a, b, spec, f_bar, g_bar)
         # θ̄ = ∂_θ ⟨∂_z L, w⟩ = ∂_θ [⟨a', w_f⟩ + ⟨b', w_g⟩ − Σ_ij P_ij (w_f,i + w_g,j)]
         ones_n, ones_m = torch.ones_like(w_f), torch.ones_like(w_g)
@@ -180,6 +182,21 @@ class ImplicitPotentials(torch.autograd.Function):
         grad_a = _relaxed_weight(f, ones_n, spec.rho[0]) * w_f - vjp.per_a
         grad_b = _relaxed_weight(g, ones_m, spec.rho[1]) * w_g - vjp.per_b
         return -vjp.row_k / eps, row, -vjp.col_q / eps, col, grad_a, grad_b, None, None, None
+
+
+GAUGE = (
+    "this function of the potentials depends on their additive constant: a balanced "
+    "problem's (f + c, g − c) are as optimal as (f, g), so it has no derivative. Make it "
+    "invariant (e.g. use f - f.mean(), or f_i + g_j), or relax a marginal (rho)"
+)
+
+
+def _check_gauge(f_bar, g_bar) -> None:
+    """Raise :data:`GAUGE` unless ``⟨(f̄, ḡ), (1, −1)⟩ = 0`` up to rounding."""
+    drift = float((f_bar.sum() - g_bar.sum()).abs())
+    size = float(f_bar.abs().sum() + g_bar.abs().sum())
+    if drift > 1e3 * torch.finfo(f_bar.dtype).eps * max(size, 1e-300):
+        raise RuntimeError(GAUGE)
 
 
 def implicit_potentials(theta, f, g, spec: DualSpec):
