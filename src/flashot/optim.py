@@ -1,0 +1,300 @@
+r"""Second-order optimizers for losses built from flashot operations (torch.optim style).
+
+Each takes a ``closure`` that re-evaluates the loss (like :class:`torch.optim.LBFGS`,
+but it must *not* call ``backward``: the optimizer differentiates it, twice). Hessian-
+vector products are double backward passes through the loss, exact for flashot's OT
+values (:mod:`flashot.autodiff.second_order`), so each costs a dual CG solve and a few
+streaming passes, and no n × m or (nd)² array.
+
+- :class:`NewtonCG`: inexact Newton steps (CG to a forcing tolerance, stopped at
+  negative curvature) with an Armijo backtracking line search.
+- :class:`TrustRegion`: Steihaug–Toint truncated CG in a ball whose radius follows the
+  ratio of actual to predicted decrease; negative curvature leads to the boundary.
+- :class:`AdamNewton`: Adam steps while the gradient is large; near a stationary point
+  it estimates λ_min of the Hessian by Lanczos, takes a negative-curvature step when
+  λ_min < −τ (saddle escape) and a Newton step when the Hessian is positive definite.
+
+Every optimizer appends one dict per step to :attr:`log`: ``loss``, ``grad_norm``,
+``step`` (the step type), ``cg_iters``, ``lambda_min`` (when computed), ``t`` (the step
+length accepted), ``radius`` (trust region).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from flashot.linalg import NegativeCurvature, cg, lanczos
+
+__all__ = ["AdamNewton", "NewtonCG", "TrustRegion"]
+
+
+class _SecondOrder(torch.optim.Optimizer):
+    """Shared machinery: one flat parameter vector, gradients and HVPs of the closure."""
+
+    def __init__(self, params, defaults):
+        super().__init__(params, defaults)
+        if len(self.param_groups) != 1:
+            raise ValueError(f"{type(self).__name__} supports a single parameter group")
+        self.log: list[dict] = []
+
+    @property
+    def _params(self) -> list[torch.Tensor]:
+        return self.param_groups[0]["params"]
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self._params])
+
+    def _assign(self, flat: torch.Tensor) -> None:
+        start = 0
+        with torch.no_grad():
+            for p in self._params:
+                p.copy_(flat[start : start + p.numel()].view_as(p))
+                start += p.numel()
+
+    def _loss_at(self, closure, flat: torch.Tensor) -> float:
+        self._assign(flat)
+        with torch.no_grad():
+            return float(closure())
+
+    def _derivatives(self, closure) -> tuple[float, torch.Tensor, Callable]:
+        """(loss, flat gradient, v ↦ H v) at the current parameters."""
+        with torch.enable_grad():
+            loss = closure()
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise TypeError("the closure must return the loss as a 0-dim tensor")
+            grads = torch.autograd.grad(loss, self._params, create_graph=True)
+        flat_grad = torch.cat([g.reshape(-1) for g in grads]).detach()
+
+        def hvp(v: torch.Tensor) -> torch.Tensor:
+            pieces, start = [], 0
+            for p in self._params:
+                pieces.append(v[start : start + p.numel()].view_as(p).to(p.dtype))
+                start += p.numel()
+            with torch.enable_grad():
+                hv = torch.autograd.grad(grads, self._params, grad_outputs=pieces,
+                                         retain_graph=True, allow_unused=True)  # fmt: skip
+            return torch.cat([(torch.zeros_like(p) if h is None else h).reshape(-1)
+                              for h, p in zip(hv, self._params, strict=True)]).detach()  # fmt: skip
+
+        return float(loss), flat_grad, hvp
+
+    def _line_search(self, closure, x, loss, grad, direction, t, c1=1e-4, shrink=0.5, tries=30):
+        """Armijo backtracking from step ``t``; returns (t, new loss) or (0, loss)."""
+        slope = float(grad @ direction)
+        for _ in range(tries):
+            new = self._loss_at(closure, x + t * direction)
+            if math.isfinite(new) and new <= loss + c1 * t * slope:
+                return t, new
+            t *= shrink
+        self._assign(x)
+        return 0.0, loss
+
+    def _newton_direction(self, grad, hvp, cg_max_iter, cg_tol=None):
+        """Inexact Newton direction, or −g at negative curvature.
+
+        CG stops at ``cg_tol`` or, when None, at the forcing ``min(½, √‖g‖)`` (relative
+        residual; superlinear convergence near a minimum at a fraction of the HVPs).
+        """
+        tol = cg_tol or max(min(0.5, math.sqrt(float(grad.norm()))), 1e-12)
+        try:
+            res = cg(hvp, -grad, tol=tol, max_iter=cg_max_iter,
+                     on_negative_curvature="return")  # fmt: skip
+        except NegativeCurvature:  # pragma: no cover - "return" mode never raises
+            return -grad, 0, "gradient"
+        direction = res.x
+        if res.negative_curvature is not None and res.n_iter == 0:
+            return -grad, 0, "gradient"
+        if float(grad @ direction) >= 0:
+            return -grad, res.n_iter, "gradient"
+        return direction, res.n_iter, "newton"
+
+
+class NewtonCG(_SecondOrder):
+    """Newton-CG with an Armijo line search.
+
+    Args:
+        params: parameters (one group).
+        lr: initial step length of the line search (1: the full Newton step).
+        cg_max_iter: CG iterations per step at most.
+        cg_tol: CG's relative residual; None: the forcing ``min(½, √‖g‖)``.
+        grad_tol: a step is skipped when ``‖g‖ ≤ grad_tol``.
+    """
+
+    def __init__(self, params, lr: float = 1.0, cg_max_iter: int = 50,
+                 cg_tol: float | None = None, grad_tol: float = 1e-10):  # fmt: skip
+        super().__init__(params, dict(lr=lr, cg_max_iter=cg_max_iter, cg_tol=cg_tol,
+                                      grad_tol=grad_tol))  # fmt: skip
+
+    def step(self, closure):
+        """One Newton-CG step; returns the loss before it."""
+        group = self.param_groups[0]
+        loss, grad, hvp = self._derivatives(closure)
+        entry = dict(loss=loss, grad_norm=float(grad.norm()), cg_iters=0, t=0.0)
+        if entry["grad_norm"] <= group["grad_tol"]:
+            self.log.append(dict(entry, step="converged"))
+            return loss
+        direction, iters, kind = self._newton_direction(grad, hvp, group["cg_max_iter"],
+                                                        group["cg_tol"])  # fmt: skip
+        t, _ = self._line_search(closure, self._flat(), loss, grad, direction, group["lr"])
+        self.log.append(dict(entry, step=kind, cg_iters=iters, t=t))
+        return loss
+
+
+def steihaug(hvp, grad, radius: float, tol: float, max_iter: int):
+    """Steihaug–Toint CG for ``min gᵀp + ½ pᵀHp`` in ``‖p‖ ≤ radius``: (p, iters, hit_boundary)."""
+    p = torch.zeros_like(grad)
+    r, d = grad.clone(), -grad
+    if float(r.norm()) == 0.0:
+        return p, 0, False
+
+    def to_boundary(p, d):  # τ ≥ 0 with ‖p + τ d‖ = radius
+        a, b, c = float(d @ d), 2 * float(p @ d), float(p @ p) - radius**2
+        return p + ((-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)) * d
+
+    r0 = float(r.norm())
+    for it in range(max_iter):
+        hd = hvp(d)
+        dhd = float(d @ hd)
+        if dhd <= 0:
+            return to_boundary(p, d), it + 1, True
+        alpha = float(r @ r) / dhd
+        p_next = p + alpha * d
+        if float(p_next.norm()) >= radius:
+            return to_boundary(p, d), it + 1, True
+        r_next = r + alpha * hd
+        if float(r_next.norm()) <= tol * r0:
+            return p_next, it + 1, False
+        d = -r_next + (float(r_next @ r_next) / float(r @ r)) * d
+        p, r = p_next, r_next
+    return p, max_iter, False
+
+
+class TrustRegion(_SecondOrder):
+    """Trust-region Newton with Steihaug–Toint CG (handles negative curvature).
+
+    Args:
+        params: parameters (one group).
+        radius: initial trust radius.  max_radius: its cap.
+        eta: accept a step when actual/predicted decrease > eta.
+        cg_max_iter: CG iterations per step at most.
+        grad_tol: a step is skipped when ``‖g‖ ≤ grad_tol``.
+    """
+
+    def __init__(self, params, radius: float = 1.0, max_radius: float = 1e3, eta: float = 0.1,
+                 cg_max_iter: int = 50, grad_tol: float = 1e-10):  # fmt: skip
+        if not (radius > 0 and max_radius >= radius and 0 <= eta < 0.25):
+            raise ValueError("need radius > 0, max_radius ≥ radius and 0 ≤ eta < 1/4")
+        super().__init__(params, dict(radius=radius, max_radius=max_radius, eta=eta,
+                                      cg_max_iter=cg_max_iter, grad_tol=grad_tol))  # fmt: skip
+
+    def step(self, closure):
+        """One trust-region step; returns the loss before it."""
+        group = self.param_groups[0]
+        loss, grad, hvp = self._derivatives(closure)
+        gnorm = float(grad.norm())
+        entry = dict(loss=loss, grad_norm=gnorm, radius=group["radius"], cg_iters=0, t=0.0)
+        if gnorm <= group["grad_tol"]:
+            self.log.append(dict(entry, step="converged"))
+            return loss
+        x = self._flat()
+        tol = max(min(0.5, math.sqrt(gnorm)), 1e-12)
+        p, iters, boundary = steihaug(hvp, grad, group["radius"], tol, group["cg_max_iter"])
+        predicted = -(float(grad @ p) + 0.5 * float(p @ hvp(p)))
+        new = self._loss_at(closure, x + p)
+        ratio = (loss - new) / predicted if predicted > 0 else -1.0
+        if ratio < 0.25:
+            group["radius"] *= 0.25
+        elif ratio > 0.75 and boundary:
+            group["radius"] = min(2 * group["radius"], group["max_radius"])
+        accepted = math.isfinite(new) and ratio > group["eta"]
+        if not accepted:
+            self._assign(x)
+        self.log.append(dict(entry, step="trust" if accepted else "rejected", cg_iters=iters,
+                             t=1.0 if accepted else 0.0))  # fmt: skip
+        return loss
+
+
+class AdamNewton(_SecondOrder):
+    """Adam, switching to curvature-aware steps near stationary points.
+
+    While ``‖g‖ > switch_grad_norm`` it takes Adam steps. Below, it estimates the
+    smallest Hessian eigenvalue by Lanczos on HVPs: if ``λ_min < −tau`` it steps along
+    the eigenvector (signed to descend, backtracking from ``escape_step``), the saddle
+    escape; otherwise it takes a Newton-CG step with a line search.
+
+    Args:
+        params: parameters (one group).
+        lr: Adam's step.  betas, adam_eps: Adam's averaging and denominator constants.
+        switch_grad_norm: gradient norm under which curvature is examined.
+        tau: the negative-curvature threshold.
+        escape_step: first trial length of a negative-curvature step.
+        lanczos_iter: Lanczos iterations per estimate.  cg_max_iter: CG iterations per
+            Newton step.  grad_tol: no step when ``‖g‖ ≤ grad_tol``.
+        generator: RNG of Lanczos' start vectors.
+    """
+
+    def __init__(self, params, lr: float = 1e-2, betas=(0.9, 0.999), adam_eps: float = 1e-8,
+                 switch_grad_norm: float = 1e-3, tau: float = 1e-6, escape_step: float = 1.0,
+                 lanczos_iter: int = 20, cg_max_iter: int = 50, grad_tol: float = 1e-10,
+                 generator: torch.Generator | None = None):  # fmt: skip
+        super().__init__(params, dict(lr=lr, betas=betas, adam_eps=adam_eps,
+                                      switch_grad_norm=switch_grad_norm, tau=tau,
+                                      escape_step=escape_step, lanczos_iter=lanczos_iter,
+                                      cg_max_iter=cg_max_iter, grad_tol=grad_tol))  # fmt: skip
+        self._gen = generator or torch.Generator().manual_seed(0)
+        self._m = self._v = None
+        self._t = 0
+
+    def _adam(self, grad):
+        group = self.param_groups[0]
+        b1, b2 = group["betas"]
+        if self._m is None:
+            self._m, self._v = torch.zeros_like(grad), torch.zeros_like(grad)
+        self._t += 1
+        self._m = b1 * self._m + (1 - b1) * grad
+        self._v = b2 * self._v + (1 - b2) * grad * grad
+        m_hat = self._m / (1 - b1**self._t)
+        v_hat = self._v / (1 - b2**self._t)
+        self._assign(self._flat() - group["lr"] * m_hat / (v_hat.sqrt() + group["adam_eps"]))
+
+    def step(self, closure):
+        """One step (Adam, negative-curvature or Newton); returns the loss before it."""
+        group = self.param_groups[0]
+        loss, grad, hvp = self._derivatives(closure)
+        gnorm = float(grad.norm())
+        entry = dict(loss=loss, grad_norm=gnorm, cg_iters=0, t=0.0)
+        if gnorm <= group["grad_tol"]:
+            self.log.append(dict(entry, step="converged"))
+            return loss
+        if gnorm > group["switch_grad_norm"]:
+            self._adam(grad)
+            self.log.append(dict(entry, step="adam", t=group["lr"]))
+            return loss
+        x = self._flat()
+        self._m = self._v = None  # a curvature step makes Adam's moments stale
+        self._t = 0
+        vals, vecs = lanczos(hvp, x, k=1, which="smallest", max_iter=group["lanczos_iter"],
+                             generator=self._gen)  # fmt: skip
+        lam, vec = float(vals[0]), vecs[0]
+        entry["lambda_min"] = lam
+        if lam < -group["tau"]:
+            direction = vec if float(grad @ vec) <= 0 else -vec
+            t = group["escape_step"]
+            # accept the first trial that decreases by a fraction of the quadratic model's
+            for _ in range(30):
+                new = self._loss_at(closure, x + t * direction)
+                model = t * float(grad @ direction) + 0.5 * t * t * lam
+                if math.isfinite(new) and new < loss + 0.1 * model:
+                    self.log.append(dict(entry, step="negative_curvature", t=t))
+                    return loss
+                t *= 0.5
+            self._assign(x)
+            self.log.append(dict(entry, step="rejected"))
+            return loss
+        direction, iters, kind = self._newton_direction(grad, hvp, group["cg_max_iter"])
+        t, _ = self._line_search(closure, x, loss, grad, direction, 1.0)
+        self.log.append(dict(entry, step=kind, cg_iters=iters, t=t))
+        return loss
