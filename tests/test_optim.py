@@ -38,7 +38,7 @@ def test_second_order_registers_an_affine_map_in_far_fewer_steps_than_adam():
         assert len(log) == 8 and all(e["loss"] > -1e-12 for e in log)
         assert any(e["cg_iters"] > 0 for e in log) and log[0]["grad_norm"] > log[-1]["grad_norm"]
     final = max(finals)
-    # Adam, tuned (lr 0.05 was the fastest of 0.01-0.2 here), after 5x as many steps
+    # Adam, tuned (lr 0.05: the lowest loss at 40 steps of 0.01, 0.02, 0.05, 0.1, 0.2), 5x the steps
     params, closure, _ = registration()
     adam = torch.optim.Adam(params, lr=0.05)
     for _ in range(40):

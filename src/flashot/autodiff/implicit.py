@@ -22,7 +22,7 @@ negative dual Hessian
 (``D_r = diag(r)`` when balanced; the same for columns). :class:`ImplicitPotentials`
 returns z as a function of θ whose backward solves ``M w = z̄`` by conjugate
 gradients on the Schur complement ``S = D_c − Pᵀ D_r⁻¹ P`` (two plan products per
-iteration, preconditioned by ``D_c``). When both sides are balanced, ``S`` has the
+iteration, preconditioned by ``D_c``, shifted by 100 ulps of ``D_c`` against rounding). When both sides are balanced, ``S`` has the
 null vector 1 (the potentials' constant shift); the solve adds ``c cᵀ / Σc``, which
 leaves ``S``'s range alone and picks the solution with ``⟨c, w_g⟩ = 0``.
 :class:`PlanProduct` is ``P V`` as a function of θ, z and V whose backward is the
@@ -33,15 +33,20 @@ expression, and its derivative is the exact Hessian.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
-from flashot.linalg import cg
+from flashot.linalg import CGWarning, cg
 
-__all__ = ["DualSpec", "ImplicitPotentials", "PlanProduct", "plan_times", "value_gradient"]
+__all__ = ["DualSpec", "ImplicitPotentials", "PlanProduct", "last_dual_solve", "plan_times",
+           "value_gradient"]
+
+#: diagnostics of the latest dual solve: CG iterations, relative residual, convergence
+last_dual_solve: dict = {}
 
 
 @dataclass(frozen=True)
@@ -137,8 +142,12 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     def pt_times(u):  # Pᵀ u: (n,) -> (m,)
         return plan_times(backend, form.T, g, f, b, a, eps, u[:, None])[:, 0]
 
+    # S is PSD, but its smallest eigenvalues drown in rounding: a shift of 100 ulps of
+    # D_c keeps CG's curvatures positive and costs ~100 ulps of relative accuracy there
+    shift = 100 * torch.finfo(d_c.dtype).eps
+
     def schur(w):
-        out = d_c * w - pt_times(d_r_inv * p_times(w))
+        out = (1 + shift) * d_c * w - pt_times(d_r_inv * p_times(w))
         if deflate:
             out = out + c * (c @ w) / c.sum()
         return out
@@ -147,7 +156,16 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     if deflate:  # the part along 1 is a gauge dependence: no solution, dropped
         rhs = rhs - c * rhs.sum() / c.sum()
     res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter,
-             preconditioner=lambda v: d_c_inv * v)  # fmt: skip
+             preconditioner=lambda v: d_c_inv * v, on_negative_curvature="return")  # fmt: skip
+    if res.negative_curvature is not None:  # rounding won: the iterate is as good as it gets
+        warnings.warn(
+            f"the dual system's CG met rounding-level curvature after {res.n_iter} iterations "
+            f"(relative residual {res.residual:.1e}); second derivatives are accurate to about "
+            "that; float64 inputs or a larger eps help",
+            CGWarning,
+            stacklevel=2,
+        )
+    last_dual_solve.update(n_iter=res.n_iter, residual=res.residual, converged=res.converged)
     w_g = res.x
     w_f = d_r_inv * (eps * f_bar - p_times(w_g))
     return w_f, w_g

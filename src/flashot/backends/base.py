@@ -230,7 +230,9 @@ class Backend:
         Returns:
             A :class:`~flashot.backends.plan_vjp.PlanVJP`.
         """
-        return plan_vjp_tiles(form, f, g, a, b, eps, v, d, getattr(self, "budget", 1 << 20))
+        # GPUs want fewer, larger tiles (launches): 4M elements, 16 MB per float32 temporary
+        budget = getattr(self, "budget", 1 << 22 if f.is_cuda else 1 << 20)
+        return plan_vjp_tiles(form, f, g, a, b, eps, v, d, budget)
 
     def marginals(
         self, form: AttentionForm, f, g, log_a, log_b, eps: float
