@@ -79,7 +79,7 @@ class _SecondOrder(torch.optim.Optimizer):
             return torch.cat([(torch.zeros_like(p) if h is None else h).reshape(-1)
                               for h, p in zip(hv, self._params, strict=True)]).detach()  # fmt: skip
 
-        return float(loss), flat_grad, hvp
+        return float(loss.detach()), flat_grad, hvp
 
     def _line_search(self, closure, x, loss, grad, direction, t, c1=1e-4, shrink=0.5, tries=30):
         """Armijo backtracking from step ``t``; returns (t, new loss) or (0, loss)."""
