@@ -253,6 +253,13 @@ def make_problem(
         backend: backend name or instance (see :func:`flashot.backends.resolve_backend`).
         precision: precision mode; reduced modes round the clouds once, here.
     """
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            "flashot does not support torch.func transforms (grad, vmap, jvp, hessian, "
+            "functional_call under them): its streamed autograd Functions are written for "
+            "torch.autograd. Use torch.autograd.grad (create_graph=True for second "
+            "derivatives) or flashot.hessian.hvp"
+        )
     checks = DeviceChecks()  # the value checks wait for the device once, at the end
     (x, box_x), (y, box_y) = check_cloud(x, "x", checks), check_cloud(y, "y", checks)
     if x.device != y.device:
