@@ -16,7 +16,7 @@ potentials, and one final extrapolation is differentiated. In dual form,
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -63,12 +63,16 @@ class DebiasedPotentials:
         pieces = [Piece(1.0, (pf.q, pf.alpha, pf.k, pf.beta, a, b), self.f.detach(),
                         self.g.detach(), spec_of(problem, dtype), relaxed)]  # fmt: skip
         if self.p is not None:
-            for cloud, w, pot in ((problem.x, a, self.p), (problem.y, b, self.q)):
+
+            def self_theta(cloud, w):  # run by a double backward only
                 sf = attention_form(problem.cost, cloud, cloud, dtype, problem.engine.rounding,
                                     pf.cost_bound)  # fmt: skip
-                spec = replace(spec_of(problem, dtype), rho=(rho, rho))
-                pieces.append(Piece(-0.5, (sf.q, sf.alpha, sf.k, sf.beta, w, w), pot.detach(),
-                                    pot.detach(), spec, relaxed))  # fmt: skip
+                return sf.q, sf.alpha, sf.k, sf.beta, w, w
+
+            # a divergence's rho is symmetric: the problem's spec serves its self problems
+            for cloud, w, pot in ((problem.x, a, self.p), (problem.y, b, self.q)):
+                pieces.append(Piece(-0.5, (cloud, w), pot.detach(), pot.detach(),
+                                    pieces[0].spec, relaxed, self_theta))  # fmt: skip
         return exact_second_order(out, pieces)
 
 

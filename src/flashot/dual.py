@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["log_residual", "marginal_error", "mass_excess", "row_mass"]
+__all__ = ["log_residual", "marginal_error", "mass_excess", "plan_times", "row_mass"]
 
 
 def log_residual(
@@ -30,6 +30,17 @@ def row_mass(
     ``lse`` is the row LSE of the other potential's bias.
     """
     return torch.exp(log_w + log_residual(pot, lse, offset, eps))
+
+
+def plan_times(backend, form, f, g, log_a, log_b, eps: float, v: torch.Tensor) -> torch.Tensor:
+    """``P v`` (n, p) for values v (m, p): one streaming ``row_attend`` pass, row-scaled.
+
+    Args:
+        backend: the streaming primitives.  form: attention form (detached).
+        f: (n,), g: (m,) potentials.  log_a: (n,), log_b: (m,) log weights.  eps: ε.
+    """
+    lse, out = backend.row_attend(form, g - form.beta, eps, v, log_b)
+    return row_mass(f, lse, form.alpha, log_a, eps)[:, None] * out
 
 
 def marginal_error(
@@ -69,7 +80,7 @@ def mass_excess(backend, form, f, g, log_a, log_b, eps: float, r: torch.Tensor) 
         f: (n,), g: (m,) potentials.  log_a: (n,), log_b: (m,) log weights.  eps: ε.
         r: (n,) row sums of the plan.
     """
-    from flashot.backends.near import is_near_uniform, log_mass
+    from flashot.backends.near import is_near_uniform, log_mass  # (backends import this module)
 
     m_a, m_b = torch.exp(log_a).sum(), torch.exp(log_b).sum()
     if not is_near_uniform(form, eps):

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from flashot.linalg import NegativeCurvature, cg, lanczos
+from flashot.linalg import cg, lanczos
 
 __all__ = ["AdamNewton", "NewtonCG", "TrustRegion"]
 
@@ -99,11 +99,7 @@ class _SecondOrder(torch.optim.Optimizer):
         residual; superlinear convergence near a minimum at a fraction of the HVPs).
         """
         tol = cg_tol or max(min(0.5, math.sqrt(float(grad.norm()))), 1e-12)
-        try:
-            res = cg(hvp, -grad, tol=tol, max_iter=cg_max_iter,
-                     on_negative_curvature="return")  # fmt: skip
-        except NegativeCurvature:  # pragma: no cover - "return" mode never raises
-            return -grad, 0, "gradient"
+        res = cg(hvp, -grad, tol=tol, max_iter=cg_max_iter, on_negative_curvature="return")
         direction = res.x
         if res.negative_curvature is not None and res.n_iter == 0:
             return -grad, 0, "gradient"

@@ -23,7 +23,7 @@ import torch
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
 from flashot.autodiff.implicit import DualSpec, implicit_potentials, plan_product
-from flashot.dual import marginal_error, mass_excess
+from flashot.dual import marginal_error, mass_excess, plan_times, row_mass
 
 __all__ = ["SinkhornResult", "TransportPlan"]
 
@@ -117,8 +117,7 @@ class TransportPlan:
         with torch.no_grad():
             h = self._g - self._form.beta
             lse, out = self._backend.row_attend(self._form, h, self._eps, v, self._log_b)
-            log_r = self._log_a + (self._f - self._form.alpha + lse) / self._eps
-            return torch.exp(log_r), out
+            return row_mass(self._f, lse, self._form.alpha, self._log_a, self._eps), out
 
     def _marginal_error(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(L1 violation of both marginal conditions, ``m(P) − m(a) m(b)``).
@@ -162,21 +161,21 @@ class TransportPlan:
     def _exact_product(self, vv: torch.Tensor, transpose: bool = False) -> torch.Tensor:
         """``P V`` (or ``Pᵀ V``) as a function of θ, the implicit potentials and V."""
         self._check_fresh()
-        theta, spec = self._exact if self._exact is not None else (self._theta_const(), None)
-        spec = spec or DualSpec(self._eps, self._rho, self._backend, self._form.cost_bound, 1.0)
-        if self._exact is None:
-            z = (self._f, self._g)
-        else:
-            z = implicit_potentials(theta, self._f, self._g, spec)
-        return plan_product(theta, z, vv, spec, transpose)
-
-    def _theta_const(self):
+        if self._exact is not None:
+            theta, spec = self._exact
+            return plan_product(theta, implicit_potentials(theta, self._f, self._g, spec), vv,
+                                spec, transpose)  # fmt: skip
+        # only V needs a gradient: θ and the potentials are constants (no dual solve runs)
         form = self._form
-        return (form.q, form.alpha, form.k, form.beta, self._log_a.exp(), self._log_b.exp())
+        theta = (form.q, form.alpha, form.k, form.beta, self._log_a.exp(), self._log_b.exp())
+        spec = DualSpec(self._eps, self._rho, self._backend, form.cost_bound, cg_tol=1.0)
+        return plan_product(theta, (self._f, self._g), vv, spec, transpose)
 
     def _apply(self, vv: torch.Tensor) -> torch.Tensor:
-        r, out = self._attend(vv)
-        return r[:, None] * out
+        self._check_fresh()
+        with torch.no_grad():
+            return plan_times(self._backend, self._form, self._f, self._g, self._log_a,
+                              self._log_b, self._eps, vv)  # fmt: skip
 
     def row_sums(self) -> torch.Tensor:
         """``P 1`` (n,): the plan's first marginal."""
@@ -318,5 +317,5 @@ class SinkhornResult:
 
     @functools.cached_property
     def transport_cost(self) -> torch.Tensor:
-        """``⟨P, C⟩``, streamed on first access (a gradient through it raises)."""
+        """``⟨P, C⟩``, streamed on first access (differentiable once, exactly)."""
         return self.plan.transport_cost()

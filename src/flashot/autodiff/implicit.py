@@ -40,10 +40,10 @@ import torch
 
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
+from flashot.dual import plan_times
 from flashot.linalg import CGWarning, cg
 
-__all__ = ["DualSpec", "ImplicitPotentials", "PlanProduct", "last_dual_solve", "plan_times",
-           "value_gradient"]
+__all__ = ["DualSpec", "ImplicitPotentials", "PlanProduct", "last_dual_solve", "value_gradient"]
 
 #: diagnostics of the latest dual solve: CG iterations, relative residual, convergence
 last_dual_solve: dict = {}
@@ -77,14 +77,6 @@ def _form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:
                          cost_bound=spec.cost_bound)  # fmt: skip
 
 
-def plan_times(backend: Backend, form: AttentionForm, f, g, a, b, eps: float, v):
-    """``P v`` (n, p) for values v (m, p): one streaming pass, no autograd."""
-    with torch.no_grad():
-        log_a, log_b = torch.log(a), torch.log(b)
-        lse, out = backend.row_attend(form, g - form.beta, eps, v, log_b)
-        return torch.exp(log_a + (f - form.alpha + lse) / eps)[:, None] * out
-
-
 class PlanProduct(torch.autograd.Function):
     """``P(θ, z) V``, differentiable once in q, α, k, β, a, b, f, g and V."""
 
@@ -93,8 +85,8 @@ class PlanProduct(torch.autograd.Function):
         form = _form(q, alpha, k, beta, spec)
         ctx.save_for_backward(q, alpha, k, beta, a, b, f, g, v)
         ctx.spec = spec
-        return plan_times(spec.backend, form, f.detach(), g.detach(), a.detach(), b.detach(),
-                          spec.eps, v.detach())  # fmt: skip
+        with torch.no_grad():
+            return plan_times(spec.backend, form, f, g, torch.log(a), torch.log(b), spec.eps, v)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -127,9 +119,8 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     All arguments detached: form, f (n,), g (m,), a (n,), b (m,), f̄ (n,), ḡ (m,).
     """
     eps, (rho_x, rho_y), backend = spec.eps, spec.rho, spec.backend
-    ones = torch.ones(g.shape[0], 1, dtype=g.dtype, device=g.device)
-    r = plan_times(backend, form, f, g, a, b, eps, ones)[:, 0]
-    c = plan_times(backend, form.T, g, f, b, a, eps, torch.ones_like(r)[:, None])[:, 0]
+    log_a, log_b = torch.log(a), torch.log(b)
+    r, c = backend.marginals(form, f, g, log_a, log_b, eps)
     d_r = r if rho_x is None else r + (eps / rho_x) * _relaxed_weight(f, a, rho_x)
     d_c = c if rho_y is None else c + (eps / rho_y) * _relaxed_weight(g, b, rho_y)
     d_r_inv = torch.where(d_r > 0, 1.0 / d_r, torch.zeros_like(d_r))
@@ -137,10 +128,10 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     deflate = rho_x is None and rho_y is None
 
     def p_times(w):  # P w: (m,) -> (n,)
-        return plan_times(backend, form, f, g, a, b, eps, w[:, None])[:, 0]
+        return plan_times(backend, form, f, g, log_a, log_b, eps, w[:, None])[:, 0]
 
     def pt_times(u):  # Pᵀ u: (n,) -> (m,)
-        return plan_times(backend, form.T, g, f, b, a, eps, u[:, None])[:, 0]
+        return plan_times(backend, form.T, g, f, log_b, log_a, eps, u[:, None])[:, 0]
 
     # S is PSD, but its smallest eigenvalues drown in rounding: a shift of 100 ulps of
     # D_c keeps CG's curvatures positive and costs ~100 ulps of relative accuracy there

@@ -19,6 +19,7 @@ terms ``ε/2 (m(a) + m(b)) − ε m(a) m(b)`` by which they differ from it.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,42 +53,68 @@ class Piece:
 
     Attributes:
         weight: its coefficient in the value.
-        theta: (q, α, k, β, a, b) with their autograd history.
+        sources: the tensors θ comes from, with their autograd history: θ = (q, α, k, β,
+            a, b) itself, or the arguments of ``build``.
         f: (n,), g: (m,) its converged potentials (detached).
         spec: its :class:`~flashot.autodiff.implicit.DualSpec`.
         geomloss_mass: add ``ε/2 (m(a) + m(b)) − ε m(a) m(b)`` (relaxed GeomLoss terms).
+        build: ``sources ↦ θ``, run only when a second derivative is asked for (so a
+            first-order call does not pay for forms it never uses); None: θ = sources.
     """
 
     weight: float
-    theta: tuple
+    sources: tuple
     f: torch.Tensor
     g: torch.Tensor
     spec: DualSpec
     geomloss_mass: bool = False
+    build: Callable | None = None
+
+
+def _piece_gradient(piece: Piece, sources, grad) -> list:
+    """``grad · weight · ∂(piece)/∂sources``, an expression autograd can differentiate again."""
+    theta = piece.build(*sources) if piece.build is not None else sources
+    z = implicit_potentials(theta, piece.f, piece.g, piece.spec)
+    grads = list(value_gradient(theta, z, piece.spec))
+    if piece.geomloss_mass:
+        eps, a, b = piece.spec.eps, theta[4], theta[5]
+        grads[4] = grads[4] + eps * (0.5 - b.sum())
+        grads[5] = grads[5] + eps * (0.5 - a.sum())
+    grads = [(piece.weight * grad) * t for t in grads]
+    if piece.build is None:
+        return grads
+    merged: dict[int, tuple] = {}  # θ may hold a source twice (a self problem's weights)
+    for t, gt in zip(theta, grads, strict=True):
+        if t.requires_grad:
+            old = merged.get(id(t))
+            merged[id(t)] = (t, gt if old is None else old[1] + gt)
+    wanted = [s for s in sources if s.requires_grad]
+    outs = [t for t, _ in merged.values()]
+    if not (wanted and outs):
+        return [None] * len(sources)
+    found = torch.autograd.grad(outs, wanted, grad_outputs=[gt for _, gt in merged.values()],
+                                create_graph=True, allow_unused=True)  # fmt: skip
+    by_id = {id(s): gs for s, gs in zip(wanted, found, strict=True)}
+    return [by_id.get(id(s)) for s in sources]
 
 
 class _ExactSecondOrder(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, value, pieces, *thetas):
+    def forward(ctx, value, pieces, *sources):
         ctx.pieces = pieces
-        ctx.save_for_backward(*thetas)
+        ctx.save_for_backward(*sources)
         return value.detach().clone()
 
     @staticmethod
     def backward(ctx, grad):
-        thetas = ctx.saved_tensors
+        sources = ctx.saved_tensors
         if not torch.is_grad_enabled():  # first order: the envelope graph, unchanged
-            return (grad, None) + (None,) * len(thetas)
-        out = []
-        for i, piece in enumerate(ctx.pieces):
-            theta = thetas[6 * i : 6 * i + 6]
-            z = implicit_potentials(theta, piece.f, piece.g, piece.spec)
-            grads = list(value_gradient(theta, z, piece.spec))
-            if piece.geomloss_mass:
-                eps, a, b = piece.spec.eps, theta[4], theta[5]
-                grads[4] = grads[4] + eps * (0.5 - b.sum())
-                grads[5] = grads[5] + eps * (0.5 - a.sum())
-            out += [(piece.weight * grad) * t for t in grads]
+            return (grad, None) + (None,) * len(sources)
+        out, start = [], 0
+        for piece in ctx.pieces:
+            count = len(piece.sources)
+            out += _piece_gradient(piece, sources[start : start + count], grad)
+            start += count
         return (None, None, *out)
 
 
@@ -95,13 +122,13 @@ def exact_second_order(value: torch.Tensor, pieces: list[Piece]) -> torch.Tensor
     """``value`` with exact second derivatives (see module); unchanged without autograd."""
     if not (torch.is_grad_enabled() and value.requires_grad):
         return value
-    thetas = [t for p in pieces for t in p.theta]
-    return _ExactSecondOrder.apply(value, tuple(pieces), *thetas)
+    sources = [t for p in pieces for t in p.sources]
+    return _ExactSecondOrder.apply(value, tuple(pieces), *sources)
 
 
-def spec_of(problem, f_dtype: torch.dtype, rho=None) -> DualSpec:
-    """The :class:`DualSpec` of a :class:`~flashot.problem.Problem` (``rho`` overrides)."""
-    rho = (problem.rho_x, problem.rho_y) if rho is None else rho
+def spec_of(problem, f_dtype: torch.dtype) -> DualSpec:
+    """The :class:`DualSpec` of a :class:`~flashot.problem.Problem`."""
     tol, max_iter = _OPTIONS[-1]
-    return DualSpec(problem.eps, rho, problem.engine, problem.form.cost_bound,
+    return DualSpec(problem.eps, (problem.rho_x, problem.rho_y), problem.engine,
+                    problem.form.cost_bound,
                     tol or default_cg_tol(f_dtype), max_iter)  # fmt: skip
