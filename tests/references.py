@@ -154,3 +154,38 @@ def dense_hvp_fd(x, y, a, b, eps, vx, vy, h=1e-5, **kw):
     plus = dense_gradient(x + h * vx, y + h * vy, a, b, eps, **kw)
     minus = dense_gradient(x - h * vx, y - h * vy, a, b, eps, **kw)
     return tuple((p - m) / (2 * h) for p, m in zip(plus, minus, strict=True))
+
+
+def dense_hvp_implicit(x, y, f, g, v, eps, a=None, b=None, tikhonov=1e-10):
+    """The x-block HVP of OT_ε for |x − y|²/2 at given potentials, dense, balanced.
+
+    With ``P = a b e^{(f ⊕ g − C)/ε}`` (r, c its marginals) and ``s_ij = ⟨x_i − y_j, v_i⟩``,
+    the potentials move by (df, dg) solving ``[[D_r, P], [Pᵀ, D_c]] (df, dg) = ((P∘s)1,
+    (P∘s)ᵀ1)`` (the plan keeps its marginals), solved by a Cholesky factorization of the
+    Schur complement ``D_c − Pᵀ D_r⁻¹ P + c cᵀ/Σc + tikhonov·D_c``; then
+    ``H v = r ⊙ v + Σ_j dP_ij (x_i − y_j)`` with ``dP = P ⊙ (df ⊕ dg − s)/ε``. Independent
+    of the finite differences and of flashot; at the solution it is the exact HVP. The
+    Tikhonov term (relative to D_c) only touches directions of near-zero plan coupling,
+    on which the HVP does not depend (check by varying it). Memory: a few n × m.
+    """
+    n, m = x.shape[0], y.shape[0]
+    a = torch.full((n,), 1.0 / n, dtype=x.dtype, device=x.device) if a is None else a
+    b = torch.full((m,), 1.0 / m, dtype=x.dtype, device=x.device) if b is None else b
+    C = 0.5 * ((x * x).sum(1)[:, None] + (y * y).sum(1)[None] - 2 * x @ y.T)
+    P = a[:, None] * b[None] * torch.exp((f[:, None] + g[None] - C) / eps)
+    del C
+    r, c = P.sum(1), P.sum(0)
+    s = (x * v).sum(1)[:, None] - v @ y.T
+    ps = P * s
+    rhs_f, rhs_g = ps.sum(1), ps.sum(0)
+    del ps
+    S = -(P.T @ (P / r[:, None]))
+    S.diagonal().add_((1 + tikhonov) * c)
+    S += torch.outer(c, c) / c.sum()
+    rhs = rhs_g - P.T @ (rhs_f / r)
+    rhs = rhs - c * rhs.sum() / c.sum()
+    dg = torch.cholesky_solve(rhs[:, None], torch.linalg.cholesky(S))[:, 0]
+    del S
+    df = (rhs_f - P @ dg) / r
+    dP = P * (df[:, None] + dg[None] - s) / eps
+    return r[:, None] * v + x * dP.sum(1)[:, None] - dP @ y

@@ -61,7 +61,64 @@ class CGResult:
 
 
 def _dot(u: torch.Tensor, v: torch.Tensor) -> float:
-    return float(torch.sum(u.double() * v.double()))
+    return float(_ddot(u, v))
+
+
+def _ddot(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``⟨u, v⟩`` in float64, as a 0-d tensor on the operands' device (no host sync)."""
+    return torch.sum(u.double() * v.double())
+
+
+class _CGState:
+    """CG's iterate, residual, direction and scalars, updated in place on the device.
+
+    Every scalar lives in a 0-d tensor and every update is masked by ``active``, so a
+    block of :meth:`step` calls needs no host round trip (and can be replayed as a CUDA
+    graph): once converged, or once a direction of nonpositive curvature is met, the
+    remaining steps of a block change nothing.
+    """
+
+    def __init__(self, matvec, precond, b, x0, tol):
+        self.matvec, self.precond = matvec, precond
+        self.x = torch.zeros_like(b) if x0 is None else x0.clone()
+        self.r = b - matvec(self.x) if x0 is not None else b.clone()
+        self.p = precond(self.r).clone()
+        self.rz = _ddot(self.r, self.p)
+        self.goal = tol**2 * _ddot(b, b)
+        self.active = _ddot(self.r, self.r) > self.goal
+        self.n_iter = torch.zeros((), dtype=torch.int64, device=b.device)
+        self.negative = torch.zeros((), dtype=torch.bool, device=b.device)
+        self.direction = torch.zeros_like(b)
+
+    def step(self) -> None:
+        ap = self.matvec(self.p)
+        pap = _ddot(self.p, ap)
+        bad = self.active & (pap <= 0)
+        self.direction.copy_(torch.where(bad, self.p, self.direction))
+        self.negative |= bad
+        go = self.active & (pap > 0)
+        step = torch.where(go, self.rz / torch.where(go, pap, 1.0), 0.0).to(self.x.dtype)
+        self.x.add_(step * self.p)
+        self.r.sub_(step * ap)
+        z = self.precond(self.r)
+        rz = _ddot(self.r, z)
+        beta = torch.where(go, rz / torch.where(go, self.rz, 1.0), 0.0).to(self.x.dtype)
+        self.p.copy_(torch.where(go, z + beta * self.p, self.p))
+        self.rz.copy_(torch.where(go, rz, self.rz))
+        self.n_iter += go.long()
+        self.active &= go & (_ddot(self.r, self.r) > self.goal)
+
+
+def _graph_of(block: Callable[[], None]):
+    """``block`` captured as a CUDA graph (a callable replaying it), or None if it cannot be."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            block()
+    except RuntimeError:  # something in it synchronizes: stay eager
+        torch.cuda.synchronize()
+        return None
+    return graph.replay
 
 
 def cg(
@@ -73,12 +130,17 @@ def cg(
     max_iter: int | None = None,
     preconditioner: Matvec | None = None,
     on_negative_curvature: str = "raise",
+    check_every: int | None = None,
+    capture: bool = False,
 ) -> CGResult:
     r"""Preconditioned conjugate gradients for ``A x = b``, A symmetric positive definite.
 
     Stops when the recursive residual satisfies ``‖r‖ ≤ tol ‖b‖``, then measures the true
     residual ``‖b − A x‖ / ‖b‖`` once more (recursions drift in finite precision) and
-    warns with :class:`CGWarning` if it is above ``tol``.
+    warns with :class:`CGWarning` if it is above ``tol``. The scalars stay on the
+    operands' device; the host looks at them every ``check_every`` iterations (the
+    iterations run past convergence within a block are masked out: they cost matvecs,
+    not accuracy).
 
     Args:
         matvec: ``v -> A v`` for tensors shaped like ``b``.
@@ -90,6 +152,12 @@ def cg(
         on_negative_curvature: ``"raise"`` (:class:`NegativeCurvature`) or
             ``"return"``: stop and return the current iterate with the direction in
             :attr:`CGResult.negative_curvature`.
+        check_every: iterations between convergence checks on the host (default 1 on
+            the CPU, 8 on a GPU, where each check waits for the device).
+        capture: on a GPU, capture a block of ``check_every`` iterations as a CUDA graph
+            and replay it (``matvec`` and ``preconditioner`` must then launch only
+            asynchronous work with fixed shapes); falls back to eager launches if the
+            capture fails.
 
     Returns:
         A :class:`CGResult`.
@@ -103,32 +171,35 @@ def cg(
     max_iter = max(100, 10 * b.numel()) if max_iter is None else int(max_iter)
     if max_iter < 0:
         raise ValueError(f"max_iter must be ≥ 0, got {max_iter}")
+    if check_every is None:
+        check_every = 8 if b.is_cuda else 1
+    if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+        raise ValueError(f"check_every must be an integer ≥ 1, got {check_every!r}")
     precond = preconditioner or (lambda r: r)
     b_norm = math.sqrt(_dot(b, b))
     if b_norm == 0.0:
         return CGResult(torch.zeros_like(b), 0, 0.0, True)
-    x = torch.zeros_like(b) if x0 is None else x0.clone()
-    r = b - matvec(x) if x0 is not None else b.clone()
-    z = precond(r)
-    p = z.clone()
-    rz = _dot(r, z)
-    it, curvature_dir = 0, None
-    while it < max_iter and math.sqrt(_dot(r, r)) > tol * b_norm:
-        ap = matvec(p)
-        pap = _dot(p, ap)
-        if pap <= 0.0:
-            if on_negative_curvature == "raise":
-                raise NegativeCurvature(p, pap / max(_dot(p, p), 1e-300))
-            curvature_dir = p
+    state = _CGState(matvec, precond, b, x0, tol)
+    replay, done = None, 0
+    while done < max_iter and bool(state.active):
+        count = min(check_every, max_iter - done)
+
+        def block(count=count):
+            for _ in range(count):
+                state.step()
+
+        if capture and b.is_cuda and count == check_every and done > 0 and replay is None:
+            replay = _graph_of(block)  # the first block ran eagerly: kernels are compiled
+            capture = replay is not None
+        (replay if replay is not None and count == check_every else block)()
+        done += count
+        if bool(state.negative):
             break
-        step = rz / pap
-        x = x + step * p
-        r = r - step * ap
-        z = precond(r)
-        rz_new = _dot(r, z)
-        p = z + (rz_new / rz) * p
-        rz = rz_new
-        it += 1
+    x, it = state.x, int(state.n_iter)
+    curvature_dir = state.direction if bool(state.negative) else None
+    if curvature_dir is not None and on_negative_curvature == "raise":
+        p = curvature_dir
+        raise NegativeCurvature(p, _dot(p, matvec(p)) / max(_dot(p, p), 1e-300))
     true_r = b - matvec(x)
     residual = math.sqrt(_dot(true_r, true_r)) / b_norm
     converged = residual <= tol

@@ -126,12 +126,16 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     d_r_inv = torch.where(d_r > 0, 1.0 / d_r, torch.zeros_like(d_r))
     d_c_inv = torch.where(d_c > 0, 1.0 / d_c, torch.zeros_like(d_c))
     deflate = rho_x is None and rho_y is None
+    c_unit = c / c.sum()
+
+    # P w = r ⊙ (softmax average of w): the row sums r (and c) hold the LSE factors
+    h_row, h_col = g - form.beta, f - form.alpha
 
     def p_times(w):  # P w: (m,) -> (n,)
-        return plan_times(backend, form, f, g, log_a, log_b, eps, w[:, None])[:, 0]
+        return r * backend.row_attend(form, h_row, eps, w[:, None], log_b)[1][:, 0]
 
     def pt_times(u):  # Pᵀ u: (n,) -> (m,)
-        return plan_times(backend, form.T, g, f, log_b, log_a, eps, u[:, None])[:, 0]
+        return c * backend.row_attend(form.T, h_col, eps, u[:, None], log_a)[1][:, 0]
 
     # S is PSD, but its smallest eigenvalues drown in rounding: a shift of 100 ulps of
     # D_c keeps CG's curvatures positive and costs ~100 ulps of relative accuracy there
@@ -140,13 +144,13 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     def schur(w):
         out = (1 + shift) * d_c * w - pt_times(d_r_inv * p_times(w))
         if deflate:
-            out = out + c * (c @ w) / c.sum()
+            out = out + c_unit * (c @ w)
         return out
 
     rhs = eps * (g_bar - pt_times(d_r_inv * f_bar))
     if deflate:  # the part along 1 is a gauge dependence: no solution, dropped
-        rhs = rhs - c * rhs.sum() / c.sum()
-    res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter,
+        rhs = rhs - c_unit * rhs.sum()
+    res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter, capture=True,
              preconditioner=lambda v: d_c_inv * v, on_negative_curvature="return")  # fmt: skip
     if res.negative_curvature is not None:  # rounding won: the iterate is as good as it gets
         warnings.warn(
