@@ -1,6 +1,8 @@
 """Where one call's time goes: GPU kernel time vs wall time, per kernel (diagnostics).
 
 python benchmarks/profile_call.py --n 10000 --d 64 --precision tf32
+python benchmarks/profile_call.py --call samples_loss   # GeomLoss-style: blur 0.3, scaling 0.9
+python benchmarks/profile_call.py --call hvp --cg-tol 1e-3   # loss, gradient, HVP (double backward)
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def main():
     ap.add_argument("--grad", action="store_true", help="forward and gradient w.r.t. x")
     ap.add_argument("--timeline", action="store_true", help="also every flashot kernel in order")
     ap.add_argument("--host", action="store_true", help="also a Python profile of the host side")
+    ap.add_argument("--call", default="sinkhorn", choices=("sinkhorn", "samples_loss", "hvp"))
+    ap.add_argument("--cg-tol", type=float, default=None, help="dual CG tolerance (--call hvp)")
     ap.add_argument("--probe", type=int, default=1, help="0: no probe at the second step (A/B)")
     args = ap.parse_args()
     if not args.probe:
@@ -37,6 +41,8 @@ def main():
     be = TritonBackend(args.precision, graphs=bool(args.graphs))
 
     def call():
+        if args.call != "sinkhorn":
+            return geomloss_call()
         if args.grad:
             xg = x.detach().requires_grad_()
             cost = flashot.sinkhorn(xg, y, eps=0.1, max_iter=10, tol=None, backend=be).cost
@@ -44,14 +50,29 @@ def main():
         with torch.no_grad():
             return flashot.sinkhorn(x, y, eps=0.1, max_iter=10, tol=None, backend=be).cost
 
-    for _ in range(5):
+    def geomloss_call():
+        from flashot.autodiff.second_order import dual_solve_options
+
+        loss_fn = flashot.SamplesLoss(blur=0.3, scaling=0.9, debias=False, backend=be)
+        xg = x.detach().requires_grad_(args.call == "hvp" or args.grad)
+        loss = loss_fn(xg, y)
+        if not xg.requires_grad:
+            return loss
+        with dual_solve_options(cg_tol=args.cg_tol):
+            (grad,) = torch.autograd.grad(loss, xg, create_graph=args.call == "hvp")
+            if args.call == "hvp":
+                return torch.autograd.grad((grad * y).sum(), xg)[0]
+        return grad
+
+    for _ in range(5 if args.call == "sinkhorn" else 2):
         call()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(20):
+    reps = 20 if args.call == "sinkhorn" else 3
+    for _ in range(reps):
         call()
     torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / 20 * 1e3
+    wall = (time.perf_counter() - t0) / reps * 1e3
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
@@ -61,10 +82,10 @@ def main():
             per[e.name][0] += 1
             per[e.name][1] += e.device_time / 1e3
     gpu = sum(v[1] for v in per.values())
-    print(f"n={args.n} d={args.d} {args.precision} graphs={args.graphs} grad={args.grad}: "
+    print(f"{args.call} n={args.n} d={args.d} {args.precision} graphs={args.graphs} grad={args.grad}: "
           f"wall {wall:.3f} ms/call, "
           f"GPU kernels {gpu:.3f} ms in {sum(v[0] for v in per.values())} launches")  # fmt: skip
-    for name, (count, ms) in sorted(per.items(), key=lambda kv: -kv[1][1])[:12]:
+    for name, (count, ms) in sorted(per.items(), key=lambda kv: -kv[1][1])[:20]:
         print(f"  {ms:8.3f} ms  {count:4d}x  {name[:90]}")
     if args.timeline:  # which launches of a kind are long (full passes) or short (skipped)
         ours = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
@@ -85,7 +106,7 @@ def main():
 
         prof = cProfile.Profile()
         prof.enable()
-        for _ in range(20):
+        for _ in range(reps):
             call()
         torch.cuda.synchronize()
         prof.disable()

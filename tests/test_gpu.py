@@ -173,3 +173,48 @@ def test_a_solve_inside_the_callers_cuda_graph_is_refused_clearly():
         flashot.sinkhorn(x, y, eps=0.1, max_iter=5, tol=None)
     after = flashot.sinkhorn(x, y, eps=0.1, max_iter=5, tol=None).cost  # still works
     assert rel(after.cpu(), before.cpu()) < 1e-6
+
+
+def test_dual_cg_replays_its_blocks_as_a_cuda_graph(monkeypatch):
+    """The dual solve of an HVP captures its CG blocks (Triton kernels inside) and gives
+    the eager solve's answer; a plain CG does too."""
+    import flashot.linalg as linalg
+
+    captured = []
+    graph_of = linalg._graph_of
+
+    def counting(block):
+        replay = graph_of(block)
+        captured.append(replay is not None)
+        return replay
+
+    monkeypatch.setattr(linalg, "_graph_of", counting)
+    x, y = data(3000, 2500, 16)
+    v = torch.randn_like(x)
+    kw = dict(eps=0.5, backend="triton", tol=1e-5)
+    h = flashot.hvp(x, y, v, **kw)
+    assert captured and all(captured)
+    monkeypatch.setattr(linalg, "_graph_of", lambda block: None)
+    h_eager = flashot.hvp(x, y, v, **kw)
+    assert rel(h, h_eager) < 1e-5
+    A = torch.randn(200, 200, device="cuda", dtype=torch.float64)
+    A = A @ A.T + 200 * torch.eye(200, device="cuda", dtype=torch.float64)
+    b = torch.randn(200, device="cuda", dtype=torch.float64)
+    monkeypatch.setattr(linalg, "_graph_of", graph_of)
+    res = linalg.cg(lambda u: A @ u, b, tol=1e-12, capture=True, check_every=4)
+    ref = linalg.cg(lambda u: A @ u, b, tol=1e-12, check_every=1)
+    assert res.n_iter == ref.n_iter and rel(res.x, ref.x) < 1e-12
+
+
+@pytest.mark.parametrize("wrt,rho", [("x", None), ("y", None), ("x", (2.0, None)), ("xy", 1.0)])
+def test_hvp_on_triton_matches_float64_torch(wrt, rho):
+    x, y = data(1500, 1200, 8)
+    v = torch.randn_like(x) if wrt != "y" else torch.randn_like(y)
+    if wrt == "xy":
+        v = (v, torch.randn_like(y))
+    kw = dict(eps=0.5, wrt=wrt, rho=rho)
+    h = flashot.hvp(x, y, v, backend="triton", tol=1e-6, **kw)
+    v64 = tuple(t.double() for t in v) if wrt == "xy" else v.double()
+    ref = flashot.hvp(x.double(), y.double(), v64, backend="torch", tol=1e-12, **kw)
+    for got, want in zip(h if wrt == "xy" else (h,), ref if wrt == "xy" else (ref,)):
+        assert rel(got, want) < 1e-3

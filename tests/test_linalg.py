@@ -64,6 +64,31 @@ def test_cg_zero_rhs_and_bad_options():
 
 
 @settings(max_examples=20, deadline=None)
+@given(st.integers(2, 30), st.integers(0, 10**6), st.integers(2, 9))
+def test_cg_checked_every_few_iterations_is_the_same_solve(n, seed, every):
+    # the steps of a block run past convergence are masked out: same iterate, same count
+    A = spd(n, seed, 1e3)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1), dtype=F64)
+    one = cg(lambda v: A @ v, b, tol=1e-8, max_iter=10 * n + 50)
+    some = cg(lambda v: A @ v, b, tol=1e-8, max_iter=10 * n + 50, check_every=every)
+    assert some.n_iter == one.n_iter and some.converged
+    assert torch.equal(some.x, one.x)
+
+
+def test_cg_blocks_stop_at_negative_curvature_and_at_nan():
+    A = torch.diag(torch.tensor([2.0, 1.0, -1.0], dtype=F64))
+    b = torch.ones(3, dtype=F64)
+    res = cg(lambda v: A @ v, b, on_negative_curvature="return", check_every=8)
+    ref = cg(lambda v: A @ v, b, on_negative_curvature="return")
+    assert res.n_iter == ref.n_iter and torch.equal(res.negative_curvature, ref.negative_curvature)
+    with pytest.warns(CGWarning):  # a nan curvature is no direction: stop, warn
+        res = cg(lambda v: v * float("nan"), b, check_every=4)
+    assert res.negative_curvature is None and res.n_iter == 0 and not res.converged
+    with pytest.raises(ValueError, match="check_every"):
+        cg(lambda v: v, b, check_every=0)
+
+
+@settings(max_examples=20, deadline=None)
 @given(st.integers(5, 60), st.integers(0, 10**6), st.integers(1, 3),
        st.sampled_from(["smallest", "largest"]))  # fmt: skip
 def test_lanczos_matches_eigvalsh(n, seed, k, which):

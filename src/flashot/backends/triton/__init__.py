@@ -287,8 +287,9 @@ class TritonBackend(Backend):
 
         # tuned apart: forming the bias in the kernel adds loads (16 % slower in tf32 at 50k)
         key = ("attend", d, p, nb, mb, has_v, self._dot(), q.dtype, potential)
-        # value partials hold splits·n·p floats: with values, at most 2 splits (or the first guess)
-        most = 2 if has_v else None
+        # value partials hold splits·n·p floats: with wide values few splits (16 MB of
+        # partials at most); narrow ones (a CG's matvec, p = 1) split like plain LSEs
+        most = max(2, (1 << 22) // (n * p)) if has_v else None
 
         def plan_for(tiles):
             return build(*self._split(_attend_kernel, key, tiles, build, n, m, dev, most))
