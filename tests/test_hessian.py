@@ -215,3 +215,9 @@ def test_torch_func_transforms_are_a_clear_error():
         torch.func.grad(lambda x: flashot.sinkhorn(x, y, eps=0.5).cost)(x)
     with pytest.raises(RuntimeError, match="torch.func transforms"):
         torch.func.vmap(lambda x: flashot.sinkhorn(x, y, eps=0.5).cost)(x[None])
+
+
+def test_public_names():
+    # the API: flashot.hvp, flashot.linalg.{cg, lanczos}, flashot.optim
+    assert flashot.hvp is hvp and flashot.linalg.lanczos is lanczos
+    assert {"NewtonCG", "TrustRegion", "AdamNewton"} <= set(dir(flashot.optim))

@@ -8,7 +8,9 @@ without ever storing an n × m matrix.
 
 from flashot.backends import available_backends
 from flashot.costs import COSTS
+from flashot import linalg, optim
 from flashot.divergence import sinkhorn_divergence
+from flashot.hessian import hvp
 from flashot.ot import ConvergenceWarning, sinkhorn
 from flashot.result import SinkhornResult, TransportPlan
 from flashot.samples_loss import SamplesLoss
@@ -25,6 +27,9 @@ __all__ = [
     "TransportPlan",
     "__version__",
     "available_backends",
+    "hvp",
+    "linalg",
+    "optim",
     "sinkhorn",
     "sinkhorn_divergence",
 ]

@@ -124,3 +124,40 @@ def test_precision_validation():
         TorchBackend("fp8")
     with pytest.raises(ValueError, match="backend"):
         resolve_backend("keops", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("shape,eps", [((50, 37, 3), 0.3), ((33, 70, 5), 0.05), ((1, 9, 2), 1.0)])
+def test_plan_matvec_matches_dense(gen, name, shape, eps):
+    """Backend.plan_matvec: (P w, Pᵀ u) at any potentials (far from a fixed point, with a
+    zero weight), each product alone or both, against the dense float64 plan."""
+    n, m, d = shape
+    for device in devices():
+        backend = make_backend(name, device)
+        dtype, tol = exact(name)
+        form, _ = problem(gen, n, m, d, dtype, device)
+        a = torch.rand(n, generator=gen, dtype=torch.float64) + 0.1
+        b = torch.rand(m, generator=gen, dtype=torch.float64) + 0.1
+        a[0] = 0.0 if n > 1 else a[0]  # (all-zero weights are refused upstream)
+        log_a, log_b = (torch.log(t).to(device, dtype) for t in (a, b))
+        C = (form.alpha.double()[:, None] + form.beta.double()[None]
+             - form.q.double() @ form.k.double().T).cpu()  # fmt: skip
+        # two Sinkhorn steps from 0, then rows pushed off by up to e^±3: far from the
+        # fixed point, yet a plan whose sums are of the order of the weights
+        f64 = torch.zeros(n, dtype=torch.float64)
+        for _ in range(2):
+            g64 = -eps * torch.logsumexp((f64[:, None] - C) / eps + torch.log(a)[:, None], 0)
+            f64 = -eps * torch.logsumexp((g64[None] - C) / eps + torch.log(b)[None], 1)
+        f64 = f64 + eps * (torch.rand(n, generator=gen, dtype=torch.float64) * 6 - 3)
+        f, g = f64.to(device, dtype), g64.to(device, dtype)
+        P = a[:, None] * b[None] * torch.exp((f64[:, None] + g64[None] - C) / eps)
+        w = torch.randn(m, generator=gen, dtype=torch.float64)
+        u = torch.randn(n, generator=gen, dtype=torch.float64)
+        r = P.sum(1).to(device, dtype)
+        pw, ptu = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, w.to(device, dtype),
+                                      u.to(device, dtype))  # fmt: skip
+        assert rel(pw.double().cpu(), P @ w) < tol and rel(ptu.double().cpu(), P.T @ u) < tol
+        alone, none = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, w=w.to(device, dtype))
+        assert none is None and rel(alone.double().cpu(), P @ w) < tol
+        none, alone = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, u=u.to(device, dtype))
+        assert none is None and rel(alone.double().cpu(), P.T @ u) < tol

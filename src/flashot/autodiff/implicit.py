@@ -128,14 +128,11 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     deflate = rho_x is None and rho_y is None
     c_unit = c / c.sum()
 
-    # P w = r ⊙ (softmax average of w): the row sums r (and c) hold the LSE factors
-    h_row, h_col = g - form.beta, f - form.alpha
-
     def p_times(w):  # P w: (m,) -> (n,)
-        return r * backend.row_attend(form, h_row, eps, w[:, None], log_b)[1][:, 0]
+        return backend.plan_matvec(form, f, g, log_a, log_b, eps, r, w=w)[0]
 
     def pt_times(u):  # Pᵀ u: (n,) -> (m,)
-        return c * backend.row_attend(form.T, h_col, eps, u[:, None], log_a)[1][:, 0]
+        return backend.plan_matvec(form.T, g, f, log_b, log_a, eps, c, w=u)[0]
 
     # S is PSD, but its smallest eigenvalues drown in rounding: a shift of 100 ulps of
     # D_c keeps CG's curvatures positive and costs ~100 ulps of relative accuracy there

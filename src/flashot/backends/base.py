@@ -28,7 +28,7 @@ import torch
 from flashot.costs import AttentionForm
 from flashot.backends.near import is_near_uniform, near_attend
 from flashot.backends.plan_vjp import PlanVJP, plan_vjp_tiles
-from flashot.dual import marginal_error, row_mass
+from flashot.dual import marginal_error, plan_times, row_mass
 
 __all__ = ["PRECISIONS", "Backend"]
 
@@ -233,6 +233,27 @@ class Backend:
         # GPUs want fewer, larger tiles (launches): 4M elements, 16 MB per float32 temporary
         budget = getattr(self, "budget", 1 << 22 if f.is_cuda else 1 << 20)
         return plan_vjp_tiles(form, f, g, a, b, eps, v, d, budget)
+
+    def plan_matvec(
+        self, form: AttentionForm, f, g, log_a, log_b, eps: float, r, w=None, u=None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(P w, Pᵀ u)`` for the plan ``P = a b e^{(f⊕g−C)/ε}`` (a CG's matvec).
+
+        Backends may fuse both products into one streaming pass (the Triton one does);
+        the default takes one :meth:`row_attend` pass per product asked for.
+
+        Args:
+            form: attention form (detached).  f: (n,), g: (m,) potentials.
+            log_a: (n,), log_b: (m,) log weights.  eps: ε.
+            r: (n,) the plan's row sums (:meth:`marginals`).
+            w: (m,) or None.  u: (n,) or None: the products not wanted are None.
+        """
+        pw = ptu = None
+        if w is not None:  # P w = r ⊙ (softmax average of w)
+            pw = r * self.row_attend(form, g - form.beta, eps, w[:, None], log_b)[1][:, 0]
+        if u is not None:
+            ptu = plan_times(self, form.T, g, f, log_b, log_a, eps, u[:, None])[:, 0]
+        return pw, ptu
 
     def marginals(
         self, form: AttentionForm, f, g, log_a, log_b, eps: float

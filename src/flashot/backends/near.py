@@ -62,7 +62,7 @@ def log_mass(log_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (log_w.double() - torch.log(total)).to(log_w.dtype), log_total
 
 
-def near_attend(form, h, eps, v=None, log_w=None, budget: int = 1 << 20):
+def near_attend(form, h, eps, v=None, log_w=None, budget: int | None = None):
     """:meth:`~flashot.backends.base.Backend.row_attend`, accurate for any ε (see module).
 
     Args:
@@ -71,7 +71,8 @@ def near_attend(form, h, eps, v=None, log_w=None, budget: int = 1 << 20):
         eps: ε > 0.
         v: optional (m, p) values.
         log_w: (m,) log weights, None for unit weights.
-        budget: largest score tile, in elements.
+        budget: largest score tile, in elements (default 2^22 on a GPU, where launches
+            cost more than the 16 MB temporaries, 2^20 elsewhere).
 
     Returns:
         ``(lse (n,), out (n, p) or None)``.
@@ -87,6 +88,7 @@ def near_attend(form, h, eps, v=None, log_w=None, budget: int = 1 << 20):
     from flashot.backends.torch_backend import tile_sizes  # (its module imports this one)
 
     pi = torch.exp(log_pi)
+    budget = budget or (1 << 22 if q.is_cuda else 1 << 20)
     block_m, block_n = tile_sizes(n, m, budget)
     lse = torch.empty(n, dtype=dtype, device=dev)
     out = None if v is None else torch.empty(n, v.shape[1], dtype=dtype, device=dev)

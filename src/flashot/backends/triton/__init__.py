@@ -315,7 +315,7 @@ class TritonBackend(Backend):
         return self._attend(form.q, form.k, eps, (h.to(torch.float32).contiguous(),), v)
 
     def plan_sums(self, form, f, g, log_a, log_b, eps, gate=None, limit=GATE_LIMIT, span=False,
-                  shift=0.0):  # fmt: skip
+                  shift=0.0, mul=None):  # fmt: skip
         r"""Weighted row and column sums of ``E_ij = exp((f_i + g_j − C_ij)/ε)``.
 
         .. math::
@@ -336,6 +336,8 @@ class TritonBackend(Backend):
             limit: the gate's threshold, in nats.
             span: the bound is half the sum of ``gate_in`` (else its larger entry).
             shift: ``s``, in base 2.
+            mul: optional ``(u (n,), w (m,))``: weights ``a ⊙ u`` and ``b ⊙ w`` instead
+                (then ``a ⊙ R = P w`` and ``b ⊙ C = Pᵀ u``).
 
         Returns:
             ``(R (n,), C (m,))``.
@@ -356,10 +358,10 @@ class TritonBackend(Backend):
                 return (triton.cdiv(m, meta["BLOCK_N"]), splits)
 
             args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, r, c, gate_in, gate_out,
-                    n, m, d, LOG2E / eps, shift, limit, int(span), per, q.stride(0), q.stride(1),
-                    k.stride(0), k.stride(1), nb, mb)  # fmt: skip
+                    *(mul or (sums, sums)), n, m, d, LOG2E / eps, shift, limit, int(span), per,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), nb, mb)  # fmt: skip
             consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=gate is not None,
-                          PRECISION=self._dot())  # fmt: skip
+                          MULTIPLY=mul is not None, PRECISION=self._dot())  # fmt: skip
             return grid, args, consts
 
         key = ("plan_sums", d, nb, mb, self._dot(), q.dtype)
@@ -507,6 +509,23 @@ class TritonBackend(Backend):
         if is_near_uniform(form, eps):
             return super().extrapolate(form, f, g, log_a, log_b, eps, lam)
         return self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), lam)[:2]
+
+    def plan_matvec(self, form, f, g, log_a, log_b, eps, r, w=None, u=None):
+        """See :meth:`flashot.backends.base.Backend.plan_matvec`: one fused pass.
+
+        The rows are first moved to their fixed point, ``f̃ = f − ε ln(r/a)`` (then
+        ``Σ_j b_j E_ij = 1``), so that every term lies well inside float32's range
+        (``E_ij ≤ 1/b_j``) and no max needs tracking.
+        """
+        if is_near_uniform(form, eps):
+            return super().plan_matvec(form, f, g, log_a, log_b, eps, r, w, u)
+        ratio = torch.where(r > 0, r * torch.exp(-log_a), torch.zeros_like(r))
+        # rows without mass add nothing (and must not overflow into 0 · inf)
+        f_fixed = torch.where(r > 0, f - eps * torch.log(ratio), -math.inf)
+        mul_a = torch.zeros_like(r) if u is None else (u * ratio).to(torch.float32)
+        mul_b = torch.zeros_like(g) if w is None else w.to(torch.float32)
+        rows, cols = self.plan_sums(form, f_fixed, g, log_a, log_b, eps, mul=(mul_a, mul_b))
+        return (None if w is None else r * rows), (None if u is None else torch.exp(log_b) * cols)
 
     def marginals(self, form, f, g, log_a, log_b, eps):
         """See :meth:`flashot.backends.base.Backend.marginals` (fused where valid)."""

@@ -252,12 +252,14 @@ def _side_terms(p, offset, log_w, ok, scale):
 
 @triton.jit
 def _plan_sums_kernel(
-    Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, n, m, d, scale, shift,
-    gate_limit, gate_span, rows_per_split, stride_qn, stride_qd, stride_kn, stride_kd, n_bucket,
-    m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    D_CHUNKS: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr,
+    Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, MUL_A, MUL_B, n, m, d, scale,
+    shift, gate_limit, gate_span, rows_per_split, stride_qn, stride_qd, stride_kn, stride_kd,
+    n_bucket, m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr, GATED: tl.constexpr, MULTIPLY: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """``R_i += Σ_j b_j E_ij`` and ``C_j += Σ_i a_i E_ij``, one exp2 per element.
+
+    With MULTIPLY the weights are ``b_j·MUL_B_j`` and ``a_i·MUL_A_i`` (plan products).
 
     ``E_ij = 2^{(s_ij + f_i − α_i + g_j − β_j)·scale + shift}``: ``shift`` (base 2) puts the
     window of exactly summable residuals where they are expected (see ``valid_range``).
@@ -287,6 +289,8 @@ def _plan_sums_kernel(
     kt_tile = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, D_CHUNKS, True)
     g, beta, log_b = _side_load(G, BETA, LOG_B, offs_n, col_ok, True)
     v, b = _side_terms(g, beta, log_b, col_ok, scale)
+    if MULTIPLY:
+        b = b * tl.load(MUL_B + offs_n, mask=col_ok, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = row_lo + tl.arange(0, BLOCK_M)
     ah_p, ah_o, ah_w = _side_load(F, ALPHA, LOG_A, first, first < row_hi, True)
@@ -301,6 +305,8 @@ def _plan_sums_kernel(
             stride_kd, BLOCK_D, D_CHUNKS, True, PRECISION,
         )
         u, a = _side_terms(f, alpha, log_a, row_ok, scale)
+        if MULTIPLY:
+            a = a * tl.load(MUL_A + offs_m, mask=row_ok, other=0.0)
         e = tl.exp2(s * scale + (u + shift)[:, None] + v[None, :])
         tl.atomic_add(R + offs_m, tl.sum(e * b[None, :], 1), mask=row_ok, sem="relaxed")
         acc += e * a[:, None]
