@@ -153,11 +153,15 @@ def test_plan_matvec_matches_dense(gen, name, shape, eps):
         P = a[:, None] * b[None] * torch.exp((f64[:, None] + g64[None] - C) / eps)
         w = torch.randn(m, generator=gen, dtype=torch.float64)
         u = torch.randn(n, generator=gen, dtype=torch.float64)
-        r = P.sum(1).to(device, dtype)
-        pw, ptu = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, w.to(device, dtype),
+        r, c = P.sum(1).to(device, dtype), P.sum(0).to(device, dtype)
+        pw, ptu = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, w.to(device, dtype),
                                       u.to(device, dtype))  # fmt: skip
         assert rel(pw.double().cpu(), P @ w) < tol and rel(ptu.double().cpu(), P.T @ u) < tol
-        alone, none = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, w=w.to(device, dtype))
+        alone, none = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, w=w.to(device, dtype))
         assert none is None and rel(alone.double().cpu(), P @ w) < tol
-        none, alone = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, u=u.to(device, dtype))
+        none, alone = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, u=u.to(device, dtype))
         assert none is None and rel(alone.double().cpu(), P.T @ u) < tol
+        ones = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, torch.ones_like(g),
+                                   torch.ones_like(f))  # fmt: skip
+        assert rel(ones[0], r) < 4 * torch.finfo(dtype).eps  # P 1 = r to rounding
+        assert rel(ones[1], c) < 4 * torch.finfo(dtype).eps

@@ -129,10 +129,10 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     c_unit = c / c.sum()
 
     def p_times(w):  # P w: (m,) -> (n,)
-        return backend.plan_matvec(form, f, g, log_a, log_b, eps, r, w=w)[0]
+        return backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, w=w)[0]
 
     def pt_times(u):  # Pᵀ u: (n,) -> (m,)
-        return backend.plan_matvec(form.T, g, f, log_b, log_a, eps, c, w=u)[0]
+        return backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, u=u)[1]
 
     # S is PSD, but its smallest eigenvalues drown in rounding: a shift of 100 ulps of
     # D_c keeps CG's curvatures positive and costs ~100 ulps of relative accuracy there
@@ -147,7 +147,7 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     rhs = eps * (g_bar - pt_times(d_r_inv * f_bar))
     if deflate:  # the part along 1 is a gauge dependence: no solution, dropped
         rhs = rhs - c_unit * rhs.sum()
-    res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter, capture=True,
+    res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter, capture=backend.capturable,
              preconditioner=lambda v: d_c_inv * v, on_negative_curvature="return")  # fmt: skip
     if res.negative_curvature is not None:  # rounding won: the iterate is as good as it gets
         warnings.warn(

@@ -28,7 +28,7 @@ import torch
 from flashot.costs import AttentionForm
 from flashot.backends.near import is_near_uniform, near_attend
 from flashot.backends.plan_vjp import PlanVJP, plan_vjp_tiles
-from flashot.dual import marginal_error, plan_times, row_mass
+from flashot.dual import marginal_error, row_mass
 
 __all__ = ["PRECISIONS", "Backend"]
 
@@ -47,6 +47,8 @@ class Backend:
     """
 
     name = "base"
+    #: a block of its primitives' launches can be captured as a CUDA graph (no host sync)
+    capturable = False
     #: precisions this backend implements, besides ``"auto"``.
     precisions: tuple[str, ...] = ("fp32",)
 
@@ -235,24 +237,27 @@ class Backend:
         return plan_vjp_tiles(form, f, g, a, b, eps, v, d, budget)
 
     def plan_matvec(
-        self, form: AttentionForm, f, g, log_a, log_b, eps: float, r, w=None, u=None
+        self, form: AttentionForm, f, g, log_a, log_b, eps: float, r, c, w=None, u=None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(P w, Pᵀ u)`` for the plan ``P = a b e^{(f⊕g−C)/ε}`` (a CG's matvec).
+        r"""``(P w, Pᵀ u)`` for the plan ``P = a b e^{(f⊕g−C)/ε}`` (a CG's matvec).
 
-        Backends may fuse both products into one streaming pass (the Triton one does);
-        the default takes one :meth:`row_attend` pass per product asked for.
+        Taken as weighted averages scaled by the plan's sums,
+        ``(P w)_i = r_i Σ_j P_ij w_j / Σ_j P_ij``, so that ``P 1 = r`` and ``Pᵀ 1 = c``
+        hold to rounding (a dual system's null vector stays one). Backends may fuse
+        both products into one streaming pass (the Triton one does); the default takes
+        one :meth:`row_attend` pass per product asked for.
 
         Args:
             form: attention form (detached).  f: (n,), g: (m,) potentials.
             log_a: (n,), log_b: (m,) log weights.  eps: ε.
-            r: (n,) the plan's row sums (:meth:`marginals`).
+            r: (n,), c: (m,) the plan's row and column sums (:meth:`marginals`).
             w: (m,) or None.  u: (n,) or None: the products not wanted are None.
         """
         pw = ptu = None
-        if w is not None:  # P w = r ⊙ (softmax average of w)
+        if w is not None:
             pw = r * self.row_attend(form, g - form.beta, eps, w[:, None], log_b)[1][:, 0]
         if u is not None:
-            ptu = plan_times(self, form.T, g, f, log_b, log_a, eps, u[:, None])[:, 0]
+            ptu = c * self.row_attend(form.T, f - form.alpha, eps, u[:, None], log_a)[1][:, 0]
         return pw, ptu
 
     def marginals(

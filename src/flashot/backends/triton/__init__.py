@@ -98,6 +98,7 @@ class TritonBackend(Backend):
 
     name = "triton"
     precisions = ("fp32", "tf32", "bf16", "fp16")
+    capturable = True
 
     def __init__(
         self,
@@ -340,14 +341,16 @@ class TritonBackend(Backend):
                 (then ``a ⊙ R = P w`` and ``b ⊙ C = Pᵀ u``).
 
         Returns:
-            ``(R (n,), C (m,))``.
+            ``(R (n,), C (m,))``; with ``mul``, ``(R, C, R₀, C₀)`` with ``R₀``, ``C₀`` the
+            sums without it.
         """
         q, k = self._operand(form.q), self._operand(form.k)
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
         bd, chunks = _configs.block_d(d, q.element_size())
-        sums = torch.zeros(n + m, device=dev, dtype=torch.float32)
-        r, c = sums[:n], sums[n:]
+        sums = torch.zeros((2 if mul is not None else 1) * (n + m), device=dev,
+                           dtype=torch.float32)  # fmt: skip
+        r, c, r_den, c_den = sums[:n], sums[n : n + m], sums[n + m : 2 * n + m], sums[2 * n + m :]
         gate_in, gate_out = gate if gate is not None else (sums, sums)
         nb, mb = _configs.bucket(n), _configs.bucket(m)
 
@@ -358,7 +361,8 @@ class TritonBackend(Backend):
                 return (triton.cdiv(m, meta["BLOCK_N"]), splits)
 
             args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, r, c, gate_in, gate_out,
-                    *(mul or (sums, sums)), n, m, d, LOG2E / eps, shift, limit, int(span), per,
+                    *(mul or (sums, sums)), r_den if mul else sums, c_den if mul else sums,
+                    n, m, d, LOG2E / eps, shift, limit, int(span), per,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), nb, mb)  # fmt: skip
             consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=gate is not None,
                           MULTIPLY=mul is not None, PRECISION=self._dot())  # fmt: skip
@@ -377,7 +381,7 @@ class TritonBackend(Backend):
         cfg = self._tiles(_PLAN_SUMS, key, nb + mb)
         self._launch(_PLAN_SUMS, _plan_sums_kernel, key, cfg, plan_for, dev, {"GATED": False},
                      reset)  # fmt: skip
-        return r, c
+        return (r, c) if mul is None else (r, c, r_den, c_den)
 
     @staticmethod
     def valid_range(size: int, max_weight: float = 1.0) -> tuple[float, float]:
@@ -510,22 +514,27 @@ class TritonBackend(Backend):
             return super().extrapolate(form, f, g, log_a, log_b, eps, lam)
         return self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), lam)[:2]
 
-    def plan_matvec(self, form, f, g, log_a, log_b, eps, r, w=None, u=None):
+    def plan_matvec(self, form, f, g, log_a, log_b, eps, r, c, w=None, u=None):
         """See :meth:`flashot.backends.base.Backend.plan_matvec`: one fused pass.
 
-        The rows are first moved to their fixed point, ``f̃ = f − ε ln(r/a)`` (then
-        ``Σ_j b_j E_ij = 1``), so that every term lies well inside float32's range
-        (``E_ij ≤ 1/b_j``) and no max needs tracking.
+        The rows are first moved to their fixed point, ``f̃ = f − ε ln(r/a)`` with row
+        weights r (the plan is unchanged), so that every term lies well inside float32's
+        range (``E_ij ≤ 1/b_j``) and no max needs tracking; the pass also sums the plain
+        weights, whose ratios give the averages.
         """
         if is_near_uniform(form, eps):
-            return super().plan_matvec(form, f, g, log_a, log_b, eps, r, w, u)
-        ratio = torch.where(r > 0, r * torch.exp(-log_a), torch.zeros_like(r))
-        # rows without mass add nothing (and must not overflow into 0 · inf)
-        f_fixed = torch.where(r > 0, f - eps * torch.log(ratio), -math.inf)
-        mul_a = torch.zeros_like(r) if u is None else (u * ratio).to(torch.float32)
-        mul_b = torch.zeros_like(g) if w is None else w.to(torch.float32)
-        rows, cols = self.plan_sums(form, f_fixed, g, log_a, log_b, eps, mul=(mul_a, mul_b))
-        return (None if w is None else r * rows), (None if u is None else torch.exp(log_b) * cols)
+            return super().plan_matvec(form, f, g, log_a, log_b, eps, r, c, w, u)
+        # row weights r with f̃ keep r_i E'_ij = a_i E_ij for the columns; rows without
+        # mass add nothing (and must not overflow into 0 · inf)
+        log_r = torch.log(r)
+        f_fixed = torch.where(r > 0, f - eps * (log_r - log_a), -math.inf)
+        mul_a = torch.zeros_like(r) if u is None else u.to(torch.float32)
+        mul_b = torch.zeros_like(c) if w is None else w.to(torch.float32)
+        rows, cols, rows_den, cols_den = self.plan_sums(form, f_fixed, g, log_r, log_b, eps,
+                                                        mul=(mul_a, mul_b))  # fmt: skip
+        pw = None if w is None else torch.where(r > 0, r * rows / rows_den, 0.0)
+        ptu = None if u is None else torch.where(c > 0, c * cols / cols_den, 0.0)
+        return pw, ptu
 
     def marginals(self, form, f, g, log_a, log_b, eps):
         """See :meth:`flashot.backends.base.Backend.marginals` (fused where valid)."""

@@ -252,14 +252,15 @@ def _side_terms(p, offset, log_w, ok, scale):
 
 @triton.jit
 def _plan_sums_kernel(
-    Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, MUL_A, MUL_B, n, m, d, scale,
+    Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, MUL_A, MUL_B, R_DEN, C_DEN, n, m, d, scale,
     shift, gate_limit, gate_span, rows_per_split, stride_qn, stride_qd, stride_kn, stride_kd,
     n_bucket, m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, GATED: tl.constexpr, MULTIPLY: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """``R_i += Σ_j b_j E_ij`` and ``C_j += Σ_i a_i E_ij``, one exp2 per element.
 
-    With MULTIPLY the weights are ``b_j·MUL_B_j`` and ``a_i·MUL_A_i`` (plan products).
+    With MULTIPLY the weights are ``b_j·MUL_B_j`` and ``a_i·MUL_A_i`` (plan products), and
+    the plain sums go to ``R_DEN`` and ``C_DEN`` (their ratios are weighted averages).
 
     ``E_ij = 2^{(s_ij + f_i − α_i + g_j − β_j)·scale + shift}``: ``shift`` (base 2) puts the
     window of exactly summable residuals where they are expected (see ``valid_range``).
@@ -289,9 +290,11 @@ def _plan_sums_kernel(
     kt_tile = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, D_CHUNKS, True)
     g, beta, log_b = _side_load(G, BETA, LOG_B, offs_n, col_ok, True)
     v, b = _side_terms(g, beta, log_b, col_ok, scale)
+    b_den = b
     if MULTIPLY:
         b = b * tl.load(MUL_B + offs_n, mask=col_ok, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_den = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = row_lo + tl.arange(0, BLOCK_M)
     ah_p, ah_o, ah_w = _side_load(F, ALPHA, LOG_A, first, first < row_hi, True)
     for start in range(row_lo, row_hi, BLOCK_M):
@@ -305,13 +308,18 @@ def _plan_sums_kernel(
             stride_kd, BLOCK_D, D_CHUNKS, True, PRECISION,
         )
         u, a = _side_terms(f, alpha, log_a, row_ok, scale)
-        if MULTIPLY:
-            a = a * tl.load(MUL_A + offs_m, mask=row_ok, other=0.0)
         e = tl.exp2(s * scale + (u + shift)[:, None] + v[None, :])
+        if MULTIPLY:
+            tl.atomic_add(R_DEN + offs_m, tl.sum(e * b_den[None, :], 1), mask=row_ok,
+                          sem="relaxed")  # fmt: skip
+            acc_den += e * a[:, None]
+            a = a * tl.load(MUL_A + offs_m, mask=row_ok, other=0.0)
         tl.atomic_add(R + offs_m, tl.sum(e * b[None, :], 1), mask=row_ok, sem="relaxed")
         acc += e * a[:, None]
     if row_hi > row_lo:
         tl.atomic_add(C + offs_n, tl.sum(acc, 0), mask=col_ok, sem="relaxed")
+        if MULTIPLY:
+            tl.atomic_add(C_DEN + offs_n, tl.sum(acc_den, 0), mask=col_ok, sem="relaxed")
 
 
 @triton.jit
