@@ -1,0 +1,39 @@
+"""Every Python snippet of the README runs (at CPU-sized n) and says nothing alarming.
+
+The snippets run in order in one namespace, as a reader pastes them; sizes written
+``N_000`` are divided by 1 000 (``100_000`` points become 100), the rest is verbatim.
+A convergence warning fails the test: the README's calls must converge out of the box.
+"""
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+import flashot
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def scaled(code: str) -> str:
+    return re.sub(r"\b(\d+)_000\b", lambda m: m.group(1), code)
+
+
+def test_readme_has_python_snippets():
+    assert len(python_blocks(README.read_text())) >= 2
+
+
+def test_readme_snippets_run():
+    namespace: dict = {}
+    for i, block in enumerate(python_blocks(README.read_text())):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", flashot.ConvergenceWarning)
+            try:
+                exec(compile(scaled(block), f"README block {i}", "exec"), namespace)
+            except Exception as exc:  # noqa: BLE001
+                pytest.fail(f"README python block {i} failed: {type(exc).__name__}: {exc}")
