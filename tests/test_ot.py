@@ -356,3 +356,44 @@ def test_first_order_is_unchanged_by_the_second_order_wrapper():
     (again,) = torch.autograd.grad(flashot.sinkhorn(x, y, eps=0.5).cost, x, create_graph=True)
     # the envelope gradient and the exact one agree to the solve's tolerance
     assert torch.allclose(grad, again.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_default_tol_accepts_float32s_floor_and_nothing_looser():
+    """tol='auto' (the default) converges where float32 stalls at its precision floor near
+    1e-6; the same solve with an explicit tol=1e-6 misses and says why; ε far too small
+    for float32 still warns (eps_too_small)."""
+    from flashot.solver import FloorTolerance, precision_floor  # noqa: F401
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 3, generator=gen)
+    y = torch.randn(250, 3, generator=gen) + 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flashot.ConvergenceWarning)
+        res = flashot.sinkhorn(x, y, eps=0.05)
+    assert res.converged and res.cause is None and 1e-6 < res.marginal_error <= 1e-5
+    with pytest.warns(flashot.ConvergenceWarning, match="precision floor"):
+        strict = flashot.sinkhorn(x, y, eps=0.05, tol=1e-6)
+    assert strict.converged is False and strict.cause == "precision_floor"
+    ref = flashot.sinkhorn(x.double(), y.double(), eps=0.05, tol=1e-12, max_iter=20_000)
+    assert abs(float(res.cost) - float(ref.cost)) <= 1e-5 * abs(float(ref.cost))
+    x64, y64 = torch.randn(300, 64, generator=gen), torch.randn(250, 64, generator=gen) + 0.2
+    with pytest.warns(flashot.ConvergenceWarning, match="too small"):
+        tiny = flashot.sinkhorn(x64, y64, eps=0.05, max_iter=3000)
+    assert tiny.converged is False and tiny.cause == "eps_too_small"
+
+
+def test_default_update_is_alternating_with_a_tol_and_symmetric_without():
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(60, 2, generator=gen, dtype=F64), torch.randn(50, 2, generator=gen, dtype=F64)
+    for tol, update in ((1e-9, "alternating"), (None, "symmetric")):
+        auto = flashot.sinkhorn(x, y, eps=0.3, tol=tol, max_iter=300)
+        explicit = flashot.sinkhorn(x, y, eps=0.3, tol=tol, max_iter=300, update=update)
+        assert auto.n_iter == explicit.n_iter and torch.equal(auto.f, explicit.f)
+    with pytest.raises(ValueError, match="tol"):
+        flashot.sinkhorn(x, y, eps=0.3, tol="strict")
+    with pytest.raises(ValueError, match="update"):
+        flashot.sinkhorn(x, y, eps=0.3, update="gauss")
+    # a measure onto itself: symmetric steps keep f = g (alternating ones crawl)
+    auto = flashot.sinkhorn(x, x.clone(), eps=0.3, tol=1e-9, max_iter=300)
+    explicit = flashot.sinkhorn(x, x.clone(), eps=0.3, tol=1e-9, max_iter=300, update="symmetric")
+    assert auto.n_iter == explicit.n_iter and torch.equal(auto.f, auto.g)

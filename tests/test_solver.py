@@ -48,7 +48,7 @@ def test_reported_plateau_runs_on_to_the_right_value():
 
 def test_a_short_budget_says_max_iter_not_precision():
     x, y = d0()
-    res, misses = solve(x, y, eps=0.1, max_iter=1000)
+    res, misses = solve(x, y, eps=0.1, max_iter=1000, update="symmetric")
     assert not res.converged and res.n_iter == 1000
     assert len(misses) == 1 and "max_iter was not enough" in misses[0]
     assert "precision" not in misses[0]

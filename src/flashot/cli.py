@@ -243,7 +243,7 @@ def _solve(args) -> int:
             print(f"  saved f, g and the barycentric map to {out}")
     if res.converged is False:
         print(f"flashot: not converged: marginal error {res.marginal_error:.3e} > tol "
-              f"{args.tol:g} after {res.n_iter} iterations", file=sys.stderr)  # fmt: skip
+              f"{args.tol} after {res.n_iter} iterations", file=sys.stderr)  # fmt: skip
         return EXIT_NOT_CONVERGED
     return 0
 
@@ -297,6 +297,16 @@ def _demo(args) -> int:
     return 0
 
 
+
+def _tolerance(text: str):
+    """``--tol``: a number ≥ 0 or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``flashot`` command."""
     parser = argparse.ArgumentParser(prog="flashot", description=flashot.__doc__.splitlines()[0])
@@ -317,8 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cost", default="sqeuclidean", choices=sorted(flashot.COSTS))
     s.add_argument("--rho", type=float, help="KL marginal relaxation (unbalanced OT)")
     s.add_argument("--max-iter", type=int, default=1000)
-    s.add_argument("--tol", type=float, default=1e-6)
-    s.add_argument("--update", default="symmetric", choices=["symmetric", "alternating"])
+    s.add_argument("--tol", type=_tolerance, default="auto",
+                   help="L1 marginal error to reach, or 'auto' (1e-6 or float32's floor)")
+    s.add_argument("--update", default="auto", choices=["auto", "symmetric", "alternating"])
     s.add_argument(
         "--schedule",
         default="geomloss",

@@ -25,7 +25,7 @@ from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.costs import attention_form
 from flashot.ot import ConvergenceWarning, resolve_schedule
 from flashot.problem import Problem, make_problem
-from flashot.solver import describe_miss, solve, solve_self
+from flashot.solver import describe_miss, resolve_stopping, solve, solve_self
 
 __all__ = ["DebiasedPotentials", "debiased_potentials", "sinkhorn_divergence"]
 
@@ -160,9 +160,9 @@ def sinkhorn_divergence(
     cost: str = "sqeuclidean",
     rho: float | None = None,
     max_iter: int = 1000,
-    tol: float | None = 1e-6,
+    tol: float | str | None = "auto",
     check_every: int = 10,
-    update: str = "symmetric",
+    update: str = "auto",
     eps_schedule=None,
     backend="auto",
     precision: str = "auto",
@@ -192,6 +192,7 @@ def sinkhorn_divergence(
     problem = make_problem(
         x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend, precision=precision
     )
+    tol, update = resolve_stopping(tol, update, problem)
     temps = resolve_schedule(eps_schedule, problem)
     pots = debiased_potentials(
         problem, temps, max_iter=max_iter, tol=tol, check_every=check_every, update=update

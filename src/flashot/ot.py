@@ -18,9 +18,11 @@ from flashot.result import SinkhornResult, TransportPlan
 from flashot.solver import (
     FLOOR_FACTOR,
     EpsilonScaling,
+    FloorTolerance,
     describe_miss,
     geomloss_schedule,
     precision_floor,
+    resolve_stopping,
     solve,
 )
 
@@ -93,9 +95,9 @@ def sinkhorn(
     cost: str = "sqeuclidean",
     rho=None,
     max_iter: int = 1000,
-    tol: float | None = 1e-6,
+    tol: float | str | None = "auto",
     check_every: int = 10,
-    update: str = "symmetric",
+    update: str = "auto",
     eps_schedule=None,
     init=None,
     backend="auto",
@@ -129,10 +131,14 @@ def sinkhorn(
         max_iter: iterations at most (the ε schedule's included).
         tol: stop once the L1 marginal error is ≤ tol, checked every
             ``check_every`` iterations; None runs exactly ``max_iter`` iterations.
+            ``"auto"``: 1e-6, or the dtype's precision floor when that is within 10×
+            of it (:class:`~flashot.solver.FloorTolerance`); a number is strict.
         check_every: iterations between two checks (a check is free: it reuses the
             iteration's reductions).
         update: ``"symmetric"`` (averaged Jacobi updates, GeomLoss) or
-            ``"alternating"`` (Gauss–Seidel, OTT/POT).
+            ``"alternating"`` (Gauss–Seidel, OTT/POT); ``"auto"``: alternating with a
+            tol (fewer iterations), symmetric with ``tol=None`` (fixed schedules) or
+            between a measure and itself.
         eps_schedule: None (fixed ε), ``"geomloss"``, an
             :class:`~flashot.solver.EpsilonScaling`, or an explicit sequence of
             temperatures ending at (or followed by) ε.
@@ -154,6 +160,7 @@ def sinkhorn(
         x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend, precision=precision
     )
     engine = problem.engine
+    tol, update = resolve_stopping(tol, update, problem)
     temps = resolve_schedule(eps_schedule, problem)
     init = _check_init(init, problem)
     form = problem.form.detach()
@@ -206,6 +213,8 @@ def sinkhorn(
         )
     converged = None if tol is None else error <= tol
     cause = None
+    if converged is False and isinstance(tol, FloorTolerance) and error <= 10 * tol:
+        converged = error <= FLOOR_FACTOR * precision_floor(form, fd, gd, log_a, log_b, eps)
     if converged is False:
         cause, floor = out.cause or "max_iter", out.floor
         if out.converged:  # the loop met tol; the final (extrapolated) potentials do not
