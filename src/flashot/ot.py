@@ -219,7 +219,9 @@ def sinkhorn(
         cause, floor = out.cause or "max_iter", out.floor
         if out.converged:  # the loop met tol; the final (extrapolated) potentials do not
             floor = precision_floor(form, fd, gd, log_a, log_b, eps)
-            cause = "precision_floor" if error <= FLOOR_FACTOR * floor else "final_step"
+            # (or, with tol="auto", the loop stopped at the floor above tol)
+            at_floor = error <= FLOOR_FACTOR * floor or out.error > tol
+            cause = "precision_floor" if at_floor else "final_step"
         why = describe_miss(cause, tol, error, floor, out.n_iter, problem.form.q.dtype, update,
                             problem.form.cost_bound / eps)  # fmt: skip
         warnings.warn(why, ConvergenceWarning, stacklevel=2)
