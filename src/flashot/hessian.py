@@ -46,7 +46,9 @@ def hvp(
         x: (n, d) source points.  y: (m, d) target points.
         v: the direction: shaped like x (``wrt="x"``), like y (``"y"``), a pair
             ``(v_x, v_y)`` (``"xy"``, the joint Hessian); or a batch ``(k, *shape)``
-            of k directions (for ``"xy"``, a pair of batches).
+            of k directions (for ``"xy"``, a pair of batches): one Sinkhorn solve and
+            first-order graph for all, then one double backward (one dual CG solve)
+            per direction; the directions do not yet share streaming passes.
         a: (n,) source weights or None.  b: (m,) target weights or None.
         wrt: ``"x"``, ``"y"`` or ``"xy"``.
         eps: ε.
