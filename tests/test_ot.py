@@ -384,7 +384,8 @@ def test_default_tol_accepts_float32s_floor_and_nothing_looser():
 
 def test_default_update_is_alternating_with_a_tol_and_symmetric_without():
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(60, 2, generator=gen, dtype=F64), torch.randn(50, 2, generator=gen, dtype=F64)
+    x = torch.randn(60, 2, generator=gen, dtype=F64)
+    y = torch.randn(50, 2, generator=gen, dtype=F64)
     for tol, update in ((1e-9, "alternating"), (None, "symmetric")):
         auto = flashot.sinkhorn(x, y, eps=0.3, tol=tol, max_iter=300)
         explicit = flashot.sinkhorn(x, y, eps=0.3, tol=tol, max_iter=300, update=update)

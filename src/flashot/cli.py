@@ -297,7 +297,6 @@ def _demo(args) -> int:
     return 0
 
 
-
 def _tolerance(text: str):
     """``--tol``: a number ≥ 0 or 'auto'."""
     if text == "auto":
@@ -306,6 +305,7 @@ def _tolerance(text: str):
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``flashot`` command."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
@@ -211,14 +212,18 @@ def sinkhorn(
             "Sinkhorn produced non-finite potentials; try a larger eps, an eps_schedule, "
             "or float64 inputs"
         )
-    converged = None if tol is None else error <= tol
+    floor_now = functools.cache(lambda: precision_floor(form, fd, gd, log_a, log_b, eps))
+    if tol is None:
+        converged = None
+    elif isinstance(tol, FloorTolerance):
+        converged = tol.reached(error, floor_now)
+    else:
+        converged = error <= tol
     cause = None
-    if converged is False and isinstance(tol, FloorTolerance) and error <= 10 * tol:
-        converged = error <= FLOOR_FACTOR * precision_floor(form, fd, gd, log_a, log_b, eps)
     if converged is False:
         cause, floor = out.cause or "max_iter", out.floor
         if out.converged:  # the loop met tol; the final (extrapolated) potentials do not
-            floor = precision_floor(form, fd, gd, log_a, log_b, eps)
+            floor = floor_now()
             # (or, with tol="auto", the loop stopped at the floor above tol)
             at_floor = error <= FLOOR_FACTOR * floor or out.error > tol
             cause = "precision_floor" if at_floor else "final_step"

@@ -165,9 +165,10 @@ def test_plan_matvec_matches_dense(gen, name, shape, eps):
         pw, ptu = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, w.to(device, dtype),
                                       u.to(device, dtype))  # fmt: skip
         assert rel(pw.double().cpu(), P @ w) < tol and rel(ptu.double().cpu(), P.T @ u) < tol
-        alone, none = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, w=w.to(device, dtype))
+        pots = (form, f, g, log_a, log_b, eps, r, c)
+        alone, none = backend.plan_matvec(*pots, w=w.to(device, dtype))
         assert none is None and rel(alone.double().cpu(), P @ w) < tol
-        none, alone = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, u=u.to(device, dtype))
+        none, alone = backend.plan_matvec(*pots, u=u.to(device, dtype))
         assert none is None and rel(alone.double().cpu(), P.T @ u) < tol
         ones = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, torch.ones_like(g),
                                    torch.ones_like(f))  # fmt: skip

@@ -252,10 +252,11 @@ def _side_terms(p, offset, log_w, ok, scale):
 
 @triton.jit
 def _plan_sums_kernel(
-    Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, MUL_A, MUL_B, R_DEN, C_DEN, n, m, d, scale,
-    shift, gate_limit, gate_span, rows_per_split, stride_qn, stride_qd, stride_kn, stride_kd,
-    n_bucket, m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    D_CHUNKS: tl.constexpr, GATED: tl.constexpr, MULTIPLY: tl.constexpr, PRECISION: tl.constexpr,
+    Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, MUL_A, MUL_B, R_DEN, C_DEN,
+    n, m, d, scale, shift, gate_limit, gate_span, rows_per_split, stride_qn, stride_qd,
+    stride_kn, stride_kd, n_bucket, m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, GATED: tl.constexpr, MULTIPLY: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """``R_i += Σ_j b_j E_ij`` and ``C_j += Σ_i a_i E_ij``, one exp2 per element.
 
