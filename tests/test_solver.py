@@ -156,3 +156,31 @@ def test_a_miss_at_max_iter_is_named_from_the_last_errors(errors, cause):
         assert not stop.done(e, it)
     stop.finish()
     assert stop.cause == cause
+
+
+@pytest.mark.parametrize("update", ["symmetric", "alternating"])
+def test_only_the_final_eps_takes_the_near_path(monkeypatch, update):
+    """Warm-up temperatures up to a few times the cost's bound take the usual LSE (they
+    only start the next temperature; far above it, see the SamplesLoss huge-diameter
+    test); the final ε takes the near path from the bound, and either way the converged
+    answer is the float64 reference's."""
+    import flashot.backends.base as base
+
+    calls = []
+    real = base.near_attend
+    monkeypatch.setattr(base, "near_attend", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    from flashot.costs import attention_form, get_cost
+
+    x, y = d0()
+    bound = attention_form(get_cost("sqeuclidean"), x, y).cost_bound
+    diameter = math.sqrt(2 * bound)  # the first temperature, D², is above the bound
+    for eps, near_final in ((0.5, False), (1e3, True)):
+        calls.clear()
+        res, misses = solve(x, y, eps=eps, eps_schedule=flashot.EpsilonScaling(0.5, diameter=diameter),
+                            update=update, tol=1e-10, max_iter=3000)  # fmt: skip
+        assert not misses
+        assert all(e == eps for e in calls) and bool(calls) == near_final
+        n, m = len(x), len(y)
+        a, b = torch.full((n,), 1 / n, dtype=F64), torch.full((m,), 1 / m, dtype=F64)
+        ref = float(entropic_ot(x, y, a, b, eps))
+        assert float(res.cost) == pytest.approx(ref, rel=1e-9, abs=1e-9)

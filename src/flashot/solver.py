@@ -46,6 +46,8 @@ __all__ = [
 ]
 
 UPDATES = ("symmetric", "alternating")
+#: warm-up temperatures take the near-uniform LSE from this multiple of the cost's bound
+WARM_NEAR_FROM = 4.0
 #: the longest ε schedule (temperatures) built: beyond it scaling is surely a mistake
 MAX_SCHEDULE = 10_000
 
@@ -414,7 +416,7 @@ def solve(
     bound = form.cost_bound
     key = (
         backend_key,
-        tuple(is_near_uniform(form, e) for e in eps_list),  # which LSE each step takes
+        is_near_uniform(form, eps),  # which LSE the final steps take (warm_form: the others)
         tuple((t.shape, t.dtype, t.device) for t in tensors),
         tuple(eps_list),
         tuple(damping(e) for e in eps_list),
@@ -433,15 +435,31 @@ def solve(
     return SolverOutput(f, g, max_iter, None, float("nan"), final=tuple(last) or None)
 
 
+def warm_form(form: AttentionForm, eps_list: Sequence[float]) -> AttentionForm:
+    """The form the warm-up steps of a schedule take: near path from a higher ε only.
+
+    The near-uniform LSE (:mod:`flashot.backends.near`) buys a few ulps of the cost's
+    range at ε above it. A warm-up temperature only starts the next one, and up to
+    :data:`WARM_NEAR_FROM` × the bound (a schedule's first temperature ``D²`` is at most
+    twice it) the usual path's ``ε·ulp`` is as small. Far above, it is not: the offsets
+    ``ε log Σ`` it rounds to are a gauge the symmetric update keeps for good, and in
+    float32 one of 1e12 swamps the potentials. The final ε keeps the usual rule.
+    """
+    if len(eps_list) == 1 or form.cost_bound is None:
+        return form
+    return replace(form, cost_bound=WARM_NEAR_FROM * form.cost_bound)
+
+
 def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_iter, tol,
              check_every, update, progress=False) -> SolverOutput:  # fmt: skip
     """The loop of :func:`solve` (arguments checked)."""
     q_alpha, k_beta = form.alpha, form.beta
     eps = eps_list[0]
+    warm = warm_form(form, eps_list)
     if init is None:
         lam_x, lam_y = damping(eps)
         zf, zg = torch.zeros_like(q_alpha), torch.zeros_like(k_beta)
-        lse_r, lse_c = backend.potential_lse(form, zf, zg, log_a, log_b, eps)
+        lse_r, lse_c = backend.potential_lse(warm, zf, zg, log_a, log_b, eps)
         f, g = lam_x * (q_alpha - lse_r), lam_y * (k_beta - lse_c)
     else:
         f, g = init
@@ -456,16 +474,17 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
         eps = eps_list[min(it - 1, last)]
         lam = damping(eps)
         check = tol is not None and it - 1 >= last and (it - last) % check_every == 0
+        step_form = form if it - 1 >= last else warm
         if update == "symmetric":
             f, g, err = backend.jacobi_step(
-                form, f, g, log_a, log_b, eps, lam, rho, check=check, state=state
+                step_form, f, g, log_a, log_b, eps, lam, rho, check=check, state=state
             )
         else:
-            lse_r, _ = backend.row_attend(form, g - k_beta, eps, log_w=log_b)
+            lse_r, _ = backend.row_attend(step_form, g - k_beta, eps, log_w=log_b)
             if check:  # columns are exact after the previous g-update
                 err = marginal_error(f, row_mass(f, lse_r, q_alpha, log_a, eps), log_a, rho[0])
             f = lam[0] * (q_alpha - lse_r)
-            lse_c, _ = backend.row_attend(form.T, f - q_alpha, eps, log_w=log_a)
+            lse_c, _ = backend.row_attend(step_form.T, f - q_alpha, eps, log_w=log_a)
             g = lam[1] * (k_beta - lse_c)
         if check:
             error = float(err)
@@ -504,14 +523,15 @@ def solve_self(
     _check_iterations(max_iter, len(eps_list), tol, check_every)
     alpha = form.alpha
     eps = eps_list[0]
-    lse, _ = backend.row_attend(form, -alpha, eps, log_w=log_a)
+    warm = warm_form(form, eps_list)
+    lse, _ = backend.row_attend(warm, -alpha, eps, log_w=log_a)
     p = damping(eps) * (alpha - lse)
     last = len(eps_list) - 1
     stop = _Stopping(tol, lambda: precision_floor(form, p, p, log_a, log_a, eps_list[-1]))
     error, it = float("nan"), 0
     for it in range(1, max_iter + 1):
         eps = eps_list[min(it - 1, last)]
-        lse, _ = backend.row_attend(form, p - alpha, eps, log_w=log_a)
+        lse, _ = backend.row_attend(form if it - 1 >= last else warm, p - alpha, eps, log_w=log_a)
         check = tol is not None and it - 1 >= last and (it - last) % check_every == 0
         if check:
             error = 2.0 * float(marginal_error(p, row_mass(p, lse, alpha, log_a, eps), log_a, rho))

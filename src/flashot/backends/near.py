@@ -27,7 +27,8 @@ probability vectors whose float sum is only approximately 1.
 
 This path costs two transcendentals per element; backends take it only when
 ``ε ≥ cost_bound`` (:func:`is_near_uniform`), where the usual path's ``ε·ulp`` error
-would exceed a few ulps of the cost's range.
+would exceed a few ulps of the cost's range (a schedule's warm-up temperatures from a
+few times higher, :func:`flashot.solver.warm_form`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,66 @@
+"""The call GeomLoss users make (issue 14, item 3), against flash-sinkhorn 0.4.1.
+
+``SamplesLoss("sinkhorn", p=2, blur=0.05, scaling=0.5, debias=True)``, value and
+gradient, uniform data in the unit cube, d = 3, float32. flashot at its default
+precision and at tf32; the peer at its defaults (TF32, full squared distance: its
+value differs by the p = 2 convention, the ε schedule is the same). do_bench
+medians; the first call of each in this process is printed too. Env: SIZES
+("10000,50000"), PEER (0 to skip).
+
+    python benchmarks/gpu_typical.py
+"""
+
+import os
+import sys
+import time
+import warnings
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flashot  # noqa: E402
+
+warnings.simplefilter("ignore")
+SIZES = [int(s) for s in os.environ.get("SIZES", "10000,50000").split(",")]
+CALLS = {
+    "flashot default": lambda: flashot.SamplesLoss(p=2, blur=0.05, scaling=0.5, debias=True),
+    "flashot tf32": lambda: flashot.SamplesLoss(p=2, blur=0.05, scaling=0.5, debias=True,
+                                                precision="tf32"),  # fmt: skip
+}
+if os.environ.get("PEER", "1") == "1":
+    try:
+        import flash_sinkhorn
+
+        CALLS["flash-sinkhorn"] = lambda: flash_sinkhorn.SamplesLoss(p=2, blur=0.05, scaling=0.5,
+                                                                     debias=True)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001
+        print("peer unavailable:", exc)
+
+
+def value_and_grad(loss, x, y):
+    xs = x.detach().requires_grad_()
+    val = loss(xs, y)
+    (g,) = torch.autograd.grad(val, xs)
+    return val, g
+
+
+rows = []
+for n in SIZES:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.rand(n, 3, device="cuda", generator=gen)
+    y = torch.rand(n, 3, device="cuda", generator=gen)
+    for who, make in CALLS.items():
+        loss = make()
+        t0 = time.time()
+        val, _ = value_and_grad(loss, x, y)
+        torch.cuda.synchronize()
+        first = time.time() - t0
+        ms = do_bench(lambda: value_and_grad(loss, x, y), warmup=5, rep=50, return_mode="median")
+        rows.append((n, who, ms, first, float(val)))
+        print(rows[-1], flush=True)
+
+print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
+print("n        who                   ms (value+grad)   first call s   value")
+for n, who, ms, first, val in rows:
+    print(f"{n:<8d} {who:20s} {ms:10.2f} {first:14.1f}   {val:.6g}")
