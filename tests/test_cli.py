@@ -167,3 +167,21 @@ def test_demo_writes_a_figure(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert out.stat().st_size > 10_000 and summary["converged"]
     assert summary["mapped_pixels"] == 600 * 512
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["tune", "--precision", "fp64"], "expected fp32, tf32, bf16 or fp16"),
+    (["tune", "--d", "0"], "expected positive integers"),
+    (["tune", "--n", "ten"], "expected positive integers"),
+])  # fmt: skip
+def test_tune_rejects_bad_lists(argv, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without a GPU")
+def test_tune_without_a_gpu_is_one_line(capsys):
+    assert main(["tune", "--d", "3"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs a CUDA GPU" in err

@@ -307,6 +307,41 @@ def _tolerance(text: str):
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
 
 
+def _names(text: str) -> list[str]:
+    """A comma-separated list of precision modes."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in ("fp32", "tf32", "bf16", "fp16")]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected fp32, tf32, bf16 or fp16, got {text!r}")
+    return names
+
+
+def _sizes(text: str) -> list[int]:
+    """A comma-separated list of positive integers."""
+    try:
+        sizes = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return sizes
+
+
+def _tune(args) -> int:
+    """``flashot tune``: autotune the sweep's launch keys and write the tile table."""
+    from flashot.backends.triton.tune import tune
+
+    if not torch.cuda.is_available():
+        raise CliError("tune needs a CUDA GPU: tiles are tuned on the GPU that runs them")
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    path = tune(args.precision, args.d, args.n, out=args.out, hvp=not args.no_hvp,
+                device=args.device, log=log)  # fmt: skip
+    print(f"tiles written to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``flashot`` command."""
     parser = argparse.ArgumentParser(prog="flashot", description=flashot.__doc__.splitlines()[0])
@@ -350,6 +385,18 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="versions, backends and devices")
     i.add_argument("--json", action="store_true")
     i.set_defaults(run=_info)
+
+    t = sub.add_parser("tune", help="tune the Triton kernels' tiles on this GPU (kept on disk)")
+    t.add_argument("--precision", type=_names, default="fp32,tf32,bf16",
+                   help="precision modes, comma-separated (default fp32,tf32,bf16)")  # fmt: skip
+    t.add_argument("--d", type=_sizes, default="3,64,512",
+                   help="feature sizes, comma-separated (default 3,64,512)")  # fmt: skip
+    t.add_argument("--n", type=_sizes, default="10000,50000",
+                   help="cloud sizes n = m, comma-separated (default 10000,50000)")  # fmt: skip
+    t.add_argument("--out", help="table to write (default: this user's table for the GPU)")
+    t.add_argument("--no-hvp", action="store_true", help="skip the Hessian-vector product")
+    t.add_argument("--device", default="cuda", help="the CUDA device (default cuda)")
+    t.set_defaults(run=_tune)
 
     d = sub.add_parser("demo", help="color transfer between two pictures (writes a PNG)")
     d.add_argument("--out", default="flashot_demo.png")

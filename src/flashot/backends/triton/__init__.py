@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
+import sys
 import warnings
 import weakref
 
@@ -23,7 +25,7 @@ import triton
 from flashot.backends import on_device, triton_interpreted
 from flashot.backends.base import Backend
 from flashot.backends.near import is_near_uniform
-from flashot.backends.triton import _configs
+from flashot.backends.triton import _configs, _tables
 from flashot.backends.triton._kernels import (
     _attend_kernel,
     _combine_kernel,
@@ -64,6 +66,8 @@ _BEST: dict = {}
 _RESIDENT: dict = {}
 # the retimed winner of each autotuner ranking (keyed as the autotuner keys)
 _RETIMED: dict = {}
+# tiles taken from the tables (or the heuristic) per key: no tuning
+_TABLED: dict = {}
 #: relaxed problems skip the fused pass when the last step's largest |ln R| (nats)
 #: exceeded this: the sums would mostly fall outside their window and need repair anyway
 GATE_LIMIT = 100.0
@@ -89,7 +93,10 @@ class TritonBackend(Backend):
         precision: ``"auto"``/``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``.
         fused: use the one-exp fused kernel (verified, with fallback) for symmetric
             steps, extrapolation and marginals; False runs two exact passes instead.
-        autotune: autotune tile shapes (else the first configuration of each space).
+        autotune: tune tile shapes on first use of each launch key (a minute or so per
+            key; kept in the user's tile table, :mod:`._tables`); False takes the
+            shipped tables' tiles, so a first call only compiles. None (default): True
+            when the environment variable ``FLASHOT_AUTOTUNE`` is ``1``.
         splits: force the number of column splits (tests); None chooses from the GPU.
         graphs: replay repeated fixed-iteration solves of launch-bound size
             (n·m ≤ 2^28) as CUDA graphs (:mod:`flashot.graphs`); each captured solve
@@ -104,11 +111,14 @@ class TritonBackend(Backend):
         self,
         precision: str = "auto",
         fused: bool = True,
-        autotune: bool = True,
+        autotune: bool | None = None,
         splits: int | None = None,
         graphs: bool = True,
     ):
         super().__init__(precision)
+        if autotune is None:
+            opted = os.environ.get("FLASHOT_AUTOTUNE", "0").strip().lower()
+            autotune = opted in ("1", "true", "yes")
         for name, flag in (("fused", fused), ("autotune", autotune), ("graphs", graphs)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -146,17 +156,24 @@ class TritonBackend(Backend):
             half = half.float()  # (exact: products of halves fit in float32)
         return half
 
-    def _tiles(self, tuned, key, size_log2):
+    def _tiles(self, key, size_log2, device):
         """The tiles a launch takes; None when this call must tune them first.
 
         ``size_log2``: log2 of the n·m elements streamed (small solves are not tuned).
+        Without tuning, the tile tables' (:mod:`._tables`) or the heuristic's.
         """
         if triton_interpreted():
             return triton.Config(_configs.INTERPRETER_TILES)
+        arch = _tables.arch(device.index or 0) if device.type == "cuda" else None
         # tiny problems run in microseconds and would spend seconds tuning
-        if not (self.autotune and size_log2 >= _configs.TUNE_FROM_LOG2):
-            return tuned.configs[0]
-        return _BEST.get(key)
+        if self.autotune and size_log2 >= _configs.TUNE_FROM_LOG2:
+            return _BEST.get(key) or _tables.lookup(key, arch, exact_only=True)
+        if key not in _TABLED:
+            cfg = _tables.lookup(key, arch)
+            if cfg is None or not _configs.fits(cfg, key[1]):
+                cfg = _tables.heuristic(key)
+            _TABLED[key] = cfg
+        return _TABLED[key]
 
     def _split(self, raw, key, cfg, build, stationary, moving, device, most=None):
         """``(splits, per)``: the moving side cut into splits of ``per`` items each.
@@ -208,6 +225,7 @@ class TritonBackend(Backend):
         """
         with on_device(device):  # tuning, compiling and launching on the data's GPU
             if cfg is None:
+                _announce(tuned, key, device)
                 grid, args, consts = plan_for(None)
                 tuned_keys = len(tuned.cache)
                 tuned[grid](*args, **{**consts, **(full or {})})
@@ -217,6 +235,7 @@ class TritonBackend(Backend):
                     cfg = self._retime(raw, sorted(timings, key=timings.get), plan_for, full)
                     _RETIMED[key] = cfg
                 _BEST[key] = cfg
+                _keep(key, cfg, device)
                 if reset is not None:
                     reset()
             grid, args, consts = plan = plan_for(cfg)
@@ -295,7 +314,7 @@ class TritonBackend(Backend):
         def plan_for(tiles):
             return build(*self._split(_attend_kernel, key, tiles, build, n, m, dev, most))
 
-        cfg = self._tiles(_ATTEND, key, nb + mb)
+        cfg = self._tiles(key, nb + mb, dev)
         full = {"REPAIR": False}
         plan = self._launch(_ATTEND, _attend_kernel, key, cfg, plan_for, dev, full)
         if plan[2]["SPLIT"]:
@@ -378,7 +397,7 @@ class TritonBackend(Backend):
             if gate is not None:
                 gate_out.zero_()
 
-        cfg = self._tiles(_PLAN_SUMS, key, nb + mb)
+        cfg = self._tiles(key, nb + mb, dev)
         self._launch(_PLAN_SUMS, _plan_sums_kernel, key, cfg, plan_for, dev, {"GATED": False},
                      reset)  # fmt: skip
         return (r, c) if mul is None else (r, c, r_den, c_den)
@@ -543,6 +562,28 @@ class TritonBackend(Backend):
         ln_r, ln_c, _ = self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), (0.0, 0.0),
                                    log_sums=True)  # fmt: skip
         return torch.exp(log_a + ln_r), torch.exp(log_b + ln_c)
+
+
+def _announce(tuned, key, device) -> None:
+    """One line on stderr before a launch key is tuned: what, for how long, where kept."""
+    if device.type != "cuda":  # (tuning happens on GPUs; tests drive it on the CPU)
+        return
+    arch = _tables.arch(device.index or 0)
+    fields = dict(zip(_tables.FIELDS[key[0]], key, strict=True))
+    print(f"flashot: tuning {key[0]} tiles for d={fields['d']}, n~2^{fields['nb']}, "
+          f"m~2^{fields['mb']}, {fields['dot']} ({len(tuned.configs)} candidates, about a "
+          f"minute; kept in {_tables.user_table_path(arch)}; FLASHOT_AUTOTUNE=0 skips this)",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _keep(key, cfg, device) -> None:
+    """Persist a tuned key's tiles in the user's table (a warning if it cannot be written)."""
+    if device.type != "cuda":
+        return
+    try:
+        _tables.record(key, cfg, _tables.arch(device.index or 0))
+    except OSError as err:
+        warnings.warn(f"flashot: tuned tiles not saved ({err})", RuntimeWarning, stacklevel=3)
 
 
 def _window(n: int, m: int) -> float:

@@ -23,6 +23,7 @@ __all__ = [
     "block_p",
     "bucket",
     "column_splits",
+    "fits",
     "plan_sums_configs",
     "resident_programs",
     "sm_count",
@@ -157,17 +158,17 @@ def plan_sums_configs() -> list:
     return _configs((64, 128), (64, 128, 256), (4, 8), (2, 3))
 
 
+def fits(config, d: int) -> bool:
+    """Whether tiles can pay off at feature size d (register and shared-memory pressure)."""
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    if d > 128 and bm * bn > 128 * 64:
+        return False
+    return not (bm * bn > 128 * 128 or (bm * bn >= 128 * 128 and config.num_warps < 8))
+
+
 def prune(configs, named_args, **kwargs):
-    """Drop tiles that cannot pay off: large tiles for large d (register and smem pressure)."""
-    d = named_args["d"]
-    keep = []
-    for c in configs:
-        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        if d > 128 and bm * bn > 128 * 64:
-            continue
-        if bm * bn > 128 * 128 or (bm * bn >= 128 * 128 and c.num_warps < 8):
-            continue
-        keep.append(c)
+    """Drop tiles that cannot pay off (:func:`fits`)."""
+    keep = [c for c in configs if fits(c, named_args["d"])]
     return keep or configs[:1]
 
 

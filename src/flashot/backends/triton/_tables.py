@@ -1,0 +1,145 @@
+"""Tile tables: tuned tiles shipped per GPU architecture, so a first call only compiles.
+
+A launch's tiles come, in order, from: this process's earlier choice; the user's table
+(``$FLASHOT_CACHE_DIR``, else ``$XDG_CACHE_HOME/flashot`` or ``~/.cache/flashot``),
+which ``flashot tune`` and opted-in autotuning (``FLASHOT_AUTOTUNE=1``) write; the
+table shipped for the GPU's architecture (``tiles/sm_XY.json``, written by
+``flashot tune --out``); and, for a GPU without one, :func:`heuristic`. Without an exact
+entry the nearest tuned key of the same kernel variant is taken (feature size first,
+then the size buckets), as tiles change slowly with them.
+
+An entry is one JSON object: the launch key's fields (:data:`FIELDS`) and the tiles
+(``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import triton
+
+__all__ = ["FIELDS", "arch", "heuristic", "lookup", "record", "user_table_path"]
+
+#: the fields of a launch key, in the order the backend builds it
+FIELDS = {
+    "attend": ("kernel", "d", "p", "nb", "mb", "has_v", "dot", "dtype", "potential"),
+    "plan_sums": ("kernel", "d", "nb", "mb", "dot", "dtype"),
+}
+#: fields an entry must share with the key to stand in for it (another dot or input
+#: dtype may, at a distance: the kernels are exp-bound at small d, where tiles agree)
+_SAME = ("kernel", "has_v", "potential")
+_SHIPPED = Path(__file__).with_name("tiles")
+
+
+def arch(device_index: int) -> str:
+    """``"sm_XY"``: the compute capability of a CUDA device."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}"
+
+
+def user_table_path(arch_name: str) -> Path:
+    """Where this user's tuned tiles for ``arch_name`` live."""
+    root = os.environ.get("FLASHOT_CACHE_DIR")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+        root = os.path.join(base, "flashot")
+    return Path(root) / f"tiles_{arch_name}.json"
+
+
+def _as_entry(key: tuple) -> dict:
+    entry = dict(zip(FIELDS[key[0]], key, strict=True))
+    entry["dtype"] = str(entry["dtype"]).removeprefix("torch.")
+    return entry
+
+
+def _read(path: Path) -> list[dict]:
+    try:
+        with open(path) as fh:
+            entries = json.load(fh)["entries"]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RuntimeError(f"flashot: unreadable tile table {path} ({err}); delete it or "
+                           "run `flashot tune` again") from err  # fmt: skip
+    return [e for e in entries if isinstance(e, dict) and e.get("kernel") in FIELDS]
+
+
+@functools.cache
+def _tables(arch_name: str) -> tuple[list[dict], list[dict]]:
+    """(user entries, shipped entries) of an architecture, read once per process."""
+    return _read(user_table_path(arch_name)), _read(_SHIPPED / f"{arch_name}.json")
+
+
+def _config(entry: dict) -> triton.Config:
+    tiles = {"BLOCK_M": int(entry["BLOCK_M"]), "BLOCK_N": int(entry["BLOCK_N"])}
+    return triton.Config(tiles, num_warps=int(entry["num_warps"]),
+                         num_stages=int(entry["num_stages"]))  # fmt: skip
+
+
+def _distance(entry: dict, want: dict) -> float:
+    """How far a tuned key is from the wanted one (feature size weighs most)."""
+    log2 = lambda v: math.log2(max(1, int(v)))  # noqa: E731
+    dist = 4 * abs(log2(entry["d"]) - log2(want["d"]))
+    dist += 100 * ((entry["d"] > 128) != (want["d"] > 128))  # feature chunking differs
+    dist += abs(entry["nb"] - want["nb"]) + abs(entry["mb"] - want["mb"])
+    if "p" in want:
+        dist += 2 * abs(log2(entry["p"]) - log2(want["p"]))
+    return dist + 8 * (entry["dot"] != want["dot"]) + 8 * (entry["dtype"] != want["dtype"])
+
+
+def lookup(key: tuple, arch_name: str | None, exact_only: bool = False) -> triton.Config | None:
+    """Tiles for a launch key from the tables (None when none stands in for it).
+
+    ``exact_only``: only the user's table and only its exact key (autotuning is on and
+    tunes whatever is missing).
+    """
+    if arch_name is None:
+        return None
+    want = _as_entry(key)
+    user, shipped = _tables(arch_name)
+    for entry in user:
+        if all(entry.get(f) == want[f] for f in want):
+            return _config(entry)
+    if exact_only:
+        return None
+    close = [e for e in (*user, *shipped) if all(e.get(f) == want.get(f) for f in _SAME)]
+    if not close:
+        return None
+    return _config(min(close, key=lambda e: _distance(e, want)))
+
+
+def heuristic(key: tuple) -> triton.Config:
+    """Tiles for a GPU without a table: the H200's usual winners, by feature size."""
+    kernel, d = key[0], key[1]
+    if kernel == "plan_sums" or d > 128:
+        tiles = (64, 64, 4, 3)
+    else:
+        tiles = (128, 64, 4, 3)
+    bm, bn, warps, stages = tiles
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+def record(key: tuple, cfg: triton.Config, arch_name: str, path: Path | None = None) -> Path:
+    """Add (or replace) a key's tiles in a table file (the user's by default)."""
+    path = path or user_table_path(arch_name)
+    entries = [e for e in _read(path) if _as_entry_key(e) != _as_entry_key(_as_entry(key))]
+    entry = {**_as_entry(key), **cfg.kwargs, "num_warps": cfg.num_warps,
+             "num_stages": cfg.num_stages}  # fmt: skip
+    entries.append(entry)
+    entries.sort(key=lambda e: json.dumps(e, sort_keys=True))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as fh:
+        json.dump({"arch": arch_name, "entries": entries}, fh, indent=1)
+    os.replace(tmp, path)  # readers never see half a table
+    _tables.cache_clear()
+    return path
+
+
+def _as_entry_key(entry: dict) -> tuple:
+    return tuple(entry.get(f) for f in FIELDS[entry["kernel"]])
