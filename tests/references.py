@@ -189,3 +189,40 @@ def dense_hvp_implicit(x, y, f, g, v, eps, a=None, b=None, tikhonov=1e-10):
     df = (rhs_f - P @ dg) / r
     dP = P * (df[:, None] + dg[None] - s) / eps
     return r[:, None] * v + x * dP.sum(1)[:, None] - dP @ y
+
+
+def entropic_ot_matrix(C, a, b, eps, self_problem=False):
+    """OT_eps for a dense cost matrix: the primal value of the converged plan (float64).
+
+    A self problem (a cloud with itself: C symmetrized, a = b) takes the averaged
+    symmetric fixed point ``f ← ½ (f + softmin(C, log a + f/ε))``, where alternating
+    updates crawl.
+    """
+    C, a, b = C.to(F64), a.to(F64), b.to(F64)
+    if self_problem:
+        C = 0.5 * (C + C.T)
+        f = torch.zeros_like(a)
+        for _ in range(100_000):
+            f = 0.5 * (f + softmin(C, a.log() + f / eps, eps))
+            if (plan_dense(C, a, a, f, f, eps).sum(1) - a).abs().sum() < 1e-13:
+                break
+        g = f
+    else:
+        f, g = sinkhorn_dense(C, a, b, eps)
+    return primal(C, a, b, plan_dense(C, a, b, f, g, eps), eps)
+
+
+def bures_wasserstein_sq(x1, x2, diagonal=False):
+    """W² between Gaussian fits (ML covariances) of two clouds, by scipy's sqrtm (float64)."""
+    import numpy as np
+    from scipy.linalg import sqrtm
+
+    x1, x2 = x1.double().numpy(), x2.double().numpy()
+    m1, m2 = x1.mean(0), x2.mean(0)
+    if diagonal:
+        return float(((m1 - m2) ** 2).sum() + ((x1.std(0) - x2.std(0)) ** 2).sum())
+    s1 = np.cov(x1, rowvar=False, bias=True).reshape(x1.shape[1], x1.shape[1])
+    s2 = np.cov(x2, rowvar=False, bias=True).reshape(x2.shape[1], x2.shape[1])
+    r1 = sqrtm(s1).real
+    cross = sqrtm(r1 @ s2 @ r1).real
+    return float(((m1 - m2) ** 2).sum() + np.trace(s1 + s2 - 2 * cross))

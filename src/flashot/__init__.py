@@ -11,6 +11,7 @@ from flashot.costs import COSTS
 from flashot import linalg, optim
 from flashot.divergence import sinkhorn_divergence
 from flashot.hessian import hvp
+from flashot.labeled import LabeledCost, labeled_cost
 from flashot.ot import ConvergenceWarning, sinkhorn
 from flashot.result import SinkhornResult, TransportPlan
 from flashot.samples_loss import SamplesLoss
@@ -22,12 +23,14 @@ __all__ = [
     "COSTS",
     "ConvergenceWarning",
     "EpsilonScaling",
+    "LabeledCost",
     "SamplesLoss",
     "SinkhornResult",
     "TransportPlan",
     "__version__",
     "available_backends",
     "hvp",
+    "labeled_cost",
     "linalg",
     "optim",
     "sinkhorn",

@@ -222,6 +222,8 @@ def box_cost_bound(cost: Cost, box_x: torch.Tensor, box_y: torch.Tensor) -> torc
         cost: the ground cost.
         box_x: (2, d) coordinate minima and maxima of x.  box_y: (2, d) those of y.
     """
+    if hasattr(cost, "box_bound"):
+        return cost.box_bound(box_x, box_y)
     if cost.normalize:  # points on the unit sphere: |u − v|² ≤ 4
         return torch.tensor(4.0 * cost.scale, dtype=torch.float64, device=box_x.device)
     span = torch.maximum(box_x[1], box_y[1]).double() - torch.minimum(box_x[0], box_y[0]).double()
@@ -254,6 +256,8 @@ def attention_form(
     Returns:
         The attention form; the joint center is detached (C does not depend on it).
     """
+    if hasattr(cost, "compile"):  # costs with more than features (flashot.labeled)
+        return cost.compile(x, y, dtype, rounding, cost_bound)
     dtype = dtype or x.dtype
     u, v = cost.embed(x.to(dtype)), cost.embed(y.to(dtype))
     with torch.no_grad():
@@ -282,6 +286,8 @@ def bounding_diameter(cost: Cost, x: torch.Tensor, y: torch.Tensor) -> float:
         x: (..., d) source points.
         y: (..., d) target points.
     """
+    if hasattr(cost, "diameter"):
+        return cost.diameter(x, y)
     with torch.no_grad():
         u = cost.embed(x.detach()).reshape(-1, x.shape[-1])
         v = cost.embed(y.detach()).reshape(-1, y.shape[-1])

@@ -1,0 +1,134 @@
+r"""Costs between labeled points: a feature cost plus a table of label-to-label costs.
+
+A point carries its label's index in its last column, ``(x, c)``, and
+
+.. math::
+
+    C((x, c), (y, c')) = \lambda_x\, s \lVert x - y\rVert^2 + \lambda_y\, T_{c c'},
+
+for a (K, K) table ``T ≥ 0`` over all labels of both clouds (OTDD's augmented cost,
+with ``T = W²`` between the classes). It compiles to attention form exactly, with
+K more features per point,
+
+.. math::
+
+    q_i = \big(2\lambda_x s\,(x_i - \mu),\; -\lambda_y T_{c_i,\cdot}\big),\qquad
+    k_j = \big(y_j - \mu,\; e_{c'_j}\big),
+
+so ``⟨q_i, k_j⟩`` picks ``−λ_y T[c_i, c'_j]`` out of the table and every backend
+streams it like any other cost: nothing of size n × m exists, and gradients reach
+the features (the label column gets none).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from flashot.costs import COSTS, AttentionForm, Cost, get_cost, round_operands
+
+__all__ = ["LabeledCost", "labeled_cost"]
+
+
+@dataclass(frozen=True, eq=False)
+class LabeledCost(Cost):
+    """``λ_x · base(x, y) + λ_y · table[c, c']`` between points ``(x, c)`` (see module).
+
+    Build it with :func:`labeled_cost`. Attributes: ``table`` (K, K), ``lambda_y``,
+    ``base`` (the feature cost, λ_x folded into ``scale``).
+    """
+
+    table: torch.Tensor = field(default=None, repr=False)
+    lambda_y: float = 1.0
+    base: Cost = COSTS["sqeuclidean"]
+
+    def split(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features (n, d), label indices (n,) int64) of labeled points (n, d + 1)."""
+        if x.dim() != 2 or x.shape[1] < 2:
+            raise ValueError(f"{name} must be (n, d + 1) with labels in its last column, "
+                             f"got shape {tuple(x.shape)}")  # fmt: skip
+        lab = x[:, -1].detach()
+        k = self.table.shape[0]
+        if not bool(((lab == lab.round()) & (lab >= 0) & (lab < k)).all()):
+            raise ValueError(f"{name}'s last column must hold label indices 0 … {k - 1} "
+                             "(integers into the cost's table)")  # fmt: skip
+        return x[:, :-1], lab.long()
+
+    def compile(self, x, y, dtype, rounding, cost_bound) -> AttentionForm:
+        """The attention form of labeled clouds (``costs.attention_form`` delegates here)."""
+        from flashot.costs import attention_form
+
+        (fx, lx), (fy, ly) = self.split(x, "x"), self.split(y, "y")
+        feat = Cost(self.name, self.scale)
+        form = attention_form(feat, fx, fy, dtype, rounding, cost_bound=math.inf)
+        table = self.table.to(dtype=dtype or x.dtype, device=x.device)
+        eye = torch.eye(table.shape[0], dtype=table.dtype, device=table.device)
+
+        def rows(lab):  # −λ_y T[c, ·], rounded like the other operands of the dot
+            return round_operands(-self.lambda_y * table[lab], rounding)
+
+        def row_features(z):
+            zf, zl = self.split(z, "points")
+            return torch.cat([form.row_features(zf), rows(zl)], 1)
+
+        def col_features(z):
+            zf, zl = self.split(z, "points")
+            return torch.cat([form.col_features(zf), eye[zl]], 1)
+
+        if cost_bound is None:
+            boxes = [torch.stack(torch.aminmax(t.detach(), dim=0)) for t in (x, y)]
+            cost_bound = float(self.box_bound(*boxes))
+        q = torch.cat([form.q, rows(lx)], 1)
+        k = torch.cat([form.k, eye[ly]], 1)
+        return AttentionForm(q, k, form.alpha, form.beta, row_features, col_features, cost_bound)
+
+    def box_bound(self, box_x: torch.Tensor, box_y: torch.Tensor) -> torch.Tensor:
+        """A bound on the cost from the clouds' (2, d + 1) bounding boxes (0-d float64)."""
+        span = torch.maximum(box_x[1, :-1], box_y[1, :-1]).double()
+        span = span - torch.minimum(box_x[0, :-1], box_y[0, :-1]).double()
+        top = self.table.detach().double().max().clamp_min(0.0).to(span.device)
+        return self.scale * (span**2).sum() + self.lambda_y * top
+
+    def diameter(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """``D`` with ``s D²`` the largest cost: the start of an ε-scaling schedule."""
+        with torch.no_grad():
+            u, v = x.detach()[:, :-1], y.detach()[:, :-1]
+            lo = torch.minimum(u.min(0).values, v.min(0).values)
+            hi = torch.maximum(u.max(0).values, v.max(0).values)
+            feat = float(((hi - lo).double() ** 2).sum())
+            top = max(0.0, float(self.table.detach().max()))
+        return math.sqrt(feat + self.lambda_y * top / self.scale)
+
+
+def labeled_cost(table, lambda_x: float = 1.0, lambda_y: float = 1.0,
+                 base: str | Cost = "sqeuclidean") -> LabeledCost:  # fmt: skip
+    """The cost ``λ_x · base(x, y) + λ_y · table[c, c']`` between labeled points.
+
+    Args:
+        table: (K, K) finite, nonnegative label-to-label costs (tensor or array).
+        lambda_x: weight of the feature cost (> 0).  lambda_y: weight of the table (≥ 0).
+        base: ``"sqeuclidean"`` or ``"half_sqeuclidean"``.
+
+    Returns:
+        A :class:`LabeledCost` for ``cost=`` of :func:`flashot.sinkhorn` and friends;
+        its points are (n, d + 1) with label indices in the last column.
+    """
+    table = torch.as_tensor(table)
+    if table.dim() != 2 or table.shape[0] != table.shape[1] or table.shape[0] == 0:
+        raise ValueError(f"table must be a square (K, K) matrix, got shape {tuple(table.shape)}")
+    if not table.is_floating_point():
+        table = table.double()
+    if not bool(torch.isfinite(table).all()) or bool((table < 0).any()):
+        raise ValueError("table must hold finite, nonnegative costs")
+    for value, name, low in ((lambda_x, "lambda_x", 0.0), (lambda_y, "lambda_y", -1.0)):
+        ok = isinstance(value, (int, float)) and math.isfinite(value) and value > low
+        if not ok or (name == "lambda_y" and value < 0):
+            raise ValueError(f"{name} must be a finite number {'> 0' if low == 0 else '≥ 0'}, "
+                             f"got {value!r}")  # fmt: skip
+    base = get_cost(base)
+    if base.normalize:
+        raise ValueError("labeled costs take base='sqeuclidean' or 'half_sqeuclidean'")
+    return LabeledCost(f"labeled_{base.name}", float(lambda_x) * base.scale, False,
+                       table.detach(), float(lambda_y), base)  # fmt: skip
