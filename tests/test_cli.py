@@ -185,3 +185,46 @@ def test_tune_without_a_gpu_is_one_line(capsys):
     assert main(["tune", "--d", "3"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs a CUDA GPU" in err
+
+
+def test_otdd_of_npz_files_matches_the_api(tmp_path, capsys):
+    from flashot.otdd import dataset_distance
+
+    g = torch.Generator().manual_seed(0)
+    xa, xb = torch.randn(40, 3, generator=g), torch.randn(30, 3, generator=g) + 0.5
+    ya, yb = torch.arange(40) % 3, torch.arange(30) % 2
+    np.savez(tmp_path / "a.npz", X=xa.numpy(), y=ya.numpy())
+    np.savez(tmp_path / "b.npz", X=xb.numpy(), y=yb.numpy())
+    assert main(["otdd", str(tmp_path / "a.npz"), str(tmp_path / "b.npz"), "--eps", "0.5",
+                 "--json", "--device", "cpu"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    ref = dataset_distance(xa, ya, xb, yb, eps=0.5, eps_schedule="geomloss")
+    assert out["schema"] == 1 and out["distance"] == pytest.approx(float(ref.distance), rel=1e-6)
+    assert np.allclose(out["class_mass"], ref.class_mass.numpy(), atol=1e-7)
+    assert out["classes_a"] == [0, 1, 2] and out["n_b"] == 30 and out["converged"] is True
+    assert main(["otdd", str(tmp_path / "a.npz"), str(tmp_path / "b.npz"), "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "debiased OTDD" in text and "class-to-class mass" in text
+
+
+def test_otdd_of_named_datasets(capsys):
+    pytest.importorskip("sklearn")
+    assert main(["otdd", "digits", "digits:invert", "--n", "150", "--json", "--device", "cpu"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["distance"] > 1.0 and len(out["class_mass"]) == 10  # inverted digits are far
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["otdd", "cifar", "digits"], "unknown dataset 'cifar'"),
+    (["otdd", "missing.npz", "digits"], "missing.npz"),
+])  # fmt: skip
+def test_otdd_mistakes_are_one_line(argv, match, capsys):
+    assert main(argv + ["--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err
+
+
+def test_otdd_npz_without_labels_is_named(tmp_path, capsys):
+    np.savez(tmp_path / "a.npz", X=np.zeros((3, 2)))
+    assert main(["otdd", str(tmp_path / "a.npz"), str(tmp_path / "a.npz"), "--device", "cpu"]) == 1
+    assert "needs arrays 'X' (n, d) and 'y' (n,)" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The ``flashot`` command line: ``solve``, ``info``, ``demo``.
+"""The ``flashot`` command line: ``solve``, ``otdd``, ``tune``, ``info``, ``demo``.
 
 Uses the public API only.
 """
@@ -248,6 +248,80 @@ def _solve(args) -> int:
     return 0
 
 
+def _labeled(source: str, n: int | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features and labels: a dataset name (flashot.datasets) or an .npz with X and y."""
+    from flashot import datasets
+
+    if source.endswith(".npz"):
+        try:
+            with np.load(source) as data:
+                if not {"X", "y"} <= set(data.files):
+                    raise CliError(f"{source}: needs arrays 'X' (n, d) and 'y' (n,), "
+                                   f"found {sorted(data.files)}")  # fmt: skip
+                x, y = torch.as_tensor(data["X"]).float(), torch.as_tensor(data["y"])
+        except (OSError, ValueError) as err:
+            raise CliError(f"{source}: {err}") from err
+        if n is not None:
+            keep = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:n]
+            x, y = x[keep], y[keep]
+    else:
+        try:
+            x, y = datasets.load(source, n)
+        except (ImportError, ValueError, RuntimeError) as err:
+            raise CliError(f"{source}: {err}") from err
+    if y.is_floating_point():
+        if not bool((y == y.round()).all()):
+            raise CliError(f"{source}: labels y must be integers")
+        y = y.long()
+    return x.to(device), y.to(device)
+
+
+def _otdd(args) -> int:
+    """``flashot otdd A B``: the dataset distance and the class-to-class mass."""
+    import time
+
+    from flashot.otdd import dataset_distance
+
+    device = _device(args.device)
+    xa, ya = _labeled(args.a, args.n, device)
+    xb, yb = _labeled(args.b, args.n, device)
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", flashot.ConvergenceWarning)
+            out = dataset_distance(
+                xa, ya, xb, yb, eps=args.eps, lambda_x=args.lambda_x, lambda_y=args.lambda_y,
+                inner=args.inner, diagonal=args.diagonal, debias=not args.no_debias,
+                eps_schedule=None if args.schedule == "none" else "geomloss",
+                backend=args.backend, precision=args.precision,
+            )  # fmt: skip
+            distance = float(out.distance)
+    except (ValueError, TypeError, FloatingPointError) as err:
+        raise CliError(" ".join(str(err).split())) from err
+    seconds = time.perf_counter() - start
+    misses = [str(w.message) for w in caught if issubclass(w.category, flashot.ConvergenceWarning)]
+    mass = out.class_mass.cpu()
+    summary = dict(schema=1, a=args.a, b=args.b, n_a=len(xa), n_b=len(xb), d=xa.shape[1],
+                   eps=args.eps, inner=args.inner, debias=not args.no_debias,
+                   distance=distance, converged=not misses, seconds=round(seconds, 3),
+                   classes_a=out.classes_a.tolist(), classes_b=out.classes_b.tolist(),
+                   class_mass=mass.tolist())  # fmt: skip
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        kind = "debiased OTDD" if not args.no_debias else "OTDD (OT_eps, not debiased)"
+        print(f"{kind} between {args.a} ({len(xa)} points) and {args.b} ({len(xb)} points), "
+              f"d = {xa.shape[1]}, eps {args.eps:g}, inner {args.inner}: {distance:.6g} "
+              f"({seconds:.1f} s)")  # fmt: skip
+        print("class-to-class mass (% of the total; rows: A's classes, columns: B's):")
+        print("      " + "".join(f"{int(c):>6d}" for c in out.classes_b))
+        for c, row in zip(out.classes_a.tolist(), mass.tolist(), strict=True):
+            print(f"{int(c):>6d}" + "".join(f"{100 * v:6.1f}" for v in row))
+    for miss in misses:
+        print(f"flashot: {miss}", file=sys.stderr)
+    return EXIT_NOT_CONVERGED if misses else 0
+
+
 def _info(args) -> int:
     cuda = torch.cuda.is_available()
     try:
@@ -385,6 +459,26 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="versions, backends and devices")
     i.add_argument("--json", action="store_true")
     i.set_defaults(run=_info)
+
+    o = sub.add_parser("otdd", help="dataset distance (OTDD) between two labeled datasets")
+    o.add_argument("a", help="dataset name (mnist, mnist-test, mnist5k, digits, with "
+                   ":rot90, :invert, :8x8, :shuffle-labels) or an .npz with X and y")  # fmt: skip
+    o.add_argument("b", help="the second dataset, the same way")
+    o.add_argument("--n", type=int, help="a random subset of n points of each (default all)")
+    o.add_argument("--eps", type=float, default=0.5, help="entropic regularization (default 0.5)")
+    o.add_argument("--lambda-x", type=float, default=1.0, help="feature weight (default 1)")
+    o.add_argument("--lambda-y", type=float, default=1.0, help="label weight (default 1)")
+    o.add_argument("--inner", default="gaussian", choices=["gaussian", "exact"],
+                   help="class-to-class distance (default gaussian: Bures-Wasserstein)")  # fmt: skip
+    o.add_argument("--diagonal", action="store_true", help="diagonal covariances (large d)")
+    o.add_argument("--no-debias", action="store_true", help="OT_eps instead of the divergence")
+    o.add_argument("--schedule", default="geomloss", choices=["geomloss", "none"],
+                   help="eps annealing (default geomloss)")  # fmt: skip
+    o.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    o.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"])
+    o.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    o.add_argument("--json", action="store_true", help="machine-readable output")
+    o.set_defaults(run=_otdd)
 
     t = sub.add_parser("tune", help="tune the Triton kernels' tiles on this GPU (kept on disk)")
     t.add_argument("--precision", type=_names, default="fp32,tf32,bf16",
