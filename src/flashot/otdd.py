@@ -125,6 +125,35 @@ def class_table(feats: list[torch.Tensor], inner: str = "gaussian", diagonal: bo
     return table.clamp_min(0.0)
 
 
+def _classes(x, index, count) -> list[torch.Tensor]:
+    return [x[index == c] for c in range(count)]
+
+
+def _outer(la, lb, cost, eps, debias, self_b=None, **sinkhorn_options):
+    """``(value, result of OT(A, B), OT(B, B) or None)`` of labeled point sets."""
+    res = flashot.sinkhorn(la, lb, eps=eps, cost=cost, **sinkhorn_options)
+    value = res.cost
+    if debias:
+        value = value - 0.5 * flashot.sinkhorn(la, la, eps=eps, cost=cost, **sinkhorn_options).cost
+        if self_b is None:
+            self_b = flashot.sinkhorn(lb, lb, eps=eps, cost=cost, **sinkhorn_options).cost
+        value = value - 0.5 * self_b
+    return value, res, self_b
+
+
+def _prepare(xa, ya, xb, yb):
+    xa, classes_a, index_a = _check_dataset(xa, ya, "a")
+    xb, classes_b, index_b = _check_dataset(xb, yb, "b")
+    if xa.shape[1] != xb.shape[1]:
+        raise ValueError(f"Xa and Xb must have the same feature size, got {xa.shape[1]} "
+                         f"and {xb.shape[1]}")  # fmt: skip
+    return classes_a, index_a, classes_b, index_b
+
+
+def _labeled(x, index, offset: int) -> torch.Tensor:
+    return torch.cat([x, (offset + index)[:, None].to(x.dtype)], 1)
+
+
 def dataset_distance(
     xa: torch.Tensor,
     ya,
@@ -155,28 +184,19 @@ def dataset_distance(
             (tol, max_iter, eps_schedule, backend, precision, ...).
 
     Returns:
-        A :class:`DatasetDistance`.
+        A :class:`DatasetDistance`; its distance is differentiable in the features
+        through the outer problems (the class table is held fixed).
     """
-    xa, classes_a, index_a = _check_dataset(xa, ya, "a")
-    xb, classes_b, index_b = _check_dataset(xb, yb, "b")
-    if xa.shape[1] != xb.shape[1]:
-        raise ValueError(f"Xa and Xb must have the same feature size, got {xa.shape[1]} "
-                         f"and {xb.shape[1]}")  # fmt: skip
-    ka = len(classes_a)
-    feats = [xa[index_a == c] for c in range(ka)] + [xb[index_b == c] for c in range(len(classes_b))]
+    classes_a, index_a, classes_b, index_b = _prepare(xa, ya, xb, yb)
+    ka, kb = len(classes_a), len(classes_b)
+    feats = _classes(xa, index_a, ka) + _classes(xb, index_b, kb)
     table = class_table(feats, inner, diagonal, inner_eps or eps)
     cost = flashot.labeled_cost(table, lambda_x=lambda_x, lambda_y=lambda_y)
-    la = torch.cat([xa, index_a[:, None].to(xa.dtype)], 1)
-    lb = torch.cat([xb, (ka + index_b)[:, None].to(xb.dtype)], 1)
-    res = flashot.sinkhorn(la, lb, eps=eps, cost=cost, **sinkhorn_options)
-    value = res.cost
-    if debias:
-        for pts in (la, lb):
-            value = value - 0.5 * flashot.sinkhorn(pts, pts, eps=eps, cost=cost,
-                                                   **sinkhorn_options).cost  # fmt: skip
+    la, lb = _labeled(xa, index_a, 0), _labeled(xb, index_b, ka)
+    value, res, _ = _outer(la, lb, cost, eps, debias, **sinkhorn_options)
     with torch.no_grad():
-        onehot_b = torch.nn.functional.one_hot(index_b, len(classes_b)).to(res.f.dtype)
+        onehot_b = torch.nn.functional.one_hot(index_b, kb).to(res.f.dtype)
         to_b = res.plan @ onehot_b  # (n, K_b): mass from each point to each class of B
-        mass = torch.zeros(ka, len(classes_b), dtype=to_b.dtype, device=to_b.device)
+        mass = torch.zeros(ka, kb, dtype=to_b.dtype, device=to_b.device)
         mass.index_add_(0, index_a, to_b)
     return DatasetDistance(value, res, mass, table, classes_a, classes_b)

@@ -1,0 +1,154 @@
+r"""Dataset flows: dataset A's features move down the gradient of OTDD(A, B).
+
+Each step is an explicit Euler step of the Wasserstein gradient flow of
+``F(x) = OTDD((x, y_a), B)``: with uniform weights each point moves by
+``−τ n ∇_{x_i} F`` (the first variation's gradient; n undoes the 1/n of the weights).
+The class table ``W(c, c')`` is computed from the starting features and held, or
+recomputed from the moved features every step (``recompute_stats=True``, the
+label term then follows the moving classes). Snapshots are PNG grids of the first
+points of every class of A.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import flashot
+from flashot.otdd import _classes, _labeled, _outer, _prepare, class_table
+
+__all__ = ["FlowResult", "dataset_flow", "save_grid"]
+
+
+@dataclass
+class FlowResult:
+    """The outcome of :func:`dataset_flow`.
+
+    Attributes:
+        x: (n, d) the moved features of A.
+        distances: OTDD before each step and after the last (steps + 1 values).
+        snapshots: paths of the PNG files written.
+    """
+
+    x: torch.Tensor
+    distances: list[float] = field(default_factory=list)
+    snapshots: list[Path] = field(default_factory=list)
+
+
+def save_grid(x: torch.Tensor, labels: torch.Tensor, path, per_class: int = 8,
+              image_shape: tuple[int, int] | None = None, title: str = "") -> Path:  # fmt: skip
+    """A PNG of ``per_class`` images of every class (rows: classes), gray scale."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError("snapshots need matplotlib: pip install 'flashot[demo]'") from err
+    if image_shape is None:
+        side = math.isqrt(x.shape[1])
+        if side * side != x.shape[1]:
+            raise ValueError(f"features ({x.shape[1]}) are not square images: give image_shape")
+        image_shape = (side, side)
+    classes = torch.unique(labels).tolist()
+    fig, axes = plt.subplots(len(classes), per_class, figsize=(per_class, len(classes)),
+                             squeeze=False)  # fmt: skip
+    pixels = x.detach().float().cpu()
+    for r, c in enumerate(classes):
+        rows = pixels[labels.cpu() == c][:per_class]
+        for col in range(per_class):
+            ax = axes[r][col]
+            ax.axis("off")
+            if col < len(rows):
+                ax.imshow(rows[col].reshape(image_shape).numpy(), cmap="gray", vmin=0, vmax=1)
+    if title:
+        fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def dataset_flow(
+    xa: torch.Tensor,
+    ya,
+    xb: torch.Tensor,
+    yb,
+    *,
+    eps: float,
+    steps: int = 10,
+    step_size: float = 0.1,
+    lambda_x: float = 1.0,
+    lambda_y: float = 1.0,
+    inner: str = "gaussian",
+    diagonal: bool = False,
+    recompute_stats: bool = False,
+    snapshot_every: int = 0,
+    snapshot_dir=None,
+    image_shape: tuple[int, int] | None = None,
+    progress: bool = True,
+    **sinkhorn_options,
+) -> FlowResult:
+    """Move A's features along the gradient flow of OTDD(A, B) (see module).
+
+    Args:
+        xa: (n, d) features of A (not modified).  ya: (n,) labels of A.
+        xb: (m, d) features of B.  yb: (m,) labels of B.
+        eps: ε of the outer problems.
+        steps: Euler steps.  step_size: τ.
+        lambda_x, lambda_y, inner, diagonal: as in :func:`flashot.otdd.dataset_distance`.
+        recompute_stats: recompute the class table from the moved features each step.
+        snapshot_every: write a PNG grid every this many steps (0: none); needs
+            ``snapshot_dir`` and matplotlib.
+        snapshot_dir: folder of the snapshots (``step_0000.png``, ...).
+        image_shape: (h, w) of an image, when the features are not square images.
+        progress: one line per step on stderr (distance, time per step, time left).
+        **sinkhorn_options: passed to :func:`flashot.sinkhorn`.
+
+    Returns:
+        A :class:`FlowResult`.
+    """
+    classes_a, index_a, classes_b, index_b = _prepare(xa, ya, xb, yb)
+    for value, name in ((steps, "steps"), (snapshot_every, "snapshot_every")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer ≥ 0, got {value!r}")
+    if not (isinstance(step_size, (int, float)) and math.isfinite(step_size) and step_size > 0):
+        raise ValueError(f"step_size must be a finite number > 0, got {step_size!r}")
+    if snapshot_every and snapshot_dir is None:
+        raise ValueError("snapshot_every needs snapshot_dir")
+    ka, kb = len(classes_a), len(classes_b)
+    out = FlowResult(xa.detach().clone())
+    table = cost = self_b = None
+    start = time.perf_counter()
+    for step in range(steps + 1):
+        if table is None or recompute_stats:
+            feats = _classes(out.x, index_a, ka) + _classes(xb, index_b, kb)
+            table = class_table(feats, inner, diagonal, eps)
+            cost = flashot.labeled_cost(table, lambda_x=lambda_x, lambda_y=lambda_y)
+            self_b = None  # OT(B, B) depends on the table
+        x = out.x.requires_grad_(step < steps)
+        la, lb = _labeled(x, index_a, 0), _labeled(xb.detach(), index_b, ka)
+        with torch.set_grad_enabled(step < steps):
+            value, _, self_b = _outer(la, lb, cost, eps, True, self_b, **sinkhorn_options)
+            self_b = self_b.detach()
+        out.distances.append(float(value.detach()))
+        if snapshot_every and step % snapshot_every == 0 or (snapshot_every and step == steps):
+            out.snapshots.append(save_grid(out.x, index_a, Path(snapshot_dir) / f"step_{step:04d}.png",
+                                           image_shape=image_shape,
+                                           title=f"step {step}, OTDD {out.distances[-1]:.4g}"))  # fmt: skip
+        if step == steps:
+            break
+        (grad,) = torch.autograd.grad(value, x)
+        out.x = (x - step_size * x.shape[0] * grad).detach()
+        if progress:
+            per = (time.perf_counter() - start) / (step + 1)
+            print(f"flow step {step + 1}/{steps}  OTDD {out.distances[-1]:.6g}  {per:.2f} s/step  "
+                  f"{per * (steps - step - 1):.0f} s left", file=sys.stderr, flush=True)  # fmt: skip
+    out.x = out.x.detach()
+    return out

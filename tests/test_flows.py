@@ -1,0 +1,64 @@
+"""Dataset flows (flashot.flows): Euler steps of the OTDD gradient flow."""
+
+import pytest
+import torch
+
+from flashot.flows import dataset_flow
+from flashot.otdd import dataset_distance
+
+F64 = torch.float64
+
+
+def data(seed=0, n=30, m=24, d=4):
+    g = torch.Generator().manual_seed(seed)
+    ya, yb = torch.arange(n) % 3, torch.arange(m) % 3
+    xa = torch.rand(n, d, generator=g, dtype=F64) * 0.5
+    xb = torch.rand(m, d, generator=g, dtype=F64) * 0.5 + 0.4 + 0.1 * yb[:, None]
+    return xa, ya, xb, yb
+
+
+KW = dict(eps=0.1, tol=1e-11, max_iter=20000)
+
+
+def test_one_step_is_the_euler_step_of_the_distance():
+    xa, ya, xb, yb = data()
+    out = dataset_flow(xa, ya, xb, yb, steps=1, step_size=0.05, progress=False, **KW)
+    x = xa.clone().requires_grad_()
+    first = dataset_distance(x, ya, xb, yb, **KW)
+    (grad,) = torch.autograd.grad(first.distance, x)
+    assert torch.allclose(out.x, xa - 0.05 * len(xa) * grad, rtol=1e-10, atol=1e-12)
+    assert out.distances[0] == pytest.approx(float(first.distance.detach()), rel=1e-10)
+    assert torch.equal(xa, data()[0])  # the input is not modified
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_flow_brings_the_datasets_together(recompute, capsys):
+    xa, ya, xb, yb = data(1)
+    out = dataset_flow(xa, ya, xb, yb, steps=6, step_size=0.2, recompute_stats=recompute, **KW)
+    d = out.distances
+    assert len(d) == 7 and all(b < a for a, b in zip(d, d[1:], strict=False))
+    # held statistics keep the label term between A's and B's classes: a floor above 0
+    assert d[-1] < (0.2 if recompute else 0.6) * d[0]
+    final = float(dataset_distance(out.x, ya, xb, yb, **KW).distance)  # fresh statistics
+    if recompute:  # the flow saw the moving classes' statistics: the true OTDD fell too
+        assert final == pytest.approx(d[-1], rel=1e-8)
+    assert capsys.readouterr().err.count("flow step") == 6
+
+
+def test_snapshots_are_png_grids(tmp_path):
+    pytest.importorskip("matplotlib")
+    xa, ya, xb, yb = data(2, d=16)
+    out = dataset_flow(xa, ya, xb, yb, steps=3, step_size=0.1, snapshot_every=2,
+                       snapshot_dir=tmp_path, progress=False, **KW)  # fmt: skip
+    assert [p.name for p in out.snapshots] == ["step_0000.png", "step_0002.png", "step_0003.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in out.snapshots)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(steps=-1), "steps"), (dict(step_size=0.0), "step_size"),
+    (dict(snapshot_every=1), "snapshot_dir"), (dict(steps=1.5), "steps"),
+])  # fmt: skip
+def test_bad_options_are_named(kw, match):
+    xa, ya, xb, yb = data()
+    with pytest.raises(ValueError, match=match):
+        dataset_flow(xa, ya, xb, yb, eps=0.1, progress=False, **kw)
