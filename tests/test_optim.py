@@ -82,6 +82,23 @@ def test_adam_newton_escapes_a_saddle_where_gradient_descent_stalls():
     assert torch.allclose(theta.detach().abs(), torch.tensor([1.0, 0.0], dtype=F64), atol=1e-5)
 
 
+def test_adam_newton_escapes_an_exact_saddle_with_zero_gradient():
+    """At θ = 0 the gradient vanishes (to rounding) and both points coincide: a first-order
+    test would call it converged. The curvature check escapes it; the coinciding points'
+    cotangents are rounding noise, which the dual solve must take (not a gauge error)."""
+    theta, closure = saddle()
+    with torch.no_grad():
+        theta.zero_()
+    opt = AdamNewton([theta], lr=0.05, switch_grad_norm=0.1)
+    for _ in range(40):
+        opt.step(closure)
+    assert opt.log[0]["step"] == "negative_curvature" and opt.log[0]["grad_norm"] < 1e-12
+    assert opt.log[0]["lambda_min"] < -1.0
+    with torch.no_grad():
+        assert float(closure()) < 1e-8
+    assert opt.log[-1]["step"] == "converged" and opt.log[-1]["lambda_min"] > -1e-6
+
+
 def test_options_and_closures_are_checked():
     x = torch.zeros(2, dtype=F64, requires_grad=True)
     with pytest.raises(ValueError, match="single parameter group"):

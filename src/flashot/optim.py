@@ -219,7 +219,8 @@ class AdamNewton(_SecondOrder):
     While ``‖g‖ > switch_grad_norm`` it takes Adam steps. Below, it estimates the
     smallest Hessian eigenvalue by Lanczos on HVPs: if ``λ_min < −tau`` it steps along
     the eigenvector (signed to descend, backtracking from ``escape_step``), the saddle
-    escape; otherwise it takes a Newton-CG step with a line search.
+    escape, even where the gradient vanishes; otherwise it takes a Newton-CG step with
+    a line search, or stops (``"converged"``) once ``‖g‖ ≤ grad_tol``.
 
     Args:
         params: parameters (one group).
@@ -262,9 +263,6 @@ class AdamNewton(_SecondOrder):
         loss, grad, hvp = self._derivatives(closure)
         gnorm = float(grad.norm())
         entry = dict(loss=loss, grad_norm=gnorm, cg_iters=0, t=0.0)
-        if gnorm <= group["grad_tol"]:
-            self.log.append(dict(entry, step="converged"))
-            return loss
         if gnorm > group["switch_grad_norm"]:
             self._adam(grad)
             self.log.append(dict(entry, step="adam", t=group["lr"]))
@@ -276,6 +274,9 @@ class AdamNewton(_SecondOrder):
                              generator=self._gen)  # fmt: skip
         lam, vec = float(vals[0]), vecs[0]
         entry["lambda_min"] = lam
+        if lam >= -group["tau"] and gnorm <= group["grad_tol"]:  # a minimum, not a saddle
+            self.log.append(dict(entry, step="converged"))
+            return loss
         if lam < -group["tau"]:
             direction = vec if float(grad @ vec) <= 0 else -vec
             t = group["escape_step"]

@@ -163,8 +163,8 @@ class TransportPlan:
         self._check_fresh()
         if self._exact is not None:
             theta, spec = self._exact
-            return plan_product(theta, implicit_potentials(theta, self._f, self._g, spec), vv,
-                                spec, transpose)  # fmt: skip
+            z = implicit_potentials(theta, self._f, self._g, spec, check_gauge=False)
+            return plan_product(theta, z, vv, spec, transpose)
         # only V needs a gradient: θ and the potentials are constants (no dual solve runs)
         form = self._form
         theta = (form.q, form.alpha, form.k, form.beta, self._log_a.exp(), self._log_b.exp())

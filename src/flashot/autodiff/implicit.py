@@ -167,9 +167,9 @@ class ImplicitPotentials(torch.autograd.Function):
     """The converged ``(f, g)`` as a function of θ = (q, α, k, β, a, b) (see module)."""
 
     @staticmethod
-    def forward(ctx, q, alpha, k, beta, a, b, f, g, spec):
+    def forward(ctx, q, alpha, k, beta, a, b, f, g, spec, check_gauge=True):
         ctx.save_for_backward(q, alpha, k, beta, a, b, f, g)
-        ctx.spec = spec
+        ctx.spec, ctx.check_gauge = spec, check_gauge
         return f.detach().clone(), g.detach().clone()
 
     @staticmethod
@@ -180,7 +180,7 @@ class ImplicitPotentials(torch.autograd.Function):
         form = _form(q, alpha, k, beta, spec)
         f_bar = torch.zeros_like(f) if f_bar is None else f_bar
         g_bar = torch.zeros_like(g) if g_bar is None else g_bar
-        if spec.rho == (None, None):
+        if spec.rho == (None, None) and ctx.check_gauge:
             _check_gauge(f_bar, g_bar)
         w_f, w_g = solve_dual(form, f, g, a, b, spec, f_bar, g_bar)
         # θ̄ = ∂_θ ⟨∂_z L, w⟩ = ∂_θ [⟨a', w_f⟩ + ⟨b', w_g⟩ − Σ_ij P_ij (w_f,i + w_g,j)]
@@ -191,7 +191,8 @@ class ImplicitPotentials(torch.autograd.Function):
         row, col = vjp.row / eps, vjp.col / eps
         grad_a = _relaxed_weight(f, ones_n, spec.rho[0]) * w_f - vjp.per_a
         grad_b = _relaxed_weight(g, ones_m, spec.rho[1]) * w_g - vjp.per_b
-        return -vjp.row_k / eps, row, -vjp.col_q / eps, col, grad_a, grad_b, None, None, None
+        return (-vjp.row_k / eps, row, -vjp.col_q / eps, col, grad_a, grad_b, None, None, None,
+                None)  # fmt: skip
 
 
 GAUGE = (
@@ -209,9 +210,15 @@ def _check_gauge(f_bar, g_bar) -> None:
         raise RuntimeError(GAUGE)
 
 
-def implicit_potentials(theta, f, g, spec: DualSpec):
-    """``(f, g)`` carrying the exact derivatives of the converged potentials in θ."""
-    return ImplicitPotentials.apply(*theta, f.detach(), g.detach(), spec)
+def implicit_potentials(theta, f, g, spec: DualSpec, check_gauge: bool = True):
+    """``(f, g)`` carrying the exact derivatives of the converged potentials in θ.
+
+    ``check_gauge``: raise :data:`GAUGE` when a balanced problem's cotangent is not
+    invariant to the potentials' constant shift. Callers whose functions are invariant by
+    construction (the plan, the value's gradient) turn it off: their cotangents can be
+    rounding noise alone (points that coincide), which the dual solve's deflation drops.
+    """
+    return ImplicitPotentials.apply(*theta, f.detach(), g.detach(), spec, check_gauge)
 
 
 def _phi(pot, rho):

@@ -74,7 +74,7 @@ class Piece:
 def _piece_gradient(piece: Piece, sources, grad) -> list:
     """``grad · weight · ∂(piece)/∂sources``, an expression autograd can differentiate again."""
     theta = piece.build(*sources) if piece.build is not None else sources
-    z = implicit_potentials(theta, piece.f, piece.g, piece.spec)
+    z = implicit_potentials(theta, piece.f, piece.g, piece.spec, check_gauge=False)
     grads = list(value_gradient(theta, z, piece.spec))
     if piece.geomloss_mass:
         eps, a, b = piece.spec.eps, theta[4], theta[5]
