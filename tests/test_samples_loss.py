@@ -136,3 +136,40 @@ def test_huge_diameter_and_blur_stay_accurate_in_float32():
         assert float(flashot.SamplesLoss(**kw)(x.float(), y.float())) == pytest.approx(ref, rel=1e-5)
     half_gap = 0.5 * float(((x.mean(0) - y.mean(0)) ** 2).sum())
     assert float(flashot.SamplesLoss(blur=1e4)(x, y)) == pytest.approx(half_gap, rel=1e-7)
+
+
+def test_geomloss_positional_order_and_keywords():
+    geomloss = pytest.importorskip("geomloss")
+    import inspect
+
+    ours = list(inspect.signature(flashot.SamplesLoss.__init__).parameters)[1:15]
+    theirs = list(inspect.signature(geomloss.SamplesLoss.__init__).parameters)[1:]
+    assert ours == theirs
+    torch.manual_seed(0)
+    x, y = torch.randn(30, 2, dtype=torch.float64), torch.randn(25, 2, dtype=torch.float64)
+    # positional as GeomLoss: ("sinkhorn", 2, blur, reach, diameter, scaling, truncate, cost,
+    # kernel, cluster_scale, debias) — debias=False is the 11th
+    ref = geomloss.SamplesLoss("sinkhorn", 2, 0.3, None, None, 0.7, 5, None, None, None, False)(x, y)
+    val = flashot.SamplesLoss("sinkhorn", 2, 0.3, None, None, 0.7, 5, None, None, None, False)(x, y)
+    assert float(val) == pytest.approx(float(ref), rel=1e-6)
+    base = float(flashot.SamplesLoss(blur=0.3)(x, y))
+    for kw in (dict(truncate=None), dict(truncate=3), dict(backend="tensorized"), dict(backend="online")):
+        assert float(flashot.SamplesLoss(blur=0.3, **kw)(x, y)) == pytest.approx(base, rel=1e-9)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(cluster_scale=0.1), "cluster_scale must be None"),
+    (dict(kernel=lambda x, y: x), "kernel must be None"),
+    (dict(backend="multiscale"), "multiscale"),
+    (dict(truncate=-1), "truncate"),
+])  # fmt: skip
+def test_geomloss_options_flashot_does_not_offer_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        flashot.SamplesLoss(**kw)
+
+
+def test_verbose_prints_one_line(capsys):
+    x, y = torch.randn(20, 2), torch.randn(15, 2)
+    flashot.SamplesLoss(blur=0.5, verbose=True)(x, y)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "eps steps" in err and "(20, 2) vs (15, 2)" in err

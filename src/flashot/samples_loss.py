@@ -9,6 +9,8 @@ materializing cost matrices.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from flashot.costs import bounding_diameter, get_cost
@@ -29,11 +31,24 @@ class SamplesLoss(torch.nn.Module):
         reach: None (balanced) or the KL relaxation scale, ρ = reach².
         diameter: the data diameter for the ε schedule, or None to measure it.
         scaling: ratio of successive blurs in the ε schedule, in (0, 1).
+        truncate: accepted for GeomLoss compatibility (None or > 0) and without
+            effect: it truncates kernels in GeomLoss' multiscale mode, and flashot
+            always solves the full problem.
+        cost: None (``|x − y|²/2``) or ``"cosine"`` (1 − cos(x, y)).
+        kernel: only None (GeomLoss' kernel losses are not Sinkhorn losses).
+        cluster_scale: only None (GeomLoss' multiscale approximation is not offered).
         debias: return the debiased Sinkhorn divergence (else OT_ε).
         potentials: return the potentials (F, G) instead of the value.
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or a backend instance.
-        cost: None (``|x − y|²/2``) or ``"cosine"`` (1 − cos(x, y)).
-        precision: precision mode of the backend (see :func:`flashot.sinkhorn`).
+        verbose: print one line per call on stderr (sizes, ε schedule, backend).
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or a backend instance; GeomLoss'
+            ``"tensorized"`` and ``"online"`` name the same exact solve here (``"torch"``
+            and ``"auto"``), its ``"multiscale"`` is refused.
+        precision: precision mode of the backend (see :func:`flashot.sinkhorn`),
+            keyword only.
+
+    The positional order is GeomLoss': ``SamplesLoss("sinkhorn", 2, blur, reach,
+    diameter, scaling, truncate, cost, kernel, cluster_scale, debias, potentials,
+    verbose, backend)``.
 
     Call forms: ``loss(x, y)`` or ``loss(a, x, b, y)``, with x (N, D) or (B, N, D)
     and weights (N,) or (B, N). Returns a scalar, (B,) values, or (F, G) shaped
@@ -48,10 +63,15 @@ class SamplesLoss(torch.nn.Module):
         reach: float | None = None,
         diameter: float | None = None,
         scaling: float = 0.5,
+        truncate: float | None = 5,
+        cost: str | None = None,
+        kernel=None,
+        cluster_scale: float | None = None,
         debias: bool = True,
         potentials: bool = False,
+        verbose: bool = False,
         backend="auto",
-        cost: str | None = None,
+        *,
         precision: str = "auto",
     ):
         super().__init__()
@@ -63,6 +83,21 @@ class SamplesLoss(torch.nn.Module):
             raise ValueError(f"p must be 2 (the cost |x-y|^2/2), got {p!r}")
         if cost not in (None, "cosine"):
             raise ValueError(f"cost must be None or 'cosine', got {cost!r}")
+        if truncate is not None and not (isinstance(truncate, (int, float)) and truncate > 0):
+            raise ValueError(f"truncate must be None or a number > 0, got {truncate!r}")
+        if kernel is not None:
+            raise ValueError("kernel must be None: flashot computes Sinkhorn losses only")
+        if cluster_scale is not None:
+            raise ValueError("cluster_scale must be None: GeomLoss' multiscale approximation "
+                             "is not offered (flashot streams the full problem)")  # fmt: skip
+        if backend == "multiscale":
+            raise ValueError("backend='multiscale' is not offered (flashot streams the full "
+                             "problem): use 'auto', 'online', 'tensorized', 'torch' or 'triton'")  # fmt: skip
+        if isinstance(backend, str):
+            backend = {"tensorized": "torch", "online": "auto"}.get(backend, backend)
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose must be True or False, got {verbose!r}")
+        self.truncate, self.verbose = truncate, verbose
         self.blur = check_positive(blur, "blur")
         self.reach = None if reach is None else check_positive(reach, "reach")
         self.diameter = None if diameter is None else check_positive(diameter, "diameter")
@@ -111,6 +146,12 @@ class SamplesLoss(torch.nn.Module):
             return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
         return torch.stack(outs)
 
+    def _say(self, x, y, temps) -> None:
+        if self.verbose:
+            print(f"flashot SamplesLoss: {tuple(x.shape)} vs {tuple(y.shape)}, {len(temps)} "
+                  f"eps steps from {temps[0]:.3g} to {temps[-1]:.3g}, backend "
+                  f"{self.backend!r}, precision {self.precision!r}", file=sys.stderr)  # fmt: skip
+
     def _schedule(self, x, y) -> list[float]:
         diameter = self.diameter or bounding_diameter(self.cost, x, y)
         dtype = compute_dtype(x.dtype) if isinstance(x, torch.Tensor) else torch.float32
@@ -121,7 +162,9 @@ class SamplesLoss(torch.nn.Module):
                     f"{name}={value:g} gives eps = {name}² = {value**2:.3g}, beyond what {dtype} "
                     f"supports ({hi:.3g}); rescale the data or use float64"
                 )
-        return geomloss_schedule(max(diameter, self.blur), self.blur**2, self.scaling)
+        temps = geomloss_schedule(max(diameter, self.blur), self.blur**2, self.scaling)
+        self._say(x, y, temps)
+        return temps
 
     def _single(self, a, x, b, y, temps):
         shape_a, shape_b = (None if a is None else a.shape), (None if b is None else b.shape)
