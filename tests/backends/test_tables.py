@@ -107,3 +107,26 @@ def test_tuning_says_so_and_keeps_its_tiles(tables, monkeypatch, capsys):
     monkeypatch.setenv("FLASHOT_CACHE_DIR", "/proc/no/such/dir")
     with pytest.warns(RuntimeWarning, match="not saved"):
         backend._keep(ATTEND, config(128, 32, 8, 3), gpu)
+
+
+def test_launches_take_table_tiles_unless_tuning_is_opted_in(tables, monkeypatch):
+    from flashot.backends import triton as backend
+
+    monkeypatch.setattr(backend, "triton_interpreted", lambda: False)
+    monkeypatch.setattr(backend, "_BEST", {})
+    monkeypatch.setattr(backend, "_TABLED", {})
+    monkeypatch.setattr(_tables, "arch", lambda index: "sm_90")
+    gpu = torch.device("cuda", 0)  # (only its arch is asked for, patched)
+    big = _configs.TUNE_FROM_LOG2
+    plain = backend.TritonBackend(autotune=False)
+    assert tiles(plain._tiles(ATTEND, big, gpu)) == tiles(_tables.heuristic(ATTEND))
+    shipped = tables / "shipped" / "sm_90.json"
+    _tables.record(ATTEND, config(64, 32, 4, 2), "sm_90", path=shipped)
+    assert tiles(plain._tiles(ATTEND, big, gpu)) == tiles(_tables.heuristic(ATTEND))  # cached
+    backend._TABLED.clear()
+    assert tiles(plain._tiles(ATTEND, big, gpu)) == (64, 32, 4, 2)
+    tuning = backend.TritonBackend(autotune=True)
+    assert tuning._tiles(ATTEND, big, gpu) is None  # tune: the shipped table is no answer
+    assert tiles(tuning._tiles(ATTEND, big - 1, gpu)) == (64, 32, 4, 2)  # too small to tune
+    _tables.record(ATTEND, config(128, 128, 8, 3), "sm_90")  # an earlier run's tuning
+    assert tiles(tuning._tiles(ATTEND, big, gpu)) == (128, 128, 8, 3)

@@ -164,16 +164,23 @@ class TritonBackend(Backend):
         """
         if triton_interpreted():
             return triton.Config(_configs.INTERPRETER_TILES)
-        arch = _tables.arch(device.index or 0) if device.type == "cuda" else None
+        # (launches are hot: the tables are read once per key and device)
+        arch = lambda: _tables.arch(device.index or 0) if device.type == "cuda" else None  # noqa: E731
         # tiny problems run in microseconds and would spend seconds tuning
         if self.autotune and size_log2 >= _configs.TUNE_FROM_LOG2:
-            return _BEST.get(key) or _tables.lookup(key, arch, exact_only=True)
-        if key not in _TABLED:
-            cfg = _tables.lookup(key, arch)
+            if key not in _BEST:
+                kept = _tables.lookup(key, arch(), exact_only=True)  # tuned by an earlier run
+                if kept is None:
+                    return None
+                _BEST[key] = kept
+            return _BEST[key]
+        slot = (device.type, device.index, key)
+        if slot not in _TABLED:
+            cfg = _tables.lookup(key, arch())
             if cfg is None or not _configs.fits(cfg, key[1]):
                 cfg = _tables.heuristic(key)
-            _TABLED[key] = cfg
-        return _TABLED[key]
+            _TABLED[slot] = cfg
+        return _TABLED[slot]
 
     def _split(self, raw, key, cfg, build, stationary, moving, device, most=None):
         """``(splits, per)``: the moving side cut into splits of ``per`` items each.
