@@ -176,3 +176,25 @@ def test_problem_allocates_only_the_two_feature_matrices(precision):
     assert problem.form.q.shape == (n, d)
     # q, k, their norms and the weights; block temporaries of at most 4 MB
     assert peak < (n + m) * d * 4 + 6 * (n + m) * 4 + (4 << 20), peak / (n * d * 4)
+
+
+def test_numpy_inputs_are_cpu_tensors_and_results_tensors():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y, b = rng.normal(size=(30, 2)), rng.normal(size=(20, 2)), rng.random(20)
+    res = flashot.sinkhorn(x, y, None, b, eps=0.5)
+    ref = flashot.sinkhorn(torch.from_numpy(x), torch.from_numpy(y), None, torch.from_numpy(b),
+                           eps=0.5)  # fmt: skip
+    assert isinstance(res.f, torch.Tensor) and res.f.dtype == torch.float64
+    assert float(res.cost) == float(ref.cost)
+    # float64 numpy weights follow a float32 cloud
+    res32 = flashot.sinkhorn(x.astype(np.float32), y.astype(np.float32), None, b, eps=0.5)
+    assert float(res32.cost) == pytest.approx(float(ref.cost), rel=1e-5)
+    div = flashot.sinkhorn_divergence(x, y, eps=0.5)
+    assert float(div) == pytest.approx(float(flashot.sinkhorn_divergence(
+        torch.from_numpy(x), torch.from_numpy(y), eps=0.5)), rel=1e-12)  # fmt: skip
+    with pytest.raises(TypeError, match="b must hold floats"):
+        flashot.sinkhorn(x, y, None, np.ones(20, dtype=np.int64), eps=0.5)
+    with pytest.raises(TypeError, match="x must have a floating dtype"):
+        flashot.sinkhorn(np.ones((3, 2), dtype=np.int64), y, eps=0.5)

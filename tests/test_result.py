@@ -135,3 +135,17 @@ def test_inverse_transform_matches_pot(gen):
     new = torch.tensor([[0.3, -0.2], [2.0, 1.5]], dtype=torch.float64)
     assert np.allclose(res.plan.T.barycentric_map(new).numpy(), st.inverse_transform(Xt=new.numpy()), atol=1e-6)
     assert np.allclose(res.plan.T.barycentric_map().numpy(), st.inverse_transform(Xt=y.numpy()), atol=1e-6)
+
+
+def test_repr_is_one_short_line():
+    import warnings
+
+    x, y = torch.randn(50, 2, dtype=torch.float64), torch.randn(40, 2, dtype=torch.float64)
+    res = flashot.sinkhorn(x.requires_grad_(), y, eps=0.5)
+    text = repr(res)
+    assert "\n" not in text and len(text) < 120 and "tensor" not in text
+    assert f"cost={float(res.cost.detach()):.6g}" in text and "n=50, m=40" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        short = flashot.sinkhorn(x, y, eps=0.5, max_iter=2)
+    assert repr(short).endswith("converged=False, cause='max_iter')")

@@ -119,7 +119,9 @@ def sinkhorn(
     Sinkhorn iterations streamed tile by tile: nothing of size n × m is stored.
 
     Args:
-        x: (n, d) source points (float16, bfloat16, float32 or float64).
+        x: (n, d) source points (float16, bfloat16, float32 or float64); a numpy array
+            is taken as a CPU tensor, numpy weights go to their cloud's device and
+            dtype, and results are tensors.
         y: (m, d) target points, same dtype and device.
         a: (n,) nonnegative source weights, None for uniform. Balanced problems
             normalize a and b to probability vectors; relaxed ones keep their mass.

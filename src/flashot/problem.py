@@ -17,6 +17,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from flashot.backends import resolve_backend
@@ -124,8 +125,11 @@ def check_cloud(x, name: str, checks: DeviceChecks) -> tuple[torch.Tensor, torch
     """A finite (n, d) floating-point tensor with n, d ≥ 1, and its bounding box.
 
     The finiteness verdict goes to ``checks``. Returns ``(x, box)``, box (2, d) the
-    coordinates' minima and maxima (on the device, not waited for).
+    coordinates' minima and maxima (on the device, not waited for). A numpy array is
+    taken as a CPU tensor (sharing its memory).
     """
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(x))
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -147,6 +151,10 @@ def check_weights(w, n: int, like: torch.Tensor, name: str, checks: DeviceChecks
     """
     if w is None:
         return torch.full((n,), 1.0 / n, dtype=like.dtype, device=like.device)
+    if isinstance(w, np.ndarray):  # numpy has no device and defaults to float64: the cloud's
+        if not np.issubdtype(w.dtype, np.floating):
+            raise TypeError(f"{name} must hold floats, got numpy dtype {w.dtype}")
+        w = torch.as_tensor(np.ascontiguousarray(w), dtype=like.dtype, device=like.device)
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(w).__name__}")
     if w.dim() == 2 and w.shape[1] == 1:

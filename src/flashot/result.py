@@ -308,6 +308,13 @@ class SinkhornResult:
     measured_error: float | None = None
     cause: str | None = None
 
+    def __repr__(self) -> str:
+        """One line: sizes, ε, the value and how the solve ended (no tensors printed)."""
+        value = float(self.cost.detach())
+        end = "" if self.cause is None else f", cause={self.cause!r}"
+        return (f"SinkhornResult(n={len(self.f)}, m={len(self.g)}, eps={self.eps:g}, "
+                f"cost={value:.6g}, n_iter={self.n_iter}, converged={self.converged}{end})")
+
     @functools.cached_property
     def marginal_error(self) -> float:
         """L1 violation of the plan's marginal conditions (one streaming pass if not measured)."""
