@@ -299,8 +299,9 @@ def describe_miss(cause: str, tol: float, error: float, floor: float | None, n_i
         "by about eps per iteration and may need up to cost scale / eps"
         + ("" if scale is None else f" = {scale:.1e}")
         + " iterations; increase max_iter a lot, use eps_schedule='geomloss' or a larger eps",
-        "oscillation": f"the error oscillates without decreasing; try update='{other}' or an "
-        "eps_schedule",
+        "oscillation": "the error oscillates with no trend over the last checks; slow "
+        f"convergence can look like this, so increase max_iter, or try update='{other}' or "
+        "an eps_schedule",
         "precision_floor": f"the error stalled at the precision floor of {dtype} for these "
         f"potentials and eps (rounding bound {fl}); use float64 inputs, a larger eps or a "
         "larger tol",
