@@ -407,6 +407,7 @@ def _tune(args) -> int:
 
     if not torch.cuda.is_available():
         raise CliError("tune needs a CUDA GPU: tiles are tuned on the GPU that runs them")
+
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 

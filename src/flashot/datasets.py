@@ -53,12 +53,12 @@ def _mnist_file() -> Path:
 
 def _mnist(split: str) -> tuple[np.ndarray, np.ndarray]:
     path = _mnist_file()
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    raw = path.read_bytes()  # read once: what is unpickled is what was checked
+    digest = hashlib.sha256(raw).hexdigest()
     if digest != MNIST_SHA256:
         raise RuntimeError(f"{path} has SHA-256 {digest}, not the known MNIST file's "
                            f"{MNIST_SHA256}: refusing to unpickle it")  # fmt: skip
-    with gzip.open(path, "rb") as fh:
-        train, valid, test = pickle.load(fh, encoding="latin1")
+    train, valid, test = pickle.loads(gzip.decompress(raw), encoding="latin1")
     if split == "test":
         return test
     return np.concatenate([train[0], valid[0]]), np.concatenate([train[1], valid[1]])

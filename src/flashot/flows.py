@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-import flashot
-from flashot.otdd import _classes, _labeled, _outer, _prepare, class_table
+from flashot.otdd import _label_cost, _labeled, _outer, _prepare
 
 __all__ = ["FlowResult", "dataset_flow", "save_grid"]
 
@@ -124,24 +123,25 @@ def dataset_flow(
         raise ValueError("snapshot_every needs snapshot_dir")
     ka, kb = len(classes_a), len(classes_b)
     out = FlowResult(xa.detach().clone())
-    table = cost = self_b = None
+    lb = _labeled(xb.detach(), index_b, ka)
+    cost = self_b = None
     start = time.perf_counter()
     for step in range(steps + 1):
-        if table is None or recompute_stats:
-            feats = _classes(out.x, index_a, ka) + _classes(xb, index_b, kb)
-            table = class_table(feats, inner, diagonal, eps)
-            cost = flashot.labeled_cost(table, lambda_x=lambda_x, lambda_y=lambda_y)
+        if cost is None or recompute_stats:
+            cost = _label_cost(out.x, index_a, ka, xb.detach(), index_b, kb, inner, diagonal, eps,
+                               lambda_x, lambda_y)  # fmt: skip
             self_b = None  # OT(B, B) depends on the table
         x = out.x.requires_grad_(step < steps)
-        la, lb = _labeled(x, index_a, 0), _labeled(xb.detach(), index_b, ka)
+        la = _labeled(x, index_a, 0)
         with torch.set_grad_enabled(step < steps):
             value, _, self_b = _outer(la, lb, cost, eps, True, self_b, **sinkhorn_options)
             self_b = self_b.detach()
         out.distances.append(float(value.detach()))
-        if snapshot_every and step % snapshot_every == 0 or (snapshot_every and step == steps):
-            out.snapshots.append(save_grid(out.x, index_a, Path(snapshot_dir) / f"step_{step:04d}.png",
-                                           image_shape=image_shape,
-                                           title=f"step {step}, OTDD {out.distances[-1]:.4g}"))  # fmt: skip
+        if snapshot_every and (step % snapshot_every == 0 or step == steps):
+            path = Path(snapshot_dir) / f"step_{step:04d}.png"
+            title = f"step {step}, OTDD {out.distances[-1]:.4g}"
+            out.snapshots.append(save_grid(out.x, index_a, path, image_shape=image_shape,
+                                           title=title))  # fmt: skip
         if step == steps:
             break
         (grad,) = torch.autograd.grad(value, x)

@@ -78,23 +78,22 @@ def gaussian_table(feats: list[torch.Tensor], diagonal: bool = False) -> torch.T
     """
     xs = [f.detach().double() for f in feats]
     means = torch.stack([x.mean(0) for x in xs])
-    gap = torch.cdist(means, means).square()
+    centered = [x - mu for x, mu in zip(xs, means, strict=True)]
+    table = torch.cdist(means, means).square()
     if diagonal:
-        sd = torch.stack([x.var(0, unbiased=False).sqrt() for x in xs])
-        table = gap + torch.cdist(sd, sd).square()
-        return (0.5 * (table + table.T)).clamp_min(0.0).fill_diagonal_(0.0)
-    covs = torch.stack([((x - x.mean(0)).T @ (x - x.mean(0))) / x.shape[0] for x in xs])
-    vals, vecs = torch.linalg.eigh(covs)
-    roots = (vecs * vals.clamp_min(0.0).sqrt()[:, None, :]) @ vecs.transpose(1, 2)
-    traces = torch.diagonal(covs, dim1=1, dim2=2).sum(-1)
-    k = len(xs)
-    cross = torch.zeros(k, k, dtype=torch.float64, device=means.device)
-    for i in range(k):  # tr (Σ_i^½ Σ_j Σ_i^½)^½ for every j, one batched eigvalsh
-        mids = roots[i] @ covs @ roots[i]
-        mids = 0.5 * (mids + mids.transpose(1, 2))
-        cross[i] = torch.linalg.eigvalsh(mids).clamp_min(0.0).sqrt().sum(-1)
-    cross = 0.5 * (cross + cross.T)
-    table = gap + traces[:, None] + traces[None, :] - 2.0 * cross
+        sd = torch.stack([c.square().mean(0).sqrt() for c in centered])
+        table = table + torch.cdist(sd, sd).square()
+    else:
+        covs = torch.stack([c.T @ c / c.shape[0] for c in centered])
+        vals, vecs = torch.linalg.eigh(covs)
+        roots = (vecs * vals.clamp_min(0.0).sqrt()[:, None, :]) @ vecs.transpose(1, 2)
+        traces = torch.diagonal(covs, dim1=1, dim2=2).sum(-1)
+        cross = torch.zeros_like(table)
+        for i in range(len(xs)):  # tr (Σ_i^½ Σ_j Σ_i^½)^½ for every j, one batched eigvalsh
+            mids = roots[i] @ covs @ roots[i]
+            mids = 0.5 * (mids + mids.transpose(1, 2))
+            cross[i] = torch.linalg.eigvalsh(mids).clamp_min(0.0).sqrt().sum(-1)
+        table = table + traces[:, None] + traces[None, :] - (cross + cross.T)
     return (0.5 * (table + table.T)).clamp_min(0.0).fill_diagonal_(0.0)
 
 
@@ -125,8 +124,12 @@ def class_table(feats: list[torch.Tensor], inner: str = "gaussian", diagonal: bo
     return table.clamp_min(0.0)
 
 
-def _classes(x, index, count) -> list[torch.Tensor]:
-    return [x[index == c] for c in range(count)]
+def _label_cost(xa, index_a, ka, xb, index_b, kb, inner, diagonal, inner_eps, lambda_x,
+                lambda_y) -> flashot.LabeledCost:  # fmt: skip
+    """The augmented cost of two datasets: ``W²`` over the union of their classes."""
+    feats = [xa[index_a == c] for c in range(ka)] + [xb[index_b == c] for c in range(kb)]
+    table = class_table(feats, inner, diagonal, inner_eps)
+    return flashot.labeled_cost(table, lambda_x=lambda_x, lambda_y=lambda_y)
 
 
 def _outer(la, lb, cost, eps, debias, self_b=None, **sinkhorn_options):
@@ -189,9 +192,8 @@ def dataset_distance(
     """
     classes_a, index_a, classes_b, index_b = _prepare(xa, ya, xb, yb)
     ka, kb = len(classes_a), len(classes_b)
-    feats = _classes(xa, index_a, ka) + _classes(xb, index_b, kb)
-    table = class_table(feats, inner, diagonal, inner_eps or eps)
-    cost = flashot.labeled_cost(table, lambda_x=lambda_x, lambda_y=lambda_y)
+    cost = _label_cost(xa, index_a, ka, xb, index_b, kb, inner, diagonal, inner_eps or eps,
+                       lambda_x, lambda_y)  # fmt: skip
     la, lb = _labeled(xa, index_a, 0), _labeled(xb, index_b, ka)
     value, res, _ = _outer(la, lb, cost, eps, debias, **sinkhorn_options)
     with torch.no_grad():
@@ -199,4 +201,4 @@ def dataset_distance(
         to_b = res.plan @ onehot_b  # (n, K_b): mass from each point to each class of B
         mass = torch.zeros(ka, kb, dtype=to_b.dtype, device=to_b.device)
         mass.index_add_(0, index_a, to_b)
-    return DatasetDistance(value, res, mass, table, classes_a, classes_b)
+    return DatasetDistance(value, res, mass, cost.table, classes_a, classes_b)

@@ -93,20 +93,18 @@ def test_the_shipped_tables_fit_their_keys():
 
 
 def test_tuning_says_so_and_keeps_its_tiles(tables, monkeypatch, capsys):
-    from flashot.backends import triton as backend
-
     monkeypatch.setattr(_tables, "arch", lambda index: "sm_90")
     gpu = torch.device("cuda", 0)  # (never touched: the arch is patched)
     tuned = type("Tuned", (), {"configs": [config(64, 32, 4, 2)] * 24})()
-    backend._announce(tuned, ATTEND, gpu)
+    _tables.announce(tuned, ATTEND, gpu)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "tuning attend tiles for d=64" in err and "24 candidates" in err
     assert "FLASHOT_AUTOTUNE=0" in err and str(tables / "user") in err
-    backend._keep(ATTEND, config(128, 32, 8, 3), gpu)
+    _tables.keep(ATTEND, config(128, 32, 8, 3), gpu)
     assert tiles(_tables.lookup(ATTEND, "sm_90", exact_only=True)) == (128, 32, 8, 3)
     monkeypatch.setenv("FLASHOT_CACHE_DIR", "/proc/no/such/dir")
     with pytest.warns(RuntimeWarning, match="not saved"):
-        backend._keep(ATTEND, config(128, 32, 8, 3), gpu)
+        _tables.keep(ATTEND, config(128, 32, 8, 3), gpu)
 
 
 def test_launches_take_table_tiles_unless_tuning_is_opted_in(tables, monkeypatch):
@@ -114,7 +112,7 @@ def test_launches_take_table_tiles_unless_tuning_is_opted_in(tables, monkeypatch
 
     monkeypatch.setattr(backend, "triton_interpreted", lambda: False)
     monkeypatch.setattr(backend, "_BEST", {})
-    monkeypatch.setattr(backend, "_TABLED", {})
+    monkeypatch.setattr(_tables, "_CHOSEN", {})
     monkeypatch.setattr(_tables, "arch", lambda index: "sm_90")
     gpu = torch.device("cuda", 0)  # (only its arch is asked for, patched)
     big = _configs.TUNE_FROM_LOG2
@@ -123,7 +121,7 @@ def test_launches_take_table_tiles_unless_tuning_is_opted_in(tables, monkeypatch
     shipped = tables / "shipped" / "sm_90.json"
     _tables.record(ATTEND, config(64, 32, 4, 2), "sm_90", path=shipped)
     assert tiles(plain._tiles(ATTEND, big, gpu)) == tiles(_tables.heuristic(ATTEND))  # cached
-    backend._TABLED.clear()
+    _tables._CHOSEN.clear()
     assert tiles(plain._tiles(ATTEND, big, gpu)) == (64, 32, 4, 2)
     tuning = backend.TritonBackend(autotune=True)
     assert tuning._tiles(ATTEND, big, gpu) is None  # tune: the shipped table is no answer

@@ -15,7 +15,6 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import sys
 import warnings
 import weakref
 
@@ -66,8 +65,6 @@ _BEST: dict = {}
 _RESIDENT: dict = {}
 # the retimed winner of each autotuner ranking (keyed as the autotuner keys)
 _RETIMED: dict = {}
-# tiles taken from the tables (or the heuristic) per key: no tuning
-_TABLED: dict = {}
 #: relaxed problems skip the fused pass when the last step's largest |ln R| (nats)
 #: exceeded this: the sums would mostly fall outside their window and need repair anyway
 GATE_LIMIT = 100.0
@@ -164,23 +161,15 @@ class TritonBackend(Backend):
         """
         if triton_interpreted():
             return triton.Config(_configs.INTERPRETER_TILES)
-        # (launches are hot: the tables are read once per key and device)
-        arch = lambda: _tables.arch(device.index or 0) if device.type == "cuda" else None  # noqa: E731
         # tiny problems run in microseconds and would spend seconds tuning
-        if self.autotune and size_log2 >= _configs.TUNE_FROM_LOG2:
-            if key not in _BEST:
-                kept = _tables.lookup(key, arch(), exact_only=True)  # tuned by an earlier run
-                if kept is None:
-                    return None
-                _BEST[key] = kept
-            return _BEST[key]
-        slot = (device.type, device.index, key)
-        if slot not in _TABLED:
-            cfg = _tables.lookup(key, arch())
-            if cfg is None or not _configs.fits(cfg, key[1]):
-                cfg = _tables.heuristic(key)
-            _TABLED[slot] = cfg
-        return _TABLED[slot]
+        if not (self.autotune and size_log2 >= _configs.TUNE_FROM_LOG2):
+            return _tables.choose(key, device, _configs.fits)
+        if key not in _BEST:
+            kept = _tables.lookup(key, _tables.arch_of(device), exact_only=True)  # earlier runs'
+            if kept is None:
+                return None
+            _BEST[key] = kept
+        return _BEST[key]
 
     def _split(self, raw, key, cfg, build, stationary, moving, device, most=None):
         """``(splits, per)``: the moving side cut into splits of ``per`` items each.
@@ -232,7 +221,7 @@ class TritonBackend(Backend):
         """
         with on_device(device):  # tuning, compiling and launching on the data's GPU
             if cfg is None:
-                _announce(tuned, key, device)
+                _tables.announce(tuned, key, device)
                 grid, args, consts = plan_for(None)
                 tuned_keys = len(tuned.cache)
                 tuned[grid](*args, **{**consts, **(full or {})})
@@ -242,7 +231,7 @@ class TritonBackend(Backend):
                     cfg = self._retime(raw, sorted(timings, key=timings.get), plan_for, full)
                     _RETIMED[key] = cfg
                 _BEST[key] = cfg
-                _keep(key, cfg, device)
+                _tables.keep(key, cfg, device)
                 if reset is not None:
                     reset()
             grid, args, consts = plan = plan_for(cfg)
@@ -569,28 +558,6 @@ class TritonBackend(Backend):
         ln_r, ln_c, _ = self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), (0.0, 0.0),
                                    log_sums=True)  # fmt: skip
         return torch.exp(log_a + ln_r), torch.exp(log_b + ln_c)
-
-
-def _announce(tuned, key, device) -> None:
-    """One line on stderr before a launch key is tuned: what, for how long, where kept."""
-    if device.type != "cuda":  # (tuning happens on GPUs; tests drive it on the CPU)
-        return
-    arch = _tables.arch(device.index or 0)
-    fields = dict(zip(_tables.FIELDS[key[0]], key, strict=True))
-    print(f"flashot: tuning {key[0]} tiles for d={fields['d']}, n~2^{fields['nb']}, "
-          f"m~2^{fields['mb']}, {fields['dot']} ({len(tuned.configs)} candidates, about a "
-          f"minute; kept in {_tables.user_table_path(arch)}; FLASHOT_AUTOTUNE=0 skips this)",
-          file=sys.stderr, flush=True)  # fmt: skip
-
-
-def _keep(key, cfg, device) -> None:
-    """Persist a tuned key's tiles in the user's table (a warning if it cannot be written)."""
-    if device.type != "cuda":
-        return
-    try:
-        _tables.record(key, cfg, _tables.arch(device.index or 0))
-    except OSError as err:
-        warnings.warn(f"flashot: tuned tiles not saved ({err})", RuntimeWarning, stacklevel=3)
 
 
 def _window(n: int, m: int) -> float:

@@ -18,12 +18,25 @@ import functools
 import json
 import math
 import os
+import sys
+import warnings
 from pathlib import Path
 
 import torch
 import triton
 
-__all__ = ["FIELDS", "arch", "heuristic", "lookup", "record", "user_table_path"]
+__all__ = [
+    "FIELDS",
+    "announce",
+    "arch",
+    "arch_of",
+    "choose",
+    "heuristic",
+    "keep",
+    "lookup",
+    "record",
+    "user_table_path",
+]
 
 #: the fields of a launch key, in the order the backend builds it
 FIELDS = {
@@ -40,6 +53,11 @@ def arch(device_index: int) -> str:
     """``"sm_XY"``: the compute capability of a CUDA device."""
     major, minor = torch.cuda.get_device_capability(device_index)
     return f"sm_{major}{minor}"
+
+
+def arch_of(device) -> str | None:
+    """:func:`arch` of a torch device (None off CUDA)."""
+    return arch(device.index or 0) if device.type == "cuda" else None
 
 
 def user_table_path(arch_name: str) -> Path:
@@ -124,13 +142,50 @@ def heuristic(key: tuple) -> triton.Config:
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
 
+#: tiles of untuned launches per (device, key): the tables are read once
+_CHOSEN: dict = {}
+
+
+def choose(key: tuple, device, fits) -> triton.Config:
+    """The tiles an untuned launch takes: the tables' (:func:`lookup`), else :func:`heuristic`.
+
+    ``fits(config, d)``: whether tiles suit feature size d (an entry of another key may not).
+    """
+    slot = (device.type, device.index, key)
+    if slot not in _CHOSEN:
+        cfg = lookup(key, arch_of(device))
+        _CHOSEN[slot] = cfg if cfg is not None and fits(cfg, key[1]) else heuristic(key)
+    return _CHOSEN[slot]
+
+
+def announce(tuned, key: tuple, device) -> None:
+    """One line on stderr before ``tuned`` (a Triton autotuner) tunes a launch key."""
+    if device.type != "cuda":  # (tuning happens on GPUs; tests drive it on the CPU)
+        return
+    fields = dict(zip(FIELDS[key[0]], key, strict=True))
+    print(f"flashot: tuning {key[0]} tiles for d={fields['d']}, n~2^{fields['nb']}, "
+          f"m~2^{fields['mb']}, {fields['dot']} ({len(tuned.configs)} candidates, about a minute; "
+          f"kept in {user_table_path(arch_of(device))}; FLASHOT_AUTOTUNE=0 skips this)",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
+def keep(key: tuple, cfg: triton.Config, device) -> None:
+    """Persist a tuned key's tiles in the user's table (a warning if it cannot be written)."""
+    if device.type != "cuda":
+        return
+    try:
+        record(key, cfg, arch_of(device))
+    except OSError as err:
+        warnings.warn(f"flashot: tuned tiles not saved ({err})", RuntimeWarning, stacklevel=3)
+
+
 def record(key: tuple, cfg: triton.Config, arch_name: str, path: Path | None = None) -> Path:
     """Add (or replace) a key's tiles in a table file (the user's by default)."""
     path = path or user_table_path(arch_name)
-    entries = [e for e in _read(path) if _as_entry_key(e) != _as_entry_key(_as_entry(key))]
-    entry = {**_as_entry(key), **cfg.kwargs, "num_warps": cfg.num_warps,
-             "num_stages": cfg.num_stages}  # fmt: skip
-    entries.append(entry)
+    new = _as_entry(key)
+    entries = [e for e in _read(path) if _as_entry_key(e) != _as_entry_key(new)]
+    entries.append({**new, **cfg.kwargs, "num_warps": cfg.num_warps,
+                    "num_stages": cfg.num_stages})  # fmt: skip
     entries.sort(key=lambda e: json.dumps(e, sort_keys=True))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
