@@ -109,6 +109,16 @@ for n, d in SIZES:
             flashot.linalg._graph_of = lambda block: None
             row["eager_ms"] = bench(lambda: ours(x, y, v, tol))
             flashot.linalg._graph_of = graph_of
+        if os.environ.get("COMPARE_TILES") == "1":  # the fused plan_vjp against PyTorch tiles
+            from flashot.backends.base import Backend
+            from flashot.backends.triton import TritonBackend
+
+            fused = TritonBackend.plan_vjp
+            TritonBackend.plan_vjp = Backend.plan_vjp
+            h_tiles = ours(x, y, v, tol)
+            row["tiles_ms"] = bench(lambda: ours(x, y, v, tol))
+            TritonBackend.plan_vjp = fused
+            row["fused_vs_tiles"] = rel(h, h_tiles)
         rows.append(row)
         print(row, flush=True)
     if PeerLoss is not None:

@@ -6,7 +6,7 @@ covariances, ε = 5 with ε-scaling: the distance, then one flow step. Peak GPU 
 ``torch.cuda.max_memory_allocated`` above the inputs. At n = 10 000 the same distance
 by the dense formula (a tensorized torch implementation: the full augmented cost
 matrix, log-domain Sinkhorn on it) for comparison. Env: SIZES ("60000"), DENSE_N
-("10000", 0 to skip).
+("10000", 0 to skip), PRECISION ("auto"), FLOW (0: no flow step), AGAIN (0: first call only).
 
     python benchmarks/gpu_otdd.py
 """
@@ -25,7 +25,10 @@ from flashot.otdd import dataset_distance  # noqa: E402
 SIZES = [int(s) for s in os.environ.get("SIZES", "60000").split(",")]
 DENSE_N = int(os.environ.get("DENSE_N", "10000"))
 EPS = float(os.environ.get("EPS", "5.0"))
-KW = dict(eps=EPS, eps_schedule="geomloss", diagonal=True, max_iter=2000)
+PRECISION = os.environ.get("PRECISION", "auto")
+FLOW = os.environ.get("FLOW", "1") == "1"  # 0: no flow step
+AGAIN = os.environ.get("AGAIN", "1") == "1"  # 0: only the first (compiling) call
+KW = dict(eps=EPS, eps_schedule="geomloss", diagonal=True, max_iter=2000, precision=PRECISION)
 
 
 def timed(fn):
@@ -53,19 +56,27 @@ def dense_otdd(xa, ya, xb, yb, table, eps, iters=2000):
     return ot(xa, ya, xb, yb + ka) - 0.5 * ot(xa, ya, xa, ya) - 0.5 * ot(xb, yb + ka, xb, yb + ka)
 
 
+if os.environ.get("TRACE_AFTER"):  # where a slow run spends its time: stacks every T s
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ["TRACE_AFTER"]), repeat=True)
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
 for n in SIZES:
     xa, ya = datasets.load("mnist", n=n, seed=0)
     xb, yb = datasets.load("mnist:rot90", n=n, seed=0)
     xa, ya, xb, yb = (t.cuda() for t in (xa, ya, xb, yb))
     first, t_first, _ = timed(lambda: dataset_distance(xa, ya, xb, yb, **KW))  # noqa: B023
-    out, secs, mb = timed(lambda: dataset_distance(xa, ya, xb, yb, **KW))  # noqa: B023
-    print(f"n={n} d=784: OTDD {float(out.distance):.5g}  first call {t_first:.1f} s, then "
-          f"{secs:.2f} s, peak {mb:.0f} MB above the inputs", flush=True)
-    _, secs, mb = timed(lambda: dataset_flow(xa, ya, xb, yb, steps=1, step_size=0.5,  # noqa: B023
-                                             progress=False, **KW))
-    print(f"  one flow step (distance, gradient, distance): {secs:.2f} s, peak {mb:.0f} MB",
-          flush=True)
+    first, t_first, mb_first = timed(lambda: dataset_distance(xa, ya, xb, yb, **KW))  # noqa: B023
+    print(f"n={n} d=784 {PRECISION}: OTDD {float(first.distance):.6g}  first call {t_first:.1f} s, "
+          f"peak {mb_first:.0f} MB above the inputs, {first.result}", flush=True)
+    if AGAIN:
+        out, secs, mb = timed(lambda: dataset_distance(xa, ya, xb, yb, **KW))  # noqa: B023
+        print(f"  again: {secs:.2f} s, peak {mb:.0f} MB", flush=True)
+    if FLOW:
+        _, secs, mb = timed(lambda: dataset_flow(xa, ya, xb, yb, steps=1, step_size=0.5,  # noqa: B023
+                                                 progress=False, **KW))
+        print(f"  one flow step (distance, gradient, distance): {secs:.2f} s, peak {mb:.0f} MB",
+              flush=True)
     if DENSE_N and n >= DENSE_N:
         sub = slice(0, DENSE_N)
         ours, secs, mb = timed(lambda: dataset_distance(xa[sub], ya[sub], xb[sub], yb[sub], **KW))  # noqa: B023

@@ -55,10 +55,10 @@ def main():
 
         loss_fn = flashot.SamplesLoss(blur=0.3, scaling=0.9, debias=False, backend=be)
         xg = x.detach().requires_grad_(args.call == "hvp" or args.grad)
-        loss = loss_fn(xg, y)
-        if not xg.requires_grad:
-            return loss
-        with dual_solve_options(cg_tol=args.cg_tol):
+        with dual_solve_options(cg_tol=args.cg_tol):  # the loss's pieces keep the options
+            loss = loss_fn(xg, y)
+            if not xg.requires_grad:
+                return loss
             (grad,) = torch.autograd.grad(loss, xg, create_graph=args.call == "hvp")
             if args.call == "hvp":
                 return torch.autograd.grad((grad * y).sum(), xg)[0]

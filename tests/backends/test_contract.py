@@ -174,3 +174,55 @@ def test_plan_matvec_matches_dense(gen, name, shape, eps):
                                    torch.ones_like(f))  # fmt: skip
         assert rel(ones[0], r) < 4 * torch.finfo(dtype).eps  # P 1 = r to rounding
         assert rel(ones[1], c) < 4 * torch.finfo(dtype).eps
+
+
+def dense_plan_vjp(form, f, g, a, b, eps, v, d):
+    """The reductions of S = P ⊙ (D Vᵀ) and Pᵀ D, from the dense float64 plan."""
+    q, k, al, be = (t.double().cpu() for t in (form.q, form.k, form.alpha, form.beta))
+    f, g, a, b, v, d = (t.double().cpu() for t in (f, g, a, b, v, d))
+    P = a[:, None] * b[None] * torch.exp((f[:, None] + g[None] - al[:, None] - be[None] + q @ k.T)
+                                         / eps)  # fmt: skip
+    S = P * (d @ v.T)
+    E = torch.exp((f[:, None] + g[None] - al[:, None] - be[None] + q @ k.T) / eps)
+    T = E * (d @ v.T)  # S / (a ⊗ b), defined where a weight is 0 too
+    return dict(row=S.sum(1), row_k=S @ k, col=S.sum(0), col_q=S.T @ q, pt_d=P.T @ d,
+                per_a=T @ b, per_b=T.T @ a)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("shape,p,eps", [((50, 37, 3), 2, 0.3), ((33, 70, 5), 6, 0.05),
+                                         ((1, 9, 2), 1, 1.0), ((40, 45, 20), 21, 0.5)])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_plan_vjp_matches_dense(gen, name, shape, p, eps, splits):
+    """Backend.plan_vjp near a fixed point (rows off by up to e^±2, a zero weight on
+    each side) against the dense float64 plan; Triton also with forced column splits."""
+    n, m, d = shape
+    if name == "torch" and splits is not None:
+        pytest.skip("splits are a Triton launch option")
+    for device, backend in backends_on_devices(name):
+        if splits is not None:
+            backend.splits = splits
+        dtype, tol = exact(name)
+        form, _ = problem(gen, n, m, d, dtype, device)
+        a = torch.rand(n, generator=gen, dtype=torch.float64) + 0.1
+        b = torch.rand(m, generator=gen, dtype=torch.float64) + 0.1
+        a[0] = 0.0 if n > 1 else a[0]
+        b[-1] = 0.0
+        C = (form.alpha.double()[:, None] + form.beta.double()[None]
+             - form.q.double() @ form.k.double().T).cpu()  # fmt: skip
+        f64 = torch.zeros(n, dtype=torch.float64)
+        for _ in range(3):
+            g64 = -eps * torch.logsumexp((f64[:, None] - C) / eps + torch.log(a)[:, None], 0)
+            f64 = -eps * torch.logsumexp((g64[None] - C) / eps + torch.log(b)[None], 1)
+        f64 = f64 + eps * (torch.rand(n, generator=gen, dtype=torch.float64) * 4 - 2)
+        v = torch.randn(m, p, generator=gen, dtype=torch.float64)
+        dd = torch.randn(n, p, generator=gen, dtype=torch.float64)
+        args = [t.to(device, dtype) for t in (f64, g64, a, b, v, dd)]
+        out = backend.plan_vjp(form, *args[:4], eps, *args[4:])
+        want = dense_plan_vjp(form, *args[:4], eps, *args[4:])  # of the same rounded inputs
+        if dtype == torch.float32:  # exponents of size X/ε are rounded to X/ε ulps (GPU)
+            size = (form.q.norm(dim=1).max() * form.k.norm(dim=1).max()
+                    + (args[0] - form.alpha).abs().max() + (args[1] - form.beta).abs().max())
+            tol = max(tol, 2.0**-21 * float(size) / eps)
+        for key, ref in want.items():
+            assert rel(getattr(out, key).double().cpu(), ref) < tol, key

@@ -31,6 +31,7 @@ from flashot.backends.triton._kernels import (
     _plan_sums_kernel,
     _update_kernel,
 )
+from flashot.backends.triton._vjp import FUSED_UP_TO, fused_plan_vjp
 from flashot.dual import log_residual
 
 __all__ = ["TritonBackend"]
@@ -550,6 +551,12 @@ class TritonBackend(Backend):
         pw = None if w is None else torch.where(r > 0, r * rows / rows_den, 0.0)
         ptu = None if u is None else torch.where(c > 0, c * cols / cols_den, 0.0)
         return pw, ptu
+
+    def plan_vjp(self, form, f, g, a, b, eps, v, d):
+        """:meth:`~flashot.backends.base.Backend.plan_vjp`, fused (:mod:`._vjp`) for d, p ≤ 128."""
+        if is_near_uniform(form, eps) or max(form.q.shape[1], v.shape[1]) > FUSED_UP_TO:
+            return super().plan_vjp(form, f, g, a, b, eps, v, d)
+        return fused_plan_vjp(self, form, f, g, a, b, eps, v, d)
 
     def marginals(self, form, f, g, log_a, log_b, eps):
         """See :meth:`flashot.backends.base.Backend.marginals` (fused where valid)."""

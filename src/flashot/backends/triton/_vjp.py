@@ -1,0 +1,94 @@
+r"""The fused reverse-mode plan product (:meth:`TritonBackend.plan_vjp`).
+
+:mod:`flashot.backends.plan_vjp` defines the reductions of ``S = P ⊙ (D Vᵀ)``; with
+``E_ij = P_ij / (a_i b_j)`` they split into two launches of one kernel, each streaming
+score tiles once and never storing one:
+
+* rows: ``Σ_j b_j E_ij ⟨d_i, v_j⟩`` (``per_a``) and ``Σ_j b_j E_ij ⟨d_i, v_j⟩ k_j``
+  (``row_k / a_i``);
+* columns, on the transposed form with (d, v) swapped: ``per_b`` and ``col_q / b_j``;
+
+and ``Pᵀ D`` is one value pass (:func:`~flashot.dual.plan_times` on the transposed
+form). The kernel holds one feature chunk and one value chunk on chip: ``d, p ≤ 128``
+(the backend falls back to PyTorch tiles beyond, where cuBLAS products are as fast as
+recomputed score chunks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from flashot.backends import on_device, triton_interpreted
+from flashot.backends.plan_vjp import PlanVJP
+from flashot.backends.triton import _configs
+from flashot.backends.triton._kernels import _plan_vjp_kernel
+from flashot.dual import plan_times
+
+__all__ = ["FUSED_UP_TO", "fused_plan_vjp"]
+
+LOG2E = 1.4426950408889634
+#: widest features and values the fused kernel takes (one chunk each)
+FUSED_UP_TO = 128
+#: tiles (BLOCK_M, BLOCK_N, warps, stages) on a GPU; the interpreter takes 16 × 16. Measured
+#: on the H200 (benchmarks/bench_vjp.py, NOTES v13): 32 × 64 fastest for wide values, within
+#: 20 % for p = 2; 8 warps gave wrong sums and illegal addresses under Triton 3.6: not used
+TILES = (32, 64, 4, 2)
+#: values wider than this stream in chunks of it (not hoisted)
+P_CHUNK = 32
+
+
+def _width(size: int) -> int:
+    return max(16, triton.next_power_of_2(size))
+
+
+def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps):
+    """``(Σ_j T_ij, Σ_j T_ij k_j)`` with ``T_ij = 2^{…} ⟨dr_i, vc_j⟩`` (see the kernel)."""
+    n, m, d, p = q.shape[0], k.shape[0], q.shape[1], dr.shape[1]
+    dev = q.device
+    out = torch.zeros(n * (d + 1), device=dev, dtype=torch.float32)  # (atomics add to it)
+    out_w, out_k = out[:n], out[n:].view(n, d)
+    block_m, block_n, warps, stages = (16, 16, 1, 1) if triton_interpreted() else TILES
+    blocks = triton.cdiv(n, block_m)
+    if backend.splits is not None:
+        splits = backend.splits
+    elif dev.type == "cuda" and not triton_interpreted():
+        want = triton.cdiv(2 * _configs.sm_count(dev.index or 0), blocks)
+        splits = max(1, min(want, m // (4 * block_n)))
+    else:
+        splits = 1
+    per = triton.cdiv(triton.cdiv(m, splits), block_n) * block_n
+    splits = triton.cdiv(m, per)
+    extra = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
+    chunk = 16 if triton_interpreted() else P_CHUNK
+    block_p, p_chunks = (_width(p), 1) if p <= chunk else (chunk, triton.cdiv(p, chunk))
+    with on_device(dev):
+        _plan_vjp_kernel[(blocks, splits)](
+            q, k, row_bias, col_bias, dr, vc, out_w, out_k, n, m, d, p, LOG2E / eps, per,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), dr.stride(0), dr.stride(1),
+            vc.stride(0), vc.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_width(d),
+            BLOCK_P=block_p, P_CHUNKS=p_chunks, SPLIT=splits > 1, PRECISION=backend._dot(), **extra,
+        )  # fmt: skip
+    return out_w, out_k
+
+
+def fused_plan_vjp(backend, form, f, g, a, b, eps: float, v, d) -> PlanVJP:
+    """:meth:`~flashot.backends.base.Backend.plan_vjp` in two fused launches and a value pass.
+
+    Args:
+        backend: the :class:`~flashot.backends.triton.TritonBackend`.
+        form: attention form (detached), float32, feature size ≤ :data:`FUSED_UP_TO`.
+        f: (n,), g: (m,) potentials.  a: (n,), b: (m,) weights.  eps: ε.
+        v: (m, p) values.  d: (n, p) cotangent of ``P v``, p ≤ :data:`FUSED_UP_TO`.
+    """
+    f32 = torch.float32
+    q, k = form.q.contiguous(), form.k.contiguous()
+    v, d = v.to(f32).contiguous(), d.to(f32).contiguous()
+    f_bias, g_bias = (f - form.alpha) * (LOG2E / eps), (g - form.beta) * (LOG2E / eps)
+    per_a, row_k = _rows(backend, q, k, f_bias.to(f32), (g_bias + torch.log2(b)).to(f32),
+                         d, v, eps)  # fmt: skip
+    per_b, col_q = _rows(backend, k, q, g_bias.to(f32), (f_bias + torch.log2(a)).to(f32),
+                         v, d, eps)  # fmt: skip
+    pt_d = plan_times(backend, form.T, g, f, torch.log(b), torch.log(a), eps, d)
+    return PlanVJP(a * per_a, a[:, None] * row_k, b * per_b, b[:, None] * col_q, pt_d,
+                   per_a, per_b)  # fmt: skip
