@@ -147,3 +147,27 @@ def test_the_kernels_agree_with_the_torch_backend():
     out = dataset_distance(xa.float(), ya, xb.float(), yb, eps=0.6, backend="triton")
     assert float(out.distance) == pytest.approx(float(ref.distance), rel=2e-5)
     assert torch.allclose(out.class_mass.double(), ref.class_mass, atol=1e-6)
+
+
+@pytest.mark.parametrize("flow", [False, True])
+def test_peak_memory_in_clouds(flow):
+    """Cloud-sized tensors alive at once. The distance: its two labeled copies, one
+    attention form and, while that form is built, one centered copy (5.3 clouds here; it
+    was 10: every class in float64 twice, three forms). A flow step: one problem's graph
+    at a time (10 clouds; it was 16)."""
+    from flashot.backends.torch_backend import TorchBackend
+    from flashot.flows import dataset_flow
+    from tests.live_memory import LiveTensors
+
+    gen = torch.Generator().manual_seed(0)
+    n, d = 400, 60
+    xa, xb = torch.rand(n, d, generator=gen), torch.rand(n, d, generator=gen)
+    ya, yb = torch.arange(n) % 4, torch.arange(n) % 3
+    cloud = n * d * 4
+    kw = dict(eps=1.0, diagonal=True, max_iter=5, backend=TorchBackend(budget=2048))
+    with LiveTensors(cloud // 4) as live:
+        if flow:
+            dataset_flow(xa, ya, xb, yb, steps=1, progress=False, **kw)
+        else:
+            dataset_distance(xa, ya, xb, yb, **kw)
+    assert live.peak / cloud < (10.5 if flow else 5.5)

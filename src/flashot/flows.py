@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+import flashot
 from flashot.otdd import _label_cost, _labeled, _outer, _prepare
 
 __all__ = ["FlowResult", "dataset_flow", "save_grid"]
@@ -72,6 +73,30 @@ def save_grid(x: torch.Tensor, labels: torch.Tensor, path, per_class: int = 8,
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+def _value_and_grad(x, index_a, lb, cost, eps, self_b, **sinkhorn_options):
+    """``(OTDD, its gradient in x, OT(B, B))``, one problem's autograd graph at a time.
+
+    ``OT(A, B) − ½ OT(A, A) − ½ OT(B, B)``: each term's graph (its attention form and
+    cotangents, a few cloud-sized tensors) is freed before the next is built, so the
+    peak is that of one problem, not of three.
+    """
+    if self_b is None:
+        with torch.no_grad():
+            self_b = flashot.sinkhorn(lb, lb, eps=eps, cost=cost, **sinkhorn_options).cost
+    value, grad = -0.5 * self_b, torch.zeros_like(x)
+    # OT(A, A): its cost and weights are symmetric, so the rows' share of the gradient
+    # equals the columns' (P = Pᵀ): differentiate one side, twice (half the cotangents)
+    for weight, other, sides in ((-0.5, None, 2.0), (1.0, lb, 1.0)):
+        xs = x.detach().requires_grad_()
+        la = _labeled(xs, index_a, 0)
+        term = flashot.sinkhorn(la, la.detach() if other is None else other, eps=eps,
+                                cost=cost, **sinkhorn_options).cost  # fmt: skip
+        (g,) = torch.autograd.grad(term, xs)
+        value, grad = value + weight * term.detach(), grad + (weight * sides) * g
+        del term, la, xs, g  # this problem's graph and form go before the next is built
+    return value, grad, self_b
 
 
 def dataset_flow(
@@ -131,12 +156,15 @@ def dataset_flow(
             cost = _label_cost(out.x, index_a, ka, xb.detach(), index_b, kb, inner, diagonal, eps,
                                lambda_x, lambda_y)  # fmt: skip
             self_b = None  # OT(B, B) depends on the table
-        x = out.x.requires_grad_(step < steps)
-        la = _labeled(x, index_a, 0)
-        with torch.set_grad_enabled(step < steps):
-            value, _, self_b = _outer(la, lb, cost, eps, True, self_b, **sinkhorn_options)
-            self_b = self_b.detach()
-        out.distances.append(float(value.detach()))
+        x = out.x
+        if step < steps:
+            value, grad, self_b = _value_and_grad(x, index_a, lb, cost, eps, self_b,
+                                                  **sinkhorn_options)  # fmt: skip
+        else:
+            with torch.no_grad():
+                value, _, self_b = _outer(_labeled(x, index_a, 0), lb, cost, eps, True, self_b,
+                                          **sinkhorn_options)  # fmt: skip
+        out.distances.append(float(value))
         if snapshot_every and (step % snapshot_every == 0 or step == steps):
             path = Path(snapshot_dir) / f"step_{step:04d}.png"
             title = f"step {step}, OTDD {out.distances[-1]:.4g}"
@@ -144,8 +172,7 @@ def dataset_flow(
                                            title=title))  # fmt: skip
         if step == steps:
             break
-        (grad,) = torch.autograd.grad(value, x)
-        out.x = (x - step_size * x.shape[0] * grad).detach()
+        out.x = x - step_size * x.shape[0] * grad
         if progress:
             per = (time.perf_counter() - start) / (step + 1)
             print(f"flow step {step + 1}/{steps}  OTDD {out.distances[-1]:.6g}  {per:.2f} s/step  "

@@ -65,24 +65,28 @@ class LabeledCost(Cost):
         form = attention_form(feat, fx, fy, dtype, rounding, cost_bound=math.inf)
         table = self.table.to(dtype=dtype or x.dtype, device=x.device)
         eye = torch.eye(table.shape[0], dtype=table.dtype, device=table.device)
+        # the closures keep the feature form's maps, not its q and k (cloud-sized)
+        base_rows, base_cols = form.row_features, form.col_features
 
         def rows(lab):  # −λ_y T[c, ·], rounded like the other operands of the dot
             return round_operands(-self.lambda_y * table[lab], rounding)
 
         def row_features(z):
             zf, zl = self.split(z, "points")
-            return torch.cat([form.row_features(zf), rows(zl)], 1)
+            return torch.cat([base_rows(zf), rows(zl)], 1)
 
         def col_features(z):
             zf, zl = self.split(z, "points")
-            return torch.cat([form.col_features(zf), eye[zl]], 1)
+            return torch.cat([base_cols(zf), eye[zl]], 1)
 
         if cost_bound is None:
             boxes = [torch.stack(torch.aminmax(t.detach(), dim=0)) for t in (x, y)]
             cost_bound = float(self.box_bound(*boxes))
+        alpha, beta, k_feat = form.alpha, form.beta, form.k
         q = torch.cat([form.q, rows(lx)], 1)
-        k = torch.cat([form.k, eye[ly]], 1)
-        return AttentionForm(q, k, form.alpha, form.beta, row_features, col_features, cost_bound)
+        del form  # its q goes: at most three cloud-sized operands live at once
+        k = torch.cat([k_feat, eye[ly]], 1)
+        return AttentionForm(q, k, alpha, beta, row_features, col_features, cost_bound)
 
     def box_bound(self, box_x: torch.Tensor, box_y: torch.Tensor) -> torch.Tensor:
         """A bound on the cost from the clouds' (2, d + 1) bounding boxes (0-d float64)."""

@@ -76,20 +76,25 @@ def gaussian_table(feats: list[torch.Tensor], diagonal: bool = False) -> torch.T
         feats: K clouds (n_c, d), each of at least one point.
         diagonal: use only the covariances' diagonals (for large d).
     """
-    xs = [f.detach().double() for f in feats]
-    means = torch.stack([x.mean(0) for x in xs])
-    centered = [x - mu for x, mu in zip(xs, means, strict=True)]
+    means, moments = [], []
+    for f in feats:  # one class at a time: a float64 copy of one class, not of all
+        x = f.detach().double()
+        c = x - x.mean(0)
+        means.append(x.mean(0))
+        moments.append(c.square().mean(0) if diagonal else c.T @ c / c.shape[0])
+        del x, c
+    means = torch.stack(means)
     table = torch.cdist(means, means).square()
     if diagonal:
-        sd = torch.stack([c.square().mean(0).sqrt() for c in centered])
+        sd = torch.stack(moments).sqrt()
         table = table + torch.cdist(sd, sd).square()
     else:
-        covs = torch.stack([c.T @ c / c.shape[0] for c in centered])
+        covs = torch.stack(moments)
         vals, vecs = torch.linalg.eigh(covs)
         roots = (vecs * vals.clamp_min(0.0).sqrt()[:, None, :]) @ vecs.transpose(1, 2)
         traces = torch.diagonal(covs, dim1=1, dim2=2).sum(-1)
         cross = torch.zeros_like(table)
-        for i in range(len(xs)):  # tr (Σ_i^½ Σ_j Σ_i^½)^½ for every j, one batched eigvalsh
+        for i in range(len(feats)):  # tr (Σ_i^½ Σ_j Σ_i^½)^½ for every j, one batched eigvalsh
             mids = roots[i] @ covs @ roots[i]
             mids = 0.5 * (mids + mids.transpose(1, 2))
             cross[i] = torch.linalg.eigvalsh(mids).clamp_min(0.0).sqrt().sum(-1)
@@ -133,14 +138,18 @@ def _label_cost(xa, index_a, ka, xb, index_b, kb, inner, diagonal, inner_eps, la
 
 
 def _outer(la, lb, cost, eps, debias, self_b=None, **sinkhorn_options):
-    """``(value, result of OT(A, B), OT(B, B) or None)`` of labeled point sets."""
-    res = flashot.sinkhorn(la, lb, eps=eps, cost=cost, **sinkhorn_options)
-    value = res.cost
+    """``(value, result of OT(A, B), OT(B, B) or None)`` of labeled point sets.
+
+    The self problems go first: a solve's attention form is two cloud-sized operands,
+    and only the cross problem's stays (its result holds the lazy plan).
+    """
+    self_a = None
     if debias:
-        value = value - 0.5 * flashot.sinkhorn(la, la, eps=eps, cost=cost, **sinkhorn_options).cost
+        self_a = flashot.sinkhorn(la, la, eps=eps, cost=cost, **sinkhorn_options).cost
         if self_b is None:
             self_b = flashot.sinkhorn(lb, lb, eps=eps, cost=cost, **sinkhorn_options).cost
-        value = value - 0.5 * self_b
+    res = flashot.sinkhorn(la, lb, eps=eps, cost=cost, **sinkhorn_options)
+    value = res.cost if not debias else res.cost - 0.5 * self_a - 0.5 * self_b
     return value, res, self_b
 
 
