@@ -20,11 +20,15 @@ def data(seed=0, n=30, m=24, d=4):
 KW = dict(eps=0.1, tol=1e-11, max_iter=20000)
 
 
-def test_one_step_is_the_euler_step_of_the_distance():
+@pytest.mark.parametrize("rho", [None, 0.5, (0.3, 2.0)])
+def test_one_step_is_the_euler_step_of_the_distance(rho):
+    # the flow differentiates OT(A, A) on one side when it is symmetric (rho None or
+    # equal on both sides), on both otherwise; the distance's autograd on both always
     xa, ya, xb, yb = data()
-    out = dataset_flow(xa, ya, xb, yb, steps=1, step_size=0.05, progress=False, **KW)
+    kw = dict(KW, rho=rho)
+    out = dataset_flow(xa, ya, xb, yb, steps=1, step_size=0.05, progress=False, **kw)
     x = xa.clone().requires_grad_()
-    first = dataset_distance(x, ya, xb, yb, **KW)
+    first = dataset_distance(x, ya, xb, yb, **kw)
     (grad,) = torch.autograd.grad(first.distance, x)
     assert torch.allclose(out.x, xa - 0.05 * len(xa) * grad, rtol=1e-10, atol=1e-12)
     assert out.distances[0] == pytest.approx(float(first.distance.detach()), rel=1e-10)

@@ -86,16 +86,20 @@ def _value_and_grad(x, index_a, lb, cost, eps, self_b, **sinkhorn_options):
         with torch.no_grad():
             self_b = flashot.sinkhorn(lb, lb, eps=eps, cost=cost, **sinkhorn_options).cost
     value, grad = -0.5 * self_b, torch.zeros_like(x)
-    # OT(A, A): its cost and weights are symmetric, so the rows' share of the gradient
-    # equals the columns' (P = Pᵀ): differentiate one side, twice (half the cotangents)
-    for weight, other, sides in ((-0.5, None, 2.0), (1.0, lb, 1.0)):
+    # OT(A, A): with its symmetric cost and weights (and ρ) the rows' share of the
+    # gradient equals the columns' (P = Pᵀ): differentiate one side, twice (half the
+    # cotangents); a ρ = (ρ_x, ρ_y) with ρ_x ≠ ρ_y breaks the symmetry
+    rho = sinkhorn_options.get("rho")
+    one_side = not (isinstance(rho, (tuple, list)) and rho[0] != rho[1])
+    for weight, other, sides in ((-0.5, None, 2.0 if one_side else 1.0), (1.0, lb, 1.0)):
         xs = x.detach().requires_grad_()
         la = _labeled(xs, index_a, 0)
-        term = flashot.sinkhorn(la, la.detach() if other is None else other, eps=eps,
-                                cost=cost, **sinkhorn_options).cost  # fmt: skip
+        if other is None:
+            other = la.detach() if one_side else la
+        term = flashot.sinkhorn(la, other, eps=eps, cost=cost, **sinkhorn_options).cost
         (g,) = torch.autograd.grad(term, xs)
         value, grad = value + weight * term.detach(), grad + (weight * sides) * g
-        del term, la, xs, g  # this problem's graph and form go before the next is built
+        del term, la, other, xs, g  # this problem's graph and form go before the next
     return value, grad, self_b
 
 
