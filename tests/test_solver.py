@@ -135,9 +135,11 @@ def test_never_a_converged_wrong_answer_float32(problem):
 
 @pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems(dtype=torch.float32, max_n=24))
+@given(problems(dtype=torch.float32, max_n=16))
 def test_never_a_converged_wrong_answer_on_the_kernels(problem):
-    check_truthful(*problem, rtol=2e-5, backend="triton", max_iter=300, more_iter=600)
+    # the interpreter takes ~0.1 s per iteration: small caps keep a slow draw (hypothesis'
+    # examples change with its version) within CI's budget; truthfulness holds at any cap
+    check_truthful(*problem, rtol=2e-5, backend="triton", max_iter=100, more_iter=200)
 
 
 @pytest.mark.parametrize(
