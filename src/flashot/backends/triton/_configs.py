@@ -79,7 +79,8 @@ def column_splits(n_row_blocks: int, m: int, block_n: int, device: torch.device)
     """How many programs share one row block's columns before the tiles are known.
 
     Aims at ~2 programs per SM and at least 4 column tiles per program (tuning
-    launches; later launches take :func:`balanced_splits`).
+    launches, and the fixed tiles of the fused ``plan_vjp``; later launches of tuned
+    kernels take :func:`balanced_splits`).
     """
     if device.type != "cuda":
         return 1

@@ -9,9 +9,9 @@ score tiles once and never storing one:
 * columns, on the transposed form with (d, v) swapped: ``per_b`` and ``col_q / b_j``;
 
 and ``Pᵀ D`` is one value pass (:func:`~flashot.dual.plan_times` on the transposed
-form). The kernel holds one feature chunk and one value chunk on chip: ``d, p ≤ 128``
-(the backend falls back to PyTorch tiles beyond, where cuBLAS products are as fast as
-recomputed score chunks).
+form). The kernel holds the features in one chunk and streams values wider than
+:data:`P_CHUNK` in chunks: ``d, p ≤ 128`` (the backend falls back to PyTorch tiles
+beyond, where cuBLAS products are as fast as recomputed score chunks).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from flashot.dual import plan_times
 __all__ = ["FUSED_UP_TO", "fused_plan_vjp"]
 
 LOG2E = 1.4426950408889634
-#: widest features and values the fused kernel takes (one chunk each)
+#: widest features and values the fused kernel takes
 FUSED_UP_TO = 128
 #: tiles (BLOCK_M, BLOCK_N, warps, stages) on a GPU; the interpreter takes 16 × 16. Measured
 #: on the H200 (benchmarks/bench_vjp.py, NOTES v13): 32 × 64 fastest for wide values, within
@@ -50,13 +50,7 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps):
     out_w, out_k = out[:n], out[n:].view(n, d)
     block_m, block_n, warps, stages = (16, 16, 1, 1) if triton_interpreted() else TILES
     blocks = triton.cdiv(n, block_m)
-    if backend.splits is not None:
-        splits = backend.splits
-    elif dev.type == "cuda" and not triton_interpreted():
-        want = triton.cdiv(2 * _configs.sm_count(dev.index or 0), blocks)
-        splits = max(1, min(want, m // (4 * block_n)))
-    else:
-        splits = 1
+    splits = backend.splits or _configs.column_splits(blocks, m, block_n, dev)
     per = triton.cdiv(triton.cdiv(m, splits), block_n) * block_n
     splits = triton.cdiv(m, per)
     extra = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
