@@ -180,11 +180,10 @@ def dense_plan_vjp(form, f, g, a, b, eps, v, d):
     """The reductions of S = P ⊙ (D Vᵀ) and Pᵀ D, from the dense float64 plan."""
     q, k, al, be = (t.double().cpu() for t in (form.q, form.k, form.alpha, form.beta))
     f, g, a, b, v, d = (t.double().cpu() for t in (f, g, a, b, v, d))
-    P = a[:, None] * b[None] * torch.exp((f[:, None] + g[None] - al[:, None] - be[None] + q @ k.T)
-                                         / eps)  # fmt: skip
-    S = P * (d @ v.T)
     E = torch.exp((f[:, None] + g[None] - al[:, None] - be[None] + q @ k.T) / eps)
+    P = a[:, None] * b[None] * E
     T = E * (d @ v.T)  # S / (a ⊗ b), defined where a weight is 0 too
+    S = a[:, None] * b[None] * T
     return dict(row=S.sum(1), row_k=S @ k, col=S.sum(0), col_q=S.T @ q, pt_d=P.T @ d,
                 per_a=T @ b, per_b=T.T @ a)
 
