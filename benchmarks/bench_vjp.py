@@ -2,7 +2,8 @@
 
 Near-converged potentials (a few Sinkhorn steps), values p = d + 1 (the value
 gradient's backward) and p = 2 (the dual solve's), per tile variant of the fused
-kernel: do_bench median, agreement with the PyTorch-tiles path (float32), extra memory.
+kernel: do_bench median, agreement with the PyTorch-tiles path (float32), extra memory
+(MB, ``_harness``).
 Env: SIZES ("10000x64,50000x64"), TILES ("64x64x8x2,64x32x4x2,...").
 
     python benchmarks/bench_vjp.py
@@ -12,9 +13,10 @@ import os
 import sys
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _harness as H
+
 import flashot
 from flashot.backends.base import Backend
 from flashot.backends.triton import TritonBackend, _vjp
@@ -30,17 +32,8 @@ def rel(u, w):
     return float((u - w).norm() / w.norm().clamp_min(1e-30))
 
 
-def mb(fn):
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
 def time_and_memory(call):
-    return do_bench(call, return_mode="median"), mb(call)
+    return H.median_ms(call), H.peak_extra_mb(call)
 
 
 KEYS = ("row", "row_k", "col", "col_q", "pt_d", "per_a", "per_b")

@@ -79,8 +79,8 @@ def gaussian_table(feats: list[torch.Tensor], diagonal: bool = False) -> torch.T
     means, moments = [], []
     for f in feats:  # one class at a time: a float64 copy of one class, not of all
         x = f.detach().double()
-        c = x - x.mean(0)
         means.append(x.mean(0))
+        c = x - means[-1]
         moments.append(c.square().mean(0) if diagonal else c.T @ c / c.shape[0])
         del x, c
     means = torch.stack(means)

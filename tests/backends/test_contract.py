@@ -135,6 +135,28 @@ def test_precision_validation():
         resolve_backend("keops", torch.device("cpu"))
 
 
+def off_fixed_point(gen, form, eps, steps, push, zero_b=False):
+    """Weights (a zero in a, and in b with ``zero_b``), the dense cost and potentials:
+    ``steps`` alternating Sinkhorn steps from 0, then rows pushed off by up to e^±push.
+
+    Returns ``(a, b, C, f, g)`` in float64 on the CPU.
+    """
+    n, m = form.q.shape[0], form.k.shape[0]
+    a = torch.rand(n, generator=gen, dtype=torch.float64) + 0.1
+    b = torch.rand(m, generator=gen, dtype=torch.float64) + 0.1
+    a[0] = 0.0 if n > 1 else a[0]  # (all-zero weights are refused upstream)
+    if zero_b:
+        b[-1] = 0.0
+    C = (form.alpha.double()[:, None] + form.beta.double()[None]
+         - form.q.double() @ form.k.double().T).cpu()  # fmt: skip
+    f = torch.zeros(n, dtype=torch.float64)
+    for _ in range(steps):
+        g = -eps * torch.logsumexp((f[:, None] - C) / eps + torch.log(a)[:, None], 0)
+        f = -eps * torch.logsumexp((g[None] - C) / eps + torch.log(b)[None], 1)
+    f = f + eps * (torch.rand(n, generator=gen, dtype=torch.float64) * (2 * push) - push)
+    return a, b, C, f, g
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("shape,eps", [((50, 37, 3), 0.3), ((33, 70, 5), 0.05), ((1, 9, 2), 1.0)])
 def test_plan_matvec_matches_dense(gen, name, shape, eps):
@@ -144,19 +166,10 @@ def test_plan_matvec_matches_dense(gen, name, shape, eps):
     for device, backend in backends_on_devices(name):
         dtype, tol = exact(name)
         form, _ = problem(gen, n, m, d, dtype, device)
-        a = torch.rand(n, generator=gen, dtype=torch.float64) + 0.1
-        b = torch.rand(m, generator=gen, dtype=torch.float64) + 0.1
-        a[0] = 0.0 if n > 1 else a[0]  # (all-zero weights are refused upstream)
-        log_a, log_b = (torch.log(t).to(device, dtype) for t in (a, b))
-        C = (form.alpha.double()[:, None] + form.beta.double()[None]
-             - form.q.double() @ form.k.double().T).cpu()  # fmt: skip
         # two Sinkhorn steps from 0, then rows pushed off by up to e^±3: far from the
         # fixed point, yet a plan whose sums are of the order of the weights
-        f64 = torch.zeros(n, dtype=torch.float64)
-        for _ in range(2):
-            g64 = -eps * torch.logsumexp((f64[:, None] - C) / eps + torch.log(a)[:, None], 0)
-            f64 = -eps * torch.logsumexp((g64[None] - C) / eps + torch.log(b)[None], 1)
-        f64 = f64 + eps * (torch.rand(n, generator=gen, dtype=torch.float64) * 6 - 3)
+        a, b, C, f64, g64 = off_fixed_point(gen, form, eps, steps=2, push=3.0)
+        log_a, log_b = (torch.log(t).to(device, dtype) for t in (a, b))
         f, g = f64.to(device, dtype), g64.to(device, dtype)
         P = a[:, None] * b[None] * torch.exp((f64[:, None] + g64[None] - C) / eps)
         w = torch.randn(m, generator=gen, dtype=torch.float64)
@@ -203,17 +216,7 @@ def test_plan_vjp_matches_dense(gen, name, shape, p, eps, splits):
             backend.splits = splits
         dtype, tol = exact(name)
         form, _ = problem(gen, n, m, d, dtype, device)
-        a = torch.rand(n, generator=gen, dtype=torch.float64) + 0.1
-        b = torch.rand(m, generator=gen, dtype=torch.float64) + 0.1
-        a[0] = 0.0 if n > 1 else a[0]
-        b[-1] = 0.0
-        C = (form.alpha.double()[:, None] + form.beta.double()[None]
-             - form.q.double() @ form.k.double().T).cpu()  # fmt: skip
-        f64 = torch.zeros(n, dtype=torch.float64)
-        for _ in range(3):
-            g64 = -eps * torch.logsumexp((f64[:, None] - C) / eps + torch.log(a)[:, None], 0)
-            f64 = -eps * torch.logsumexp((g64[None] - C) / eps + torch.log(b)[None], 1)
-        f64 = f64 + eps * (torch.rand(n, generator=gen, dtype=torch.float64) * 4 - 2)
+        a, b, _, f64, g64 = off_fixed_point(gen, form, eps, steps=3, push=2.0, zero_b=True)
         v = torch.randn(m, p, generator=gen, dtype=torch.float64)
         dd = torch.randn(n, p, generator=gen, dtype=torch.float64)
         args = [t.to(device, dtype) for t in (f64, g64, a, b, v, dd)]
