@@ -176,31 +176,37 @@ def test_a_solve_inside_the_callers_cuda_graph_is_refused_clearly():
 
 
 def test_dual_cg_replays_its_blocks_as_a_cuda_graph(monkeypatch):
-    """The dual solve of an HVP captures its CG blocks (Triton kernels inside) and gives
-    the eager solve's answer; a plain CG does too."""
+    """The dual solve of an HVP captures its CG blocks (Triton kernels inside) once and
+    replays them in later HVPs of the same shapes with new data, giving the eager solve's
+    answers; a plain CG captures too."""
     import flashot.linalg as linalg
+    from flashot import graphs
+    from flashot.autodiff import implicit
 
+    implicit.clear_dual_graphs()
     captured = []
-    graph_of = linalg._graph_of
+    real = graphs._Captured
 
-    def counting(block):
-        replay = graph_of(block)
-        captured.append(replay is not None)
-        return replay
+    def counting(fn, inputs):
+        captured.append(len(inputs))
+        return real(fn, inputs)
 
-    monkeypatch.setattr(linalg, "_graph_of", counting)
-    x, y = data(3000, 2500, 16)
-    v = torch.randn_like(x)
+    monkeypatch.setattr(graphs, "_Captured", counting)
+    captures = implicit._captures
     kw = dict(eps=0.5, backend="triton", tol=1e-5)
-    h = flashot.hvp(x, y, v, **kw)
-    assert captured and all(captured)
-    monkeypatch.setattr(linalg, "_graph_of", lambda block: None)
-    h_eager = flashot.hvp(x, y, v, **kw)
-    assert rel(h, h_eager) < 1e-5
+    for seed in (0, 1):
+        x, y = data(3000, 2500, 16, seed=seed)
+        v = torch.randn(x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        monkeypatch.setattr(implicit, "_captures", captures)
+        h = flashot.hvp(x, y, v, **kw)
+        assert len(captured) == 1  # in the first HVP only
+        monkeypatch.setattr(implicit, "_captures", lambda backend, form: False)
+        h_eager = flashot.hvp(x, y, v, **kw)
+        assert rel(h, h_eager) < 1e-5
+    implicit.clear_dual_graphs()
     A = torch.randn(200, 200, device="cuda", dtype=torch.float64)
     A = A @ A.T + 200 * torch.eye(200, device="cuda", dtype=torch.float64)
     b = torch.randn(200, device="cuda", dtype=torch.float64)
-    monkeypatch.setattr(linalg, "_graph_of", graph_of)
     res = linalg.cg(lambda u: A @ u, b, tol=1e-12, capture=True, check_every=4)
     ref = linalg.cg(lambda u: A @ u, b, tol=1e-12, check_every=1)
     assert res.n_iter == ref.n_iter and rel(res.x, ref.x) < 1e-12

@@ -116,3 +116,26 @@ def test_lanczos_is_deterministic_given_a_generator_and_keeps_shapes():
         lanczos(op, shape, which="middle")
     with pytest.raises(ValueError, match="k must"):
         lanczos(op, shape, k=0)
+
+
+def test_cg_kept_capture_is_replayed_by_later_calls_reading_refreshed_buffers():
+    # capture=(cache, key): blocks captured in one call are replayed by the next, whose
+    # operator reads the same buffer with new contents (Replayer stands in for a graph
+    # and replays the first call's closure, as a CUDA graph would)
+    from flashot.graphs import GraphCache
+    from tests.test_graphs import Replayer
+
+    Replayer.log = []
+    cache = GraphCache(capture=Replayer)
+    gen = torch.Generator().manual_seed(3)
+    buffer = torch.empty(30, 30, dtype=torch.float64)
+    for _ in range(2):
+        a = torch.randn(30, 30, generator=gen, dtype=torch.float64)
+        a = a @ a.T + 5 * torch.eye(30, dtype=torch.float64)
+        b = torch.randn(30, generator=gen, dtype=torch.float64)
+        buffer.copy_(a)
+        kept = cg(lambda u, m=buffer: m @ u, b, tol=1e-12, check_every=4, capture=(cache, "a"))
+        ref = cg(lambda u, m=a: m @ u, b, tol=1e-12, check_every=4)
+        assert kept.n_iter == ref.n_iter and torch.allclose(kept.x, ref.x, rtol=0, atol=1e-12)
+        assert kept.residual <= 1e-12
+    assert Replayer.log.count("capture") == 1 and Replayer.log.count("replay") > 8

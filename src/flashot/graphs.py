@@ -23,7 +23,7 @@ import torch
 
 from flashot.backends import on_device
 
-__all__ = ["GRAPHS", "GraphCache"]
+__all__ = ["GRAPHS", "GraphCache", "capture_or_eager"]
 
 
 class _Captured:
@@ -47,6 +47,15 @@ class _Captured:
             self.graph.replay()
         # the next replay overwrites the static outputs: the caller gets copies
         return tuple(t.clone() for t in self.outputs)
+
+
+def capture_or_eager(fn: Callable, inputs: Sequence[torch.Tensor]) -> Callable:
+    """A :class:`GraphCache` capture; eager calls when ``fn`` cannot be captured (it syncs)."""
+    try:
+        return _Captured(fn, inputs)
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return lambda inputs: tuple(fn(*inputs))
 
 
 class GraphCache:

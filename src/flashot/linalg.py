@@ -13,6 +13,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -79,6 +80,9 @@ class _CGState:
     is a matvec, a preconditioner call and about 25 small launches.
     """
 
+    #: the state's tensors, in the order of :meth:`tensors`
+    FIELDS = ("x", "r", "p", "rz", "goal", "active", "n_iter", "negative")
+
     def __init__(self, matvec, precond, b, x0, tol):
         self.matvec, self.precond = matvec, precond
         self.x = torch.zeros_like(b) if x0 is None else x0.clone()
@@ -89,6 +93,20 @@ class _CGState:
         self.active = _ddot(self.r, self.r) > self.goal
         self.n_iter = torch.zeros((), dtype=torch.int64, device=b.device)
         self.negative = torch.zeros((), dtype=torch.bool, device=b.device)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, name) for name in self.FIELDS)
+
+    def assign(self, tensors) -> None:
+        for name, t in zip(self.FIELDS, tensors, strict=True):
+            setattr(self, name, t)
+
+    def run(self, count: int, *tensors) -> tuple[torch.Tensor, ...]:
+        """``count`` steps from the given state tensors, updated in place (and returned)."""
+        self.assign(tensors)
+        for _ in range(count):
+            self.step()
+        return self.tensors()
 
     def step(self) -> None:
         ap = self.matvec(self.p)
@@ -130,7 +148,7 @@ def cg(
     preconditioner: Matvec | None = None,
     on_negative_curvature: str = "raise",
     check_every: int | None = None,
-    capture: bool = False,
+    capture: bool | tuple = False,
 ) -> CGResult:
     r"""Preconditioned conjugate gradients for ``A x = b``, A symmetric positive definite.
 
@@ -156,7 +174,11 @@ def cg(
         capture: on a GPU, capture a block of ``check_every`` iterations as a CUDA graph
             and replay it (``matvec`` and ``preconditioner`` must then launch only
             asynchronous work with fixed shapes); falls back to eager launches if the
-            capture fails.
+            capture fails. A pair ``(cache, key)`` (a :class:`~flashot.graphs.GraphCache`
+            and a hashable) keeps the capture in ``cache`` for later calls with the same
+            key, which then replay every block: their ``matvec`` and ``preconditioner``
+            must read the same buffers (refreshed in place by the caller) as the
+            captured ones, and ``b`` must keep its shape.
 
     Returns:
         A :class:`CGResult`.
@@ -180,17 +202,22 @@ def cg(
         return CGResult(torch.zeros_like(b), 0, 0.0, True)
     state = _CGState(matvec, precond, b, x0, tol)
     replay, done = None, 0
+    kept = capture if isinstance(capture, tuple) else None
     while done < max_iter and bool(state.active):
         count = min(check_every, max_iter - done)
 
         def block(count=count):
-            for _ in range(count):
-                state.step()
+            state.run(count, *state.tensors())
 
-        if capture and b.is_cuda and count == check_every and done > 0 and replay is None:
-            replay = _graph_of(block)  # the first block ran eagerly: kernels are compiled
-            capture = replay is not None
-        (replay if replay is not None and count == check_every else block)()
+        if kept is not None and count == check_every:  # eager once, captured, then replayed
+            cache, key = kept
+            state.assign(cache((key, count, b.shape), partial(state.run, count), state.tensors()))
+        else:
+            wanted = capture is True and b.is_cuda and count == check_every and done > 0
+            if wanted and replay is None:
+                replay = _graph_of(block)  # the first block ran eagerly: kernels are compiled
+                capture = replay is not None
+            (replay if replay is not None and count == check_every else block)()
         done += count
         if bool(state.negative):
             break

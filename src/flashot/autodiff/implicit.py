@@ -34,19 +34,35 @@ expression, and its derivative is the exact Hessian.
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from flashot.backends.base import Backend
+from flashot.backends.near import is_near_uniform
+from flashot.backends.plan_vjp import outputs_for
 from flashot.costs import AttentionForm
 from flashot.dual import plan_times
+from flashot.graphs import GraphCache, capture_or_eager
 from flashot.linalg import CGWarning, cg
 
-__all__ = ["DualSpec", "ImplicitPotentials", "PlanProduct", "last_dual_solve", "value_gradient"]
+__all__ = [
+    "DualSpec",
+    "ImplicitPotentials",
+    "PlanProduct",
+    "clear_dual_graphs",
+    "last_dual_solve",
+    "value_gradient",
+]
 
 #: diagnostics of the latest dual solve: CG iterations, relative residual, convergence
 last_dual_solve: dict = {}
+#: the dual CG replays CUDA graphs up to this many plan entries (n·m); beyond, a step's
+#: two passes outlast the host's ~1.5 ms of launches and eager launches keep the GPU busy
+#: (benchmarks/NOTES.md v14). Captured blocks are kept per (shapes, ε, ρ, backend) and
+#: replayed by later solves: see :func:`clear_dual_graphs`.
+CAPTURE_UP_TO = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -93,10 +109,19 @@ class PlanProduct(torch.autograd.Function):
     def backward(ctx, dout):
         q, alpha, k, beta, a, b, f, g, v = ctx.saved_tensors
         spec, eps = ctx.spec, ctx.spec.eps
-        vjp = spec.backend.plan_vjp(_form(q, alpha, k, beta, spec), f, g, a, b, eps, v, dout)
-        row, col = vjp.row / eps, vjp.col / eps
-        return (vjp.row_k / eps, -row, vjp.col_q / eps, -col, vjp.per_a, vjp.per_b, row, col,
-                vjp.pt_d, None)  # fmt: skip
+        vjp = spec.backend.plan_vjp(_form(q, alpha, k, beta, spec), f, g, a, b, eps, v, dout,
+                                    outputs_for(ctx.needs_input_grad))  # fmt: skip
+        row, col = _over(vjp.row, eps), _over(vjp.col, eps)
+        return (_over(vjp.row_k, eps), _neg(row), _over(vjp.col_q, eps), _neg(col), vjp.per_a,
+                vjp.per_b, row, col, vjp.pt_d, None)  # fmt: skip
+
+
+def _over(t, eps):
+    return None if t is None else t / eps
+
+
+def _neg(t):
+    return None if t is None else -t
 
 
 def plan_product(theta, z, v, spec: DualSpec, transpose: bool = False):
@@ -113,6 +138,60 @@ def _relaxed_weight(pot, w, rho):
     return w if rho is None else w * torch.exp(-pot / rho)
 
 
+class _Buffers:
+    """A dual system's data in tensors of its own, refreshed in place for each solve.
+
+    CG blocks captured as CUDA graphs read these, so later solves replay them.
+    """
+
+    def __init__(self, tensors):
+        self.tensors = [t.detach().clone() for t in tensors]
+
+    def load(self, tensors) -> list:
+        for own, t in zip(self.tensors, tensors, strict=True):
+            own.copy_(t)
+        return self.tensors
+
+
+#: captured dual-CG blocks, and the buffers they read (least recently used dropped)
+_GRAPHS = GraphCache(capacity=4, capture=capture_or_eager)
+_BUFFERS: OrderedDict = OrderedDict()
+
+
+def clear_dual_graphs() -> None:
+    """Drop the captured dual-CG blocks and their buffers (their GPU memory)."""
+    _GRAPHS.clear()
+    _BUFFERS.clear()
+
+
+def _captures(backend: Backend, form: AttentionForm) -> bool:
+    """Whether the dual CG of this problem runs captured blocks (see :data:`CAPTURE_UP_TO`)."""
+    size = form.q.shape[0] * form.k.shape[0]
+    return backend.capturable and form.q.is_cuda and size <= CAPTURE_UP_TO
+
+
+def _capture_plan(spec: DualSpec, form: AttentionForm, data):
+    """``(capture, data)`` for the dual CG: False (eager) or ``(cache, key)``.
+
+    With a key, ``data`` comes back moved into the buffers that blocks captured with
+    this key read (in this solve and later ones).
+    """
+    if not _captures(spec.backend, form):
+        return False, data
+    backend = spec.backend
+    # everything a block's launches depend on besides the buffers' contents: the shapes,
+    # ε, ρ, the backend (its tiles, precision) and its host-side branch at this ε
+    sig = (backend, form.q.shape, form.k.shape, form.q.dtype, form.q.device, spec.eps, spec.rho,
+           is_near_uniform(form, spec.eps))  # fmt: skip
+    buffers = _BUFFERS.get(sig)
+    if buffers is None:
+        buffers = _BUFFERS[sig] = _Buffers(data)
+        while len(_BUFFERS) > _GRAPHS.capacity:
+            _BUFFERS.popitem(last=False)
+    _BUFFERS.move_to_end(sig)
+    return (_GRAPHS, buffers), buffers.load(data)
+
+
 def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     """``w = M⁻¹ (f̄, ḡ)`` by CG on the Schur complement (see the module docstring).
 
@@ -127,6 +206,11 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     d_c_inv = torch.where(d_c > 0, 1.0 / d_c, torch.zeros_like(d_c))
     deflate = rho_x is None and rho_y is None
     c_unit = c / c.sum()
+    data = (form.q, form.k, form.alpha, form.beta, f, g, log_a, log_b, r, c, d_r_inv, d_c,
+            d_c_inv, c_unit)  # fmt: skip
+    capture, data = _capture_plan(spec, form, data)
+    q, k, alpha, beta, f, g, log_a, log_b, r, c, d_r_inv, d_c, d_c_inv, c_unit = data
+    form = AttentionForm(q, k, alpha, beta, cost_bound=form.cost_bound)
 
     def p_times(w):  # P w: (m,) -> (n,)
         return backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, w=w)[0]
@@ -147,7 +231,7 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     rhs = eps * (g_bar - pt_times(d_r_inv * f_bar))
     if deflate:  # the part along 1 is a gauge dependence: no solution, dropped
         rhs = rhs - c_unit * rhs.sum()
-    res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter, capture=backend.capturable,
+    res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter, capture=capture,
              preconditioner=lambda v: d_c_inv * v, on_negative_curvature="return")  # fmt: skip
     if res.negative_curvature is not None:  # rounding won: the iterate is as good as it gets
         warnings.warn(
@@ -187,12 +271,16 @@ class ImplicitPotentials(torch.autograd.Function):
         ones_n, ones_m = torch.ones_like(w_f), torch.ones_like(w_g)
         v = torch.stack([ones_m, w_g], 1)
         d = torch.stack([w_f, ones_n], 1)
-        vjp = spec.backend.plan_vjp(form, f, g, a, b, eps, v, d)
-        row, col = vjp.row / eps, vjp.col / eps
-        grad_a = _relaxed_weight(f, ones_n, spec.rho[0]) * w_f - vjp.per_a
-        grad_b = _relaxed_weight(g, ones_m, spec.rho[1]) * w_g - vjp.per_b
-        return (-vjp.row_k / eps, row, -vjp.col_q / eps, col, grad_a, grad_b, None, None, None,
-                None)  # fmt: skip
+        need = outputs_for(ctx.needs_input_grad[:6])
+        vjp = spec.backend.plan_vjp(form, f, g, a, b, eps, v, d, need)
+        row, col = _over(vjp.row, eps), _over(vjp.col, eps)
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[4]:
+            grad_a = _relaxed_weight(f, ones_n, spec.rho[0]) * w_f - vjp.per_a
+        if ctx.needs_input_grad[5]:
+            grad_b = _relaxed_weight(g, ones_m, spec.rho[1]) * w_g - vjp.per_b
+        return (_neg(_over(vjp.row_k, eps)), row, _neg(_over(vjp.col_q, eps)), col, grad_a,
+                grad_b, None, None, None, None)  # fmt: skip
 
 
 GAUGE = (

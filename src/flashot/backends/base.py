@@ -27,7 +27,7 @@ import torch
 
 from flashot.costs import AttentionForm
 from flashot.backends.near import is_near_uniform, near_attend
-from flashot.backends.plan_vjp import PlanVJP, plan_vjp_tiles
+from flashot.backends.plan_vjp import ALL, PlanVJP, plan_vjp_tiles
 from flashot.dual import marginal_error, row_mass
 
 __all__ = ["PRECISIONS", "Backend"]
@@ -218,7 +218,9 @@ class Backend:
         lse_r, lse_c = self.potential_lse(form, f, g, log_a, log_b, eps)
         return lam[0] * (form.alpha - lse_r), lam[1] * (form.beta - lse_c)
 
-    def plan_vjp(self, form: AttentionForm, f, g, a, b, eps: float, v, d) -> PlanVJP:
+    def plan_vjp(
+        self, form: AttentionForm, f, g, a, b, eps: float, v, d, need: frozenset = ALL
+    ) -> PlanVJP:
         r"""Reverse-mode product of the plan: reductions of ``S = P ⊙ (D Vᵀ)`` and ``Pᵀ D``.
 
         See :mod:`flashot.backends.plan_vjp` for the math; the default streams score
@@ -228,13 +230,15 @@ class Backend:
             form: attention form (detached).  f: (n,), g: (m,) potentials.
             a: (n,), b: (m,) weights.  eps: ε.
             v: (m, p) values.  d: (n, p) cotangent of ``P v``.
+            need: the outputs to form (see :func:`~flashot.backends.plan_vjp.outputs_for`);
+                the others may be None.
 
         Returns:
             A :class:`~flashot.backends.plan_vjp.PlanVJP`.
         """
         # GPUs want fewer, larger tiles (launches): 4M elements, 16 MB per float32 temporary
         budget = getattr(self, "budget", 1 << 22 if f.is_cuda else 1 << 20)
-        return plan_vjp_tiles(form, f, g, a, b, eps, v, d, budget)
+        return plan_vjp_tiles(form, f, g, a, b, eps, v, d, budget, need)
 
     def plan_matvec(
         self, form: AttentionForm, f, g, log_a, log_b, eps: float, r, c, w=None, u=None

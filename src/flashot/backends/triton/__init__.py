@@ -24,6 +24,7 @@ import triton
 from flashot.backends import on_device, triton_interpreted
 from flashot.backends.base import Backend
 from flashot.backends.near import is_near_uniform
+from flashot.backends.plan_vjp import ALL
 from flashot.backends.triton import _configs, _tables
 from flashot.backends.triton._kernels import (
     _attend_kernel,
@@ -552,11 +553,11 @@ class TritonBackend(Backend):
         ptu = None if u is None else torch.where(c > 0, c * cols / cols_den, 0.0)
         return pw, ptu
 
-    def plan_vjp(self, form, f, g, a, b, eps, v, d):
+    def plan_vjp(self, form, f, g, a, b, eps, v, d, need=ALL):
         """:meth:`~flashot.backends.base.Backend.plan_vjp`, fused (:mod:`._vjp`) for d, p ≤ 128."""
         if is_near_uniform(form, eps) or max(form.q.shape[1], v.shape[1]) > FUSED_UP_TO:
-            return super().plan_vjp(form, f, g, a, b, eps, v, d)
-        return fused_plan_vjp(self, form, f, g, a, b, eps, v, d)
+            return super().plan_vjp(form, f, g, a, b, eps, v, d, need)
+        return fused_plan_vjp(self, form, f, g, a, b, eps, v, d, need)
 
     def marginals(self, form, f, g, log_a, log_b, eps):
         """See :meth:`flashot.backends.base.Backend.marginals` (fused where valid)."""

@@ -395,14 +395,15 @@ def _plan_vjp_kernel(
     Q, K, ROW_B, COL_B, DR, VC, OUT_W, OUT_K, n, m, d, p, scale, cols_per_split,
     stride_qn, stride_qd, stride_kn, stride_kd, stride_dn, stride_dp, stride_vn, stride_vp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-    P_CHUNKS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    P_CHUNKS: tl.constexpr, SPLIT: tl.constexpr, WITH_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Row reductions of ``T_ij = E_ij ⟨dr_i, vc_j⟩`` (the backward of a plan product).
 
     ``E_ij = 2^{s_ij·scale + ROW_B_i + COL_B_j}`` (the column weights folded into
-    ``COL_B``): ``OUT_W_i += Σ_j T_ij`` and ``OUT_K_i += Σ_j T_ij k_j``, added
-    atomically (zeroed outputs) over the column splits of grid axis 1 with SPLIT, else stored. One feature chunk
-    (d ≤ BLOCK_D), hoisted; the values in P_CHUNKS chunks of BLOCK_P (hoisted when one).
+    ``COL_B``): ``OUT_W_i += Σ_j T_ij`` and, with WITH_K, ``OUT_K_i += Σ_j T_ij k_j``,
+    added atomically (zeroed outputs) over the column splits of grid axis 1 with SPLIT,
+    else stored. One feature chunk (d ≤ BLOCK_D), hoisted, each key tile loaded once;
+    the values in P_CHUNKS chunks of BLOCK_P (hoisted when one).
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -420,21 +421,23 @@ def _plan_vjp_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < col_hi
         cb = tl.load(COL_B + offs_n, mask=col_ok, other=float("-inf"))
-        s = _score_tile(Q, K, q_tile, q_tile, offs_m, offs_n, n, col_hi, d, stride_qn, stride_qd,
-                        stride_kn, stride_kd, BLOCK_D, 1, False, PRECISION)  # fmt: skip
+        k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=col_ok[:, None] & (offs_d[None, :] < d), other=0.0)  # fmt: skip
+        s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION)
         u = _score_tile(DR, VC, dr_tile, dr_tile, offs_m, offs_n, n, col_hi, p, stride_dn,
                         stride_dp, stride_vn, stride_vp, BLOCK_P, P_CHUNKS, False, PRECISION)  # fmt: skip
         t = tl.exp2(s * scale + rb[:, None] + cb[None, :]) * u
         acc_w += tl.sum(t, 1)
-        k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=col_ok[:, None] & (offs_d[None, :] < d), other=0.0)  # fmt: skip
-        acc_k = tl.dot(t, k, acc_k, input_precision=PRECISION)
+        if WITH_K:
+            acc_k = tl.dot(t, k, acc_k, input_precision=PRECISION)
     ptrs = OUT_K + offs_m[:, None] * d + offs_d[None, :]
     k_ok = row_ok[:, None] & (offs_d[None, :] < d)
     if SPLIT:
         if col_hi > col_lo:
             tl.atomic_add(OUT_W + offs_m, acc_w, mask=row_ok, sem="relaxed")
-            tl.atomic_add(ptrs, acc_k, mask=k_ok, sem="relaxed")
+            if WITH_K:
+                tl.atomic_add(ptrs, acc_k, mask=k_ok, sem="relaxed")
     else:
         tl.store(OUT_W + offs_m, acc_w, mask=row_ok)
-        tl.store(ptrs, acc_k, mask=k_ok)
+        if WITH_K:
+            tl.store(ptrs, acc_k, mask=k_ok)

@@ -9,7 +9,8 @@ score tiles once and never storing one:
 * columns, on the transposed form with (d, v) swapped: ``per_b`` and ``col_q / b_j``;
 
 and ``Pᵀ D`` is one value pass (:func:`~flashot.dual.plan_times` on the transposed
-form). The kernel holds the features in one chunk and streams values wider than
+form). Each launch and pass runs only when one of its outputs is asked for, and the
+product with the keys only for ``row_k`` / ``col_q``. The kernel holds the features in one chunk and streams values wider than
 :data:`P_CHUNK` in chunks: ``d, p ≤ 128`` (the backend falls back to PyTorch tiles
 beyond, where cuBLAS products are as fast as recomputed score chunks).
 """
@@ -20,7 +21,7 @@ import torch
 import triton
 
 from flashot.backends import on_device, triton_interpreted
-from flashot.backends.plan_vjp import PlanVJP
+from flashot.backends.plan_vjp import ALL, PlanVJP
 from flashot.backends.triton import _configs
 from flashot.backends.triton._kernels import _plan_vjp_kernel
 from flashot.dual import plan_times
@@ -30,10 +31,12 @@ __all__ = ["FUSED_UP_TO", "fused_plan_vjp"]
 LOG2E = 1.4426950408889634
 #: widest features and values the fused kernel takes
 FUSED_UP_TO = 128
-#: tiles (BLOCK_M, BLOCK_N, warps, stages) on a GPU; the interpreter takes 16 × 16. Measured
-#: on the H200 (benchmarks/bench_vjp.py, NOTES v13): 32 × 64 fastest for wide values, within
-#: 20 % for p = 2; 8 warps gave wrong sums and illegal addresses under Triton 3.6: not used
+#: tiles (BLOCK_M, BLOCK_N, warps, stages) on a GPU for wide values and for narrow ones
+#: (p ≤ 16); the interpreter takes 16 × 16. Measured on the H200 (benchmarks/bench_vjp.py,
+#: NOTES v13): 32 × 64 fastest for p = 65, 64 × 64 for p = 2; 8 warps gave wrong sums
+#: and illegal addresses under Triton 3.6: not used
 TILES = (32, 64, 4, 2)
+NARROW_TILES = (64, 64, 4, 2)
 #: values wider than this stream in chunks of it (not hoisted)
 P_CHUNK = 32
 
@@ -42,13 +45,16 @@ def _width(size: int) -> int:
     return max(16, triton.next_power_of_2(size))
 
 
-def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps):
-    """``(Σ_j T_ij, Σ_j T_ij k_j)`` with ``T_ij = 2^{…} ⟨dr_i, vc_j⟩`` (see the kernel)."""
+def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k):
+    """``(Σ_j T_ij, Σ_j T_ij k_j or None)`` with ``T_ij = 2^{…} ⟨dr_i, vc_j⟩`` (see the kernel)."""
     n, m, d, p = q.shape[0], k.shape[0], q.shape[1], dr.shape[1]
     dev = q.device
-    out = torch.zeros(n * (d + 1), device=dev, dtype=torch.float32)  # (atomics add to it)
-    out_w, out_k = out[:n], out[n:].view(n, d)
-    block_m, block_n, warps, stages = (16, 16, 1, 1) if triton_interpreted() else TILES
+    out = torch.zeros(n * (d + 1 if with_k else 1), device=dev, dtype=torch.float32)  # atomics add
+    out_w, out_k = out[:n], (out[n:].view(n, d) if with_k else out)
+    if triton_interpreted():
+        block_m, block_n, warps, stages = 16, 16, 1, 1
+    else:
+        block_m, block_n, warps, stages = NARROW_TILES if p <= 16 else TILES
     blocks = triton.cdiv(n, block_m)
     splits = backend.splits or _configs.column_splits(blocks, m, block_n, dev)
     per = triton.cdiv(triton.cdiv(m, splits), block_n) * block_n
@@ -61,12 +67,13 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps):
             q, k, row_bias, col_bias, dr, vc, out_w, out_k, n, m, d, p, LOG2E / eps, per,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), dr.stride(0), dr.stride(1),
             vc.stride(0), vc.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_width(d),
-            BLOCK_P=block_p, P_CHUNKS=p_chunks, SPLIT=splits > 1, PRECISION=backend._dot(), **extra,
+            BLOCK_P=block_p, P_CHUNKS=p_chunks, SPLIT=splits > 1, WITH_K=with_k,
+            PRECISION=backend._dot(), **extra,
         )  # fmt: skip
-    return out_w, out_k
+    return out_w, (out_k if with_k else None)
 
 
-def fused_plan_vjp(backend, form, f, g, a, b, eps: float, v, d) -> PlanVJP:
+def fused_plan_vjp(backend, form, f, g, a, b, eps: float, v, d, need: frozenset = ALL) -> PlanVJP:
     """:meth:`~flashot.backends.base.Backend.plan_vjp` in two fused launches and a value pass.
 
     Args:
@@ -74,15 +81,22 @@ def fused_plan_vjp(backend, form, f, g, a, b, eps: float, v, d) -> PlanVJP:
         form: attention form (detached), float32, feature size ≤ :data:`FUSED_UP_TO`.
         f: (n,), g: (m,) potentials.  a: (n,), b: (m,) weights.  eps: ε.
         v: (m, p) values.  d: (n, p) cotangent of ``P v``, p ≤ :data:`FUSED_UP_TO`.
+        need: the outputs to form (the others may be None).
     """
     f32 = torch.float32
     q, k = form.q.contiguous(), form.k.contiguous()
     v, d = v.to(f32).contiguous(), d.to(f32).contiguous()
     f_bias, g_bias = (f - form.alpha) * (LOG2E / eps), (g - form.beta) * (LOG2E / eps)
-    per_a, row_k = _rows(backend, q, k, f_bias.to(f32), (g_bias + torch.log2(b)).to(f32),
-                         d, v, eps)  # fmt: skip
-    per_b, col_q = _rows(backend, k, q, g_bias.to(f32), (f_bias + torch.log2(a)).to(f32),
-                         v, d, eps)  # fmt: skip
-    pt_d = plan_times(backend, form.T, g, f, torch.log(b), torch.log(a), eps, d)
-    return PlanVJP(a * per_a, a[:, None] * row_k, b * per_b, b[:, None] * col_q, pt_d,
-                   per_a, per_b)  # fmt: skip
+    per_a = row_k = per_b = col_q = pt_d = None
+    if need & {"row", "row_k"}:
+        per_a, row_k = _rows(backend, q, k, f_bias.to(f32), (g_bias + torch.log2(b)).to(f32),
+                             d, v, eps, "row_k" in need)  # fmt: skip
+        row_k = None if row_k is None else a[:, None] * row_k
+    if need & {"col", "col_q"}:
+        per_b, col_q = _rows(backend, k, q, g_bias.to(f32), (f_bias + torch.log2(a)).to(f32),
+                             v, d, eps, "col_q" in need)  # fmt: skip
+        col_q = None if col_q is None else b[:, None] * col_q
+    if "pt_d" in need:
+        pt_d = plan_times(backend, form.T, g, f, torch.log(b), torch.log(a), eps, d)
+    return PlanVJP(None if per_a is None else a * per_a, row_k,
+                   None if per_b is None else b * per_b, col_q, pt_d, per_a, per_b)  # fmt: skip
