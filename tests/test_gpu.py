@@ -199,7 +199,8 @@ def test_dual_cg_replays_its_blocks_as_a_cuda_graph(monkeypatch):
         v = torch.randn(x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
         monkeypatch.setattr(implicit, "_captures", captures)
         h = flashot.hvp(x, y, v, **kw)
-        assert len(captured) == 1  # in the first HVP only
+        assert captured and (seed == 0 or len(captured) == first)  # in the first HVP only
+        first = len(captured)
         monkeypatch.setattr(implicit, "_captures", lambda backend, form: False)
         h_eager = flashot.hvp(x, y, v, **kw)
         assert rel(h, h_eager) < 1e-5

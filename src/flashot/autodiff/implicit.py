@@ -167,7 +167,10 @@ def clear_dual_graphs() -> None:
 def _captures(backend: Backend, form: AttentionForm) -> bool:
     """Whether the dual CG of this problem runs captured blocks (see :data:`CAPTURE_UP_TO`)."""
     size = form.q.shape[0] * form.k.shape[0]
-    return backend.capturable and form.q.is_cuda and size <= CAPTURE_UP_TO
+    # half precisions read cached half copies of q and k, made outside a capture: a
+    # replay would not see the buffers' new contents
+    full = backend.precision in ("fp32", "tf32")
+    return backend.capturable and full and form.q.is_cuda and size <= CAPTURE_UP_TO
 
 
 def _capture_plan(spec: DualSpec, form: AttentionForm, data):
@@ -180,9 +183,9 @@ def _capture_plan(spec: DualSpec, form: AttentionForm, data):
         return False, data
     backend = spec.backend
     # everything a block's launches depend on besides the buffers' contents: the shapes,
-    # ε, ρ, the backend (its tiles, precision) and its host-side branch at this ε
-    sig = (backend, form.q.shape, form.k.shape, form.q.dtype, form.q.device, spec.eps, spec.rho,
-           is_near_uniform(form, spec.eps))  # fmt: skip
+    # ε, ρ, the backend's launch options and its host-side branch at this ε
+    sig = (backend.launch_key(), form.q.shape, form.k.shape, form.q.dtype, form.q.device,
+           spec.eps, spec.rho, is_near_uniform(form, spec.eps))  # fmt: skip
     buffers = _BUFFERS.get(sig)
     if buffers is None:
         buffers = _BUFFERS[sig] = _Buffers(data)

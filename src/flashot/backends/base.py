@@ -197,6 +197,15 @@ class Backend:
         """
         return None
 
+    def launch_key(self) -> tuple:
+        """What, besides shapes and arguments, fixes this backend's launch sequence.
+
+        For a :attr:`capturable` backend, two instances with equal keys launch the same
+        kernels for the same calls, so CUDA graphs captured with one replay correctly
+        for the other.
+        """
+        return (type(self).__qualname__, self.precision)
+
     def graph_key(self, form: AttentionForm):
         """A key if fixed-iteration solves on ``form`` should replay as CUDA graphs, or None.
 

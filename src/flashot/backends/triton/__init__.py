@@ -434,7 +434,11 @@ class TritonBackend(Backend):
             return None
         if torch.cuda.is_current_stream_capturing():  # inside the caller's own graph
             return None
-        return (self.name, self.precision, self.fused, self.autotune, self.splits)
+        return self.launch_key()
+
+    def launch_key(self):
+        """See :meth:`flashot.backends.base.Backend.launch_key`."""
+        return (*super().launch_key(), self.fused, self.autotune, self.splits)
 
     def fast_state(self, device):
         """See :meth:`flashot.backends.base.Backend.fast_state`: the residual gate."""
