@@ -334,17 +334,23 @@ def value_gradient(theta, z, spec: DualSpec):
         spec: the dual's :class:`DualSpec`.
 
     Returns:
-        The six gradients, shaped like θ.
+        The six gradients, shaped like θ; those of row (column) features and offsets
+        are None when neither requires a gradient (their plan pass is skipped).
     """
     q, alpha, k, beta, a, b = theta
     f, g = z
     eps, (rho_x, rho_y) = spec.eps, spec.rho
-    ones_m = torch.ones(k.shape[0], 1, dtype=k.dtype, device=k.device)
-    ones_n = torch.ones(q.shape[0], 1, dtype=q.dtype, device=q.device)
-    rows = plan_product(theta, z, torch.cat([ones_m, k], 1), spec)
-    cols = plan_product(theta, z, torch.cat([ones_n, q], 1), spec, transpose=True)
+    grads = [None] * 4
+    if q.requires_grad or alpha.requires_grad:
+        ones_m = torch.ones(k.shape[0], 1, dtype=k.dtype, device=k.device)
+        rows = plan_product(theta, z, torch.cat([ones_m, k], 1), spec)
+        grads[:2] = -rows[:, 1:], rows[:, 0]
+    if k.requires_grad or beta.requires_grad:
+        ones_n = torch.ones(q.shape[0], 1, dtype=q.dtype, device=q.device)
+        cols = plan_product(theta, z, torch.cat([ones_n, q], 1), spec, transpose=True)
+        grads[2:] = -cols[:, 1:], cols[:, 0]
     one_x = torch.ones_like(f) if rho_x is None else torch.exp(-f / rho_x)
     one_y = torch.ones_like(g) if rho_y is None else torch.exp(-g / rho_y)
     grad_a = _phi(f, rho_x) - eps * (one_x - b.sum())
     grad_b = _phi(g, rho_y) - eps * (one_y - a.sum())
-    return -rows[:, 1:], rows[:, 0], -cols[:, 1:], cols[:, 0], grad_a, grad_b
+    return (*grads, grad_a, grad_b)

@@ -80,7 +80,7 @@ def _piece_gradient(piece: Piece, sources, grad) -> list:
         eps, a, b = piece.spec.eps, theta[4], theta[5]
         grads[4] = grads[4] + eps * (0.5 - b.sum())
         grads[5] = grads[5] + eps * (0.5 - a.sum())
-    grads = [(piece.weight * grad) * t for t in grads]
+    grads = [None if t is None else (piece.weight * grad) * t for t in grads]
     if piece.build is None:
         return grads
     merged: dict[int, tuple] = {}  # θ may hold a source twice (a self problem's weights)
