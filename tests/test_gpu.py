@@ -225,3 +225,24 @@ def test_hvp_on_triton_matches_float64_torch(wrt, rho):
     ref = flashot.hvp(x.double(), y.double(), v64, backend="torch", tol=1e-12, **kw)
     for got, want in zip(h if wrt == "xy" else (h,), ref if wrt == "xy" else (ref,)):
         assert rel(got, want) < 1e-3
+
+
+def test_cuda_autocast_does_not_change_results():
+    """Under torch.autocast("cuda") the solve, its gradient, plan products and an HVP
+    compute as outside it (the Triton backend's torch glue included)."""
+    x, y = data(500, 400, 8)
+    v = torch.randn(400, 3, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+
+    def run():
+        xs = x.clone().requires_grad_()
+        res = flashot.sinkhorn(xs, y, eps=0.1)
+        (grad,) = torch.autograd.grad(res.cost, xs)
+        plan = flashot.sinkhorn(x, y, eps=0.1).plan
+        return [res.cost.detach(), grad, plan @ v, plan.transport_cost(),
+                flashot.SamplesLoss(blur=0.2)(x, y), flashot.hvp(x, y, x, eps=0.5, tol=1e-5)]  # fmt: skip
+
+    want = run()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = run()
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.dtype == w.dtype and rel(g, w) < 1e-4, i  # (atomics reorder sums; bf16: ~1e-2)

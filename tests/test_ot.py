@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flashot
+import flashot.otdd
 from flashot import ConvergenceWarning, EpsilonScaling
 from tests.conftest import clouds, rel, weights
 from tests.references import (
@@ -398,3 +399,37 @@ def test_default_update_is_alternating_with_a_tol_and_symmetric_without():
     auto = flashot.sinkhorn(x, x.clone(), eps=0.3, tol=1e-9, max_iter=300)
     explicit = flashot.sinkhorn(x, x.clone(), eps=0.3, tol=1e-9, max_iter=300, update="symmetric")
     assert auto.n_iter == explicit.n_iter and torch.equal(auto.f, auto.g)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_does_not_change_results(gen, dtype):
+    """Inside torch.autocast every entry point computes as outside it (float32 here:
+    autocast would otherwise round the score tiles and plan products to half), the
+    backward passes too, and the caller's autocast stays on."""
+    x, y = clouds(gen, 40, 30, 4, dtype=torch.float32)
+    v_y = torch.randn(30, 2, generator=gen).float()
+    v_x = torch.randn(40, 4, generator=gen).float()
+    labels_a, labels_b = torch.arange(40) % 3, torch.arange(30) % 2
+
+    def run():
+        xs = x.clone().requires_grad_()
+        res = flashot.sinkhorn(xs, y, eps=0.1)
+        (grad,) = torch.autograd.grad(res.cost, xs)
+        plan = flashot.sinkhorn(x, y, eps=0.1).plan
+        return dict(
+            cost=res.cost.detach(), grad=grad, pv=plan @ v_y, map=plan.barycentric_map(),
+            new=plan.barycentric_map(x[:5] + 0.1), rows=plan.row_sums(), cols=plan.col_sums(),
+            transport=plan.transport_cost(), dense=plan.dense(),
+            div=flashot.sinkhorn_divergence(x, y, eps=0.1),
+            loss=flashot.SamplesLoss(blur=0.2)(x, y), hvp=flashot.hvp(x, y, v_x, eps=0.1),
+            cosine=flashot.sinkhorn(x, y, eps=0.1, cost="cosine").cost,
+            otdd=flashot.otdd.dataset_distance(x, labels_a, y, labels_b, eps=0.5).distance,
+        )  # fmt: skip
+
+    want = run()
+    with torch.autocast("cpu", dtype=dtype):
+        got = run()
+        assert torch.is_autocast_enabled("cpu")
+        assert (x @ y.T).dtype == dtype  # the caller's own ops still autocast
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key

@@ -22,6 +22,7 @@ import torch
 
 from flashot.autodiff.functions import dual_term, extrapolate, needs_grad, soft_c_transform
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
+from flashot.backends import autocast_off
 from flashot.costs import attention_form
 from flashot.ot import ConvergenceWarning, resolve_schedule
 from flashot.problem import Problem, make_problem
@@ -150,6 +151,7 @@ def debiased_potentials(
     return DebiasedPotentials(f, g, p, q, converged, misses)
 
 
+@autocast_off
 def sinkhorn_divergence(
     x: torch.Tensor,
     y: torch.Tensor,

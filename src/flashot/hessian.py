@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from flashot.autodiff.second_order import dual_solve_options
+from flashot.backends import autocast_off
 from flashot.ot import sinkhorn
 
 __all__ = ["hvp"]
@@ -27,6 +28,7 @@ __all__ = ["hvp"]
 WRT = ("x", "y", "xy")
 
 
+@autocast_off
 def hvp(
     x: torch.Tensor,
     y: torch.Tensor,

@@ -13,6 +13,7 @@ import torch
 from flashot.autodiff.functions import extrapolate, needs_grad, relaxed_side
 from flashot.autodiff.implicit import implicit_potentials
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
+from flashot.backends import autocast_off
 from flashot.costs import bounding_diameter
 from flashot.problem import Problem, make_problem
 from flashot.result import SinkhornResult, TransportPlan
@@ -86,6 +87,7 @@ def _check_init(init, problem: Problem):
     return tuple(out)
 
 
+@autocast_off
 def sinkhorn(
     x: torch.Tensor,
     y: torch.Tensor,

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 import flashot
+from flashot.backends import autocast_off
 
 __all__ = ["DatasetDistance", "class_table", "dataset_distance", "gaussian_table"]
 
@@ -166,6 +167,7 @@ def _labeled(x, index, offset: int) -> torch.Tensor:
     return torch.cat([x, (offset + index)[:, None].to(x.dtype)], 1)
 
 
+@autocast_off
 def dataset_distance(
     xa: torch.Tensor,
     ya,

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from flashot.autodiff.implicit import DualSpec, implicit_potentials, plan_product
+from flashot.backends import autocast_off
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
-from flashot.autodiff.implicit import DualSpec, implicit_potentials, plan_product
 from flashot.dual import marginal_error, mass_excess, plan_times, row_mass
 
 __all__ = ["SinkhornResult", "TransportPlan"]
@@ -144,6 +145,7 @@ class TransportPlan:
             raise TypeError(f"{name} must have a floating dtype, got {v.dtype}")
         return v.to(self._f.dtype).reshape(m, -1)
 
+    @autocast_off
     def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
         """``P @ V`` for V of shape (m,) or (m, p); returns (n,) or (n, p) in V's dtype.
 
@@ -177,6 +179,7 @@ class TransportPlan:
             return plan_times(self._backend, self._form, self._f, self._g, self._log_a,
                               self._log_b, self._eps, vv)  # fmt: skip
 
+    @autocast_off
     def row_sums(self) -> torch.Tensor:
         """``P 1`` (n,): the plan's first marginal."""
         return self._attend(None)[0]
@@ -185,6 +188,7 @@ class TransportPlan:
         """``Pᵀ 1`` (m,): the plan's second marginal."""
         return self.T.row_sums()
 
+    @autocast_off
     def barycentric_map(self, points: torch.Tensor | None = None) -> torch.Tensor:
         """Barycentric projection ``T(x_i) = Σ_j P_ij y_j / Σ_j P_ij`` (n, d).
 
@@ -220,6 +224,7 @@ class TransportPlan:
                 self._y.dtype
             )
 
+    @autocast_off
     def transport_cost(self) -> torch.Tensor:
         """``⟨P, C⟩ = Σ_i r_i (α_i + E_w[β] − ⟨q_i, E_w[k]⟩)``, one streaming pass.
 
@@ -242,6 +247,7 @@ class TransportPlan:
         row_cost = form.alpha + out[:, -1] - (form.q * out[:, :-1]).sum(1)
         return (r * row_cost).sum()
 
+    @autocast_off
     def dense(self, max_elements: int = 10**7) -> torch.Tensor:
         """The full (n, m) matrix, for small problems only.
 
@@ -316,6 +322,7 @@ class SinkhornResult:
                 f"cost={value:.6g}, n_iter={self.n_iter}, converged={self.converged}{end})")
 
     @functools.cached_property
+    @autocast_off
     def marginal_error(self) -> float:
         """L1 violation of the plan's marginal conditions (one streaming pass if not measured)."""
         if self.measured_error is not None:
@@ -323,6 +330,7 @@ class SinkhornResult:
         return float(self.plan._marginal_error()[0])
 
     @functools.cached_property
+    @autocast_off
     def transport_cost(self) -> torch.Tensor:
         """``⟨P, C⟩``, streamed on first access (differentiable once, exactly)."""
         return self.plan.transport_cost()

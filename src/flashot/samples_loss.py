@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from flashot.backends import autocast_off
 from flashot.costs import bounding_diameter, get_cost
 from flashot.divergence import debiased_potentials
 from flashot.problem import check_positive, compute_dtype, eps_range, make_problem
@@ -114,6 +115,7 @@ class SamplesLoss(torch.nn.Module):
             f"cost={self.cost.name!r}, backend={self.backend!r}"
         )
 
+    @autocast_off
     def forward(self, *args):
         """``(x, y)`` or ``(a, x, b, y)``; see the class docstring."""
         if len(args) == 2:

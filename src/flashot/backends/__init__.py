@@ -8,6 +8,7 @@ instance may also be passed wherever a backend name is accepted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 
@@ -16,7 +17,14 @@ import torch
 from flashot.backends.base import PRECISIONS, Backend
 from flashot.backends.torch_backend import TorchBackend
 
-__all__ = ["PRECISIONS", "Backend", "available_backends", "on_device", "resolve_backend"]
+__all__ = [
+    "PRECISIONS",
+    "Backend",
+    "autocast_off",
+    "available_backends",
+    "on_device",
+    "resolve_backend",
+]
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -33,6 +41,27 @@ def on_device(device: torch.device):
     tensors on another GPU (``cuda:1`` while ``cuda:0`` is current) need this.
     """
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def autocast_off(fn):
+    """``fn`` run with autocast disabled on every device type where it is enabled.
+
+    flashot computes in the precision asked for (``precision=``, float64 inputs); an
+    enclosing ``torch.autocast`` would silently round its matmuls (score tiles, plan
+    products) to bf16/fp16 instead. Wraps the public entry points and every backward.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        on = [t for t in ("cpu", "cuda") if torch.is_autocast_enabled(t)]
+        if not on:
+            return fn(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for device_type in on:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def triton_available() -> bool:
