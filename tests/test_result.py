@@ -149,3 +149,46 @@ def test_repr_is_one_short_line():
         warnings.simplefilter("ignore")
         short = flashot.sinkhorn(x, y, eps=0.5, max_iter=2)
     assert repr(short).endswith("converged=False, cause='max_iter')")
+
+
+@pytest.mark.parametrize("cost", ["sqeuclidean", "cosine", "labeled"])
+def test_results_pickle_and_torch_save_round_trip(gen, cost, tmp_path):
+    """torch.save / torch.load (and pickle) of a SinkhornResult keep its values and a
+    working lazy plan (products, maps at new points, marginals); the saved plan is a
+    detached snapshot even when the solve had gradients."""
+    import pickle
+
+    x, y = clouds(gen, 25, 20, 3)
+    if cost == "labeled":
+        x = torch.cat([x, (torch.arange(25) % 3)[:, None].double()], 1)
+        y = torch.cat([y, (torch.arange(20) % 2)[:, None].double()], 1)
+        cost = flashot.labeled_cost(torch.rand(3, 3, generator=gen, dtype=torch.float64))
+    xs = x.clone().requires_grad_()
+    res = flashot.sinkhorn(xs, y, eps=0.3, cost=cost)
+    V = torch.randn(20, 2, generator=gen, dtype=torch.float64)
+    z = x[:4].clone()
+    z[:, :3] += 0.05  # (labels, if any, kept)
+    torch.save(res, tmp_path / "res.pt")
+    for back in (torch.load(tmp_path / "res.pt", weights_only=False),
+                 pickle.loads(pickle.dumps(res))):  # fmt: skip
+        assert back.n_iter == res.n_iter and back.eps == res.eps and repr(back) == repr(res)
+        assert not back.cost.requires_grad and torch.equal(back.cost, res.cost.detach())
+        assert torch.equal(back.f, res.f) and torch.equal(back.g, res.g)
+        with torch.no_grad():
+            assert torch.equal(back.plan @ V, res.plan @ V)
+            assert torch.equal(back.plan.T @ back.f, res.plan.T @ res.f)
+            assert torch.equal(back.plan.barycentric_map(z), res.plan.barycentric_map(z))
+        assert back.marginal_error == res.marginal_error
+        assert not (back.plan @ V).requires_grad
+
+
+def test_triton_backend_pickles_without_its_caches():
+    import pickle
+
+    from flashot.backends.triton import TritonBackend
+
+    be = TritonBackend("tf32", fused=False, splits=2)
+    be._halves.append(("stale", 0, None))
+    back = pickle.loads(pickle.dumps(be))
+    assert (back.precision, back.fused, back.splits, back._halves) == ("tf32", False, 2, [])
+    assert back.launch_key() == be.launch_key()

@@ -27,6 +27,7 @@ __all__ = [
     "COSTS",
     "AttentionForm",
     "Cost",
+    "FeatureMap",
     "attention_form",
     "bounding_diameter",
     "box_cost_bound",
@@ -266,16 +267,34 @@ def attention_form(
     q, alpha = _centered(u, center, rounding, two_s, cost.scale)
     k, beta = _centered(v, center, rounding, 1.0, cost.scale)
 
-    def row_features(z: torch.Tensor) -> torch.Tensor:
-        return two_s * round_operands(cost.embed(z.to(dtype)) - center, rounding)
-
-    def col_features(z: torch.Tensor) -> torch.Tensor:
-        return round_operands(cost.embed(z.to(dtype)) - center, rounding)
-
+    row_features = FeatureMap(cost, center, two_s, rounding, dtype)
+    col_features = FeatureMap(cost, center, 1.0, rounding, dtype)
     if cost_bound is None:
         boxes = [torch.stack(torch.aminmax(t.detach(), dim=0)) for t in (x, y)]
         cost_bound = float(box_cost_bound(cost, *boxes))
     return AttentionForm(q, k, alpha, beta, row_features, col_features, cost_bound)
+
+
+@dataclass(frozen=True, eq=False)
+class FeatureMap:
+    """New points' features in a form: ``z ↦ factor · round(φ(z) − center)`` (picklable).
+
+    Attributes:
+        cost: the ground cost (its embedding φ).  center: (d,) the form's joint center.
+        factor: 2s on the row side, 1 on the column side.
+        rounding: the form's operand rounding.  dtype: its compute dtype.
+    """
+
+    cost: Cost
+    center: torch.Tensor
+    factor: float
+    rounding: object
+    dtype: torch.dtype
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        """(r, d) points ↦ (r, d) features."""
+        out = round_operands(self.cost.embed(z.to(self.dtype)) - self.center, self.rounding)
+        return out if self.factor == 1.0 else self.factor * out
 
 
 def bounding_diameter(cost: Cost, x: torch.Tensor, y: torch.Tensor) -> float:

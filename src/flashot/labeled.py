@@ -65,25 +65,16 @@ class LabeledCost(Cost):
         form = attention_form(feat, fx, fy, dtype, rounding, cost_bound=math.inf)
         table = self.table.to(dtype=dtype or x.dtype, device=x.device)
         eye = torch.eye(table.shape[0], dtype=table.dtype, device=table.device)
-        # the closures keep the feature form's maps, not its q and k (cloud-sized)
-        base_rows, base_cols = form.row_features, form.col_features
-
-        def rows(lab):  # −λ_y T[c, ·], rounded like the other operands of the dot
-            return round_operands(-self.lambda_y * table[lab], rounding)
-
-        def row_features(z):
-            zf, zl = self.split(z, "points")
-            return torch.cat([base_rows(zf), rows(zl)], 1)
-
-        def col_features(z):
-            zf, zl = self.split(z, "points")
-            return torch.cat([base_cols(zf), eye[zl]], 1)
-
+        # row labels c ↦ −λ_y T[c, ·], rounded like the other operands; columns one-hot
+        label_rows = round_operands(-self.lambda_y * table, rounding)
+        # the maps keep the feature form's maps, not its q and k (cloud-sized)
+        row_features = LabeledFeatures(self, form.row_features, label_rows)
+        col_features = LabeledFeatures(self, form.col_features, eye)
         if cost_bound is None:
             boxes = [torch.stack(torch.aminmax(t.detach(), dim=0)) for t in (x, y)]
             cost_bound = float(self.box_bound(*boxes))
         alpha, beta, k_feat = form.alpha, form.beta, form.k
-        q = torch.cat([form.q, rows(lx)], 1)
+        q = torch.cat([form.q, label_rows[lx]], 1)
         del form  # its q goes: at most three cloud-sized operands live at once
         k = torch.cat([k_feat, eye[ly]], 1)
         return AttentionForm(q, k, alpha, beta, row_features, col_features, cost_bound)
@@ -136,3 +127,23 @@ def labeled_cost(table, lambda_x: float = 1.0, lambda_y: float = 1.0,
         raise ValueError("labeled costs take base='sqeuclidean' or 'half_sqeuclidean'")
     return LabeledCost(f"labeled_{base.name}", float(lambda_x) * base.scale, False,
                        table.detach(), float(lambda_y), base)  # fmt: skip
+
+
+@dataclass(frozen=True, eq=False)
+class LabeledFeatures:
+    """New labeled points' features: ``(z, c) ↦ [features(z), labels[c]]`` (picklable).
+
+    Attributes:
+        cost: the :class:`LabeledCost` (splits off the label column).
+        features: the feature form's map of the same side.
+        labels: (K, K') the label part of a feature row, by class.
+    """
+
+    cost: LabeledCost
+    features: object
+    labels: torch.Tensor
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        """(r, d + 1) labeled points ↦ (r, d' + K') features."""
+        zf, zl = self.cost.split(z, "points")
+        return torch.cat([self.features(zf), self.labels[zl]], 1)

@@ -73,6 +73,18 @@ class TransportPlan:
         self._exact = exact
         self._versions = self._state()
 
+    def __getstate__(self) -> dict:
+        """A snapshot for pickling: the plan's values without their autograd history."""
+        state = dict(self.__dict__)
+        state["_x_graph"], state["_y_graph"], state["_exact"] = self._x, self._y, None
+        state["_log_a"], state["_log_b"] = self._log_a.detach(), self._log_b.detach()
+        del state["_versions"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._versions = self._state()
+
     def _state(self) -> tuple[int, ...]:
         return tuple(t._version for t in (self._x, self._y, self._f, self._g))
 
@@ -313,6 +325,16 @@ class SinkhornResult:
     plan: TransportPlan
     measured_error: float | None = None
     cause: str | None = None
+
+    def __getstate__(self) -> dict:
+        """A snapshot for pickling (``torch.save``): values and the lazy plan, detached."""
+        state = dict(self.__dict__)
+        for name in ("f", "g", "cost"):
+            state[name] = state[name].detach()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)  # (frozen: no __setattr__)
 
     def __repr__(self) -> str:
         """One line: sizes, ε, the value and how the solve ended (no tensors printed)."""

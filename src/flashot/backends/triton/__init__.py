@@ -127,6 +127,13 @@ class TritonBackend(Backend):
         self.fused, self.autotune, self.splits, self.graphs = fused, autotune, splits, graphs
         self._halves: list = []
 
+    def __getstate__(self) -> dict:
+        """Options only (pickling): the cached half operands are rebuilt on demand."""
+        return {key: value for key, value in self.__dict__.items() if key != "_halves"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _halves=[])
+
     # ---- helpers -------------------------------------------------------------------
     def _dot(self) -> str:
         return "ieee" if triton_interpreted() else _DOT[self.precision]
