@@ -433,3 +433,51 @@ def test_autocast_does_not_change_results(gen, dtype):
         assert (x @ y.T).dtype == dtype  # the caller's own ops still autocast
     for key, value in want.items():
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def test_history_records_the_errors_of_the_iterations(gen):
+    """history=True: the error of every check is that of the iterate there, against a
+    dense float64 alternating Sinkhorn run alongside (GeomLoss' start T(0) for both);
+    the ε schedule's warm-up is recorded too, and recording changes nothing."""
+    x, y = clouds(gen, 30, 25, 2)
+    a, b = weights(gen, 30), weights(gen, 25)
+    eps = 0.2
+    kw = dict(eps=eps, update="alternating", tol=None, max_iter=37, check_every=4)
+    res = flashot.sinkhorn(x, y, a, b, history=True, **kw)
+    plain = flashot.sinkhorn(x, y, a, b, **kw)
+    assert torch.equal(res.f, plain.f) and plain.history is None
+    hist = res.history
+    assert hist.iterations == list(range(4, 37, 4)) and hist.eps == [eps] * 9
+    assert hist.schedule == [eps]
+    C = dense_cost(x, y)
+
+    def T(pot, w, dim):  # −ε log Σ w exp((pot − C)/ε) over the other side
+        z = (pot.unsqueeze(dim) - C) / eps + torch.log(w).unsqueeze(dim)
+        return -eps * torch.logsumexp(z, dim=1 - dim)
+
+    f, g = T(torch.zeros(25, dtype=torch.float64), b, 0), T(torch.zeros(30, dtype=torch.float64), a, 1)
+    want = {}
+    for it in range(1, 38):
+        r = a * torch.exp(f / eps) * (b * torch.exp((g[None] - C) / eps)).sum(1)
+        want[it] = float((r - a).abs().sum())  # the columns are exact after the g-update
+        f = T(g, b, 0)
+        g = T(f, a, 1)
+    for it, err in zip(hist.iterations, hist.errors, strict=True):
+        assert err == pytest.approx(want[it], rel=1e-9, abs=1e-15), it
+    sched = flashot.sinkhorn(x, y, a, b, eps=eps, eps_schedule=[1.0, 0.5], history=True,
+                             tol=1e-9, check_every=1)  # fmt: skip
+    hist = sched.history
+    assert hist.schedule == [1.0, 0.5, eps] and hist.eps[:3] == [1.0, 0.5, eps]
+    assert hist.iterations == list(range(1, sched.n_iter + 1))
+    assert hist.errors[-1] <= 1e-9 < hist.errors[-2] and sched.converged
+    with pytest.raises(TypeError, match="history"):
+        flashot.sinkhorn(x, y, eps=eps, history="yes")
+
+
+def test_warnings_point_at_the_caller(gen):
+    # the autocast_off wrapper is a frame of its own: warnings must skip it
+    x, y = clouds(gen, 20, 15, 2)
+    with pytest.warns(ConvergenceWarning) as caught:
+        flashot.sinkhorn(x, y, eps=0.01, tol=1e-12, max_iter=3)
+        flashot.sinkhorn_divergence(x, y, eps=0.01, tol=1e-12, max_iter=3)
+    assert {w.filename for w in caught} == {__file__}

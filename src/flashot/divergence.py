@@ -200,8 +200,8 @@ def sinkhorn_divergence(
         problem, temps, max_iter=max_iter, tol=tol, check_every=check_every, update=update
     )
     if pots.converged is False:
-        warnings.warn(
-            "sinkhorn_divergence: " + "; ".join(pots.misses), ConvergenceWarning, stacklevel=2
+        warnings.warn(  # stacklevel: the caller, past the autocast_off wrapper
+            "sinkhorn_divergence: " + "; ".join(pots.misses), ConvergenceWarning, stacklevel=3
         )
     value = pots.value(problem)
     if not bool(torch.isfinite(value)):

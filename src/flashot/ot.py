@@ -16,7 +16,7 @@ from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.backends import autocast_off
 from flashot.costs import bounding_diameter
 from flashot.problem import Problem, make_problem
-from flashot.result import SinkhornResult, TransportPlan
+from flashot.result import SinkhornResult, SolveHistory, TransportPlan
 from flashot.solver import (
     FLOOR_FACTOR,
     EpsilonScaling,
@@ -106,6 +106,7 @@ def sinkhorn(
     backend="auto",
     precision: str = "auto",
     progress: bool = False,
+    history: bool = False,
 ) -> SinkhornResult:
     r"""Entropic optimal transport between two weighted point clouds.
 
@@ -152,6 +153,10 @@ def sinkhorn(
         precision: ``"auto"``, ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``: how
             score tiles are computed (``"auto"`` is accurate float32/float64).
         progress: show a progress line on stderr.
+        history: record the marginal error every ``check_every`` iterations (warm-up
+            temperatures and ``tol=None`` included) in ``result.history``
+            (:class:`~flashot.result.SolveHistory`); each record waits for the device,
+            and a recorded fixed-iteration solve is not replayed as a CUDA graph.
 
     Returns:
         A :class:`~flashot.result.SinkhornResult`. Its ``cost`` is differentiable
@@ -161,6 +166,8 @@ def sinkhorn(
     Warns:
         ConvergenceWarning: when ``tol`` was not reached within ``max_iter``.
     """
+    if not isinstance(history, bool):
+        raise TypeError(f"history must be True or False, got {history!r}")
     problem = make_problem(
         x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend, precision=precision
     )
@@ -186,6 +193,7 @@ def sinkhorn(
         init=init,
         progress=progress,
         final_step=not needs_grad(problem.form),  # then replayed with the loop
+        record=history,
     )
     # Final extrapolation: the only differentiated step (GeomLoss' convention).
     if out.final is not None:
@@ -233,9 +241,15 @@ def sinkhorn(
             cause = "precision_floor" if at_floor else "final_step"
         why = describe_miss(cause, tol, error, floor, out.n_iter, problem.form.q.dtype, update,
                             problem.form.cost_bound / eps)  # fmt: skip
-        warnings.warn(why, ConvergenceWarning, stacklevel=2)
+        warnings.warn(why, ConvergenceWarning, stacklevel=3)  # (+1: autocast_off)
     f_out, g_out = (f, g) if exact is None else implicit_potentials(theta, fd, gd, exact[1])
-    return SinkhornResult(f_out, g_out, value, out.n_iter, converged, eps, plan, error, cause)
+    record = None
+    if history:
+        checks = out.checks or ()
+        record = SolveHistory([c[0] for c in checks], [c[1] for c in checks],
+                              [c[2] for c in checks], [float(t) for t in temps])  # fmt: skip
+    return SinkhornResult(f_out, g_out, value, out.n_iter, converged, eps, plan, error, cause,
+                          record)  # fmt: skip
 
 
 def _dual_value(problem: Problem, f, g, excess) -> torch.Tensor:

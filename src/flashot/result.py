@@ -26,7 +26,7 @@ from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
 from flashot.dual import marginal_error, mass_excess, plan_times, row_mass
 
-__all__ = ["SinkhornResult", "TransportPlan"]
+__all__ = ["SinkhornResult", "SolveHistory", "TransportPlan"]
 
 
 class TransportPlan:
@@ -295,6 +295,31 @@ def _transposed(theta, spec):
 
 
 @dataclass(frozen=True)
+class SolveHistory:
+    """What a solve recorded (``flashot.sinkhorn(..., history=True)``).
+
+    Attributes:
+        iterations: the iterations at which the L1 marginal error was measured (every
+            ``check_every``, the ε schedule's warm-up included).
+        eps: ε at each of them.
+        errors: the error there, at the potentials of that iteration (before the final
+            extrapolation: the result's :attr:`SinkhornResult.marginal_error` is after it).
+        schedule: the ε schedule, one temperature per iteration; its last one is kept
+            until the end.
+    """
+
+    iterations: list[int]
+    eps: list[float]
+    errors: list[float]
+    schedule: list[float]
+
+    def __repr__(self) -> str:
+        last = f", last error {self.errors[-1]:.3e}" if self.errors else ""
+        return (f"SolveHistory({len(self.iterations)} checks, {len(self.schedule)} "
+                f"temperatures{last})")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class SinkhornResult:
     """The outcome of :func:`flashot.sinkhorn` (immutable).
 
@@ -314,6 +339,7 @@ class SinkhornResult:
             (``"max_iter"``, ``"no_progress"``, ``"oscillation"``, ``"precision_floor"``,
             ``"eps_too_small"``, ``"final_step"``); None when converged or without tol.
             The :class:`ConvergenceWarning` says the same in words.
+        history: the :class:`SolveHistory` when the solve recorded one (``history=True``).
     """
 
     f: torch.Tensor
@@ -325,6 +351,7 @@ class SinkhornResult:
     plan: TransportPlan
     measured_error: float | None = None
     cause: str | None = None
+    history: SolveHistory | None = None
 
     def __getstate__(self) -> dict:
         """A snapshot for pickling (``torch.save``): values and the lazy plan, detached."""

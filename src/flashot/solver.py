@@ -111,6 +111,8 @@ class SolverOutput:
         floor: the precision floor estimate (:func:`precision_floor`) if computed.
         final: the final extrapolation ``(λ_x T(g), λ_y T(f))`` at the last ε, when
             asked for (``final_step=True``; None otherwise).
+        checks: with ``record=True``, ``(iteration, ε, error)`` of every check (None
+            otherwise).
     """
 
     f: torch.Tensor
@@ -121,6 +123,7 @@ class SolverOutput:
     cause: str | None = None
     floor: float | None = None
     final: tuple[torch.Tensor, torch.Tensor] | None = None
+    checks: tuple[tuple[int, float, float], ...] | None = None
 
 
 #: causes a solve that missed ``tol`` can report (``SolverOutput.cause``)
@@ -372,6 +375,7 @@ def solve(
     init: tuple[torch.Tensor, torch.Tensor] | None = None,
     progress: bool = False,
     final_step: bool = False,
+    record: bool = False,
 ) -> SolverOutput:
     """Run Sinkhorn iterations between two measures.
 
@@ -394,6 +398,9 @@ def solve(
         progress: print a progress line on stderr.
         final_step: also run the final extrapolation (``SolverOutput.final``) when no
             gradient needs it: in a replayed solve it then costs no launch of its own.
+        record: measure the error every ``check_every`` iterations, warm-up temperatures
+            and ``tol=None`` included, and return the checks (``SolverOutput.checks``);
+            each record waits for the device.
     """
     if update not in UPDATES:
         raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
@@ -407,9 +414,10 @@ def solve(
             return None
         return extrapolate(form, out.f, out.g, la, lb, eps, lam, backend, update)
 
-    backend_key = backend.graph_key(form) if tol is None and not progress else None
+    replay = tol is None and not (progress or record)
+    backend_key = backend.graph_key(form) if replay else None
     if backend_key is None:
-        out = _iterate(form, log_a, log_b, init, progress=progress, **options)
+        out = _iterate(form, log_a, log_b, init, progress=progress, record=record, **options)
         return replace(out, final=final(form, out, log_a, log_b))
     # a fixed sequence of launches with no host round trip: replayed as a CUDA graph
     # once it repeats; the key pins everything the launches depend on besides the data
@@ -452,7 +460,7 @@ def warm_form(form: AttentionForm, eps_list: Sequence[float]) -> AttentionForm:
 
 
 def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_iter, tol,
-             check_every, update, progress=False) -> SolverOutput:  # fmt: skip
+             check_every, update, progress=False, record=False) -> SolverOutput:  # fmt: skip
     """The loop of :func:`solve` (arguments checked)."""
     q_alpha, k_beta = form.alpha, form.beta
     eps = eps_list[0]
@@ -471,10 +479,14 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
     # own device-side state; it falls back to exact updates row by row, never via the host
     state = backend.fast_state(f.device) if update == "symmetric" else None
     error, it = float("nan"), 0
+    checks = [] if record else None
     for it in range(1, max_iter + 1):
         eps = eps_list[min(it - 1, last)]
         lam = damping(eps)
-        check = tol is not None and it - 1 >= last and (it - last) % check_every == 0
+        on_grid = it - 1 >= last and (it - last) % check_every == 0  # at the final ε
+        stopping = tol is not None and on_grid
+        # a record also checks the warm-up, every check_every iterations
+        check = stopping or (record and (on_grid or (it - 1 < last and it % check_every == 0)))
         step_form = form if it - 1 >= last else warm
         if update == "symmetric":
             f, g, err = backend.jacobi_step(
@@ -489,13 +501,16 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
             g = lam[1] * (k_beta - lse_c)
         if check:
             error = float(err)
-            if stop.done(error, it):
+            if record:
+                checks.append((it, eps, error))
+            if stopping and stop.done(error, it):
                 break
         bar.update(it, eps, error)
     bar.update(it, eps, error, force=True)
     bar.close()
     stop.finish()
-    return SolverOutput(f, g, it, stop.converged, error, stop.cause, stop.floor)
+    return SolverOutput(f, g, it, stop.converged, error, stop.cause, stop.floor,
+                        checks=None if checks is None else tuple(checks))  # fmt: skip
 
 
 @torch.no_grad()
