@@ -221,3 +221,17 @@ def test_public_names():
     # the API: flashot.hvp, flashot.linalg.{cg, lanczos}, flashot.optim
     assert flashot.hvp is hvp and flashot.linalg.lanczos is lanczos
     assert {"NewtonCG", "TrustRegion", "AdamNewton"} <= set(dir(flashot.optim))
+
+
+def test_numpy_inputs():
+    import numpy as np
+
+    x, y, a, b, vx, vy = problem(7)
+    kw = dict(eps=0.5, **TIGHT)
+    want = hvp(x, y, vx, a, b, **kw)
+    got = hvp(x.numpy(), y.numpy(), vx.numpy(), a.numpy(), b.numpy(), **kw)
+    assert isinstance(got, torch.Tensor) and torch.equal(got, want)
+    pair = hvp(x.numpy(), y.numpy(), (vx.numpy(), vy.numpy()), wrt="xy", **kw)
+    want = hvp(x, y, (vx, vy), wrt="xy", **kw)
+    assert all(torch.equal(p, w) for p, w in zip(pair, want, strict=True))
+    assert isinstance(vx.numpy(), np.ndarray)

@@ -171,3 +171,12 @@ def test_peak_memory_in_clouds(flow):
         else:
             dataset_distance(xa, ya, xb, yb, **kw)
     assert live.peak / cloud < (10.5 if flow else 5.5)
+
+
+def test_numpy_datasets_give_the_tensor_results():
+    xa, ya, xb, yb = datasets(4)
+    kw = dict(eps=0.5, tol=1e-10, max_iter=20000)
+    want = dataset_distance(xa, ya, xb, yb, **kw)
+    got = dataset_distance(xa.numpy(), ya.numpy(), xb.numpy(), yb.numpy(), **kw)
+    assert isinstance(got.distance, torch.Tensor) and torch.equal(got.distance, want.distance)
+    assert torch.equal(got.class_mass, want.class_mass)

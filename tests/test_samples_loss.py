@@ -173,3 +173,23 @@ def test_verbose_prints_one_line(capsys):
     flashot.SamplesLoss(blur=0.5, verbose=True)(x, y)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "eps steps" in err and "(20, 2) vs (15, 2)" in err
+
+
+def test_numpy_inputs_give_the_tensor_results():
+    # numpy clouds are CPU tensors, numpy weights take their cloud's dtype (float32
+    # here, where numpy defaults to float64); results are tensors
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(30, 3)).astype(np.float32), rng.normal(size=(20, 3)).astype(np.float32)
+    a, b = rng.random(30) + 0.1, rng.random(20) + 0.1
+    loss = flashot.SamplesLoss(blur=0.3)
+    want = loss(torch.from_numpy(a).float(), torch.from_numpy(x), torch.from_numpy(b).float(),
+                torch.from_numpy(y))  # fmt: skip
+    got = loss(a, x, b, y)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(loss(x, y), loss(torch.from_numpy(x), torch.from_numpy(y)))
+    batch = loss(np.stack([x, x]), np.stack([y, y]))
+    assert batch.shape == (2,) and torch.equal(batch[0], loss(x, y))
+    with pytest.raises(TypeError, match="must hold floats"):
+        loss(np.ones(30, dtype=np.int64), x, b, y)

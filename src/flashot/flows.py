@@ -144,7 +144,7 @@ def dataset_flow(
     Returns:
         A :class:`FlowResult`.
     """
-    classes_a, index_a, classes_b, index_b = _prepare(xa, ya, xb, yb)
+    xa, classes_a, index_a, xb, classes_b, index_b = _prepare(xa, ya, xb, yb)
     for value, name in ((steps, "steps"), (snapshot_every, "snapshot_every")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an integer ≥ 0, got {value!r}")

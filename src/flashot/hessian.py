@@ -22,6 +22,7 @@ import torch
 from flashot.autodiff.second_order import dual_solve_options
 from flashot.backends import autocast_off
 from flashot.ot import sinkhorn
+from flashot.problem import cloud_tensor, weights_tensor
 
 __all__ = ["hvp"]
 
@@ -62,10 +63,15 @@ def hvp(
             exact at the solve's potentials: use a tight ``tol``.
 
     Returns:
-        ``H v`` shaped like ``v`` (a pair for ``"xy"``), detached.
+        ``H v`` shaped like ``v`` (a pair for ``"xy"``), detached; a tensor also for
+        numpy inputs (taken as CPU tensors).
     """
     if wrt not in WRT:
         raise ValueError(f"wrt must be one of {WRT}, got {wrt!r}")
+    x, y = cloud_tensor(x), cloud_tensor(y)  # numpy in, tensors out
+    a = weights_tensor(a, x, "a") if isinstance(x, torch.Tensor) else a
+    b = weights_tensor(b, y, "b") if isinstance(y, torch.Tensor) else b
+    v = tuple(cloud_tensor(d) for d in v) if wrt == "xy" else cloud_tensor(v)
     for t, name in ((x, "x"), (y, "y")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

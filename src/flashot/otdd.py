@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import flashot
@@ -59,7 +60,12 @@ class DatasetDistance:
 
 
 def _check_dataset(x, labels, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(features, classes, label index into classes) of one dataset, checked."""
+    """(features, classes, label index into classes) of one dataset, checked.
+
+    Numpy features are taken as a CPU tensor (sharing memory), numpy labels go to it.
+    """
+    if isinstance(x, np.ndarray):
+        x = torch.as_tensor(x)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] == 0:
         raise ValueError(f"X{name} must be a nonempty (n, d) tensor")
     labels = torch.as_tensor(labels, device=x.device)
@@ -160,7 +166,7 @@ def _prepare(xa, ya, xb, yb):
     if xa.shape[1] != xb.shape[1]:
         raise ValueError(f"Xa and Xb must have the same feature size, got {xa.shape[1]} "
                          f"and {xb.shape[1]}")  # fmt: skip
-    return classes_a, index_a, classes_b, index_b
+    return xa, classes_a, index_a, xb, classes_b, index_b
 
 
 def _labeled(x, index, offset: int) -> torch.Tensor:
@@ -188,6 +194,7 @@ def dataset_distance(
     Args:
         xa: (n, d) features of A.  ya: (n,) integer labels of A.
         xb: (m, d) features of B.  yb: (m,) integer labels of B (any label values).
+            Numpy arrays are taken as CPU tensors.
         eps: ε of the outer problem.
         lambda_x, lambda_y: weights of the feature and label terms.
         inner: ``"gaussian"`` or ``"exact"``.
@@ -201,7 +208,7 @@ def dataset_distance(
         A :class:`DatasetDistance`; its distance is differentiable in the features
         through the outer problems (the class table is held fixed).
     """
-    classes_a, index_a, classes_b, index_b = _prepare(xa, ya, xb, yb)
+    xa, classes_a, index_a, xb, classes_b, index_b = _prepare(xa, ya, xb, yb)
     ka, kb = len(classes_a), len(classes_b)
     cost = _label_cost(xa, index_a, ka, xb, index_b, kb, inner, diagonal, inner_eps or eps,
                        lambda_x, lambda_y)  # fmt: skip

@@ -30,9 +30,11 @@ __all__ = [
     "check_cloud",
     "check_eps_range",
     "check_positive",
+    "cloud_tensor",
     "eps_range",
     "make_problem",
     "parse_rho",
+    "weights_tensor",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -121,6 +123,23 @@ def check_eps_range(eps: float, cost_bound: float, dtype: torch.dtype, name: str
         )
 
 
+def cloud_tensor(x):
+    """A numpy array as a CPU tensor sharing its memory; anything else unchanged."""
+    return torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+
+
+def weights_tensor(w, like: torch.Tensor, name: str):
+    """Numpy weights as a tensor of their cloud's dtype and device; others unchanged.
+
+    (Numpy has no device and defaults to float64: the cloud decides both.)
+    """
+    if not isinstance(w, np.ndarray):
+        return w
+    if not np.issubdtype(w.dtype, np.floating):
+        raise TypeError(f"{name} must hold floats, got numpy dtype {w.dtype}")
+    return torch.as_tensor(np.ascontiguousarray(w), dtype=like.dtype, device=like.device)
+
+
 def check_cloud(x, name: str, checks: DeviceChecks) -> tuple[torch.Tensor, torch.Tensor]:
     """A finite (n, d) floating-point tensor with n, d ≥ 1, and its bounding box.
 
@@ -128,8 +147,7 @@ def check_cloud(x, name: str, checks: DeviceChecks) -> tuple[torch.Tensor, torch
     coordinates' minima and maxima (on the device, not waited for). A numpy array is
     taken as a CPU tensor (sharing its memory).
     """
-    if isinstance(x, np.ndarray):
-        x = torch.from_numpy(np.ascontiguousarray(x))
+    x = cloud_tensor(x)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -151,10 +169,7 @@ def check_weights(w, n: int, like: torch.Tensor, name: str, checks: DeviceChecks
     """
     if w is None:
         return torch.full((n,), 1.0 / n, dtype=like.dtype, device=like.device)
-    if isinstance(w, np.ndarray):  # numpy has no device and defaults to float64: the cloud's
-        if not np.issubdtype(w.dtype, np.floating):
-            raise TypeError(f"{name} must hold floats, got numpy dtype {w.dtype}")
-        w = torch.as_tensor(np.ascontiguousarray(w), dtype=like.dtype, device=like.device)
+    w = weights_tensor(w, like, name)
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(w).__name__}")
     if w.dim() == 2 and w.shape[1] == 1:

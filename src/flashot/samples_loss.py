@@ -16,7 +16,14 @@ import torch
 from flashot.backends import autocast_off
 from flashot.costs import bounding_diameter, get_cost
 from flashot.divergence import debiased_potentials
-from flashot.problem import check_positive, compute_dtype, eps_range, make_problem
+from flashot.problem import (
+    check_positive,
+    cloud_tensor,
+    compute_dtype,
+    eps_range,
+    make_problem,
+    weights_tensor,
+)
 from flashot.solver import geomloss_schedule
 
 __all__ = ["SamplesLoss"]
@@ -53,7 +60,8 @@ class SamplesLoss(torch.nn.Module):
 
     Call forms: ``loss(x, y)`` or ``loss(a, x, b, y)``, with x (N, D) or (B, N, D)
     and weights (N,) or (B, N). Returns a scalar, (B,) values, or (F, G) shaped
-    like the weights.
+    like the weights. Numpy arrays are taken as CPU tensors (numpy weights take their
+    cloud's dtype); the results are tensors.
     """
 
     def __init__(
@@ -124,6 +132,9 @@ class SamplesLoss(torch.nn.Module):
             a, x, b, y = args
         else:
             raise ValueError(f"SamplesLoss takes (x, y) or (a, x, b, y), got {len(args)} arguments")
+        x, y = cloud_tensor(x), cloud_tensor(y)  # numpy in, tensors out
+        if isinstance(x, torch.Tensor):
+            a, b = weights_tensor(a, x, "a"), weights_tensor(b, x, "b")
         for t, name in ((x, "x"), (y, "y")):
             if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3):
                 raise ValueError(f"{name} must be a (N, D) or (B, N, D) tensor")
