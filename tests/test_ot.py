@@ -481,3 +481,28 @@ def test_warnings_point_at_the_caller(gen):
         flashot.sinkhorn(x, y, eps=0.01, tol=1e-12, max_iter=3)
         flashot.sinkhorn_divergence(x, y, eps=0.01, tol=1e-12, max_iter=3)
     assert {w.filename for w in caught} == {__file__}
+
+
+def test_min_iter_and_warn(gen):
+    """min_iter: tol may stop the solve only from there on (the same iterates as a fixed
+    run of that length); warn=False: a miss says so in the result, not as a warning."""
+    x, y = clouds(gen, 30, 25, 2)
+    kw = dict(eps=0.3, update="alternating", check_every=10)
+    early = flashot.sinkhorn(x, y, tol=0.5, **kw)
+    late = flashot.sinkhorn(x, y, tol=0.5, min_iter=25, **kw)
+    fixed = flashot.sinkhorn(x, y, tol=None, max_iter=30, **kw)
+    assert early.n_iter == 10 and late.n_iter == 30 and late.converged
+    assert torch.equal(late.f, fixed.f) and torch.equal(late.g, fixed.g)
+    div = dict(eps=0.3, check_every=10, update="alternating")
+    assert torch.equal(flashot.sinkhorn_divergence(x, y, tol=0.5, min_iter=25, **div),
+                       flashot.sinkhorn_divergence(x, y, tol=None, max_iter=30, **div))  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        miss = flashot.sinkhorn(x, y, eps=0.01, tol=1e-12, max_iter=3, warn=False)
+        flashot.sinkhorn_divergence(x, y, eps=0.01, tol=1e-12, max_iter=3, warn=False)
+    assert miss.converged is False and miss.cause is not None
+    for bad in (-1, 31, 2.0, True):
+        with pytest.raises(ValueError, match="min_iter"):
+            flashot.sinkhorn(x, y, eps=0.3, max_iter=30, min_iter=bad)
+    with pytest.raises(TypeError, match="warn"):
+        flashot.sinkhorn_divergence(x, y, eps=0.3, warn=None)

@@ -86,6 +86,7 @@ def debiased_potentials(
     tol: float | None,
     check_every: int = 10,
     update: str = "symmetric",
+    min_iter: int = 0,
 ) -> DebiasedPotentials:
     """Solve OT(a, b) (and OT(a, a), OT(b, b) when debiasing), then extrapolate once.
 
@@ -93,14 +94,14 @@ def debiased_potentials(
         problem: the (a, x) ↔ (b, y) problem; its rho must be symmetric.
         temps: ε schedule ending at ``problem.eps``.
         debias: also solve the two self problems.
-        max_iter, tol, check_every, update: as in :func:`flashot.solver.solve`.
+        max_iter, tol, check_every, update, min_iter: as in :func:`flashot.solver.solve`.
     """
     if problem.rho_x != problem.rho_y:
         raise ValueError("a Sinkhorn divergence needs the same rho on both sides")
     eps, rho, engine = problem.eps, problem.rho_x, problem.engine
     lam = problem.damping(eps)[0]
     form, log_a, log_b = problem.form.detach(), problem.log_a, problem.log_b
-    opts = dict(max_iter=max_iter, tol=tol, check_every=check_every)
+    opts = dict(max_iter=max_iter, tol=tol, check_every=check_every, min_iter=min_iter)
     out = solve(
         form,
         log_a,
@@ -168,6 +169,8 @@ def sinkhorn_divergence(
     eps_schedule=None,
     backend="auto",
     precision: str = "auto",
+    min_iter: int = 0,
+    warn: bool = True,
 ) -> torch.Tensor:
     """Debiased Sinkhorn divergence ``S_ε(a, b)`` (see the module docstring).
 
@@ -178,15 +181,18 @@ def sinkhorn_divergence(
         x: (n, d) source points.  y: (m, d) target points.
         a: (n,) source weights or None.  b: (m,) target weights or None.
         eps, cost, rho, max_iter, tol, check_every, update, eps_schedule, backend,
-            precision: as in :func:`flashot.sinkhorn`.
+            precision, min_iter, warn: as in :func:`flashot.sinkhorn`.
 
     Returns:
         A 0-dim tensor, differentiable w.r.t. x, y, a and b; nonnegative up to
         solver tolerance, and 0 when the measures coincide.
 
     Warns:
-        ConvergenceWarning: when any of the three problems missed ``tol``.
+        ConvergenceWarning: when any of the three problems missed ``tol`` (unless
+            ``warn=False``).
     """
+    if not isinstance(warn, bool):
+        raise TypeError(f"warn must be True or False, got {warn!r}")
     if rho is not None and not isinstance(rho, (int, float)):
         raise ValueError(
             f"rho must be None or a single positive float for a divergence, got {rho!r}"
@@ -196,10 +202,9 @@ def sinkhorn_divergence(
     )
     tol, update = resolve_stopping(tol, update, problem)
     temps = resolve_schedule(eps_schedule, problem)
-    pots = debiased_potentials(
-        problem, temps, max_iter=max_iter, tol=tol, check_every=check_every, update=update
-    )
-    if pots.converged is False:
+    options = dict(max_iter=max_iter, tol=tol, check_every=check_every, min_iter=min_iter)
+    pots = debiased_potentials(problem, temps, update=update, **options)
+    if pots.converged is False and warn:
         warnings.warn(  # stacklevel: the caller, past the autocast_off wrapper
             "sinkhorn_divergence: " + "; ".join(pots.misses), ConvergenceWarning, stacklevel=3
         )

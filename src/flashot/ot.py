@@ -107,6 +107,8 @@ def sinkhorn(
     precision: str = "auto",
     progress: bool = False,
     history: bool = False,
+    min_iter: int = 0,
+    warn: bool = True,
 ) -> SinkhornResult:
     r"""Entropic optimal transport between two weighted point clouds.
 
@@ -157,6 +159,10 @@ def sinkhorn(
             temperatures and ``tol=None`` included) in ``result.history``
             (:class:`~flashot.result.SolveHistory`); each record waits for the device,
             and a recorded fixed-iteration solve is not replayed as a CUDA graph.
+        min_iter: iterations at least before ``tol`` may stop the solve (OTT's
+            ``min_iterations``).
+        warn: emit :class:`ConvergenceWarning` on a missed ``tol``; with False the
+            result still says so (``converged``, ``cause``).
 
     Returns:
         A :class:`~flashot.result.SinkhornResult`. Its ``cost`` is differentiable
@@ -164,10 +170,12 @@ def sinkhorn(
         differentiated, O((n + m) d) memory).
 
     Warns:
-        ConvergenceWarning: when ``tol`` was not reached within ``max_iter``.
+        ConvergenceWarning: when ``tol`` was not reached within ``max_iter`` (unless
+            ``warn=False``).
     """
-    if not isinstance(history, bool):
-        raise TypeError(f"history must be True or False, got {history!r}")
+    for flag, name in ((history, "history"), (warn, "warn")):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
     problem = make_problem(
         x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend, precision=precision
     )
@@ -194,6 +202,7 @@ def sinkhorn(
         progress=progress,
         final_step=not needs_grad(problem.form),  # then replayed with the loop
         record=history,
+        min_iter=min_iter,
     )
     # Final extrapolation: the only differentiated step (GeomLoss' convention).
     if out.final is not None:
@@ -241,7 +250,8 @@ def sinkhorn(
             cause = "precision_floor" if at_floor else "final_step"
         why = describe_miss(cause, tol, error, floor, out.n_iter, problem.form.q.dtype, update,
                             problem.form.cost_bound / eps)  # fmt: skip
-        warnings.warn(why, ConvergenceWarning, stacklevel=3)  # (+1: autocast_off)
+        if warn:
+            warnings.warn(why, ConvergenceWarning, stacklevel=3)  # (+1: autocast_off)
     f_out, g_out = (f, g) if exact is None else implicit_potentials(theta, fd, gd, exact[1])
     record = None
     if history:

@@ -344,9 +344,14 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _check_iterations(max_iter: int, n_schedule: int, tol: float | None, check_every: int):
+def _check_iterations(max_iter: int, n_schedule: int, tol: float | None, check_every: int,
+                      min_iter: int = 0):  # fmt: skip
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
         raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}")
+    if isinstance(min_iter, bool) or not isinstance(min_iter, int) or not 0 <= min_iter <= max_iter:
+        raise ValueError(
+            f"min_iter must be an integer in [0, max_iter={max_iter}], got {min_iter!r}"
+        )
     if max_iter < n_schedule:
         raise ValueError(
             f"max_iter={max_iter} is shorter than the ε schedule ({n_schedule} temperatures); "
@@ -376,6 +381,7 @@ def solve(
     progress: bool = False,
     final_step: bool = False,
     record: bool = False,
+    min_iter: int = 0,
 ) -> SolverOutput:
     """Run Sinkhorn iterations between two measures.
 
@@ -401,12 +407,14 @@ def solve(
         record: measure the error every ``check_every`` iterations, warm-up temperatures
             and ``tol=None`` included, and return the checks (``SolverOutput.checks``);
             each record waits for the device.
+        min_iter: iterations at least before ``tol`` may stop the solve.
     """
     if update not in UPDATES:
         raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
-    _check_iterations(max_iter, len(eps_list), tol, check_every)
+    _check_iterations(max_iter, len(eps_list), tol, check_every, min_iter)
     options = dict(eps_list=eps_list, damping=damping, rho=rho, backend=backend,
-                   max_iter=max_iter, tol=tol, check_every=check_every, update=update)  # fmt: skip
+                   max_iter=max_iter, tol=tol, check_every=check_every, update=update,
+                   min_iter=min_iter)  # fmt: skip
     eps, lam = eps_list[-1], damping(eps_list[-1])
 
     def final(form, out, la, lb):
@@ -460,7 +468,8 @@ def warm_form(form: AttentionForm, eps_list: Sequence[float]) -> AttentionForm:
 
 
 def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_iter, tol,
-             check_every, update, progress=False, record=False) -> SolverOutput:  # fmt: skip
+             check_every, update, progress=False, record=False,
+             min_iter=0) -> SolverOutput:  # fmt: skip
     """The loop of :func:`solve` (arguments checked)."""
     q_alpha, k_beta = form.alpha, form.beta
     eps = eps_list[0]
@@ -484,7 +493,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
         eps = eps_list[min(it - 1, last)]
         lam = damping(eps)
         on_grid = it - 1 >= last and (it - last) % check_every == 0  # at the final ε
-        stopping = tol is not None and on_grid
+        stopping = tol is not None and on_grid and it >= min_iter
         # a record also checks the warm-up, every check_every iterations
         check = stopping or (record and (on_grid or (it - 1 < last and it % check_every == 0)))
         step_form = form if it - 1 >= last else warm
@@ -525,18 +534,19 @@ def solve_self(
     max_iter: int,
     tol: float | None,
     check_every: int = 10,
+    min_iter: int = 0,
 ) -> SolverOutput:
     """Symmetric potential of the self problem OT_ε(a, a): ``p ← ½ (p + λ T(p))``.
 
     Args:
         form: the cost of the cloud with itself (q = k).
         log_a: (n,) log weights.
-        eps_list, max_iter, tol, check_every: as in :func:`solve`.
+        eps_list, max_iter, tol, check_every, min_iter: as in :func:`solve`.
         damping: ε ↦ λ.
         rho: ρ or None.
         backend: the streaming primitives.
     """
-    _check_iterations(max_iter, len(eps_list), tol, check_every)
+    _check_iterations(max_iter, len(eps_list), tol, check_every, min_iter)
     alpha = form.alpha
     eps = eps_list[0]
     warm = warm_form(form, eps_list)
@@ -549,6 +559,7 @@ def solve_self(
         eps = eps_list[min(it - 1, last)]
         lse, _ = backend.row_attend(form if it - 1 >= last else warm, p - alpha, eps, log_w=log_a)
         check = tol is not None and it - 1 >= last and (it - last) % check_every == 0
+        check = check and it >= min_iter
         if check:
             error = 2.0 * float(marginal_error(p, row_mass(p, lse, alpha, log_a, eps), log_a, rho))
         p = 0.5 * (p + damping(eps) * (alpha - lse))
