@@ -48,7 +48,9 @@ def test_solve_json_and_save(files, capsys):
     ref = flashot.sinkhorn(
         torch.from_numpy(x), torch.from_numpy(y), eps=0.5, tol=1e-9, eps_schedule="geomloss"
     )
-    assert summary["converged"] and summary["ot_cost"] == pytest.approx(ref.cost.item(), rel=1e-8)
+    assert summary["converged"] and summary["cost"] == pytest.approx(ref.cost.item(), rel=1e-8)
+    assert (summary["schema"], summary["command"], summary["saved"]) == (2, "solve", str(out))
+    assert (summary["backend"], summary["precision"]) == ("torch", "fp32")  # what ran
     saved = np.load(out)
     assert saved["f"].shape == (60,) and saved["barycentric_map"].shape == (60, 3)
 
@@ -158,7 +160,28 @@ def test_demo_without_matplotlib_is_one_line(monkeypatch, capsys):
 def test_info(capsys):
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert "torch" in info["backends"]["cpu"]
+    assert "torch" in info["backends"]["cpu"] and (info["schema"], info["command"]) == (2, "info")
+
+
+def test_json_keys_are_always_there_and_every_option_has_help(files, capsys):
+    # one set of keys whether or not --save was given; every option explains itself and
+    # shows its default
+    from flashot.cli import build_parser
+
+    d, _, _ = files
+    assert main(["solve", str(d / "x.npy"), str(d / "y.pt"), "--eps", "0.5", "--json",
+                 "--tol", "1e-4"]) == 0  # fmt: skip
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["saved"] is None and "ot_cost" not in summary
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for name, sub in commands.items():
+        text = sub.format_help()
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, (name, action.option_strings)
+            if action.default not in (None, False, True, "==SUPPRESS==") and action.option_strings:
+                assert f"(default: {action.default})" in " ".join(text.split()), (name, action.dest)
 
 
 def test_demo_writes_a_figure(tmp_path, capsys):
@@ -199,7 +222,8 @@ def test_otdd_of_npz_files_matches_the_api(tmp_path, capsys):
                  "--json", "--device", "cpu"]) == 0  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     ref = dataset_distance(xa, ya, xb, yb, eps=0.5, eps_schedule="geomloss")
-    assert out["schema"] == 1 and out["distance"] == pytest.approx(float(ref.distance), rel=1e-6)
+    assert (out["schema"], out["command"], out["backend"]) == (2, "otdd", "torch")
+    assert out["distance"] == pytest.approx(float(ref.distance), rel=1e-6)
     assert np.allclose(out["class_mass"], ref.class_mass.numpy(), atol=1e-7)
     assert out["classes_a"] == [0, 1, 2] and out["n_b"] == 30 and out["converged"] is True
     assert main(["otdd", str(tmp_path / "a.npz"), str(tmp_path / "b.npz"), "--device", "cpu"]) == 0

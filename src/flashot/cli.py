@@ -26,6 +26,14 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 #: exit codes: 0 solved and converged, 1 a user mistake (one-line message), 2 bad
 #: arguments (argparse), 3 solved but not converged
 EXIT_ERROR, EXIT_NOT_CONVERGED = 1, 3
+#: version of the ``--json`` objects: every one holds ``schema`` and ``command``; the
+#: solves name values as the API does (``cost`` is the OT value) and report the
+#: ``backend`` and ``precision`` that ran (2: renamed ``ot_cost``, added those keys)
+JSON_SCHEMA = 2
+
+
+def _json(command: str, fields: dict) -> str:
+    return json.dumps(dict(schema=JSON_SCHEMA, command=command, **fields))
 
 
 class CliError(Exception):
@@ -213,14 +221,16 @@ def _solve(args) -> int:
         cost_name=args.cost,
         eps=args.eps,
         rho=rho,
-        ot_cost=res.cost.item(),
+        cost=res.cost.item(),
         transport_cost=transport_cost,
         n_iter=res.n_iter,
         marginal_error=res.marginal_error,
         converged=res.converged,
-        backend=args.backend,
+        backend=res.plan.backend.name,
+        precision=res.plan.backend.precision,
         device=str(device),
         dtype=args.dtype,
+        saved=None if out is None else str(out),
     )
     if out is not None:
         np.savez(
@@ -229,13 +239,12 @@ def _solve(args) -> int:
             g=res.g.detach().cpu().numpy(),
             barycentric_map=res.plan.barycentric_map().cpu().numpy(),
         )
-        summary["saved"] = str(out)
     if args.json:
-        print(json.dumps(summary))
+        print(_json("solve", summary))
     else:
         print(f"entropic OT between {summary['n']} and {summary['m']} points in R^{summary['d']}")
         print(f"  cost {args.cost}, eps {args.eps:g}" + ("" if rho is None else f", rho {rho:g}"))
-        print(f"  OT_eps          {summary['ot_cost']:.8g}")
+        print(f"  OT_eps          {summary['cost']:.8g}")
         print(f"  <P, C>          {summary['transport_cost']:.8g}")
         state = "converged" if res.converged is not False else "NOT converged"
         print(f"  iterations      {res.n_iter} ({state}, marginal error {res.marginal_error:.2e})")
@@ -301,13 +310,15 @@ def _otdd(args) -> int:
     seconds = time.perf_counter() - start
     misses = [str(w.message) for w in caught if issubclass(w.category, flashot.ConvergenceWarning)]
     mass = out.class_mass.cpu()
-    summary = dict(schema=1, a=args.a, b=args.b, n_a=len(xa), n_b=len(xb), d=xa.shape[1],
+    backend = out.result.plan.backend
+    summary = dict(a=args.a, b=args.b, n_a=len(xa), n_b=len(xb), d=xa.shape[1],
                    eps=args.eps, inner=args.inner, debias=not args.no_debias,
                    distance=distance, converged=not misses, seconds=round(seconds, 3),
                    classes_a=out.classes_a.tolist(), classes_b=out.classes_b.tolist(),
-                   class_mass=mass.tolist())  # fmt: skip
+                   class_mass=mass.tolist(), backend=backend.name,
+                   precision=backend.precision)  # fmt: skip
     if args.json:
-        print(json.dumps(summary))
+        print(_json("otdd", summary))
     else:
         kind = "debiased OTDD" if not args.no_debias else "OTDD (OT_eps, not debiased)"
         print(f"{kind} between {args.a} ({len(xa)} points) and {args.b} ({len(xb)} points), "
@@ -341,7 +352,7 @@ def _info(args) -> int:
         | ({"cuda": flashot.available_backends("cuda")} if cuda else {}),
     )
     if args.json:
-        print(json.dumps(info))
+        print(_json("info", info))
     else:
         for k, v in info.items():
             print(f"{k:10s} {v}")
@@ -358,7 +369,7 @@ def _demo(args) -> int:
     _device(args.device)
     summary = run_demo(args.out, n=args.n, eps=args.eps, device=args.device, progress=not args.json)
     if args.json:
-        print(json.dumps(summary))
+        print(_json("demo", summary))
     else:
         print(
             f"color transfer: {summary['n']} x {summary['m']} pixel colors, "
@@ -417,88 +428,110 @@ def _tune(args) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except where there is none to show."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``flashot`` command."""
     parser = argparse.ArgumentParser(prog="flashot", description=flashot.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"flashot {flashot.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("solve", help="entropic OT between two point clouds stored in files")
+    common = dict(formatter_class=_HelpFormatter)
+    s = sub.add_parser("solve", help="entropic OT between two point clouds stored in files",
+                       **common)  # fmt: skip
     s.add_argument("x", help="source points (n, d): .npy, .npz, .pt or .csv")
     s.add_argument("y", help="target points (m, d)")
     s.add_argument("--key", help="array name inside .npz/.pt files (both inputs)")
-    s.add_argument("--x-key", help="array name inside x's .npz/.pt file")
-    s.add_argument("--y-key", help="array name inside y's .npz/.pt file")
+    s.add_argument("--x-key", help="array name inside x's .npz/.pt file (overrides --key)")
+    s.add_argument("--y-key", help="array name inside y's .npz/.pt file (overrides --key)")
     s.add_argument("--header", default="auto", choices=["auto", "yes", "no"],
                    help="CSV first line is a header: auto (only if non-numeric), yes, no")  # fmt: skip
-    s.add_argument("--a", help="source weights (n,)")
-    s.add_argument("--b", help="target weights (m,)")
-    s.add_argument("--eps", type=float, default=0.05, help="entropic regularization (default 0.05)")
-    s.add_argument("--cost", default="sqeuclidean", choices=sorted(flashot.COSTS))
-    s.add_argument("--rho", type=float, help="KL marginal relaxation (unbalanced OT)")
-    s.add_argument("--max-iter", type=int, default=1000)
+    s.add_argument("--a", help="source weights (n,), a file like x (default uniform)")
+    s.add_argument("--b", help="target weights (m,), a file like y (default uniform)")
+    s.add_argument("--eps", type=float, default=0.05, help="entropic regularization ε")
+    s.add_argument("--cost", default="sqeuclidean", choices=sorted(flashot.COSTS),
+                   help="ground cost")  # fmt: skip
+    s.add_argument("--rho", type=float, help="KL marginal relaxation ρ (default: balanced)")
+    s.add_argument("--max-iter", type=int, default=1000, help="iterations at most")
     s.add_argument("--tol", type=_tolerance, default="auto",
                    help="L1 marginal error to reach, or 'auto' (1e-6 or float32's floor)")
-    s.add_argument("--update", default="auto", choices=["auto", "symmetric", "alternating"])
-    s.add_argument(
-        "--schedule",
-        default="geomloss",
-        choices=["geomloss", "none"],
-        help="eps annealing (default geomloss)",
-    )
-    s.add_argument("--scaling", type=float, default=0.5, help="annealing ratio (default 0.5)")
-    s.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
-    s.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"])
-    s.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    s.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    s.add_argument("--update", default="auto", choices=["auto", "symmetric", "alternating"],
+                   help="Sinkhorn update: averaged Jacobi (GeomLoss) or Gauss-Seidel (POT)")  # fmt: skip
+    s.add_argument("--schedule", default="geomloss", choices=["geomloss", "none"],
+                   help="ε annealing")  # fmt: skip
+    s.add_argument("--scaling", type=float, default=0.5, help="annealing ratio")
+    s.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="streaming backend (auto: Triton on CUDA)")  # fmt: skip
+    s.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+                   help="how score tiles are computed (auto: accurate)")  # fmt: skip
+    s.add_argument("--device", default=_DEVICE, help="torch device of the solve")
+    s.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype")
     s.add_argument("--save", help="write f, g and the barycentric map to this .npz")
     s.add_argument("--force", action="store_true", help="let --save overwrite an existing file")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--json", action="store_true",
+                   help=f"one JSON object on stdout (schema {JSON_SCHEMA})")  # fmt: skip
+    s.add_argument("--quiet", action="store_true", help="no progress line")
     s.set_defaults(run=_solve)
 
-    i = sub.add_parser("info", help="versions, backends and devices")
-    i.add_argument("--json", action="store_true")
+    i = sub.add_parser("info", help="versions, backends and devices", **common)
+    i.add_argument("--json", action="store_true",
+                   help=f"one JSON object on stdout (schema {JSON_SCHEMA})")  # fmt: skip
     i.set_defaults(run=_info)
 
-    o = sub.add_parser("otdd", help="dataset distance (OTDD) between two labeled datasets")
+    o = sub.add_parser("otdd", help="dataset distance (OTDD) between two labeled datasets",
+                       **common)  # fmt: skip
     o.add_argument("a", help="dataset name (mnist, mnist-test, mnist5k, digits, with "
                    ":rot90, :invert, :8x8, :shuffle-labels) or an .npz with X and y")  # fmt: skip
     o.add_argument("b", help="the second dataset, the same way")
     o.add_argument("--n", type=int, help="a random subset of n points of each (default all)")
-    o.add_argument("--eps", type=float, default=0.5, help="entropic regularization (default 0.5)")
-    o.add_argument("--lambda-x", type=float, default=1.0, help="feature weight (default 1)")
-    o.add_argument("--lambda-y", type=float, default=1.0, help="label weight (default 1)")
+    o.add_argument("--eps", type=float, default=0.5, help="entropic regularization ε")
+    o.add_argument("--lambda-x", type=float, default=1.0, help="feature weight")
+    o.add_argument("--lambda-y", type=float, default=1.0, help="label weight")
     o.add_argument("--inner", default="gaussian", choices=["gaussian", "exact"],
-                   help="class-to-class distance (default gaussian: Bures-Wasserstein)")  # fmt: skip
+                   help="class-to-class distance (gaussian: Bures-Wasserstein)")  # fmt: skip
     o.add_argument("--diagonal", action="store_true", help="diagonal covariances (large d)")
     o.add_argument("--no-debias", action="store_true", help="OT_eps instead of the divergence")
     o.add_argument("--schedule", default="geomloss", choices=["geomloss", "none"],
-                   help="eps annealing (default geomloss)")  # fmt: skip
-    o.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
-    o.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"])
-    o.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    o.add_argument("--json", action="store_true", help="machine-readable output")
+                   help="ε annealing")  # fmt: skip
+    o.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="streaming backend (auto: Triton on CUDA)")  # fmt: skip
+    o.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+                   help="how score tiles are computed (auto: accurate)")  # fmt: skip
+    o.add_argument("--device", default=_DEVICE, help="torch device of the solve")
+    o.add_argument("--json", action="store_true",
+                   help=f"one JSON object on stdout (schema {JSON_SCHEMA})")  # fmt: skip
     o.set_defaults(run=_otdd)
 
-    t = sub.add_parser("tune", help="tune the Triton kernels' tiles on this GPU (kept on disk)")
+    t = sub.add_parser("tune", help="tune the Triton kernels' tiles on this GPU (kept on disk)",
+                       **common)  # fmt: skip
     t.add_argument("--precision", type=_names, default="fp32,tf32,bf16",
-                   help="precision modes, comma-separated (default fp32,tf32,bf16)")  # fmt: skip
-    t.add_argument("--d", type=_sizes, default="3,64,512",
-                   help="feature sizes, comma-separated (default 3,64,512)")  # fmt: skip
+                   help="precision modes, comma-separated")  # fmt: skip
+    t.add_argument("--d", type=_sizes, default="3,64,512", help="feature sizes, comma-separated")
     t.add_argument("--n", type=_sizes, default="10000,50000",
-                   help="cloud sizes n = m, comma-separated (default 10000,50000)")  # fmt: skip
+                   help="cloud sizes n = m, comma-separated")  # fmt: skip
     t.add_argument("--out", help="table to write (default: this user's table for the GPU)")
     t.add_argument("--no-hvp", action="store_true", help="skip the Hessian-vector product")
-    t.add_argument("--device", default="cuda", help="the CUDA device (default cuda)")
+    t.add_argument("--device", default="cuda", help="the CUDA device")
     t.set_defaults(run=_tune)
 
-    d = sub.add_parser("demo", help="color transfer between two pictures (writes a PNG)")
-    d.add_argument("--out", default="flashot_demo.png")
+    d = sub.add_parser("demo", help="color transfer between two pictures (writes a PNG)",
+                       **common)  # fmt: skip
+    d.add_argument("--out", default="flashot_demo.png", help="the figure to write")
     d.add_argument("--n", type=int, default=4000, help="pixels sampled per picture")
-    d.add_argument("--eps", type=float, default=5e-3)
-    d.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--eps", type=float, default=5e-3, help="entropic regularization ε")
+    d.add_argument("--device", default=_DEVICE, help="torch device of the solve")
+    d.add_argument("--json", action="store_true",
+                   help=f"one JSON object on stdout (schema {JSON_SCHEMA})")  # fmt: skip
     d.set_defaults(run=_demo)
     return parser
 

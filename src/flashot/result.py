@@ -99,6 +99,11 @@ class TransportPlan:
             )
 
     @property
+    def backend(self) -> Backend:
+        """The backend the solve ran on (its ``name`` and ``precision``)."""
+        return self._backend
+
+    @property
     def shape(self) -> tuple[int, int]:
         """``(n, m)``."""
         return self._form.shape
