@@ -438,6 +438,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PRECISION_CHOICES = ["auto", "fp32", "tf32", "bf16", "fp16"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -472,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scaling", type=float, default=0.5, help="annealing ratio")
     s.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
                    help="streaming backend (auto: Triton on CUDA)")  # fmt: skip
-    s.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+    s.add_argument("--precision", default="auto", choices=PRECISION_CHOICES,
                    help="how score tiles are computed (auto: accurate)")  # fmt: skip
     s.add_argument("--device", default=_DEVICE, help="torch device of the solve")
     s.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype")
@@ -505,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ε annealing")  # fmt: skip
     o.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
                    help="streaming backend (auto: Triton on CUDA)")  # fmt: skip
-    o.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+    o.add_argument("--precision", default="auto", choices=PRECISION_CHOICES,
                    help="how score tiles are computed (auto: accurate)")  # fmt: skip
     o.add_argument("--device", default=_DEVICE, help="torch device of the solve")
     o.add_argument("--json", action="store_true",
