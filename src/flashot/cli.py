@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--x-key", help="array name inside x's .npz/.pt file (overrides --key)")
     s.add_argument("--y-key", help="array name inside y's .npz/.pt file (overrides --key)")
     s.add_argument("--header", default="auto", choices=["auto", "yes", "no"],
-                   help="CSV first line is a header: auto (only if non-numeric), yes, no")  # fmt: skip
+                   help="CSV first line is a header: auto (if non-numeric), yes, no")  # fmt: skip
     s.add_argument("--a", help="source weights (n,), a file like x (default uniform)")
     s.add_argument("--b", help="target weights (m,), a file like y (default uniform)")
     s.add_argument("--eps", type=float, default=0.05, help="entropic regularization ε")
@@ -467,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tol", type=_tolerance, default="auto",
                    help="L1 marginal error to reach, or 'auto' (1e-6 or float32's floor)")
     s.add_argument("--update", default="auto", choices=["auto", "symmetric", "alternating"],
-                   help="Sinkhorn update: averaged Jacobi (GeomLoss) or Gauss-Seidel (POT)")  # fmt: skip
+                   help="averaged Jacobi (GeomLoss) or Gauss-Seidel (POT) updates")  # fmt: skip
     s.add_argument("--schedule", default="geomloss", choices=["geomloss", "none"],
                    help="ε annealing")  # fmt: skip
     s.add_argument("--scaling", type=float, default=0.5, help="annealing ratio")
