@@ -252,3 +252,11 @@ def test_otdd_npz_without_labels_is_named(tmp_path, capsys):
     np.savez(tmp_path / "a.npz", X=np.zeros((3, 2)))
     assert main(["otdd", str(tmp_path / "a.npz"), str(tmp_path / "a.npz"), "--device", "cpu"]) == 1
     assert "needs arrays 'X' (n, d) and 'y' (n,)" in capsys.readouterr().err
+
+
+def test_progress_only_on_a_terminal_unless_asked(files, capsys):
+    d, _, _ = files
+    argv = ["solve", str(d / "x.npy"), str(d / "y.pt"), "--eps", "0.5", "--tol", "1e-4"]
+    assert main(argv) == 0 and "sinkhorn" not in capsys.readouterr().err  # (not a tty here)
+    assert main([*argv, "--progress"]) == 0 and "sinkhorn" in capsys.readouterr().err
+    assert main([*argv, "--progress", "--json"]) == 0 and "sinkhorn" not in capsys.readouterr().err

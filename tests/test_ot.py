@@ -1,4 +1,5 @@
 import math
+import sys
 import warnings
 
 import pytest
@@ -207,10 +208,18 @@ def test_result_is_immutable(gen):
         res.cost = 0
 
 
-def test_progress_bar_writes_to_stderr(gen, capsys):
+def test_progress_bar_writes_to_stderr(gen, capsys, monkeypatch):
+    """tqdm's bar when tqdm is installed, else a line with the time left; nothing unasked."""
     x, y = clouds(gen, 10, 10, 2)
     flashot.sinkhorn(x, y, eps=0.5, progress=True, max_iter=20, tol=None)
-    assert "sinkhorn [" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "sinkhorn: 100%" in err and "20/20" in err  # tqdm (a test dependency)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # as if tqdm were missing
+    flashot.sinkhorn(x, y, eps=0.5, progress=True, max_iter=20, tol=None)
+    err = capsys.readouterr().err
+    assert "sinkhorn [" in err and "20/20" in err and "left" in err
+    flashot.sinkhorn(x, y, eps=0.5, max_iter=20, tol=None)
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])

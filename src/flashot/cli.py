@@ -32,6 +32,11 @@ EXIT_ERROR, EXIT_NOT_CONVERGED = 1, 3
 JSON_SCHEMA = 2
 
 
+def _progress(args) -> bool:
+    """A progress bar on a terminal (or when asked), never with --json or --quiet."""
+    return not (args.json or args.quiet) and (args.progress or sys.stderr.isatty())
+
+
 def _json(command: str, fields: dict) -> str:
     return json.dumps(dict(schema=JSON_SCHEMA, command=command, **fields))
 
@@ -209,7 +214,7 @@ def _solve(args) -> int:
                 eps_schedule=schedule,
                 backend=args.backend,
                 precision=args.precision,
-                progress=not args.json and not args.quiet,
+                progress=_progress(args),
             )
         transport_cost = res.transport_cost.item()
     except (ValueError, TypeError, FloatingPointError) as err:
@@ -481,7 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="let --save overwrite an existing file")
     s.add_argument("--json", action="store_true",
                    help=f"one JSON object on stdout (schema {JSON_SCHEMA})")  # fmt: skip
-    s.add_argument("--quiet", action="store_true", help="no progress line")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--progress", action="store_true",
+                   help="a progress bar even when stderr is no terminal")  # fmt: skip
     s.set_defaults(run=_solve)
 
     i = sub.add_parser("info", help="versions, backends and devices", **common)
