@@ -154,3 +154,10 @@ def test_dual_solves_replay_kept_captures_with_new_data(monkeypatch, rho):
         monkeypatch.setattr(implicit, "_captures", lambda backend, form: False)
         assert rel(kept, eager) < 1e-12
     assert Replayer.log.count("capture") == 1 and len(implicit._BUFFERS) == 1
+    # more signatures (ε) than buffers kept: the oldest go with every graph, and the
+    # first signature, met again, captures anew on new buffers
+    monkeypatch.setattr(implicit, "_captures", lambda backend, form: True)
+    for eps in (0.6, 0.7, 0.8, 0.9, EPS):
+        kept = flashot.hvp(x, y, v, a, b, **dict(kw, eps=eps))
+    assert len(implicit._BUFFERS) == 4 and Replayer.log.count("capture") == 6
+    assert rel(kept, eager) < 1e-12

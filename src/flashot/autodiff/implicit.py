@@ -191,10 +191,13 @@ def _capture_plan(spec: DualSpec, form: AttentionForm, data):
     buffers = _BUFFERS.get(sig)
     if buffers is None:
         buffers = _BUFFERS[sig] = _Buffers(data)
-        while len(_BUFFERS) > _GRAPHS.capacity:
+        if len(_BUFFERS) > _GRAPHS.capacity:
+            # graphs read their key's buffers: with some buffers gone, drop all graphs
+            # (keys are plain tuples, so that the cache's memory of keys holds no tensor)
             _BUFFERS.popitem(last=False)
+            _GRAPHS.clear()
     _BUFFERS.move_to_end(sig)
-    return (_GRAPHS, buffers), buffers.load(data)
+    return (_GRAPHS, sig), buffers.load(data)
 
 
 def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
