@@ -192,3 +192,36 @@ def test_triton_backend_pickles_without_its_caches():
     back = pickle.loads(pickle.dumps(be))
     assert (back.precision, back.fused, back.splits, back._halves) == ("tf32", False, 2, [])
     assert back.launch_key() == be.launch_key()
+
+
+@pytest.mark.parametrize("rho", [None, 0.9, (None, 2.0)])
+def test_primal_dual_objectives_and_gap_match_the_dense_plan(gen, rho):
+    """primal_cost, dual_cost, kl and the duality gap against the dense float64 plan
+    of the same potentials, converged and not; weak duality on relaxed problems."""
+    from tests.references import kl, primal
+
+    x, y = clouds(gen, 23, 31, 3)
+    a, b = weights(gen, 23), weights(gen, 31)
+    eps = 0.3
+    C = dense_cost(x, y)
+    rhos = rho if isinstance(rho, tuple) else (rho, rho)
+    for kw in (dict(tol=1e-12, max_iter=20000), dict(tol=None, max_iter=3)):
+        res = flashot.sinkhorn(x, y, a, b, eps=eps, rho=rho, **kw)
+        wa, wb = res.plan._log_a.exp(), res.plan._log_b.exp()
+        P = plan_dense(C, wa, wb, res.f, res.g, eps)
+        assert rel(res.primal_cost, primal(C, wa, wb, P, eps, rhos)) < 1e-12
+        assert rel(res.kl, kl(P, wa[:, None] * wb[None, :])) < 1e-9
+
+        def phi(pot, r):
+            return pot if r is None else r * (1 - torch.exp(-pot / r))
+
+        dual = ((wa * phi(res.f, rhos[0])).sum() + (wb * phi(res.g, rhos[1])).sum()
+                - eps * (P.sum() - wa.sum() * wb.sum()))  # fmt: skip
+        assert rel(res.dual_cost, dual) < 1e-12
+        gap = res.duality_gap
+        if rhos[0] is not None and rhos[1] is not None:  # every plan is feasible
+            assert gap >= -1e-12
+        if kw["tol"] is not None:
+            assert abs(gap) < 1e-9
+        else:
+            assert abs(gap) > 1e-6  # three iterations are far from the optimum

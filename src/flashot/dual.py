@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["log_residual", "marginal_error", "mass_excess", "plan_times", "row_mass"]
+__all__ = [
+    "log_residual",
+    "marginal_error",
+    "mass_excess",
+    "phi_sum",
+    "plan_times",
+    "row_mass",
+]
 
 
 def log_residual(
@@ -89,3 +96,14 @@ def mass_excess(backend, form, f, g, log_a, log_b, eps: float, r: torch.Tensor) 
     lse, _ = backend.row_attend(form, g - form.beta, eps, log_w=log_pi)
     delta = log_residual(f, lse, form.alpha, eps)
     return torch.exp(log_total).to(r.dtype) * (torch.exp(log_a) * torch.expm1(delta)).sum()
+
+
+def phi_sum(pot: torch.Tensor, weights: torch.Tensor, rho: float | None) -> torch.Tensor:
+    """``Σ_i w_i φ(f_i)`` of the dual: ``φ(t) = t`` balanced, ``−ρ expm1(−t/ρ)`` relaxed.
+
+    Args:
+        pot: (n,) potential (detached on a relaxed side).  weights: (n,).  rho: ρ or None.
+    """
+    if rho is None:
+        return (weights * pot).sum()
+    return -rho * (weights * torch.expm1(-pot.detach() / rho)).sum()

@@ -15,6 +15,7 @@ from flashot.autodiff.implicit import implicit_potentials
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.backends import autocast_off
 from flashot.costs import bounding_diameter
+from flashot.dual import phi_sum
 from flashot.problem import Problem, make_problem
 from flashot.result import SinkhornResult, SolveHistory, TransportPlan
 from flashot.solver import (
@@ -279,12 +280,5 @@ def _dual_value(problem: Problem, f, g, excess) -> torch.Tensor:
     # carries the envelope derivatives; its value has ε-sized terms that cancel
     grads = relaxed_side(f, a, eps, rho_x) + relaxed_side(g, b, eps, rho_y) + eps * m_a * m_b
     with torch.no_grad():  # the value, with no ε-sized cancellation
-        value = _phi_sum(f, a, rho_x) + _phi_sum(g, b, rho_y) - eps * excess
+        value = phi_sum(f, a, rho_x) + phi_sum(g, b, rho_y) - eps * excess
     return value + (grads - grads.detach())
-
-
-def _phi_sum(pot, weights, rho):
-    """``Σ_i w_i φ(f_i)``, ``φ(t) = −ρ expm1(−t/ρ)`` (``t`` on a balanced side)."""
-    if rho is None:
-        return (weights * pot).sum()
-    return -rho * (weights * torch.expm1(-pot.detach() / rho)).sum()
