@@ -235,3 +235,38 @@ def test_numpy_inputs():
     want = hvp(x, y, (vx, vy), wrt="xy", **kw)
     assert all(torch.equal(p, w) for p, w in zip(pair, want, strict=True))
     assert isinstance(vx.numpy(), np.ndarray)
+
+
+@pytest.mark.parametrize("wrt,rho,cost", [("x", None, "sqeuclidean"), ("y", 1.0, "cosine"),
+                                          ("xy", (None, 2.0), "half_sqeuclidean")])
+def test_batched_directions_share_the_dual_solve(wrt, rho, cost):
+    """A batch of k directions: each HVP equals the single-direction one, and the k dual
+    solves run as the columns of one CG (each of its matvecs streams k values)."""
+    from flashot.autodiff import implicit
+
+    x, y, a, b, vx, vy = problem(5, n=8, m=6, d=2)
+    gen = torch.Generator().manual_seed(9)
+    k = 4
+    bx = torch.randn(k, *x.shape, generator=gen, dtype=F64)
+    by = torch.randn(k, *y.shape, generator=gen, dtype=F64)
+    v = {"x": bx, "y": by, "xy": (bx, by)}[wrt]
+    kw = dict(eps=0.5, rho=rho, cost=cost, wrt=wrt, **TIGHT)
+    widths = []
+    real = implicit._solve_dual_columns
+
+    def spy(form, f, g, a_, b_, spec, f_bar, g_bar):
+        widths.append(f_bar.shape[1])
+        return real(form, f, g, a_, b_, spec, f_bar, g_bar)
+
+    implicit._solve_dual_columns = spy
+    try:
+        batch = hvp(x, y, v, a, b, **kw)
+    finally:
+        implicit._solve_dual_columns = real
+    assert widths == [k]  # one solve, k columns
+    for i in range(k):
+        one = hvp(x, y, (bx[i], by[i]) if wrt == "xy" else v[i], a, b, **kw)
+        if wrt == "xy":
+            assert rel(batch[0][i], one[0]) < 1e-10 and rel(batch[1][i], one[1]) < 1e-10
+        else:
+            assert rel(batch[i], one) < 1e-10

@@ -139,3 +139,30 @@ def test_cg_kept_capture_is_replayed_by_later_calls_reading_refreshed_buffers():
         assert kept.n_iter == ref.n_iter and torch.allclose(kept.x, ref.x, rtol=0, atol=1e-12)
         assert kept.residual <= 1e-12
     assert Replayer.log.count("capture") == 1 and Replayer.log.count("replay") > 8
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(2, 30), k=st.integers(1, 5), seed=st.integers(0, 10_000))
+def test_cg_columns_is_one_cg_per_column(n, k, seed):
+    """columns=True: each column follows its own CG (own steps, own stop) while sharing
+    the matvecs; a zero column stays zero."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, n, generator=gen, dtype=torch.float64)
+    a = a @ a.T + 0.5 * torch.eye(n, dtype=torch.float64)
+    b = torch.randn(n, k, generator=gen, dtype=torch.float64) * torch.logspace(-3, 3, k)
+    b[:, 0] = 0.0 if k > 1 else b[:, 0]
+    d = torch.rand(n, generator=gen, dtype=torch.float64) + 0.5
+    calls = []
+
+    def matvec(v):
+        calls.append(v.shape)
+        return a @ v
+
+    res = cg(matvec, b, tol=1e-10, columns=True, preconditioner=lambda v: v / d[:, None])
+    assert all(shape == (n, k) for shape in calls) and res.converged and res.residual <= 1e-10
+    for j in range(k):
+        one = cg(lambda v: a @ v, b[:, j], tol=1e-10, preconditioner=lambda v: v / d)
+        scale = float(b[:, j].abs().max())
+        assert torch.allclose(res.x[:, j], one.x, rtol=1e-9, atol=1e-12 * scale)
+    with pytest.raises(ValueError, match="columns"):
+        cg(matvec, b[:, 0], columns=True)

@@ -17,8 +17,11 @@ O((n + m) d); nothing of size n × m or (nd)² is formed.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from flashot.autodiff.implicit import deferred_dual_solves
 from flashot.autodiff.second_order import dual_solve_options
 from flashot.backends import autocast_off
 from flashot.ot import sinkhorn
@@ -50,8 +53,9 @@ def hvp(
         v: the direction: shaped like x (``wrt="x"``), like y (``"y"``), a pair
             ``(v_x, v_y)`` (``"xy"``, the joint Hessian); or a batch ``(k, *shape)``
             of k directions (for ``"xy"``, a pair of batches): one Sinkhorn solve and
-            first-order graph for all, then one double backward (one dual CG solve)
-            per direction; the directions do not yet share streaming passes.
+            first-order graph for all, a double backward per direction whose dual
+            solves wait, then one CG with k columns (each of its passes streams the k
+            right-hand sides at once: the dominant cost at tight ``cg_tol``).
         a: (n,) source weights or None.  b: (m,) target weights or None.
         wrt: ``"x"``, ``"y"`` or ``"xy"``.
         eps: ε.
@@ -102,11 +106,28 @@ def hvp(
             cost = sinkhorn(xs, ys, a, b, eps=eps, **sinkhorn_options).cost
             first = torch.autograd.grad(cost, inputs, create_graph=True)
             count = dirs[0].shape[0] if batched else 1
-            outs = []
-            for i in range(count):
-                di = [(d[i] if batched else d).to(t.dtype) for d, t in zip(dirs, first, strict=True)]
-                hv = torch.autograd.grad(first, inputs, grad_outputs=di, retain_graph=i + 1 < count)
-                outs.append([h.detach() for h in hv])
+            # the directions' dual solves wait, then run as the columns of one CG
+            with deferred_dual_solves() if count > 1 else contextlib.nullcontext() as deferred:
+                outs = []
+                for i in range(count):
+                    if deferred is not None:
+                        deferred.direction = i
+                    di = [(d[i] if batched else d).to(t.dtype)
+                          for d, t in zip(dirs, first, strict=True)]  # fmt: skip
+                    keep = deferred is not None or i + 1 < count  # (finish needs the graph)
+                    hv = torch.autograd.grad(first, inputs, grad_outputs=di, allow_unused=True,
+                                             retain_graph=keep)  # fmt: skip
+                    outs.append(list(hv))
+            if deferred is not None:
+                for i, owed in enumerate(deferred.finish(inputs, count)):
+                    outs[i] = [_add(h, o) for h, o in zip(outs[i], owed, strict=True)]
+            outs = [[torch.zeros_like(t) if h is None else h.detach() for h, t in zip(o, inputs,
+                                                                                    strict=True)]
+                    for o in outs]  # fmt: skip
     stacked = [torch.stack([o[j] for o in outs]) if batched else outs[0][j]
                for j in range(len(inputs))]  # fmt: skip
     return tuple(stacked) if wrt == "xy" else stacked[0]
+
+
+def _add(h, o):
+    return o if h is None else (h if o is None else h + o)

@@ -65,9 +65,14 @@ def _dot(u: torch.Tensor, v: torch.Tensor) -> float:
     return float(_ddot(u, v))
 
 
-def _ddot(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``⟨u, v⟩`` accumulated in float64, a 0-d tensor on the operands' device (no sync)."""
-    return torch.sum(u * v, dtype=torch.float64)
+def _ddot(u: torch.Tensor, v: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``⟨u, v⟩`` accumulated in float64 on the operands' device (no sync).
+
+    A 0-d tensor, or with ``dim=0`` one product per column (last dimension).
+    """
+    if dim is None:
+        return torch.sum(u * v, dtype=torch.float64)
+    return torch.sum(u * v, dim=0, dtype=torch.float64)
 
 
 class _CGState:
@@ -83,16 +88,17 @@ class _CGState:
     #: the state's tensors, in the order of :meth:`tensors`
     FIELDS = ("x", "r", "p", "rz", "goal", "active", "n_iter", "negative")
 
-    def __init__(self, matvec, precond, b, x0, tol):
+    def __init__(self, matvec, precond, b, x0, tol, columns=False):
         self.matvec, self.precond = matvec, precond
+        self.dim = 0 if columns else None  # columns: one CG per column, in lockstep
         self.x = torch.zeros_like(b) if x0 is None else x0.clone()
         self.r = b - matvec(self.x) if x0 is not None else b.clone()
         self.p = precond(self.r).clone()
-        self.rz = _ddot(self.r, self.p)
-        self.goal = tol**2 * _ddot(b, b)
-        self.active = _ddot(self.r, self.r) > self.goal
+        self.rz = _ddot(self.r, self.p, self.dim)
+        self.goal = tol**2 * _ddot(b, b, self.dim)
+        self.active = _ddot(self.r, self.r, self.dim) > self.goal
         self.n_iter = torch.zeros((), dtype=torch.int64, device=b.device)
-        self.negative = torch.zeros((), dtype=torch.bool, device=b.device)
+        self.negative = torch.zeros_like(self.active)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, name) for name in self.FIELDS)
@@ -110,7 +116,7 @@ class _CGState:
 
     def step(self) -> None:
         ap = self.matvec(self.p)
-        pap = _ddot(self.p, ap)
+        pap = _ddot(self.p, ap, self.dim)
         go = self.active & (pap > 0)
         self.negative |= self.active & (pap <= 0)  # (nan: stops, no direction)
         # masked by where (not by multiplying): 0 · inf would be nan
@@ -118,12 +124,12 @@ class _CGState:
         self.x.addcmul_(self.p, step)
         self.r.addcmul_(ap, step, value=-1.0)
         z = self.precond(self.r)
-        rz = _ddot(self.r, z)
+        rz = _ddot(self.r, z, self.dim)
         beta = torch.where(go, rz / self.rz, 0.0).to(self.x.dtype)
         self.p.copy_(torch.where(go, torch.addcmul(z, self.p, beta), self.p))
         self.rz.copy_(rz)  # unchanged where inactive: r, hence z, did not move
-        self.n_iter += go
-        self.active &= go & (_ddot(self.r, self.r) > self.goal)
+        self.n_iter += go.any()
+        self.active &= go & (_ddot(self.r, self.r, self.dim) > self.goal)
 
 
 def _graph_of(block: Callable[[], None]):
@@ -149,6 +155,7 @@ def cg(
     on_negative_curvature: str = "raise",
     check_every: int | None = None,
     capture: bool | tuple = False,
+    columns: bool = False,
 ) -> CGResult:
     r"""Preconditioned conjugate gradients for ``A x = b``, A symmetric positive definite.
 
@@ -179,6 +186,10 @@ def cg(
             key, which then replay every block: their ``matvec`` and ``preconditioner``
             must read the same buffers (refreshed in place by the caller) as the
             captured ones, and ``b`` must keep its shape.
+        columns: ``b`` is (N, k): solve ``A x_j = b_j`` for each column, one CG per
+            column with its own step sizes and stopping, sharing every ``matvec`` (so
+            an operator that streams can serve k right-hand sides per pass). ``tol``
+            holds per column; ``residual`` is the largest.
 
     Returns:
         A :class:`CGResult`.
@@ -196,14 +207,16 @@ def cg(
         check_every = 8 if b.is_cuda else 1
     if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
         raise ValueError(f"check_every must be an integer ≥ 1, got {check_every!r}")
+    if columns and b.dim() != 2:
+        raise ValueError(f"columns=True needs b of shape (N, k), got {tuple(b.shape)}")
     precond = preconditioner or (lambda r: r)
     b_norm = math.sqrt(_dot(b, b))
     if b_norm == 0.0:
         return CGResult(torch.zeros_like(b), 0, 0.0, True)
-    state = _CGState(matvec, precond, b, x0, tol)
+    state = _CGState(matvec, precond, b, x0, tol, columns)
     replay, done = None, 0
     kept = capture if isinstance(capture, tuple) else None
-    while done < max_iter and bool(state.active):
+    while done < max_iter and bool(state.active.any()):
         count = min(check_every, max_iter - done)
 
         def block(count=count):
@@ -219,15 +232,20 @@ def cg(
                 capture = replay is not None
             (replay if replay is not None and count == check_every else block)()
         done += count
-        if bool(state.negative):
+        if bool(state.negative.all()):
             break
     x, it = state.x, int(state.n_iter)
-    curvature_dir = state.p if bool(state.negative) else None
+    curvature_dir = state.p if bool(state.negative.any()) else None
     if curvature_dir is not None and on_negative_curvature == "raise":
         p = curvature_dir
         raise NegativeCurvature(p, _dot(p, matvec(p)) / max(_dot(p, p), 1e-300))
     true_r = b - matvec(x)
-    residual = math.sqrt(_dot(true_r, true_r)) / b_norm
+    if columns:  # the worst column (a zero column is solved exactly by x = 0)
+        norms = _ddot(b, b, 0).sqrt()
+        ratios = _ddot(true_r, true_r, 0).sqrt() / torch.where(norms > 0, norms, 1.0)
+        residual = float(ratios.max())
+    else:
+        residual = math.sqrt(_dot(true_r, true_r)) / b_norm
     converged = residual <= tol
     if not converged and curvature_dir is None:
         warnings.warn(

@@ -33,6 +33,7 @@ expression, and its derivative is the exact Hessian.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -49,10 +50,12 @@ from flashot.graphs import GraphCache, capture_or_eager
 from flashot.linalg import CGWarning, cg
 
 __all__ = [
+    "DeferredSolves",
     "DualSpec",
     "ImplicitPotentials",
     "PlanProduct",
     "clear_dual_graphs",
+    "deferred_dual_solves",
     "last_dual_solve",
     "value_gradient",
 ]
@@ -203,8 +206,12 @@ def _capture_plan(spec: DualSpec, form: AttentionForm, data):
 def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     """``w = M⁻¹ (f̄, ḡ)`` by CG on the Schur complement (see the module docstring).
 
-    All arguments detached: form, f (n,), g (m,), a (n,), b (m,), f̄ (n,), ḡ (m,).
+    All arguments detached: form, f (n,), g (m,), a (n,), b (m,), f̄ (n,), ḡ (m,); or
+    k right-hand sides f̄ (n, k), ḡ (m, k), solved by one CG per column that share each
+    streaming pass (the products take k values at once).
     """
+    if f_bar.dim() == 2:
+        return _solve_dual_columns(form, f, g, a, b, spec, f_bar, g_bar)
     eps, (rho_x, rho_y), backend = spec.eps, spec.rho, spec.backend
     log_a, log_b = torch.log(a), torch.log(b)
     r, c = backend.marginals(form, f, g, log_a, log_b, eps)
@@ -255,6 +262,129 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     return w_f, w_g
 
 
+def _solve_dual_columns(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
+    """:func:`solve_dual` for k right-hand sides (columns): value passes, no capture."""
+    eps, (rho_x, rho_y), backend = spec.eps, spec.rho, spec.backend
+    log_a, log_b = torch.log(a), torch.log(b)
+    r, c = backend.marginals(form, f, g, log_a, log_b, eps)
+    d_r = r if rho_x is None else r + (eps / rho_x) * _relaxed_weight(f, a, rho_x)
+    d_c = c if rho_y is None else c + (eps / rho_y) * _relaxed_weight(g, b, rho_y)
+    d_r_inv = torch.where(d_r > 0, 1.0 / d_r, torch.zeros_like(d_r))[:, None]
+    d_c_inv = torch.where(d_c > 0, 1.0 / d_c, torch.zeros_like(d_c))[:, None]
+    deflate = rho_x is None and rho_y is None
+    c_unit = (c / c.sum())[:, None]
+
+    def p_times(w):  # P W: (m, k) -> (n, k), one pass
+        return plan_times(backend, form, f, g, log_a, log_b, eps, w)
+
+    def pt_times(u):  # Pᵀ U: (n, k) -> (m, k), one pass
+        return plan_times(backend, form.T, g, f, log_b, log_a, eps, u)
+
+    shift = 100 * torch.finfo(d_c.dtype).eps  # (as in solve_dual)
+
+    def schur(w):
+        out = (1 + shift) * d_c[:, None] * w - pt_times(d_r_inv * p_times(w))
+        return out + c_unit * (c @ w) if deflate else out
+
+    rhs = eps * (g_bar - pt_times(d_r_inv * f_bar))
+    if deflate:
+        rhs = rhs - c_unit * rhs.sum(0)
+    res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter, columns=True,
+             preconditioner=lambda v: d_c_inv * v, on_negative_curvature="return")  # fmt: skip
+    if res.negative_curvature is not None:
+        warnings.warn(
+            f"the dual system's CG met rounding-level curvature after {res.n_iter} iterations "
+            f"(relative residual {res.residual:.1e}); second derivatives are accurate to about "
+            "that; float64 inputs or a larger eps help",
+            CGWarning,
+            stacklevel=2,
+        )
+    last_dual_solve.update(n_iter=res.n_iter, residual=res.residual, converged=res.converged)
+    w_g = res.x
+    return d_r_inv * (eps * f_bar - p_times(w_g)), w_g
+
+
+def _theta_grads(form, f, g, a, b, spec: DualSpec, w_f, w_g, needs) -> tuple:
+    """θ̄ = ∂_θ ⟨∂_z L, w⟩ for the dual solution w = (w_f, w_g); None where not needed.
+
+    ``∂_θ [⟨a', w_f⟩ + ⟨b', w_g⟩ − Σ_ij P_ij (w_f,i + w_g,j)]``: one plan_vjp.
+    ``needs``: the six flags of (q, α, k, β, a, b).
+    """
+    eps = spec.eps
+    ones_n, ones_m = torch.ones_like(w_f), torch.ones_like(w_g)
+    v = torch.stack([ones_m, w_g], 1)
+    d = torch.stack([w_f, ones_n], 1)
+    vjp = spec.backend.plan_vjp(form, f, g, a, b, eps, v, d, outputs_for(needs))
+    row, col = _over(vjp.row, eps), _over(vjp.col, eps)
+    grad_a = grad_b = None
+    if needs[4]:
+        grad_a = _relaxed_weight(f, ones_n, spec.rho[0]) * w_f - vjp.per_a
+    if needs[5]:
+        grad_b = _relaxed_weight(g, ones_m, spec.rho[1]) * w_g - vjp.per_b
+    return (_neg(_over(vjp.row_k, eps)), row, _neg(_over(vjp.col_q, eps)), col, grad_a, grad_b)
+
+
+class DeferredSolves:
+    """Dual solves of several backward passes, gathered to share their streaming passes.
+
+    Within :func:`deferred_dual_solves`, an :class:`ImplicitPotentials` backward records
+    its cotangent (per node, under the current :attr:`direction`) and returns no
+    gradient; :meth:`finish` then solves each node's cotangents as the columns of one
+    CG and adds their gradients, ``∂x`` of ``⟨θ̄, θ(x)⟩``, per direction.
+    """
+
+    def __init__(self):
+        self.direction = 0
+        self.nodes: dict = {}  # id(ctx) -> (saved tensors, spec, needs, {direction: (f̄, ḡ)})
+
+    def record(self, ctx, f_bar, g_bar) -> None:
+        saved = ctx.saved_tensors
+        entry = self.nodes.setdefault(id(ctx), (saved, ctx.spec, ctx.needs_input_grad[:6], {}))
+        old = entry[3].get(self.direction)
+        entry[3][self.direction] = (f_bar, g_bar) if old is None else (old[0] + f_bar,
+                                                                       old[1] + g_bar)
+
+    def finish(self, inputs, count: int) -> list:
+        """Per direction, the gradients w.r.t. ``inputs`` that the deferred solves owe."""
+        out = [[None] * len(inputs) for _ in range(count)]
+        for saved, spec, needs, bars in self.nodes.values():
+            q, alpha, k, beta, a, b, f, g = saved
+            form = _form(q, alpha, k, beta, spec)
+            order = sorted(bars)
+            f_bars = torch.stack([bars[i][0] for i in order], 1)
+            g_bars = torch.stack([bars[i][1] for i in order], 1)
+            with torch.no_grad():
+                w_f, w_g = solve_dual(form, f.detach(), g.detach(), a.detach(), b.detach(),
+                                      spec, f_bars, g_bars)  # fmt: skip
+            theta = [t for t, need in zip(saved[:6], needs, strict=True) if need]
+            if not theta:
+                continue
+            for j, i in enumerate(order):
+                with torch.no_grad():
+                    grads = _theta_grads(form, f.detach(), g.detach(), a.detach(), b.detach(),
+                                         spec, w_f[:, j], w_g[:, j], needs)  # fmt: skip
+                cot = [t for t, need in zip(grads, needs, strict=True) if need]
+                found = torch.autograd.grad(theta, inputs, grad_outputs=cot, retain_graph=True,
+                                            allow_unused=True)  # fmt: skip
+                out[i] = [x if y is None else (y if x is None else x + y)
+                          for x, y in zip(out[i], found, strict=True)]  # fmt: skip
+        return out
+
+
+_DEFERRED: list = []
+
+
+@contextlib.contextmanager
+def deferred_dual_solves():
+    """Within the block, dual solves are recorded on the yielded :class:`DeferredSolves`."""
+    deferred = DeferredSolves()
+    _DEFERRED.append(deferred)
+    try:
+        yield deferred
+    finally:
+        _DEFERRED.pop()
+
+
 class ImplicitPotentials(torch.autograd.Function):
     """The converged ``(f, g)`` as a function of θ = (q, α, k, β, a, b) (see module)."""
 
@@ -269,27 +399,18 @@ class ImplicitPotentials(torch.autograd.Function):
     @autocast_off
     def backward(ctx, f_bar, g_bar):
         q, alpha, k, beta, a, b, f, g = ctx.saved_tensors
-        spec, eps = ctx.spec, ctx.spec.eps
+        spec = ctx.spec
         form = _form(q, alpha, k, beta, spec)
         f_bar = torch.zeros_like(f) if f_bar is None else f_bar
         g_bar = torch.zeros_like(g) if g_bar is None else g_bar
         if spec.rho == (None, None) and ctx.check_gauge:
             _check_gauge(f_bar, g_bar)
+        if _DEFERRED:  # solved later, with other directions' (DeferredSolves)
+            _DEFERRED[-1].record(ctx, f_bar, g_bar)
+            return (None,) * 10
         w_f, w_g = solve_dual(form, f, g, a, b, spec, f_bar, g_bar)
-        # θ̄ = ∂_θ ⟨∂_z L, w⟩ = ∂_θ [⟨a', w_f⟩ + ⟨b', w_g⟩ − Σ_ij P_ij (w_f,i + w_g,j)]
-        ones_n, ones_m = torch.ones_like(w_f), torch.ones_like(w_g)
-        v = torch.stack([ones_m, w_g], 1)
-        d = torch.stack([w_f, ones_n], 1)
-        need = outputs_for(ctx.needs_input_grad[:6])
-        vjp = spec.backend.plan_vjp(form, f, g, a, b, eps, v, d, need)
-        row, col = _over(vjp.row, eps), _over(vjp.col, eps)
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[4]:
-            grad_a = _relaxed_weight(f, ones_n, spec.rho[0]) * w_f - vjp.per_a
-        if ctx.needs_input_grad[5]:
-            grad_b = _relaxed_weight(g, ones_m, spec.rho[1]) * w_g - vjp.per_b
-        return (_neg(_over(vjp.row_k, eps)), row, _neg(_over(vjp.col_q, eps)), col, grad_a,
-                grad_b, None, None, None, None)  # fmt: skip
+        grads = _theta_grads(form, f, g, a, b, spec, w_f, w_g, ctx.needs_input_grad[:6])
+        return (*grads, None, None, None, None)
 
 
 GAUGE = (
