@@ -464,7 +464,8 @@ def test_history_records_the_errors_of_the_iterations(gen):
         z = (pot.unsqueeze(dim) - C) / eps + torch.log(w).unsqueeze(dim)
         return -eps * torch.logsumexp(z, dim=1 - dim)
 
-    f, g = T(torch.zeros(25, dtype=torch.float64), b, 0), T(torch.zeros(30, dtype=torch.float64), a, 1)
+    zeros = lambda size: torch.zeros(size, dtype=torch.float64)  # noqa: E731
+    f, g = T(zeros(25), b, 0), T(zeros(30), a, 1)
     want = {}
     for it in range(1, 38):
         r = a * torch.exp(f / eps) * (b * torch.exp((g[None] - C) / eps)).sum(1)
@@ -515,3 +516,27 @@ def test_min_iter_and_warn(gen):
             flashot.sinkhorn(x, y, eps=0.3, max_iter=30, min_iter=bad)
     with pytest.raises(TypeError, match="warn"):
         flashot.sinkhorn_divergence(x, y, eps=0.3, warn=None)
+
+
+@pytest.mark.parametrize("cost,rho", [("sqeuclidean", None), ("cosine", 1.0)])
+def test_relative_eps_is_a_fraction_of_the_mean_cost(gen, cost, rho):
+    """relative_eps=True: the same solve as the absolute ε = eps × Σ a_i b_j C_ij (the
+    dense float64 mean, weights normalized), for sinkhorn and the divergence."""
+    x, y = clouds(gen, 30, 25, 3)
+    a, b = weights(gen, 30) * 3.0, weights(gen, 25)
+    wa, wb = a / a.sum(), b / b.sum()
+    mean = float(wa @ dense_cost(x, y, cost) @ wb)
+    kw = dict(cost=cost, rho=rho, tol=1e-10, max_iter=5000)
+    rel_res = flashot.sinkhorn(x, y, a, b, eps=0.1, relative_eps=True, **kw)
+    abs_res = flashot.sinkhorn(x, y, a, b, eps=0.1 * mean, **kw)
+    assert rel_res.eps == pytest.approx(0.1 * mean, rel=1e-12)
+    assert float(rel_res.cost) == pytest.approx(float(abs_res.cost), rel=1e-10)
+    div = dict(cost=cost, rho=rho, tol=1e-10, max_iter=5000)
+    assert float(flashot.sinkhorn_divergence(x, y, a, b, eps=0.1, relative_eps=True, **div)) \
+        == pytest.approx(float(flashot.sinkhorn_divergence(x, y, a, b, eps=0.1 * mean, **div)),
+                         rel=1e-9)  # fmt: skip
+    same = x[:1].repeat(4, 1)
+    with pytest.raises(ValueError, match="mean cost"):
+        flashot.sinkhorn(same, same, eps=0.1, relative_eps=True)
+    with pytest.raises(TypeError, match="relative_eps"):
+        flashot.sinkhorn(x, y, eps=0.1, relative_eps=1)

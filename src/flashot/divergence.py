@@ -171,6 +171,7 @@ def sinkhorn_divergence(
     precision: str = "auto",
     min_iter: int = 0,
     warn: bool = True,
+    relative_eps: bool = False,
 ) -> torch.Tensor:
     """Debiased Sinkhorn divergence ``S_ε(a, b)`` (see the module docstring).
 
@@ -181,7 +182,8 @@ def sinkhorn_divergence(
         x: (n, d) source points.  y: (m, d) target points.
         a: (n,) source weights or None.  b: (m,) target weights or None.
         eps, cost, rho, max_iter, tol, check_every, update, eps_schedule, backend,
-            precision, min_iter, warn: as in :func:`flashot.sinkhorn`.
+            precision, min_iter, warn, relative_eps: as in :func:`flashot.sinkhorn`
+            (``relative_eps`` scales by the mean cost between x and y).
 
     Returns:
         A 0-dim tensor, differentiable w.r.t. x, y, a and b; nonnegative up to
@@ -197,9 +199,8 @@ def sinkhorn_divergence(
         raise ValueError(
             f"rho must be None or a single positive float for a divergence, got {rho!r}"
         )
-    problem = make_problem(
-        x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend, precision=precision
-    )
+    problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend,
+                           precision=precision, relative_eps=relative_eps)  # fmt: skip
     tol, update = resolve_stopping(tol, update, problem)
     temps = resolve_schedule(eps_schedule, problem)
     options = dict(max_iter=max_iter, tol=tol, check_every=check_every, min_iter=min_iter)

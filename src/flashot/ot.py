@@ -110,6 +110,7 @@ def sinkhorn(
     history: bool = False,
     min_iter: int = 0,
     warn: bool = True,
+    relative_eps: bool = False,
 ) -> SinkhornResult:
     r"""Entropic optimal transport between two weighted point clouds.
 
@@ -164,6 +165,9 @@ def sinkhorn(
             ``min_iterations``).
         warn: emit :class:`ConvergenceWarning` on a missed ``tol``; with False the
             result still says so (``converged``, ``cause``).
+        relative_eps: ``eps`` is a fraction of the mean cost ``Σ a_i b_j C_ij`` (weights
+            normalized; OTT's ``relative_epsilon="mean"``), which the result's ``eps``
+            then holds multiplied out. The scale is a constant for gradients.
 
     Returns:
         A :class:`~flashot.result.SinkhornResult`. Its ``cost`` is differentiable
@@ -177,9 +181,9 @@ def sinkhorn(
     for flag, name in ((history, "history"), (warn, "warn")):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
-    problem = make_problem(
-        x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend, precision=precision
-    )
+    problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend,
+                           precision=precision, relative_eps=relative_eps)  # fmt: skip
+    eps = problem.eps  # (absolute)
     engine = problem.engine
     tol, update = resolve_stopping(tol, update, problem)
     temps = resolve_schedule(eps_schedule, problem)

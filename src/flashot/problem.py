@@ -33,6 +33,7 @@ __all__ = [
     "cloud_tensor",
     "eps_range",
     "make_problem",
+    "mean_cost",
     "parse_rho",
     "weights_tensor",
 ]
@@ -261,6 +262,7 @@ def make_problem(
     normalize: bool = True,
     backend="auto",
     precision: str = "auto",
+    relative_eps: bool = False,
 ) -> Problem:
     """Validate the user's inputs and build a :class:`Problem`.
 
@@ -275,7 +277,11 @@ def make_problem(
         normalize: rescale balanced weights to probability vectors (GeomLoss does not).
         backend: backend name or instance (see :func:`flashot.backends.resolve_backend`).
         precision: precision mode; reduced modes round the clouds once, here.
+        relative_eps: ``eps`` is relative to the mean cost (:func:`mean_cost`); the
+            problem holds the absolute one.
     """
+    if not isinstance(relative_eps, bool):
+        raise TypeError(f"relative_eps must be True or False, got {relative_eps!r}")
     if torch._C._are_functorch_transforms_active():
         raise RuntimeError(
             "flashot does not support torch.func transforms (grad, vmap, jvp, hessian, "
@@ -312,5 +318,24 @@ def make_problem(
         a, b = a / a.sum(), b / b.sum()
     engine = resolve_backend(backend, x.device, precision, dtype)
     form = attention_form(cost, x, y, dtype, engine.rounding, checks.values[bound_at])
+    if relative_eps:
+        mean = mean_cost(form, a, b)
+        if not mean > 0:
+            raise ValueError(f"relative_eps needs a positive mean cost, got {mean:g} "
+                             "(coinciding points?): pass an absolute eps")  # fmt: skip
+        eps = eps * mean
     check_eps_range(eps, form.cost_bound, dtype, "eps")
     return Problem(x, y, a, b, eps, rho_x, rho_y, cost, form, engine)
+
+
+def mean_cost(form, a: torch.Tensor, b: torch.Tensor) -> float:
+    """``Σ_ij a_i b_j C_ij / (m(a) m(b))``, the weighted mean cost, in closed form.
+
+    In attention form ``C_ij = α_i + β_j − ⟨q_i, k_j⟩`` it is
+    ``⟨â, α⟩ + ⟨b̂, β⟩ − ⟨qᵀâ, kᵀb̂⟩`` with normalized weights: O((n + m) d), no pass
+    (OTT's ``relative_epsilon="mean"`` scale). Computed in float64; waits for the device.
+    """
+    wa, wb = (w.detach().double() / w.detach().double().sum() for w in (a, b))
+    q, k = form.q.detach().double(), form.k.detach().double()
+    offsets = wa @ form.alpha.detach().double() + wb @ form.beta.detach().double()
+    return float(offsets - (wa @ q) @ (wb @ k))
