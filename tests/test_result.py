@@ -225,3 +225,38 @@ def test_primal_dual_objectives_and_gap_match_the_dense_plan(gen, rho):
             assert abs(gap) < 1e-9
         else:
             assert abs(gap) > 1e-6  # three iterations are far from the optimum
+
+
+@pytest.mark.parametrize("cost,rho", [("sqeuclidean", None), ("cosine", 0.7), ("labeled", None)])
+def test_potentials_at_new_points_are_the_soft_c_transform(gen, cost, rho):
+    """plan.source_potential(z) is −ε log Σ_j b_j e^{(g_j − C(z, y_j))/ε} (damped when
+    relaxed) against the dense formula; on the clouds the solve's own f and g; a pickled
+    plan keeps it."""
+    import pickle
+
+    x, y = clouds(gen, 25, 20, 3)
+    z = torch.randn(7, 3, generator=gen, dtype=F64)
+    if cost == "labeled":
+        lab = lambda t, k: torch.cat([t, (torch.arange(len(t)) % k)[:, None].double()], 1)  # noqa: E731
+        x, y, z = lab(x, 3), lab(y, 3), lab(z, 3)
+        cost = flashot.labeled_cost(torch.rand(3, 3, generator=gen, dtype=F64))
+    eps = 0.4
+    res = flashot.sinkhorn(x, y, eps=eps, cost=cost, rho=rho, tol=1e-13, max_iter=50000)
+    b = res.plan._log_b.exp()
+    lam = 1.0 if rho is None else rho / (rho + eps)
+    C = dense_cost(z, y, cost) if isinstance(cost, str) else cost_of(cost, z, y)
+    want = -lam * eps * torch.logsumexp((res.g[None] - C) / eps + b.log()[None], 1)
+    assert rel(res.plan.source_potential(z), want) < 1e-12
+    assert rel(res.plan.source_potential(x), res.f) < 1e-9
+    assert rel(res.plan.T.source_potential(y), res.g) < 1e-9
+    back = pickle.loads(pickle.dumps(res.plan))
+    assert torch.equal(back.source_potential(z), res.plan.source_potential(z))
+    with pytest.raises(ValueError, match="points must have shape"):
+        res.plan.source_potential(z[:, :2])
+
+
+def cost_of(cost, z, y):
+    """The labeled cost between labeled points, densely (feature part + table)."""
+    lz, ly = z[:, -1].long(), y[:, -1].long()
+    feat = cost.scale * torch.cdist(z[:, :-1], y[:, :-1]) ** 2  # (λ_x folded into scale)
+    return feat + cost.lambda_y * cost.table[lz][:, ly]

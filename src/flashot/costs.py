@@ -296,6 +296,11 @@ class FeatureMap:
         out = round_operands(self.cost.embed(z.to(self.dtype)) - self.center, self.rounding)
         return out if self.factor == 1.0 else self.factor * out
 
+    def offsets(self, z: torch.Tensor) -> torch.Tensor:
+        """(r, d) points ↦ (r,) offsets ``s |round(φ(z) − center)|²`` (α or β of the form)."""
+        w = round_operands(self.cost.embed(z.to(self.dtype)) - self.center, self.rounding)
+        return self.cost.scale * (w * w).sum(-1)
+
 
 def bounding_diameter(cost: Cost, x: torch.Tensor, y: torch.Tensor) -> float:
     """Diagonal of the joint bounding box of the embedded clouds (GeomLoss' ``max_diameter``).

@@ -147,3 +147,7 @@ class LabeledFeatures:
         """(r, d + 1) labeled points ↦ (r, d' + K') features."""
         zf, zl = self.cost.split(z, "points")
         return torch.cat([self.features(zf), self.labels[zl]], 1)
+
+    def offsets(self, z: torch.Tensor) -> torch.Tensor:
+        """(r, d + 1) labeled points ↦ (r,) offsets: the features' (the table enters the dot)."""
+        return self.features.offsets(self.cost.split(z, "points")[0])

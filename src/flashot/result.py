@@ -275,6 +275,43 @@ class TransportPlan:
             )
 
     @autocast_off
+    def source_potential(self, points: torch.Tensor) -> torch.Tensor:
+        r"""The row potential at new points: the soft c-transform of g (detached).
+
+        .. math::
+
+            f(z) = \lambda_x \Big(-\varepsilon \log \sum_j b_j
+                \exp\big((g_j - C(z, y_j))/\varepsilon\big)\Big),
+
+        ``λ_x = ρ_x/(ρ_x + ε)`` on a relaxed side (1 balanced): one streaming pass. On
+        the cloud itself it is the solve's ``f`` once converged; with
+        :meth:`barycentric_map` at new points, the entropic map of the solve (pickle
+        the plan to keep it). ``plan.T.source_potential`` is g at new target points.
+
+        Args:
+            points: (r, d) new row points.
+
+        Returns:
+            (r,) potentials.
+        """
+        self._check_fresh()
+        form = self._form
+        if form.row_features is None or not hasattr(form.row_features, "offsets"):
+            raise ValueError("this plan cannot evaluate its potentials at new points")
+        if (not isinstance(points, torch.Tensor) or points.dim() != 2
+                or points.shape[1] != self._x.shape[1]):  # fmt: skip
+            raise ValueError(f"points must have shape (r, {self._x.shape[1]})")
+        rho, eps = self._rho[0], self._eps
+        lam = 1.0 if rho is None else rho / (rho + eps)
+        with torch.no_grad():
+            z = points.detach().to(self._x.dtype)
+            qz, alpha_z = form.row_features(z), form.row_features.offsets(z)
+            form_z = AttentionForm(qz, form.k, alpha_z, form.beta)
+            lse, _ = self._backend.row_attend(form_z, self._g - form.beta, eps, None,
+                                              self._log_b)  # fmt: skip
+            return lam * (alpha_z - lse)
+
+    @autocast_off
     def transport_cost(self) -> torch.Tensor:
         """``⟨P, C⟩ = Σ_i r_i (α_i + E_w[β] − ⟨q_i, E_w[k]⟩)``, one streaming pass.
 
