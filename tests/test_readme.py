@@ -30,9 +30,10 @@ def test_readme_has_python_snippets():
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_readme_snippets_run(seed):
+def test_readme_snippets_run(seed, tmp_path, monkeypatch):
     """The snippets draw their data from the global RNG: a few fixed seeds, not the
-    suite's order, decide what they see."""
+    suite's order, decide what they see. They run in a scratch folder (they save files)."""
+    monkeypatch.chdir(tmp_path)
     torch.manual_seed(seed)
     namespace: dict = {}
     for i, block in enumerate(python_blocks(README.read_text())):
