@@ -76,7 +76,7 @@ def _read_csv(p: Path, header: str) -> np.ndarray:
         lines = lines[1:]
     elif first is None:
         raise CliError(f"{p}: row {lines[0][0]} is not numeric (a header? pass --header yes)")
-    rows = []
+    rows: list[list[float]] = []
     for number, line in lines:
         row = parse(number, line)
         if row is None:
@@ -452,9 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"flashot {flashot.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    common = dict(formatter_class=_HelpFormatter)
     s = sub.add_parser("solve", help="entropic OT between two point clouds stored in files",
-                       **common)  # fmt: skip
+                       formatter_class=_HelpFormatter)  # fmt: skip
     s.add_argument("x", help="source points (n, d): .npy, .npz, .pt or .csv")
     s.add_argument("y", help="target points (m, d)")
     s.add_argument("--key", help="array name inside .npz/.pt files (both inputs)")
@@ -491,13 +490,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a progress bar even when stderr is no terminal")  # fmt: skip
     s.set_defaults(run=_solve)
 
-    i = sub.add_parser("info", help="versions, backends and devices", **common)
+    i = sub.add_parser("info", help="versions, backends and devices",
+                       formatter_class=_HelpFormatter)  # fmt: skip
     i.add_argument("--json", action="store_true",
                    help=f"one JSON object on stdout (schema {JSON_SCHEMA})")  # fmt: skip
     i.set_defaults(run=_info)
 
     o = sub.add_parser("otdd", help="dataset distance (OTDD) between two labeled datasets",
-                       **common)  # fmt: skip
+                       formatter_class=_HelpFormatter)  # fmt: skip
     o.add_argument("a", help="dataset name (mnist, mnist-test, mnist5k, digits, with "
                    ":rot90, :invert, :8x8, :shuffle-labels) or an .npz with X and y")  # fmt: skip
     o.add_argument("b", help="the second dataset, the same way")
@@ -521,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.set_defaults(run=_otdd)
 
     t = sub.add_parser("tune", help="tune the Triton kernels' tiles on this GPU (kept on disk)",
-                       **common)  # fmt: skip
+                       formatter_class=_HelpFormatter)  # fmt: skip
     t.add_argument("--precision", type=_names, default="fp32,tf32,bf16",
                    help="precision modes, comma-separated")  # fmt: skip
     t.add_argument("--d", type=_sizes, default="3,64,512", help="feature sizes, comma-separated")
@@ -533,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(run=_tune)
 
     d = sub.add_parser("demo", help="color transfer between two pictures (writes a PNG)",
-                       **common)  # fmt: skip
+                       formatter_class=_HelpFormatter)  # fmt: skip
     d.add_argument("--out", default="flashot_demo.png", help="the figure to write")
     d.add_argument("--n", type=int, default=4000, help="pixels sampled per picture")
     d.add_argument("--eps", type=float, default=5e-3, help="entropic regularization ε")

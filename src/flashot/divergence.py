@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ class DebiasedPotentials:
         :mod:`flashot.autodiff.second_order`)."""
         a, b, eps, rho = problem.a, problem.b, problem.eps, problem.rho_x
         out = dual_term(self.f, a, eps, rho) + dual_term(self.g, b, eps, rho)
-        if self.p is not None:
+        if self.p is not None and self.q is not None:
             out = out - dual_term(self.p, a, eps, rho) - dual_term(self.q, b, eps, rho)
         if not (torch.is_grad_enabled() and out.requires_grad):
             return out
@@ -63,7 +64,7 @@ class DebiasedPotentials:
         dtype = self.f.dtype
         pieces = [Piece(1.0, (pf.q, pf.alpha, pf.k, pf.beta, a, b), self.f.detach(),
                         self.g.detach(), spec_of(problem, dtype), relaxed)]  # fmt: skip
-        if self.p is not None:
+        if self.p is not None and self.q is not None:
 
             def self_theta(cloud, w):  # run by a double backward only
                 sf = attention_form(problem.cost, cloud, cloud, dtype, problem.engine.rounding,
@@ -101,7 +102,8 @@ def debiased_potentials(
     eps, rho, engine = problem.eps, problem.rho_x, problem.engine
     lam = problem.damping(eps)[0]
     form, log_a, log_b = problem.form.detach(), problem.log_a, problem.log_b
-    opts = dict(max_iter=max_iter, tol=tol, check_every=check_every, min_iter=min_iter)
+    opts: dict[str, Any] = dict(max_iter=max_iter, tol=tol, check_every=check_every,
+                                min_iter=min_iter)  # fmt: skip
     out = solve(
         form,
         log_a,
@@ -142,10 +144,12 @@ def debiased_potentials(
             selves.append(soft_c_transform(self_form, h, log_w, eps, lam, engine))
         p, q = selves
     converged = None if tol is None else all(o.converged for _, o in outs)
+    bound = problem.form.cost_bound
+    scale = None if bound is None else bound / eps
     misses = tuple(
         f"{name}: "
-        + describe_miss(o.cause or "max_iter", tol, o.error, o.floor, o.n_iter, dtype, update,
-                        problem.form.cost_bound / eps)  # fmt: skip
+        + describe_miss(o.cause or "max_iter", tol or 0.0, o.error, o.floor, o.n_iter, dtype,
+                        update, scale)
         for name, o in outs
         if o.converged is False
     )
@@ -203,7 +207,8 @@ def sinkhorn_divergence(
                            precision=precision, relative_eps=relative_eps)  # fmt: skip
     tol, update = resolve_stopping(tol, update, problem)
     temps = resolve_schedule(eps_schedule, problem)
-    options = dict(max_iter=max_iter, tol=tol, check_every=check_every, min_iter=min_iter)
+    options: dict[str, Any] = dict(max_iter=max_iter, tol=tol, check_every=check_every,
+                                   min_iter=min_iter)  # fmt: skip
     pots = debiased_potentials(problem, temps, update=update, **options)
     if pots.converged is False and warn:
         warnings.warn(  # stacklevel: the caller, past the autocast_off wrapper

@@ -45,7 +45,7 @@ def hvp(
     cg_tol: float | None = None,
     cg_max_iter: int = 10_000,
     **sinkhorn_options,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     r"""Hessian-vector product of the converged OT value ``sinkhorn(x, y, a, b).cost``.
 
     Args:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashot.costs import COSTS, AttentionForm, Cost, get_cost, round_operands
+from flashot.costs import COSTS, AttentionForm, Cost, FeatureMap, get_cost, round_operands
 
 __all__ = ["LabeledCost", "labeled_cost"]
 
@@ -40,7 +40,7 @@ class LabeledCost(Cost):
     ``base`` (the feature cost, λ_x folded into ``scale``).
     """
 
-    table: torch.Tensor = field(default=None, repr=False)
+    table: torch.Tensor = field(default=None, repr=False)  # type: ignore[assignment]  # (always set)
     lambda_y: float = 1.0
     base: Cost = COSTS["sqeuclidean"]
 
@@ -68,8 +68,10 @@ class LabeledCost(Cost):
         # row labels c ↦ −λ_y T[c, ·], rounded like the other operands; columns one-hot
         label_rows = round_operands(-self.lambda_y * table, rounding)
         # the maps keep the feature form's maps, not its q and k (cloud-sized)
-        row_features = LabeledFeatures(self, form.row_features, label_rows)
-        col_features = LabeledFeatures(self, form.col_features, eye)
+        base_rows, base_cols = form.row_features, form.col_features
+        assert isinstance(base_rows, FeatureMap) and isinstance(base_cols, FeatureMap)
+        row_features = LabeledFeatures(self, base_rows, label_rows)
+        col_features = LabeledFeatures(self, base_cols, eye)
         if cost_bound is None:
             boxes = [torch.stack(torch.aminmax(t.detach(), dim=0)) for t in (x, y)]
             cost_bound = float(self.box_bound(*boxes))
@@ -140,7 +142,7 @@ class LabeledFeatures:
     """
 
     cost: LabeledCost
-    features: object
+    features: FeatureMap
     labels: torch.Tensor
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:

@@ -334,5 +334,10 @@ def lanczos(
             break
         betas.append(beta)
         basis.append(w / beta)
+    if values is None or vectors is None:
+        raise RuntimeError(
+            f"lanczos: the start vector spans an invariant subspace of dimension "
+            f"{len(alphas)} < k = {k}; pass another generator or a smaller k"
+        )
     out = vectors.reshape(k, *shape).to(dtype=dtype, device=device)
     return values.to(dtype=dtype, device=device), out

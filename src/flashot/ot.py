@@ -239,22 +239,25 @@ def sinkhorn(
             "or float64 inputs"
         )
     floor_now = functools.cache(lambda: precision_floor(form, fd, gd, log_a, log_b, eps))
-    if tol is None:
-        converged = None
-    elif isinstance(tol, FloorTolerance):
-        converged = tol.reached(error, floor_now)
-    else:
-        converged = error <= tol
+    converged: bool | None = None
+    if tol is not None:
+        assert error is not None  # (measured whenever there is a tol)
+        if isinstance(tol, FloorTolerance):
+            converged = tol.reached(error, floor_now)
+        else:
+            converged = error <= tol
     cause = None
     if converged is False:
+        assert tol is not None and error is not None
         cause, floor = out.cause or "max_iter", out.floor
         if out.converged:  # the loop met tol; the final (extrapolated) potentials do not
             floor = floor_now()
             # (or, with tol="auto", the loop stopped at the floor above tol)
             at_floor = error <= FLOOR_FACTOR * floor or out.error > tol
             cause = "precision_floor" if at_floor else "final_step"
+        bound = problem.form.cost_bound
         why = describe_miss(cause, tol, error, floor, out.n_iter, problem.form.q.dtype, update,
-                            problem.form.cost_bound / eps)  # fmt: skip
+                            None if bound is None else bound / eps)  # fmt: skip
         if warn:
             warnings.warn(why, ConvergenceWarning, stacklevel=3)  # (+1: autocast_off)
     f_out, g_out = (f, g) if exact is None else implicit_potentials(theta, fd, gd, exact[1])

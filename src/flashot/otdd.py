@@ -83,14 +83,14 @@ def gaussian_table(feats: list[torch.Tensor], diagonal: bool = False) -> torch.T
         feats: K clouds (n_c, d), each of at least one point.
         diagonal: use only the covariances' diagonals (for large d).
     """
-    means, moments = [], []
+    centers, moments = [], []
     for f in feats:  # one class at a time: a float64 copy of one class, not of all
         x = f.detach().double()
-        means.append(x.mean(0))
-        c = x - means[-1]
+        centers.append(x.mean(0))
+        c = x - centers[-1]
         moments.append(c.square().mean(0) if diagonal else c.T @ c / c.shape[0])
         del x, c
-    means = torch.stack(means)
+    means = torch.stack(centers)
     table = torch.cdist(means, means).square()
     if diagonal:
         sd = torch.stack(moments).sqrt()

@@ -113,13 +113,17 @@ def eps_range(cost_bound: float, dtype: torch.dtype) -> tuple[float, float]:
     return cost_bound / math.sqrt(info.max), info.max**0.75
 
 
-def check_eps_range(eps: float, cost_bound: float, dtype: torch.dtype, name: str) -> None:
-    """ValueError naming ``name`` when ``eps`` is outside :func:`eps_range`."""
-    lo, hi = eps_range(cost_bound, dtype)
+def check_eps_range(eps: float, cost_bound: float | None, dtype: torch.dtype, name: str) -> None:
+    """ValueError naming ``name`` when ``eps`` is outside :func:`eps_range`.
+
+    Without a bound on the cost there is no lower limit.
+    """
+    bound = 0.0 if cost_bound is None else cost_bound
+    lo, hi = eps_range(bound, dtype)
     if not lo <= eps <= hi:
         raise ValueError(
             f"{name}={eps:g} is outside the range {dtype} supports for these points "
-            f"({lo:.3g} ≤ {name} ≤ {hi:.3g}, the costs reaching {cost_bound:.3g}): scores C/eps "
+            f"({lo:.3g} ≤ {name} ≤ {hi:.3g}, the costs reaching {bound:.3g}): scores C/eps "
             "would overflow or lose all their digits; rescale the data or use float64"
         )
 
@@ -196,7 +200,8 @@ def parse_rho(rho) -> tuple[float | None, float | None]:
     if isinstance(rho, Sequence) and not isinstance(rho, str):
         if len(rho) != 2:
             raise ValueError(f"rho must be a float or a pair (rho_x, rho_y), got {rho!r}")
-        return tuple(None if r is None else check_positive(r, "rho") for r in rho)
+        rx, ry = (None if r is None else check_positive(r, "rho") for r in rho)
+        return rx, ry
     r = check_positive(rho, "rho")
     return r, r
 

@@ -22,7 +22,7 @@ import torch
 
 from flashot.autodiff.implicit import DualSpec, implicit_potentials, plan_product
 from flashot.backends import autocast_off
-from flashot.backends.base import Backend
+from flashot.backends.base import Backend, _given
 from flashot.costs import AttentionForm
 from flashot.dual import marginal_error, mass_excess, phi_sum, plan_times, row_mass
 
@@ -68,7 +68,7 @@ class TransportPlan:
     ):
         self._form, self._f, self._g = form, f.detach(), g.detach()
         self._log_a, self._log_b, self._eps, self._backend = log_a, log_b, eps, backend
-        self._x, self._y, self._rho = x.detach(), y.detach(), tuple(rho)
+        self._x, self._y, self._rho = x.detach(), y.detach(), (rho[0], rho[1])
         self._x_graph, self._y_graph = x, y  # the maps' values, differentiable
         self._exact = exact
         self._versions = self._state()
@@ -121,7 +121,7 @@ class TransportPlan:
             self._backend,
             self._y_graph,
             self._x_graph,
-            self._rho[::-1],
+            (self._rho[1], self._rho[0]),
             None if self._exact is None else _transposed(*self._exact),
         )
 
@@ -254,7 +254,7 @@ class TransportPlan:
             if self._needs_grad(yg):
                 rows = self._exact_product(torch.cat([torch.ones_like(yg[:, :1]), yg], 1))
                 return (rows[:, 1:] / rows[:, :1]).to(self._y.dtype)
-            return self._attend(y)[1].to(self._y.dtype)
+            return _given(self._attend(y)[1]).to(self._y.dtype)
         if self._needs_grad(points):
             raise RuntimeError(MAP_GRADIENT)
         form = self._form
@@ -270,9 +270,8 @@ class TransportPlan:
             qz = form.row_features(points.detach().to(self._x.dtype))
             form_z = AttentionForm(qz, form.k, torch.zeros_like(qz[:, 0]), form.beta)
             h = self._g - form.beta
-            return self._backend.row_attend(form_z, h, self._eps, y, self._log_b)[1].to(
-                self._y.dtype
-            )
+            _, avg = self._backend.row_attend(form_z, h, self._eps, y, self._log_b)
+            return _given(avg).to(self._y.dtype)
 
     @autocast_off
     def source_potential(self, points: torch.Tensor) -> torch.Tensor:
@@ -330,7 +329,8 @@ class TransportPlan:
     def _transport_cost(self) -> torch.Tensor:
         form = self._form
         v = torch.cat([form.k, form.beta[:, None]], dim=1)
-        r, out = self._attend(v)
+        r, avg = self._attend(v)
+        out = _given(avg)
         row_cost = form.alpha + out[:, -1] - (form.q * out[:, :-1]).sum(1)
         return (r * row_cost).sum()
 

@@ -230,10 +230,11 @@ class _Stopping:
 
     def __init__(self, tol: float | None, floor: Callable[[], float], patience: int = 8):
         self.tol, self.patience, self.floor_fn = tol, patience, floor
-        self.best, self.flat, self.floor = math.inf, 0, None
+        self.best, self.flat = math.inf, 0
+        self.floor: float | None = None
         self.recent: collections.deque[float] = collections.deque(maxlen=patience)
-        self.converged = None if tol is None else False
-        self.cause = None
+        self.converged: bool | None = None if tol is None else False
+        self.cause: str | None = None
 
     def done(self, error: float, it: int) -> bool:
         if not math.isfinite(error):
@@ -242,6 +243,7 @@ class _Stopping:
                 "try a larger eps or an eps_schedule"
             )
         self.recent.append(error)
+        assert self.tol is not None  # (only called with a tolerance)
         if error <= self.tol:
             self.converged = True
             return True
@@ -250,13 +252,13 @@ class _Stopping:
         if self.flat < self.patience:
             return False
         self.flat = 0
-        self.floor = self.floor_fn()
-        if self.best <= FLOOR_FACTOR * self.floor:
+        floor = self.floor = self.floor_fn()
+        if self.best <= FLOOR_FACTOR * floor:
             # ε drives the floor (∝ 1/ε) when it stalls far above the requested tol
             if self.best > 10 * self.tol:
                 self.cause = "eps_too_small"
             elif isinstance(self.tol, FloorTolerance):  # as close as the dtype gets
-                self.converged = self.tol.reached(self.best, lambda: self.floor)
+                self.converged = self.tol.reached(self.best, lambda: floor)
             else:
                 self.cause = "precision_floor"
             return True
@@ -267,8 +269,9 @@ class _Stopping:
         if self.converged is not False or self.cause is not None:
             return
         recent = list(self.recent)
-        self.floor = self.floor_fn()
-        if self.floor > UNREACHABLE * self.tol:  # even the best rounding luck is above tol
+        floor = self.floor = self.floor_fn()
+        assert self.tol is not None  # (converged is False: there is a tolerance)
+        if floor > UNREACHABLE * self.tol:  # even the best rounding luck is above tol
             self.cause = "eps_too_small"
         elif len(recent) >= 4 and max(recent) - min(recent) <= FLAT * max(recent):
             self.cause = "no_progress"
@@ -472,7 +475,8 @@ def solve(
         return out.f, out.g, *(final(form, out, la, lb) or ())
 
     f, g, *last = GRAPHS(key, run, tensors)
-    return SolverOutput(f, g, max_iter, None, float("nan"), final=tuple(last) or None)
+    final_pair = (last[0], last[1]) if last else None
+    return SolverOutput(f, g, max_iter, None, float("nan"), final=final_pair)
 
 
 def warm_form(form: AttentionForm, eps_list: Sequence[float]) -> AttentionForm:
@@ -511,7 +515,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
     # own device-side state; it falls back to exact updates row by row, never via the host
     state = backend.fast_state(f.device) if update == "symmetric" else None
     error, it = float("nan"), 0
-    checks = [] if record else None
+    checks: list[tuple[int, float, float]] = []
     for it in range(1, max_iter + 1):
         eps = eps_list[min(it - 1, last)]
         lam = damping(eps)
@@ -542,7 +546,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
     bar.close()
     stop.finish()
     return SolverOutput(f, g, it, stop.converged, error, stop.cause, stop.floor,
-                        checks=None if checks is None else tuple(checks))  # fmt: skip
+                        checks=tuple(checks) if record else None)  # fmt: skip
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ from flashot.backends import autocast_off
 __all__ = ["Piece", "default_cg_tol", "dual_solve_options", "exact_second_order"]
 
 #: (cg_tol or None for the dtype's default, cg_max_iter) of the dual solves
-_OPTIONS = [(None, 10_000)]
+_OPTIONS: list[tuple[float | None, int]] = [(None, 10_000)]
 
 
 def default_cg_tol(dtype: torch.dtype) -> float:

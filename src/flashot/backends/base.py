@@ -268,9 +268,11 @@ class Backend:
         """
         pw = ptu = None
         if w is not None:
-            pw = r * self.row_attend(form, g - form.beta, eps, w[:, None], log_b)[1][:, 0]
+            _, avg = self.row_attend(form, g - form.beta, eps, w[:, None], log_b)
+            pw = r * _given(avg)[:, 0]
         if u is not None:
-            ptu = c * self.row_attend(form.T, f - form.alpha, eps, u[:, None], log_a)[1][:, 0]
+            _, avg = self.row_attend(form.T, f - form.alpha, eps, u[:, None], log_a)
+            ptu = c * _given(avg)[:, 0]
         return pw, ptu
 
     def marginals(
@@ -284,3 +286,9 @@ class Backend:
         """
         lse_r, lse_c = self.potential_lse(form, f, g, log_a, log_b, eps)
         return row_mass(f, lse_r, form.alpha, log_a, eps), row_mass(g, lse_c, form.beta, log_b, eps)
+
+
+def _given(t: torch.Tensor | None) -> torch.Tensor:
+    """``t``, asked for and so present (a typing narrowing)."""
+    assert t is not None
+    return t

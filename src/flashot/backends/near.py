@@ -115,12 +115,12 @@ def near_attend(form, h, eps, v=None, log_w=None, budget: int | None = None):
             e = e * decay + seen * torch.expm1(delta) + torch.expm1(z) @ w
             s = s * decay + ez @ w
             seen = seen + w.sum()
-            if v is not None:
+            if v is not None and acc is not None:
                 acc = acc * decay[:, None] + (ez * w) @ v[j0:j1]
             top = shift
         near = s >= 0.5
         log_sum = torch.where(near, torch.log1p(e), torch.log(torch.where(near, 1.0, s)))
         lse[i0:i1] = eps * top + eps * log_sum + (eps * log_total).to(dtype)
-        if v is not None:
+        if out is not None and acc is not None:
             out[i0:i1] = acc / s[:, None]
     return lse, out

@@ -132,6 +132,7 @@ def balanced_splits(units: int, moving: int, slots: int, most: int) -> tuple[int
         cost = triton.cdiv(units * splits, slots) * (per + PROGRAM_OVERHEAD)
         if best is None or cost < best[0]:
             best = (cost, splits, per)
+    assert best is not None  # (one split always fits)
     return best[1], best[2]
 
 

@@ -163,9 +163,11 @@ def announce(tuned, key: tuple, device) -> None:
     if device.type != "cuda":  # (tuning happens on GPUs; tests drive it on the CPU)
         return
     fields = dict(zip(FIELDS[key[0]], key, strict=True))
+    arch_name = arch_of(device)
+    assert arch_name is not None  # (a CUDA device)
     print(f"flashot: tuning {key[0]} tiles for d={fields['d']}, n~2^{fields['nb']}, "
           f"m~2^{fields['mb']}, {fields['dot']} ({len(tuned.configs)} candidates, about a minute; "
-          f"kept in {user_table_path(arch_of(device))}; FLASHOT_AUTOTUNE=0 skips this)",
+          f"kept in {user_table_path(arch_name)}; FLASHOT_AUTOTUNE=0 skips this)",
           file=sys.stderr, flush=True)  # fmt: skip
 
 
@@ -173,8 +175,10 @@ def keep(key: tuple, cfg: triton.Config, device) -> None:
     """Persist a tuned key's tiles in the user's table (a warning if it cannot be written)."""
     if device.type != "cuda":
         return
+    arch_name = arch_of(device)
+    assert arch_name is not None  # (a CUDA device)
     try:
-        record(key, cfg, arch_of(device))
+        record(key, cfg, arch_name)
     except OSError as err:
         warnings.warn(f"flashot: tuned tiles not saved ({err})", RuntimeWarning, stacklevel=3)
 
