@@ -166,3 +166,9 @@ def test_cg_columns_is_one_cg_per_column(n, k, seed):
         assert torch.allclose(res.x[:, j], one.x, rtol=1e-9, atol=1e-12 * scale)
     with pytest.raises(ValueError, match="columns"):
         cg(matvec, b[:, 0], columns=True)
+
+
+def test_lanczos_says_so_when_its_krylov_space_closes_before_k():
+    # the zero operator maps the start vector to exactly 0: a Krylov space of dimension 1
+    with pytest.raises(RuntimeError, match="invariant subspace of dimension 1 < k = 2"):
+        lanczos(lambda v: 0 * v, 5, k=2, generator=torch.Generator().manual_seed(0))
