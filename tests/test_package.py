@@ -21,3 +21,27 @@ def test_license_typing_marker_and_data_files():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert "py.typed" in data["flashot"] and "tiles/*.json" in data["flashot.backends.triton"]
     assert list((Path(flashot.__file__).parent / "backends" / "triton" / "tiles").glob("sm_*.json"))
+
+
+def test_the_sdist_carries_its_test_suite(tmp_path, monkeypatch):
+    """Every file of tests/ (helpers and subpackages too) and the docs are in the sdist,
+    so its test suite can run."""
+    import subprocess
+    import sys
+    import tarfile
+
+    if not (ROOT / ".git").exists():
+        import pytest
+
+        pytest.skip("needs the source checkout")
+    subprocess.run([sys.executable, "-c", "import setuptools.build_meta as b; "
+                    f"b.build_sdist({str(tmp_path)!r})"], cwd=ROOT, check=True,
+                   capture_output=True)  # fmt: skip
+    (sdist,) = tmp_path.glob("flashot-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    tracked = subprocess.run(["git", "ls-files", "tests"], cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout.split()  # fmt: skip
+    missing = [path for path in tracked if path not in names]
+    assert tracked and not missing, missing
+    assert {"README.md", "LICENSE", "CHANGELOG.md", "pyproject.toml"} <= names
