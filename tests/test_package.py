@@ -1,8 +1,10 @@
 """Packaging: one version, the license, the typing marker and the data files ship."""
 
 import importlib.metadata
-import tomllib
 from pathlib import Path
+
+import pytest
+import tomllib
 
 import flashot
 
@@ -31,8 +33,6 @@ def test_the_sdist_carries_its_test_suite(tmp_path, monkeypatch):
     import tarfile
 
     if not (ROOT / ".git").exists():
-        import pytest
-
         pytest.skip("needs the source checkout")
     subprocess.run([sys.executable, "-c", "import setuptools.build_meta as b; "
                     f"b.build_sdist({str(tmp_path)!r})"], cwd=ROOT, check=True,
