@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from flashot.autodiff.implicit import deferred_dual_solves
+from flashot.autodiff.implicit import add_optional, deferred_dual_solves
 from flashot.autodiff.second_order import dual_solve_options
 from flashot.backends import autocast_off
 from flashot.ot import sinkhorn
@@ -120,14 +120,10 @@ def hvp(
                     outs.append(list(hv))
             if deferred is not None:
                 for i, owed in enumerate(deferred.finish(inputs, count)):
-                    outs[i] = [_add(h, o) for h, o in zip(outs[i], owed, strict=True)]
+                    outs[i] = [add_optional(h, o) for h, o in zip(outs[i], owed, strict=True)]
             outs = [[torch.zeros_like(t) if h is None else h.detach() for h, t in zip(o, inputs,
                                                                                     strict=True)]
                     for o in outs]  # fmt: skip
     stacked = [torch.stack([o[j] for o in outs]) if batched else outs[0][j]
                for j in range(len(inputs))]  # fmt: skip
     return tuple(stacked) if wrt == "xy" else stacked[0]
-
-
-def _add(h, o):
-    return o if h is None else (h if o is None else h + o)

@@ -54,6 +54,7 @@ __all__ = [
     "DualSpec",
     "ImplicitPotentials",
     "PlanProduct",
+    "add_optional",
     "clear_dual_graphs",
     "deferred_dual_solves",
     "last_dual_solve",
@@ -208,11 +209,10 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
 
     All arguments detached: form, f (n,), g (m,), a (n,), b (m,), f̄ (n,), ḡ (m,); or
     k right-hand sides f̄ (n, k), ḡ (m, k), solved by one CG per column that share each
-    streaming pass (the products take k values at once).
+    streaming pass (value passes take the k columns at once; no capture).
     """
-    if f_bar.dim() == 2:
-        return _solve_dual_columns(form, f, g, a, b, spec, f_bar, g_bar)
     eps, (rho_x, rho_y), backend = spec.eps, spec.rho, spec.backend
+    columns = f_bar.dim() == 2
     log_a, log_b = torch.log(a), torch.log(b)
     r, c = backend.marginals(form, f, g, log_a, log_b, eps)
     d_r = r if rho_x is None else r + (eps / rho_x) * _relaxed_weight(f, a, rho_x)
@@ -221,17 +221,28 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     d_c_inv = torch.where(d_c > 0, 1.0 / d_c, torch.zeros_like(d_c))
     deflate = rho_x is None and rho_y is None
     c_unit = c / c.sum()
-    data = (form.q, form.k, form.alpha, form.beta, f, g, log_a, log_b, r, c, d_r_inv, d_c,
-            d_c_inv, c_unit)  # fmt: skip
-    capture, data = _capture_plan(spec, form, data)
-    q, k, alpha, beta, f, g, log_a, log_b, r, c, d_r_inv, d_c, d_c_inv, c_unit = data
-    form = AttentionForm(q, k, alpha, beta, cost_bound=form.cost_bound)
+    if columns:
+        capture = False
+        d_r_inv, d_c, d_c_inv, c_unit = (t[:, None] for t in (d_r_inv, d_c, d_c_inv, c_unit))
 
-    def p_times(w):  # P w: (m,) -> (n,)
-        return backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, w=w)[0]
+        def p_times(w):  # P W: (m, k) -> (n, k), one pass
+            return plan_times(backend, form, f, g, log_a, log_b, eps, w)
 
-    def pt_times(u):  # Pᵀ u: (n,) -> (m,)
-        return backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, u=u)[1]
+        def pt_times(u):  # Pᵀ U: (n, k) -> (m, k), one pass
+            return plan_times(backend, form.T, g, f, log_b, log_a, eps, u)
+
+    else:
+        data = (form.q, form.k, form.alpha, form.beta, f, g, log_a, log_b, r, c, d_r_inv, d_c,
+                d_c_inv, c_unit)  # fmt: skip
+        capture, data = _capture_plan(spec, form, data)
+        q, k, alpha, beta, f, g, log_a, log_b, r, c, d_r_inv, d_c, d_c_inv, c_unit = data
+        form = AttentionForm(q, k, alpha, beta, cost_bound=form.cost_bound)
+
+        def p_times(w):  # P w: (m,) -> (n,)
+            return backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, w=w)[0]
+
+        def pt_times(u):  # Pᵀ u: (n,) -> (m,)
+            return backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, u=u)[1]
 
     # S is PSD, but its smallest eigenvalues drown in rounding: a shift of 100 ulps of
     # D_c keeps CG's curvatures positive and costs ~100 ulps of relative accuracy there
@@ -245,9 +256,10 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
 
     rhs = eps * (g_bar - pt_times(d_r_inv * f_bar))
     if deflate:  # the part along 1 is a gauge dependence: no solution, dropped
-        rhs = rhs - c_unit * rhs.sum()
+        rhs = rhs - c_unit * rhs.sum(0)
     res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter, capture=capture,
-             preconditioner=lambda v: d_c_inv * v, on_negative_curvature="return")  # fmt: skip
+             columns=columns, preconditioner=lambda v: d_c_inv * v,
+             on_negative_curvature="return")  # fmt: skip
     if res.negative_curvature is not None:  # rounding won: the iterate is as good as it gets
         warnings.warn(
             f"the dual system's CG met rounding-level curvature after {res.n_iter} iterations "
@@ -262,46 +274,9 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     return w_f, w_g
 
 
-def _solve_dual_columns(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
-    """:func:`solve_dual` for k right-hand sides (columns): value passes, no capture."""
-    eps, (rho_x, rho_y), backend = spec.eps, spec.rho, spec.backend
-    log_a, log_b = torch.log(a), torch.log(b)
-    r, c = backend.marginals(form, f, g, log_a, log_b, eps)
-    d_r = r if rho_x is None else r + (eps / rho_x) * _relaxed_weight(f, a, rho_x)
-    d_c = c if rho_y is None else c + (eps / rho_y) * _relaxed_weight(g, b, rho_y)
-    d_r_inv = torch.where(d_r > 0, 1.0 / d_r, torch.zeros_like(d_r))[:, None]
-    d_c_inv = torch.where(d_c > 0, 1.0 / d_c, torch.zeros_like(d_c))[:, None]
-    deflate = rho_x is None and rho_y is None
-    c_unit = (c / c.sum())[:, None]
-
-    def p_times(w):  # P W: (m, k) -> (n, k), one pass
-        return plan_times(backend, form, f, g, log_a, log_b, eps, w)
-
-    def pt_times(u):  # Pᵀ U: (n, k) -> (m, k), one pass
-        return plan_times(backend, form.T, g, f, log_b, log_a, eps, u)
-
-    shift = 100 * torch.finfo(d_c.dtype).eps  # (as in solve_dual)
-
-    def schur(w):
-        out = (1 + shift) * d_c[:, None] * w - pt_times(d_r_inv * p_times(w))
-        return out + c_unit * (c @ w) if deflate else out
-
-    rhs = eps * (g_bar - pt_times(d_r_inv * f_bar))
-    if deflate:
-        rhs = rhs - c_unit * rhs.sum(0)
-    res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter, columns=True,
-             preconditioner=lambda v: d_c_inv * v, on_negative_curvature="return")  # fmt: skip
-    if res.negative_curvature is not None:
-        warnings.warn(
-            f"the dual system's CG met rounding-level curvature after {res.n_iter} iterations "
-            f"(relative residual {res.residual:.1e}); second derivatives are accurate to about "
-            "that; float64 inputs or a larger eps help",
-            CGWarning,
-            stacklevel=2,
-        )
-    last_dual_solve.update(n_iter=res.n_iter, residual=res.residual, converged=res.converged)
-    w_g = res.x
-    return d_r_inv * (eps * f_bar - p_times(w_g)), w_g
+def add_optional(x, y):
+    """``x + y`` where None is a zero (gradients that autograd did not form)."""
+    return y if x is None else (x if y is None else x + y)
 
 
 def _theta_grads(form, f, g, a, b, spec: DualSpec, w_f, w_g, needs) -> tuple:
@@ -366,8 +341,7 @@ class DeferredSolves:
                 cot = [t for t, need in zip(grads, needs, strict=True) if need]
                 found = torch.autograd.grad(theta, inputs, grad_outputs=cot, retain_graph=True,
                                             allow_unused=True)  # fmt: skip
-                out[i] = [x if y is None else (y if x is None else x + y)
-                          for x, y in zip(out[i], found, strict=True)]  # fmt: skip
+                out[i] = [add_optional(x, y) for x, y in zip(out[i], found, strict=True)]
         return out
 
 

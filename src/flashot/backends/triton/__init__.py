@@ -26,6 +26,7 @@ from flashot.backends.base import Backend
 from flashot.backends.near import is_near_uniform
 from flashot.backends.plan_vjp import ALL
 from flashot.backends.triton import _configs, _tables
+from flashot.backends.triton._gate import Gate
 from flashot.backends.triton._kernels import (
     _attend_kernel,
     _combine_kernel,
@@ -449,7 +450,7 @@ class TritonBackend(Backend):
 
     def fast_state(self, device):
         """See :meth:`flashot.backends.base.Backend.fast_state`: the residual gate."""
-        return _Gate(device) if self.fused else None
+        return Gate(device) if self.fused else None
 
     def _step(self, form, f, g, log_a, log_b, eps, w_old, w_new, *, rho=(None, None),
               check=False, state=None, log_sums=False):  # fmt: skip
@@ -588,22 +589,3 @@ def _window(n: int, m: int) -> float:
     shift = SUM_SHIFT * math.log(2.0)
     low = -math.log(_LO_PER_TERM * max(n, m)) + shift
     return min(low, math.log(_HI) - shift) - 1.0
-
-
-class _Gate:
-    """Device-side residual gate of a solve.
-
-    Two slots of (largest ln R, largest −ln R), one read by a step and one written by it
-    for the next, so that a fused launch never reads the slot being filled.
-    """
-
-    def __init__(self, device):
-        self.slots = torch.full((4,), float("inf"), device=device, dtype=torch.float32)
-        self.parity = 0
-        self.steps = 0  # steps taken
-        self.eps = None  # the ε of the last step
-        self.ranges = None  # the sums' exact ranges (they depend on the weights only)
-
-    def swap(self):
-        p, self.parity = self.parity, 1 - self.parity
-        return self.slots[2 * p : 2 * p + 2], self.slots[2 - 2 * p : 4 - 2 * p]
