@@ -293,13 +293,16 @@ class FeatureMap:
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
         """(r, d) points ↦ (r, d) features."""
-        out = round_operands(self.cost.embed(z.to(self.dtype)) - self.center, self.rounding)
-        return out if self.factor == 1.0 else self.factor * out
+        return self._both(z)[0]
 
     def offsets(self, z: torch.Tensor) -> torch.Tensor:
         """(r, d) points ↦ (r,) offsets ``s |round(φ(z) − center)|²`` (α or β of the form)."""
-        w = round_operands(self.cost.embed(z.to(self.dtype)) - self.center, self.rounding)
-        return self.cost.scale * (w * w).sum(-1)
+        return self._both(z)[1]
+
+    def _both(self, z: torch.Tensor):
+        # the form's own arithmetic: new points get what the cloud's points got
+        embedded = self.cost.embed(z.to(self.dtype))
+        return _centered(embedded, self.center, self.rounding, self.factor, self.cost.scale)
 
 
 def bounding_diameter(cost: Cost, x: torch.Tensor, y: torch.Tensor) -> float:

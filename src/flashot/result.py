@@ -137,8 +137,8 @@ class TransportPlan:
             lse, out = self._backend.row_attend(self._form, h, self._eps, v, self._log_b)
             return row_mass(self._f, lse, self._form.alpha, self._log_a, self._eps), out
 
-    def _marginal_error(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(L1 violation of both marginal conditions, ``m(P) − m(a) m(b)``).
+    def _sums(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(r, c, m(P) − m(a) m(b))``: the marginals and the mass excess (detached).
 
         One fused pass, and a second at ε above the cost's bound (see
         :func:`~flashot.dual.mass_excess`).
@@ -146,9 +146,13 @@ class TransportPlan:
         form, f, g, log_a, log_b = self._form, self._f, self._g, self._log_a, self._log_b
         with torch.no_grad():
             r, c = self._backend.marginals(form, f, g, log_a, log_b, self._eps)
-            error = marginal_error(f, r, log_a, self._rho[0])
-            excess = mass_excess(self._backend, form, f, g, log_a, log_b, self._eps, r)
-            return error + marginal_error(g, c, log_b, self._rho[1]), excess
+            return r, c, mass_excess(self._backend, form, f, g, log_a, log_b, self._eps, r)
+
+    def _marginal_error(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(L1 violation of both marginal conditions, ``m(P) − m(a) m(b)``)."""
+        r, c, excess = self._sums()
+        error = marginal_error(self._f, r, self._log_a, self._rho[0])
+        return error + marginal_error(self._g, c, self._log_b, self._rho[1]), excess
 
     def _objectives(self) -> dict:
         r"""The primal and dual objectives at this plan and its potentials (detached).
@@ -164,24 +168,22 @@ class TransportPlan:
                 - \varepsilon\mu,
 
         the first being ``⟨P, C⟩ + ε KL(P ‖ a⊗b) + ρ KL(marginals)`` (``log P`` is
-        ``f ⊕ g − C`` up to the weights, so ``⟨P, C⟩`` cancels), and
-        ``KL(P ‖ a⊗b) = (⟨r, f⟩ + ⟨c, g⟩ − ⟨P, C⟩)/ε − μ`` (one more pass; it subtracts
-        cost-sized terms: its absolute error is ulps of the cost over ε).
+        ``f ⊕ g − C`` up to the weights, so ``⟨P, C⟩`` cancels). Also returned:
+        ``rf_cg = ⟨r, f⟩ + ⟨c, g⟩`` and ``μ``, from which
+        ``KL(P ‖ a⊗b) = (rf_cg − ⟨P, C⟩)/ε − μ``.
         """
-        form, f, g, log_a, log_b, eps = (self._form, self._f, self._g, self._log_a,
-                                         self._log_b, self._eps)  # fmt: skip
+        f, g, eps, (rho_x, rho_y) = self._f, self._g, self._eps, self._rho
+        r, c, excess = self._sums()
         with torch.no_grad():
-            r, c = self._backend.marginals(form, f, g, log_a, log_b, eps)
-            excess = mass_excess(self._backend, form, f, g, log_a, log_b, eps, r)
-            a, b = log_a.exp(), log_b.exp()
-            primal = (r * f).sum() + (c * g).sum() - eps * excess
-            for mass, w, rho in ((r, a, self._rho[0]), (c, b, self._rho[1])):
+            a, b = self._log_a.exp(), self._log_b.exp()
+            rf_cg = (r * f).sum() + (c * g).sum()
+            primal = rf_cg - eps * excess
+            for mass, w, rho in ((r, a, rho_x), (c, b, rho_y)):
                 if rho is not None:  # generalized KL(mass ‖ w), zero weights hold no mass
                     ratio = torch.where(mass > 0, torch.log(mass / w), 0.0)
                     primal = primal + rho * ((mass * ratio).sum() - mass.sum() + w.sum())
-            dual = phi_sum(f, a, self._rho[0]) + phi_sum(g, b, self._rho[1]) - eps * excess
-            kl = ((r * f).sum() + (c * g).sum() - self._transport_cost()) / eps - excess
-            return dict(primal=primal, dual=dual, kl=kl)
+            dual = phi_sum(f, a, rho_x) + phi_sum(g, b, rho_y) - eps * excess
+            return dict(primal=primal, dual=dual, rf_cg=rf_cg, excess=excess)
 
     def _values(self, v, name: str) -> torch.Tensor:
         if not isinstance(v, torch.Tensor):
@@ -485,13 +487,17 @@ class SinkhornResult:
         """
         return float(self._objectives["primal"] - self._objectives["dual"])
 
-    @property
+    @functools.cached_property
+    @autocast_off
     def kl(self) -> torch.Tensor:
         """``KL(P ‖ a⊗b)``, the primal's entropic term over ε (detached).
 
-        Its absolute error is ulps of the cost over ε (cost-sized terms cancel).
+        Its absolute error is ulps of the cost over ε (cost-sized terms cancel). One
+        more pass (for ``⟨P, C⟩``) than the objectives.
         """
-        return self._objectives["kl"]
+        obj = self._objectives
+        with torch.no_grad():
+            return (obj["rf_cg"] - self.plan._transport_cost()) / self.eps - obj["excess"]
 
     @functools.cached_property
     @autocast_off
