@@ -19,6 +19,11 @@ class LiveTensors(TorchDispatchMode):
         super().__init__()
         self.threshold, self.live, self.current, self.peak = threshold, {}, 0, 0
 
+    def ignore(self, *tensors: torch.Tensor) -> None:
+        """Never count the storages of these (inputs made before the block)."""
+        for t in tensors:
+            self.live[t.untyped_storage().data_ptr()] = 0
+
     def _gone(self, ptr):
         if ptr in self.live:
             self.current -= self.live.pop(ptr)

@@ -227,6 +227,18 @@ def test_hvp_on_triton_matches_float64_torch(wrt, rho):
         assert rel(got, want) < 1e-3
 
 
+def test_batched_hvp_directions_on_triton_match_single_ones():
+    """k directions in one hvp call (one CG with k columns, captures off) give each
+    direction's own HVP."""
+    x, y = data(1500, 1200, 8)
+    gen = torch.Generator("cuda").manual_seed(3)
+    V = torch.randn(4, *x.shape, device="cuda", generator=gen)
+    H = flashot.hvp(x, y, V, eps=0.5, backend="triton", tol=1e-6)
+    for i in range(4):
+        h = flashot.hvp(x, y, V[i], eps=0.5, backend="triton", tol=1e-6)
+        assert rel(H[i], h) < 1e-4, i
+
+
 def test_cuda_autocast_does_not_change_results():
     """Under torch.autocast("cuda") the solve, its gradient, plan products and an HVP
     compute as outside it (the Triton backend's torch glue included)."""

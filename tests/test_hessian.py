@@ -270,3 +270,28 @@ def test_batched_directions_share_the_dual_solve(wrt, rho, cost):
             assert rel(batch[0][i], one[0]) < 1e-10 and rel(batch[1][i], one[1]) < 1e-10
         else:
             assert rel(batch[i], one) < 1e-10
+
+
+def test_hvp_whole_call_keeps_few_cloud_sized_tensors():
+    """Loss, gradient with create_graph and the double backward (the peer's HVP setup)
+    hold at most seven point-cloud-sized tensors at once beyond the inputs: the two
+    attention features, the envelope step's barycenters, the gradient, and three
+    backward temporaries. (Ten before the plan's row sums came with its product and
+    |q|² got a one-product backward.)"""
+    from flashot.autodiff.second_order import dual_solve_options
+    from flashot.backends.torch_backend import TorchBackend
+    from tests.live_memory import LiveTensors
+
+    gen = torch.Generator().manual_seed(0)
+    n, d = 800, 48
+    x, y, v = (torch.randn(n, d, generator=gen) for _ in range(3))
+    cloud = n * d * 4
+    with LiveTensors(cloud // 4) as live:
+        live.ignore(x, y, v)
+        xs = x.detach().requires_grad_()
+        with dual_solve_options(cg_tol=3e-2):
+            loss = flashot.SamplesLoss(blur=0.3, scaling=0.5, debias=False,
+                                       backend=TorchBackend(budget=8192))(xs, y)  # fmt: skip
+            (g,) = torch.autograd.grad(loss, xs, create_graph=True)
+            (h,) = torch.autograd.grad((g * v).sum(), xs)
+    assert torch.isfinite(h).all() and live.peak / cloud <= 7.0

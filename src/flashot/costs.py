@@ -184,6 +184,27 @@ def round_operands(u: torch.Tensor, rounding) -> torch.Tensor:
     return u + (rounded - u).detach()
 
 
+class _SquaredNorms(torch.autograd.Function):
+    """``|w_i|²`` (n,) of rows w (n, d), with a one-product backward ``2 w ⊙ ḡ``.
+
+    ``vecdot(w, w)`` differentiates each factor apart: its double backward (an HVP)
+    holds about five (n, d) temporaries at once where this one holds two.
+    """
+
+    @staticmethod
+    def forward(w):
+        return torch.linalg.vecdot(w, w)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return w * (2 * grad)[:, None]
+
+
 def _centered(u: torch.Tensor, center: torch.Tensor, rounding, factor: float, scale: float):
     """``(factor · w, scale · |w|²)`` with ``w = round(u − c)``.
 
@@ -192,7 +213,12 @@ def _centered(u: torch.Tensor, center: torch.Tensor, rounding, factor: float, sc
     """
     if u.requires_grad:
         w = round_operands(u - center, rounding)
-        return factor * w, scale * (w * w).sum(-1)
+        if factor == 1.0:
+            return w, scale * _SquaredNorms.apply(w)
+        # |w|² from q = factor · w, so that autograd keeps q alone (one (n, d) tensor, not
+        # two); exact when factor is a power of two (2s ∈ {1, 2} for the shipped costs)
+        q = factor * w
+        return q, (scale / factor**2) * _SquaredNorms.apply(q)
     w = u - center
     _check_fp16_range(w, rounding)
     norms = torch.empty(w.shape[0], dtype=w.dtype, device=w.device)

@@ -121,15 +121,28 @@ def test_plan_product_asks_only_what_each_input_needs():
     inputs = [form.q, form.alpha, form.k, form.beta, a, b, torch.randn(7, generator=gen, dtype=F64),
               torch.randn(5, generator=gen, dtype=F64), torch.randn(5, 2, generator=gen, dtype=F64)]
     D = torch.randn(7, 2, generator=gen, dtype=F64)
+    dm = torch.randn(7, generator=gen, dtype=F64)
 
-    def grads(wanted):
+    def grads(wanted, with_mass=True):
         leaves = [t.clone().requires_grad_(i in wanted) for i, t in enumerate(inputs)]
-        out = PlanProduct.apply(*leaves, spec)
-        return torch.autograd.grad((D * out).sum(), [leaves[i] for i in wanted])
+        out, mass = PlanProduct.apply(*leaves, spec)
+        loss = (D * out).sum() + (dm * mass).sum() if with_mass else (D * out).sum()
+        return torch.autograd.grad(loss, [leaves[i] for i in wanted])
 
-    every = grads(range(9))
-    for i in range(9):
-        assert torch.equal(grads([i])[0], every[i]), i
+    def dense(with_mass):  # (P V, P 1) of the dense plan, by autograd
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        q, al, k, be, aa, bb, ff, gg, V = leaves
+        P = aa[:, None] * bb[None, :] * torch.exp((ff[:, None] + gg[None, :] - al[:, None]
+                                                   - be[None, :] + q @ k.T) / EPS)  # fmt: skip
+        loss = (D * (P @ V)).sum() + (dm * P.sum(1)).sum() if with_mass else (D * (P @ V)).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    for with_mass in (True, False):
+        every = grads(range(9), with_mass)
+        for got, want in zip(every, dense(with_mass), strict=True):
+            assert rel(got, want) < 1e-12
+        for i in range(9):
+            assert torch.equal(grads([i], with_mass)[0], every[i]), (i, with_mass)
 
 
 @pytest.mark.parametrize("rho", [None, 1.0])

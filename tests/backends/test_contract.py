@@ -189,13 +189,14 @@ def test_plan_matvec_matches_dense(gen, name, shape, eps):
         assert rel(ones[1], c) < 4 * torch.finfo(dtype).eps
 
 
-def dense_plan_vjp(form, f, g, a, b, eps, v, d):
-    """The reductions of S = P ⊙ (D Vᵀ) and Pᵀ D, from the dense float64 plan."""
+def dense_plan_vjp(form, f, g, a, b, eps, v, d, d0=None):
+    """The reductions of S = P ⊙ (d⁰ 1ᵀ + D Vᵀ) and Pᵀ D, from the dense float64 plan."""
     q, k, al, be = (t.double().cpu() for t in (form.q, form.k, form.alpha, form.beta))
     f, g, a, b, v, d = (t.double().cpu() for t in (f, g, a, b, v, d))
     E = torch.exp((f[:, None] + g[None] - al[:, None] - be[None] + q @ k.T) / eps)
     P = a[:, None] * b[None] * E
-    T = E * (d @ v.T)  # S / (a ⊗ b), defined where a weight is 0 too
+    U = d @ v.T if d0 is None else d @ v.T + d0.double().cpu()[:, None]
+    T = E * U  # S / (a ⊗ b), defined where a weight is 0 too
     S = a[:, None] * b[None] * T
     return dict(row=S.sum(1), row_k=S @ k, col=S.sum(0), col_q=S.T @ q, pt_d=P.T @ d,
                 per_a=T @ b, per_b=T.T @ a)
@@ -207,7 +208,8 @@ def dense_plan_vjp(form, f, g, a, b, eps, v, d):
 @pytest.mark.parametrize("splits", [None, 3])
 def test_plan_vjp_matches_dense(gen, name, shape, p, eps, splits):
     """Backend.plan_vjp near a fixed point (rows off by up to e^±2, a zero weight on
-    each side) against the dense float64 plan; Triton also with forced column splits."""
+    each side) against the dense float64 plan, with and without a row-sum cotangent d0;
+    Triton also with forced column splits."""
     n, m, d = shape
     if name == "torch" and splits is not None:
         pytest.skip("splits are a Triton launch option")
@@ -220,16 +222,18 @@ def test_plan_vjp_matches_dense(gen, name, shape, p, eps, splits):
         v = torch.randn(m, p, generator=gen, dtype=torch.float64)
         dd = torch.randn(n, p, generator=gen, dtype=torch.float64)
         args = [t.to(device, dtype) for t in (f64, g64, a, b, v, dd)]
-        out = backend.plan_vjp(form, *args[:4], eps, *args[4:])
-        want = dense_plan_vjp(form, *args[:4], eps, *args[4:])  # of the same rounded inputs
+        d0 = torch.randn(n, generator=gen, dtype=torch.float64).to(device, dtype)
         if dtype == torch.float32:  # exponents of size X/ε are rounded to X/ε ulps (GPU)
             size = (form.q.norm(dim=1).max() * form.k.norm(dim=1).max()
                     + (args[0] - form.alpha).abs().max() + (args[1] - form.beta).abs().max())
             tol = max(tol, 2.0**-21 * float(size) / eps)
-        for key, ref in want.items():
-            assert rel(getattr(out, key).double().cpu(), ref) < tol, key
+        for row_sums in (None, d0):
+            out = backend.plan_vjp(form, *args[:4], eps, *args[4:], d0=row_sums)
+            want = dense_plan_vjp(form, *args[:4], eps, *args[4:], row_sums)  # same rounded inputs
+            for key, ref in want.items():
+                assert rel(getattr(out, key).double().cpu(), ref) < tol, (key, row_sums is None)
         fields = dict(row=("row", "per_a"), col=("col", "per_b"))
         for need in ({"row_k"}, {"col"}, {"pt_d"}, {"row", "col_q"}):  # only what is asked
-            part = backend.plan_vjp(form, *args[:4], eps, *args[4:], need=frozenset(need))
+            part = backend.plan_vjp(form, *args[:4], eps, *args[4:], need=frozenset(need), d0=d0)
             for key in (k for name in need for k in fields.get(name, (name,))):
                 assert rel(getattr(part, key).double().cpu(), want[key]) < tol, (need, key)

@@ -45,7 +45,7 @@ from flashot.backends.base import Backend
 from flashot.backends.near import is_near_uniform
 from flashot.backends.plan_vjp import outputs_for
 from flashot.costs import AttentionForm
-from flashot.dual import plan_times
+from flashot.dual import plan_times, row_mass
 from flashot.graphs import GraphCache, capture_or_eager
 from flashot.linalg import CGWarning, cg
 
@@ -99,44 +99,60 @@ def _form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:
 
 
 class PlanProduct(torch.autograd.Function):
-    """``P(θ, z) V``, differentiable once in q, α, k, β, a, b, f, g and V."""
+    """``(P V, P 1)``, differentiable once in q, α, k, β, a, b, f, g and V.
+
+    The row sums come with the product's pass at no cost, so a caller that needs both
+    (the value's gradient: ``P k`` and ``P 1``) keeps no ``[1, V]`` copy for the backward.
+    """
 
     @staticmethod
     def forward(ctx, q, alpha, k, beta, a, b, f, g, v, spec):
         form = _form(q, alpha, k, beta, spec)
         ctx.save_for_backward(q, alpha, k, beta, a, b, f, g, v)
         ctx.spec = spec
+        ctx.set_materialize_grads(False)
         with torch.no_grad():
-            return plan_times(spec.backend, form, f, g, torch.log(a), torch.log(b), spec.eps, v)
+            lse, out = spec.backend.row_attend(form, g - form.beta, spec.eps, v, torch.log(b))
+            mass = row_mass(f, lse, form.alpha, torch.log(a), spec.eps)
+            return mass[:, None] * out, mass
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @autocast_off
-    def backward(ctx, dout):
+    def backward(ctx, dout, dmass):
         q, alpha, k, beta, a, b, f, g, v = ctx.saved_tensors
         spec, eps = ctx.spec, ctx.spec.eps
+        if dout is None and dmass is None:
+            return (None,) * 10
+        dout = v.new_zeros(q.shape[0], v.shape[1]) if dout is None else dout
         vjp = spec.backend.plan_vjp(_form(q, alpha, k, beta, spec), f, g, a, b, eps, v, dout,
-                                    outputs_for(ctx.needs_input_grad))  # fmt: skip
-        row, col = _over(vjp.row, eps), _over(vjp.col, eps)
-        return (_over(vjp.row_k, eps), _neg(row), _over(vjp.col_q, eps), _neg(col), vjp.per_a,
+                                    outputs_for(ctx.needs_input_grad), d0=dmass)  # fmt: skip
+        row, col = _over_(vjp.row, eps), _over_(vjp.col, eps)
+        return (_over_(vjp.row_k, eps), _neg(row), _over_(vjp.col_q, eps), _neg(col), vjp.per_a,
                 vjp.per_b, row, col, vjp.pt_d, None)  # fmt: skip
 
 
-def _over(t, eps):
-    return None if t is None else t / eps
+def _over_(t, eps):
+    """``t / ε`` in place (t a backward's fresh output)."""
+    return None if t is None else t.div_(eps)
 
 
 def _neg(t):
     return None if t is None else -t
 
 
-def plan_product(theta, z, v, spec: DualSpec, transpose: bool = False):
-    """``P V`` (or ``Pᵀ V``) through :class:`PlanProduct`; θ = (q, α, k, β, a, b), z = (f, g)."""
+def plan_product(theta, z, v, spec: DualSpec, transpose: bool = False, with_mass: bool = False):
+    """``P V`` (or ``Pᵀ V``) through :class:`PlanProduct`; θ = (q, α, k, β, a, b), z = (f, g).
+
+    ``with_mass``: return ``(P V, P 1)`` (the row sums of the product's plan).
+    """
     q, alpha, k, beta, a, b = theta
     f, g = z
     if transpose:
-        return PlanProduct.apply(k, beta, q, alpha, b, a, g, f, v, spec.T)
-    return PlanProduct.apply(q, alpha, k, beta, a, b, f, g, v, spec)
+        out = PlanProduct.apply(k, beta, q, alpha, b, a, g, f, v, spec.T)
+    else:
+        out = PlanProduct.apply(q, alpha, k, beta, a, b, f, g, v, spec)
+    return out if with_mass else out[0]
 
 
 def _relaxed_weight(pot, w, rho):
@@ -290,13 +306,15 @@ def _theta_grads(form, f, g, a, b, spec: DualSpec, w_f, w_g, needs) -> tuple:
     v = torch.stack([ones_m, w_g], 1)
     d = torch.stack([w_f, ones_n], 1)
     vjp = spec.backend.plan_vjp(form, f, g, a, b, eps, v, d, outputs_for(needs))
-    row, col = _over(vjp.row, eps), _over(vjp.col, eps)
+    row, col = _over_(vjp.row, eps), _over_(vjp.col, eps)
     grad_a = grad_b = None
     if needs[4]:
         grad_a = _relaxed_weight(f, ones_n, spec.rho[0]) * w_f - vjp.per_a
     if needs[5]:
         grad_b = _relaxed_weight(g, ones_m, spec.rho[1]) * w_g - vjp.per_b
-    return (_neg(_over(vjp.row_k, eps)), row, _neg(_over(vjp.col_q, eps)), col, grad_a, grad_b)
+    row_k = None if vjp.row_k is None else vjp.row_k.div_(-eps)
+    col_q = None if vjp.col_q is None else vjp.col_q.div_(-eps)
+    return (row_k, row, col_q, col, grad_a, grad_b)
 
 
 class DeferredSolves:
@@ -443,13 +461,11 @@ def value_gradient(theta, z, spec: DualSpec):
     eps, (rho_x, rho_y) = spec.eps, spec.rho
     grads = [None] * 4
     if q.requires_grad or alpha.requires_grad:
-        ones_m = torch.ones(k.shape[0], 1, dtype=k.dtype, device=k.device)
-        rows = plan_product(theta, z, torch.cat([ones_m, k], 1), spec)
-        grads[:2] = -rows[:, 1:], rows[:, 0]
+        p_k, r = plan_product(theta, z, k, spec, with_mass=True)
+        grads[:2] = -p_k, r
     if k.requires_grad or beta.requires_grad:
-        ones_n = torch.ones(q.shape[0], 1, dtype=q.dtype, device=q.device)
-        cols = plan_product(theta, z, torch.cat([ones_n, q], 1), spec, transpose=True)
-        grads[2:] = -cols[:, 1:], cols[:, 0]
+        pt_q, c = plan_product(theta, z, q, spec, transpose=True, with_mass=True)
+        grads[2:] = -pt_q, c
     one_x = torch.ones_like(f) if rho_x is None else torch.exp(-f / rho_x)
     one_y = torch.ones_like(g) if rho_y is None else torch.exp(-g / rho_y)
     grad_a = _phi(f, rho_x) - eps * (one_x - b.sum())

@@ -228,9 +228,10 @@ class Backend:
         return lam[0] * (form.alpha - lse_r), lam[1] * (form.beta - lse_c)
 
     def plan_vjp(
-        self, form: AttentionForm, f, g, a, b, eps: float, v, d, need: frozenset = ALL
+        self, form: AttentionForm, f, g, a, b, eps: float, v, d, need: frozenset = ALL,
+        d0=None,
     ) -> PlanVJP:
-        r"""Reverse-mode product of the plan: reductions of ``S = P ⊙ (D Vᵀ)`` and ``Pᵀ D``.
+        r"""Reverse-mode product of the plan: reductions of ``S = P ⊙ (d⁰ 1ᵀ + D Vᵀ)``, ``Pᵀ D``.
 
         See :mod:`flashot.backends.plan_vjp` for the math; the default streams score
         tiles in PyTorch (any device), O((n + m)(d' + p)) memory.
@@ -241,13 +242,14 @@ class Backend:
             v: (m, p) values.  d: (n, p) cotangent of ``P v``.
             need: the outputs to form (see :func:`~flashot.backends.plan_vjp.outputs_for`);
                 the others may be None.
+            d0: (n,) cotangent of the row sums ``P 1`` (a ones column of v), or None.
 
         Returns:
             A :class:`~flashot.backends.plan_vjp.PlanVJP`.
         """
         # GPUs want fewer, larger tiles (launches): 4M elements, 16 MB per float32 temporary
         budget = getattr(self, "budget", 1 << 22 if f.is_cuda else 1 << 20)
-        return plan_vjp_tiles(form, f, g, a, b, eps, v, d, budget, need)
+        return plan_vjp_tiles(form, f, g, a, b, eps, v, d, budget, need, d0)
 
     def plan_matvec(
         self, form: AttentionForm, f, g, log_a, log_b, eps: float, r, c, w=None, u=None

@@ -5,12 +5,13 @@ For the plan ``P_ij = a_i b_j exp((f_i + g_j − α_i − β_j + ⟨q_i, k_j⟩)
 
 .. math::
 
-    S_{ij} = P_{ij} \langle D_i, V_j \rangle
+    S_{ij} = P_{ij} \big(d^0_i + \langle D_i, V_j \rangle\big)
 
-give every derivative of ``⟨D, P V⟩``: ``∂/∂f_i = Σ_j S_ij / ε``,
+give every derivative of ``⟨D, P V⟩ + ⟨d⁰, P 1⟩`` (``d⁰``, optional, is the cotangent
+of the row sums: a ones column of ``V`` without the widened copies): ``∂/∂f_i = Σ_j S_ij / ε``,
 ``∂/∂q_i = Σ_j S_ij k_j / ε``, ``∂/∂a_i = Σ_j S_ij / a_i`` (summed without the
 division, so zero weights get their derivative too) and the same by columns, and
-``∂/∂V = Pᵀ D``. This is the statistic of an attention backward pass
+``∂/∂V = Pᵀ D`` (without ``d⁰``). This is the statistic of an attention backward pass
 (without the softmax's normalization term), streamed here tile by tile in PyTorch:
 nothing of size n × m is stored, only a score tile of at most ``budget`` elements.
 
@@ -64,7 +65,7 @@ class PlanVJP:
 
 
 def plan_vjp_tiles(
-    form, f, g, a, b, eps: float, v, d, budget: int = 1 << 20, need: frozenset = ALL
+    form, f, g, a, b, eps: float, v, d, budget: int = 1 << 20, need: frozenset = ALL, d0=None
 ) -> PlanVJP:
     """:meth:`~flashot.backends.base.Backend.plan_vjp` by score tiles in PyTorch.
 
@@ -74,6 +75,7 @@ def plan_vjp_tiles(
         v: (m, p) values.  d: (n, p) cotangent of ``P v``.
         budget: largest score tile, in elements.
         need: the outputs to form (a subset of :data:`ALL`).
+        d0: (n,) cotangent of the row sums ``P 1``, or None.
     """
     from flashot.backends.torch_backend import tile_sizes  # (its module imports base)
 
@@ -101,7 +103,8 @@ def plan_vjp_tiles(
                 pt_d[j0:j1] += (ai[:, None] * e * bj).T @ d[i0:i1]
             if not sensitivities:
                 continue
-            t = e * (d[i0:i1] @ v[j0:j1].T)  # S / (a ⊗ b)
+            u = d[i0:i1] @ v[j0:j1].T
+            t = e * (u if d0 is None else u + d0[i0:i1, None])  # S / (a ⊗ b)
             if per_a is not None:
                 per_a[i0:i1] += t @ bj
             if per_b is not None:

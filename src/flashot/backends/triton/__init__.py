@@ -565,11 +565,11 @@ class TritonBackend(Backend):
         ptu = None if u is None else torch.where(c > 0, c * cols / cols_den, 0.0)
         return pw, ptu
 
-    def plan_vjp(self, form, f, g, a, b, eps, v, d, need=ALL):
+    def plan_vjp(self, form, f, g, a, b, eps, v, d, need=ALL, d0=None):
         """:meth:`~flashot.backends.base.Backend.plan_vjp`, fused (:mod:`._vjp`) for d, p ≤ 128."""
         if is_near_uniform(form, eps) or max(form.q.shape[1], v.shape[1]) > FUSED_UP_TO:
-            return super().plan_vjp(form, f, g, a, b, eps, v, d, need)
-        return fused_plan_vjp(self, form, f, g, a, b, eps, v, d, need)
+            return super().plan_vjp(form, f, g, a, b, eps, v, d, need, d0)
+        return fused_plan_vjp(self, form, f, g, a, b, eps, v, d, need, d0)
 
     def marginals(self, form, f, g, log_a, log_b, eps):
         """See :meth:`flashot.backends.base.Backend.marginals` (fused where valid)."""

@@ -392,12 +392,16 @@ def _update_kernel(
 
 @triton.jit
 def _plan_vjp_kernel(
-    Q, K, ROW_B, COL_B, DR, VC, OUT_W, OUT_K, n, m, d, p, scale, cols_per_split,
+    Q, K, ROW_B, COL_B, DR, VC, EXTRA, OUT_W, OUT_K, n, m, d, p, scale, cols_per_split,
     stride_qn, stride_qd, stride_kn, stride_kd, stride_dn, stride_dp, stride_vn, stride_vp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     P_CHUNKS: tl.constexpr, SPLIT: tl.constexpr, WITH_K: tl.constexpr, PRECISION: tl.constexpr,
+    EXTRA_SIDE: tl.constexpr,
 ):
     """Row reductions of ``T_ij = E_ij ⟨dr_i, vc_j⟩`` (the backward of a plan product).
+
+    EXTRA_SIDE 1 (2) adds ``EXTRA_i`` (``EXTRA_j``) to ``⟨dr_i, vc_j⟩``: a ones column
+    of the values (the cotangent of the plan's row sums) without a widened copy.
 
     ``E_ij = 2^{s_ij·scale + ROW_B_i + COL_B_j}`` (the column weights folded into
     ``COL_B``): ``OUT_W_i += Σ_j T_ij`` and, with WITH_K, ``OUT_K_i += Σ_j T_ij k_j``,
@@ -415,6 +419,8 @@ def _plan_vjp_kernel(
     q_tile = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
     dr_tile = _load_tile(DR, offs_m, n, p, stride_dn, stride_dp, BLOCK_P, P_CHUNKS, False)
     rb = tl.load(ROW_B + offs_m, mask=row_ok, other=0.0)
+    if EXTRA_SIDE == 1:
+        row_extra = tl.load(EXTRA + offs_m, mask=row_ok, other=0.0)
     acc_w = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc_k = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for start in range(col_lo, col_hi, BLOCK_N):
@@ -426,6 +432,10 @@ def _plan_vjp_kernel(
         s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION)
         u = _score_tile(DR, VC, dr_tile, dr_tile, offs_m, offs_n, n, col_hi, p, stride_dn,
                         stride_dp, stride_vn, stride_vp, BLOCK_P, P_CHUNKS, False, PRECISION)  # fmt: skip
+        if EXTRA_SIDE == 1:
+            u += row_extra[:, None]
+        if EXTRA_SIDE == 2:
+            u += tl.load(EXTRA + offs_n, mask=col_ok, other=0.0)[None, :]
         t = tl.exp2(s * scale + rb[:, None] + cb[None, :]) * u
         acc_w += tl.sum(t, 1)
         if WITH_K:

@@ -45,8 +45,12 @@ def _width(size: int) -> int:
     return max(16, triton.next_power_of_2(size))
 
 
-def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k):
-    """``(Σ_j T_ij, Σ_j T_ij k_j or None)`` with ``T_ij = 2^{…} ⟨dr_i, vc_j⟩`` (see the kernel)."""
+def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, extra_side=0):
+    """``(Σ_j T_ij, Σ_j T_ij k_j or None)`` with ``T_ij = 2^{…} (⟨dr_i, vc_j⟩ + extra)``.
+
+    ``extra``: None, or a vector added on the rows' side (``extra_side`` 1) or the
+    columns' (2); see the kernel.
+    """
     n, m, d, p = q.shape[0], k.shape[0], q.shape[1], dr.shape[1]
     dev = q.device
     out = torch.zeros(n * (d + 1 if with_k else 1), device=dev, dtype=torch.float32)  # atomics add
@@ -59,21 +63,24 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k):
     splits = backend.splits or _configs.column_splits(blocks, m, block_n, dev)
     per = triton.cdiv(triton.cdiv(m, splits), block_n) * block_n
     splits = triton.cdiv(m, per)
-    extra = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
+    options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
     chunk = 16 if triton_interpreted() else P_CHUNK
     block_p, p_chunks = (_width(p), 1) if p <= chunk else (chunk, triton.cdiv(p, chunk))
     with on_device(dev):
         _plan_vjp_kernel[(blocks, splits)](
-            q, k, row_bias, col_bias, dr, vc, out_w, out_k, n, m, d, p, LOG2E / eps, per,
+            q, k, row_bias, col_bias, dr, vc, row_bias if extra is None else extra, out_w, out_k,
+            n, m, d, p, LOG2E / eps, per,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), dr.stride(0), dr.stride(1),
             vc.stride(0), vc.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_width(d),
             BLOCK_P=block_p, P_CHUNKS=p_chunks, SPLIT=splits > 1, WITH_K=with_k,
-            PRECISION=backend._dot(), **extra,
+            PRECISION=backend._dot(), EXTRA_SIDE=0 if extra is None else extra_side, **options,
         )  # fmt: skip
     return out_w, (out_k if with_k else None)
 
 
-def fused_plan_vjp(backend, form, f, g, a, b, eps: float, v, d, need: frozenset = ALL) -> PlanVJP:
+def fused_plan_vjp(
+    backend, form, f, g, a, b, eps: float, v, d, need: frozenset = ALL, d0=None
+) -> PlanVJP:
     """:meth:`~flashot.backends.base.Backend.plan_vjp` in two fused launches and a value pass.
 
     Args:
@@ -82,20 +89,22 @@ def fused_plan_vjp(backend, form, f, g, a, b, eps: float, v, d, need: frozenset 
         f: (n,), g: (m,) potentials.  a: (n,), b: (m,) weights.  eps: ε.
         v: (m, p) values.  d: (n, p) cotangent of ``P v``, p ≤ :data:`FUSED_UP_TO`.
         need: the outputs to form (the others may be None).
+        d0: (n,) cotangent of the plan's row sums ``P 1``, or None.
     """
     f32 = torch.float32
     q, k = form.q.contiguous(), form.k.contiguous()
     v, d = v.to(f32).contiguous(), d.to(f32).contiguous()
+    d0 = None if d0 is None else d0.to(f32).contiguous()
     f_bias, g_bias = (f - form.alpha) * (LOG2E / eps), (g - form.beta) * (LOG2E / eps)
     per_a = row_k = per_b = col_q = pt_d = None
     if need & {"row", "row_k"}:
         per_a, row_k = _rows(backend, q, k, f_bias.to(f32), (g_bias + torch.log2(b)).to(f32),
-                             d, v, eps, "row_k" in need)  # fmt: skip
-        row_k = None if row_k is None else a[:, None] * row_k
+                             d, v, eps, "row_k" in need, d0, 1)  # fmt: skip
+        row_k = None if row_k is None else row_k.mul_(a[:, None])
     if need & {"col", "col_q"}:
         per_b, col_q = _rows(backend, k, q, g_bias.to(f32), (f_bias + torch.log2(a)).to(f32),
-                             v, d, eps, "col_q" in need)  # fmt: skip
-        col_q = None if col_q is None else b[:, None] * col_q
+                             v, d, eps, "col_q" in need, d0, 2)  # fmt: skip
+        col_q = None if col_q is None else col_q.mul_(b[:, None])
     if "pt_d" in need:
         pt_d = plan_times(backend, form.T, g, f, torch.log(b), torch.log(a), eps, d)
     return PlanVJP(None if per_a is None else a * per_a, row_k,
