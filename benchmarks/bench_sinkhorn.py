@@ -101,6 +101,8 @@ def methods(skip_peer: bool, variants: bool):
         "flashot_tf32": TritonBackend("tf32"),
         "flashot_bf16": TritonBackend("bf16"),
         "flashot_fp32": TritonBackend("fp32"),
+        # the default before v16: score operands split per tile by 3xTF32
+        "flashot_fp32x3": TritonBackend("fp32", presplit=False),
     }
     if variants:
         out["flashot_tf32_twopass"] = TritonBackend("tf32", fused=False)
@@ -126,8 +128,9 @@ def accuracy(n: int = 8192, d: int = 64, device: str = "cuda") -> list[dict]:
     rows = []
     # the interpreter computes IEEE dots: a "tf32" row there would measure nothing
     modes = ("fp32", "bf16", "fp16") if triton_interpreted() else ("fp32", "tf32", "bf16", "fp16")
-    for mode in modes:
-        name, be = f"flashot_{mode}", TritonBackend(mode)
+    for mode in (*modes, "fp32x3"):
+        be = TritonBackend("fp32", presplit=False) if mode == "fp32x3" else TritonBackend(mode)
+        name = f"flashot_{mode}"
         res = flashot.sinkhorn(x, y, a, b, eps=EPS, max_iter=ITERS, tol=None, backend=be)
         rows.append(
             dict(

@@ -5,7 +5,8 @@ gradient, uniform data in the unit cube, d = 3, float32. flashot at its default
 precision and at tf32; the peer at its defaults (TF32, full squared distance: its
 value differs by the p = 2 convention, the ε schedule is the same). do_bench
 medians; the first call of each in this process is printed too. Env: SIZES
-("10000,50000"), PEER (0 to skip).
+("10000,50000"), DIMS ("3"), PEER (0 to skip). "fp32x3" is the default precision with
+the scores' operands split per tile by 3xTF32 (``presplit=False``), as before v16.
 
     python benchmarks/gpu_typical.py
 """
@@ -20,11 +21,16 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flashot  # noqa: E402
+from flashot.backends.triton import TritonBackend  # noqa: E402
 
 warnings.simplefilter("ignore")
 SIZES = [int(s) for s in os.environ.get("SIZES", "10000,50000").split(",")]
+DIMS = [int(s) for s in os.environ.get("DIMS", "3").split(",")]
 CALLS = {
     "flashot default": lambda: flashot.SamplesLoss(p=2, blur=0.05, scaling=0.5, debias=True),
+    "flashot fp32x3": lambda: flashot.SamplesLoss(
+        p=2, blur=0.05, scaling=0.5, debias=True, backend=TritonBackend("fp32", presplit=False)
+    ),
     "flashot tf32": lambda: flashot.SamplesLoss(p=2, blur=0.05, scaling=0.5, debias=True,
                                                 precision="tf32"),  # fmt: skip
 }
@@ -46,10 +52,10 @@ def value_and_grad(loss, x, y):
 
 
 rows = []
-for n in SIZES:
+for n, dim in [(n, dim) for dim in DIMS for n in SIZES]:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.rand(n, 3, device="cuda", generator=gen)
-    y = torch.rand(n, 3, device="cuda", generator=gen)
+    x = torch.rand(n, dim, device="cuda", generator=gen)
+    y = torch.rand(n, dim, device="cuda", generator=gen)
     for who, make in CALLS.items():
         loss = make()
         t0 = time.time()
@@ -57,10 +63,10 @@ for n in SIZES:
         torch.cuda.synchronize()
         first = time.time() - t0
         ms = do_bench(lambda: value_and_grad(loss, x, y), warmup=5, rep=50, return_mode="median")
-        rows.append((n, who, ms, first, float(val)))
+        rows.append((f"{n} d{dim}", who, ms, first, float(val)))
         print(rows[-1], flush=True)
 
 print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
-print("n        who                   ms (value+grad)   first call s   value")
-for n, who, ms, first, val in rows:
-    print(f"{n:<8d} {who:20s} {ms:10.2f} {first:14.1f}   {val:.6g}")
+print("case        who                   ms (value+grad)   first call s   value")
+for case, who, ms, first, val in rows:
+    print(f"{case:<11s} {who:20s} {ms:10.2f} {first:14.1f}   {val:.6g}")

@@ -451,8 +451,9 @@ def solve(
     replay = tol is None and not (progress or record)
     backend_key = backend.graph_key(form) if replay else None
     if backend_key is None:
-        out = _iterate(form, log_a, log_b, init, progress=progress, record=record, **options)
-        return replace(out, final=final(form, out, log_a, log_b))
+        with backend.operand_scope():
+            out = _iterate(form, log_a, log_b, init, progress=progress, record=record, **options)
+            return replace(out, final=final(form, out, log_a, log_b))
     # a fixed sequence of launches with no host round trip: replayed as a CUDA graph
     # once it repeats; the key pins everything the launches depend on besides the data
     tensors = (form.q, form.k, form.alpha, form.beta, log_a, log_b, *(init or ()))
@@ -474,7 +475,8 @@ def solve(
         out = _iterate(form, la, lb, start or None, **options)
         return out.f, out.g, *(final(form, out, la, lb) or ())
 
-    f, g, *last = GRAPHS(key, run, tensors)
+    with backend.operand_scope():
+        f, g, *last = GRAPHS(key, run, tensors)
     final_pair = (last[0], last[1]) if last else None
     return SolverOutput(f, g, max_iter, None, float("nan"), final=final_pair)
 

@@ -23,6 +23,8 @@ must see at least one finite bias, which input validation guarantees.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from flashot.costs import AttentionForm
@@ -196,6 +198,15 @@ class Backend:
             device: the solve's device.
         """
         return None
+
+    def operand_scope(self):
+        """A block whose launches may share per-operand conversions (a solve, a dual solve).
+
+        Backends that convert the clouds before their kernels read them (the Triton
+        backend's split operands) keep the conversions within the block and drop them
+        after, so that nothing of the clouds' size outlives the computation that uses it.
+        """
+        return contextlib.nullcontext()
 
     def launch_key(self) -> tuple:
         """What, besides shapes and arguments, fixes this backend's launch sequence.

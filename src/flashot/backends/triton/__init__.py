@@ -4,14 +4,16 @@ Launch layer of the four (kernel → launch → autograd Function → public fun
 allocation, grids, strides, precision and tiling choices. The kernels live in
 ``_kernels.py``, every tiling choice in ``_configs.py``.
 
-Precision modes (``precision=``): ``"fp32"`` (default) computes score and value dots
-with 3xTF32 on tensor cores (close to IEEE float32); ``"tf32"`` uses one TF32 pass;
+Precision modes (``precision=``): ``"fp32"`` (default) computes score dots from
+operands split once per solve into scaled float16 parts (:mod:`._split`, three half
+MMAs) and value dots with 3xTF32 (both close to IEEE float32); ``"tf32"`` uses one TF32 pass;
 ``"bf16"``/``"fp16"`` round q and k to half precision (accumulation, potentials and
 values stay float32).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -27,6 +29,7 @@ from flashot.backends.near import is_near_uniform
 from flashot.backends.plan_vjp import ALL
 from flashot.backends.triton import _configs, _tables
 from flashot.backends.triton._gate import Gate
+from flashot.backends.triton._split import SplitOperand, split_operand
 from flashot.backends.triton._kernels import (
     _attend_kernel,
     _combine_kernel,
@@ -42,6 +45,8 @@ LOG2E = 1.4426950408889634
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # tl.dot input precisions per mode (float32 operands); the interpreter knows only IEEE
 _DOT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "tf32", "fp16": "tf32"}
+#: the tile tables' name for the split score operands' dot (:mod:`._split`)
+SPLIT_DOT = "split16"
 
 
 def _tuned(kernel, configs, key):
@@ -57,9 +62,10 @@ def _tuned(kernel, configs, key):
     )(kernel)
 
 
-_ATTEND_KEY = ["d", "p", "n_bucket", "m_bucket", "HAS_V", "POTENTIAL_BIAS", "PRECISION"]
+_ATTEND_KEY = ["d", "p", "n_bucket", "m_bucket", "HAS_V", "POTENTIAL_BIAS", "PRECISION",
+               "PRESPLIT"]  # fmt: skip
 _ATTEND = _tuned(_attend_kernel, _configs.attend_configs(), _ATTEND_KEY)
-_PLAN_SUMS_KEY = ["d", "n_bucket", "m_bucket", "PRECISION"]
+_PLAN_SUMS_KEY = ["d", "n_bucket", "m_bucket", "PRECISION", "PRESPLIT"]
 _PLAN_SUMS = _tuned(_plan_sums_kernel, _configs.plan_sums_configs(), _PLAN_SUMS_KEY)
 # best configuration per (kernel, key): after the first (tuning) call, launches skip the
 # autotuner's per-call Python work and go straight to the compiled kernel
@@ -101,6 +107,9 @@ class TritonBackend(Backend):
         graphs: replay repeated fixed-iteration solves of launch-bound size
             (n·m ≤ 2^28) as CUDA graphs (:mod:`flashot.graphs`); each captured solve
             keeps a copy of its inputs.
+        presplit: in ``"fp32"``, split the score operands once per solve
+            (:mod:`._split`; a half-size copy of each cloud while a solve runs) instead
+            of per tile by 3xTF32.
     """
 
     name = "triton"
@@ -114,19 +123,24 @@ class TritonBackend(Backend):
         autotune: bool | None = None,
         splits: int | None = None,
         graphs: bool = True,
+        presplit: bool = True,
     ):
         super().__init__(precision)
         if autotune is None:
             opted = os.environ.get("FLASHOT_AUTOTUNE", "0").strip().lower()
             autotune = opted in ("1", "true", "yes")
-        for name, flag in (("fused", fused), ("autotune", autotune), ("graphs", graphs)):
+        flags = (("fused", fused), ("autotune", autotune), ("graphs", graphs),
+                 ("presplit", presplit))  # fmt: skip
+        for name, flag in flags:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
                                    or splits < 1):  # fmt: skip
             raise ValueError(f"splits must be None or an integer ≥ 1, got {splits!r}")
         self.fused, self.autotune, self.splits, self.graphs = fused, autotune, splits, graphs
+        self.presplit = presplit
         self._halves: list = []
+        self._scopes = 0
 
     def __getstate__(self) -> dict:
         """Options only (pickling): the cached half operands are rebuilt on demand."""
@@ -139,23 +153,50 @@ class TritonBackend(Backend):
     def _dot(self) -> str:
         return "ieee" if triton_interpreted() else _DOT[self.precision]
 
-    def _operand(self, t: torch.Tensor, keep: bool = True) -> torch.Tensor:
-        """A feature matrix as the kernels read it: float32, or a half copy (cached if ``keep``)."""
+    def _splits(self) -> bool:
+        """Whether score operands are split once per solve (:mod:`._split`)."""
+        return self.precision == "fp32" and self.presplit
+
+    @contextlib.contextmanager
+    def operand_scope(self):
+        """See :meth:`flashot.backends.base.Backend.operand_scope`: split operands are
+        kept within (a solve's or a dual solve's launches share them) and dropped after."""
+        self._scopes += 1
+        try:
+            yield
+        finally:
+            self._scopes -= 1
+            if self._scopes == 0 and self._splits():
+                self._halves = []
+
+    def _operand(self, t: torch.Tensor, keep: bool = True):
+        """A feature matrix as the kernels read it: float32, a half copy, or split parts.
+
+        Half copies are cached (``keep``); split parts only within :meth:`operand_scope`.
+        """
         if t.dtype != torch.float32:
             raise TypeError(f"the triton backend computes in float32, got {t.dtype}")
-        if self.precision not in _HALF:
+        split = self._splits()
+        if self.precision not in _HALF and not split:
             return t
-        if not keep:  # a one-off sample: its copy must not evict the clouds' cached ones
-            return self._half(t)
+        convert = self._split_parts if split else self._half
+        if not keep or (split and self._scopes == 0):  # a one-off sample, or no solve running
+            return convert(t)
         # the solver reuses q and k: convert each once. Entries hold a weak reference to
-        # their source, so a new tensor at a freed one's address never hits a stale copy.
+        # their source, so a new tensor at a freed one's address never hits a stale copy;
+        # a CUDA graph being captured converts for itself (a copy made outside it would
+        # be stale when the graph replays on new data)
+        capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
         self._halves = [e for e in self._halves if e[0]() is not None]
-        for ref, version, half in self._halves:
-            if ref() is t and version == t._version:
+        for ref, version, inside, half in self._halves:
+            if ref() is t and version == t._version and inside == capturing:
                 return half
-        half = self._half(t)
-        self._halves = [*self._halves[-3:], (weakref.ref(t), t._version, half)]
+        half = convert(t)
+        self._halves = [*self._halves[-3:], (weakref.ref(t), t._version, capturing, half)]
         return half
+
+    def _split_parts(self, t: torch.Tensor) -> SplitOperand:
+        return split_operand(t, triton_interpreted())
 
     def _half(self, t: torch.Tensor) -> torch.Tensor:
         half = t.to(_HALF[self.precision])
@@ -271,7 +312,7 @@ class TritonBackend(Backend):
         ``(lo[0], hi)`` (``lo`` a 1-element tensor; other rows' outputs are then
         meaningless). ``keep_q``: cache q's half copy (False for a one-off sample).
         """
-        q, k = self._operand(q, keep_q), self._operand(k)
+        q, k, split_args, presplit = _score_operands(self._operand(q, keep_q), self._operand(k))
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
         potential = len(bias) == 3
@@ -305,14 +346,16 @@ class TritonBackend(Backend):
                     per, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                     vv.stride(0) if has_v else 0, vv.stride(1) if has_v else 0,
                     out.stride(0) if has_v else 0, out.stride(1) if has_v else 0,
-                    nb, mb)  # fmt: skip
+                    nb, mb, *split_args)  # fmt: skip
             consts = dict(BLOCK_D=bd, BLOCK_P=bp, D_CHUNKS=chunks, HAS_V=has_v, SPLIT=split,
                           POTENTIAL_BIAS=potential, REPAIR=repair is not None,
-                          PRECISION=self._dot(), V_PRECISION=self._dot())  # fmt: skip
+                          PRECISION=self._dot(), V_PRECISION=self._dot(),
+                          PRESPLIT=presplit)  # fmt: skip
             return grid, args, consts
 
         # tuned apart: forming the bias in the kernel adds loads (16 % slower in tf32 at 50k)
-        key = ("attend", d, p, nb, mb, has_v, self._dot(), q.dtype, potential)
+        dot = SPLIT_DOT if presplit else self._dot()
+        key = ("attend", d, p, nb, mb, has_v, dot, q.dtype, potential)
         # value partials hold splits·n·p floats: with wide values few splits (16 MB of
         # partials at most); narrow ones (a CG's matvec, p = 1) split like plain LSEs
         most = max(2, (1 << 22) // (n * p)) if has_v else None
@@ -369,7 +412,8 @@ class TritonBackend(Backend):
             ``(R (n,), C (m,))``; with ``mul``, ``(R, C, R₀, C₀)`` with ``R₀``, ``C₀`` the
             sums without it.
         """
-        q, k = self._operand(form.q), self._operand(form.k)
+        q, k, split_args, presplit = _score_operands(self._operand(form.q),
+                                                     self._operand(form.k))  # fmt: skip
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
         bd, chunks = _configs.block_d(d, q.element_size())
@@ -388,12 +432,14 @@ class TritonBackend(Backend):
             args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, r, c, gate_in, gate_out,
                     *(mul or (sums, sums)), r_den if mul else sums, c_den if mul else sums,
                     n, m, d, LOG2E / eps, shift, limit, int(span), per,
-                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), nb, mb)  # fmt: skip
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), nb, mb,
+                    *split_args)  # fmt: skip
             consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=gate is not None,
-                          MULTIPLY=mul is not None, PRECISION=self._dot())  # fmt: skip
+                          MULTIPLY=mul is not None, PRECISION=self._dot(),
+                          PRESPLIT=presplit)  # fmt: skip
             return grid, args, consts
 
-        key = ("plan_sums", d, nb, mb, self._dot(), q.dtype)
+        key = ("plan_sums", d, nb, mb, SPLIT_DOT if presplit else self._dot(), q.dtype)
 
         def plan_for(tiles):
             return build(*self._split(_plan_sums_kernel, key, tiles, build, m, n, dev))
@@ -446,7 +492,7 @@ class TritonBackend(Backend):
 
     def launch_key(self):
         """See :meth:`flashot.backends.base.Backend.launch_key`."""
-        return (*super().launch_key(), self.fused, self.autotune, self.splits)
+        return (*super().launch_key(), self.fused, self.autotune, self.splits, self._splits())
 
     def fast_state(self, device):
         """See :meth:`flashot.backends.base.Backend.fast_state`: the residual gate."""
@@ -578,6 +624,17 @@ class TritonBackend(Backend):
         ln_r, ln_c, _ = self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), (0.0, 0.0),
                                    log_sums=True)  # fmt: skip
         return torch.exp(log_a + ln_r), torch.exp(log_b + ln_c)
+
+
+def _score_operands(q, k):
+    """``(Q, K, (Q_INV, K_INV, q_lo, k_lo), presplit)``: the kernels' score operands.
+
+    For :class:`~._split.SplitOperand` s, the high parts, the scales and the low parts'
+    offsets; otherwise the tensors themselves (the split arguments are then unused).
+    """
+    if isinstance(q, SplitOperand):
+        return q.parts[0], k.parts[0], (q.inv, k.inv, q.parts.stride(0), k.parts.stride(0)), True
+    return q, k, (q, k, 0, 0), False
 
 
 def _window(n: int, m: int) -> float:

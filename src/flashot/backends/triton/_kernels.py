@@ -66,12 +66,48 @@ def _load_tile(X, offs, size, d, stride_n, stride_d, BLOCK_D: tl.constexpr, D_CH
 def _score_tile(
     Q, K, q_tile, kt_tile, offs_m, offs_n, n, m, d, stride_qn, stride_qd, stride_kn, stride_kd,
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, HOIST_K: tl.constexpr, PRECISION: tl.constexpr,
+    q_lo_tile, kt_lo_tile, q_lo, k_lo, unscale, PRESPLIT: tl.constexpr,
 ):
     """``⟨q_i, k_j⟩`` for one (BLOCK_M, BLOCK_N) tile, in float32.
 
     With one chunk the stationary side comes hoisted (``q_tile``, or ``kt_tile`` with
     HOIST_K) and the other side is loaded; with several chunks both are loaded per chunk.
+    With PRESPLIT the operands are split once per solve into half-precision parts,
+    ``2^e x = hi + 2^-11 lo`` (the low parts ``q_lo``/``k_lo`` elements after the high
+    ones, hoisted as ``q_lo_tile``/``kt_lo_tile``): three half MMAs,
+    ``⟨q, k⟩ = unscale · (hi·hi' + 2^-11 (hi·lo' + lo·hi'))``, about 22 bits like
+    3xTF32 but with no split of the streamed tile in the loop.
     """
+    if PRESPLIT:
+        if D_CHUNKS == 1:
+            if HOIST_K:
+                q = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
+                ql = _load_tile(Q + q_lo, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
+                s = tl.dot(q, kt_tile)
+                c = tl.dot(q, kt_lo_tile)
+                c = tl.dot(ql, kt_tile, c)
+            else:
+                kt = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
+                ktl = _load_tile(K + k_lo, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
+                s = tl.dot(q_tile, kt)
+                c = tl.dot(q_tile, ktl)
+                c = tl.dot(q_lo_tile, kt, c)
+        else:
+            offs_d = tl.arange(0, BLOCK_D)
+            s = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
+            c = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
+            for ch in range(D_CHUNKS):
+                dd = ch * BLOCK_D + offs_d
+                q_ptrs = Q + offs_m[:, None] * stride_qn + dd[None, :] * stride_qd
+                q_ok = (offs_m[:, None] < n) & (dd[None, :] < d)
+                k_ptrs = K + offs_n[None, :] * stride_kn + dd[:, None] * stride_kd
+                k_ok = (offs_n[None, :] < m) & (dd[:, None] < d)
+                q = tl.load(q_ptrs, mask=q_ok, other=0.0)
+                kt = tl.load(k_ptrs, mask=k_ok, other=0.0)
+                s = tl.dot(q, kt, s)
+                c = tl.dot(q, tl.load(k_ptrs + k_lo, mask=k_ok, other=0.0), c)
+                c = tl.dot(tl.load(q_ptrs + q_lo, mask=q_ok, other=0.0), kt, c)
+        return (s + c * 0.00048828125) * unscale  # 2^-11
     if D_CHUNKS == 1:
         if HOIST_K:
             q = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
@@ -150,10 +186,11 @@ def _attend_tile(
 def _attend_kernel(
     Q, K, H, BETA, LOG_W, V, LSE, OUT, PART_MAX, PART_SUM, PART_ACC, S, n, m, d, p, scale, eps, LO,
     hi, cols_per_split, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vp,
-    stride_on, stride_op, n_bucket, m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_on, stride_op, n_bucket, m_bucket, Q_INV, K_INV, q_lo, k_lo,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, D_CHUNKS: tl.constexpr, HAS_V: tl.constexpr,
     SPLIT: tl.constexpr, POTENTIAL_BIAS: tl.constexpr, REPAIR: tl.constexpr,
-    PRECISION: tl.constexpr, V_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, V_PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
 ):
     """Row LSE ``ε ln Σ_j e^{(s_ij + h_j)/ε}`` and softmax average of V over one column split.
 
@@ -161,7 +198,8 @@ def _attend_kernel(
     program finalizes (LSE, OUT); with SPLIT it writes (max, sum, acc) partials for
     ``_combine_kernel``. With REPAIR, a row block whose plan sums ``S`` all lie in
     ``(LO[0], hi)`` (the fused pass was valid there) streams nothing and its outputs are
-    meaningless. ``n_bucket``/``m_bucket`` only key the autotuner.
+    meaningless. ``n_bucket``/``m_bucket`` only key the autotuner. PRESPLIT: see
+    ``_score_tile`` (``Q_INV``, ``K_INV``: the parts' inverse scales ``2^-e``).
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -177,6 +215,12 @@ def _attend_kernel(
         bad = row_ok & ((sums <= lo) | (sums >= hi) | (sums != sums))
         col_hi = tl.where(tl.max(bad.to(tl.int32), 0) > 0, col_hi, col_lo)
     q_tile = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, D_CHUNKS, False)
+    q_lo_tile = q_tile
+    unscale = 1.0
+    if PRESPLIT:
+        q_lo_tile = _load_tile(Q + q_lo, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, D_CHUNKS,
+                               False)  # fmt: skip
+        unscale = tl.load(Q_INV) * tl.load(K_INV)
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
@@ -186,7 +230,8 @@ def _attend_kernel(
         g, beta, log_w = _side_load(H, BETA, LOG_W, offs_n, col_ok, POTENTIAL_BIAS)
         s = _score_tile(
             Q, K, q_tile, q_tile, offs_m, offs_n, n, col_hi, d, stride_qn, stride_qd, stride_kn,
-            stride_kd, BLOCK_D, D_CHUNKS, False, PRECISION,
+            stride_kd, BLOCK_D, D_CHUNKS, False, PRECISION, q_lo_tile, q_lo_tile, q_lo, k_lo,
+            unscale, PRESPLIT,
         )
         if POTENTIAL_BIAS:  # noqa: SIM108 (a compile-time branch) h = g − β + ε log b, base 2
             h = (g - beta) * scale + log_w * LOG2E
@@ -254,9 +299,10 @@ def _side_terms(p, offset, log_w, ok, scale):
 def _plan_sums_kernel(
     Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, MUL_A, MUL_B, R_DEN, C_DEN,
     n, m, d, scale, shift, gate_limit, gate_span, rows_per_split, stride_qn, stride_qd,
-    stride_kn, stride_kd, n_bucket, m_bucket, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_kn, stride_kd, n_bucket, m_bucket, Q_INV, K_INV, q_lo, k_lo,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, GATED: tl.constexpr, MULTIPLY: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
 ):
     """``R_i += Σ_j b_j E_ij`` and ``C_j += Σ_i a_i E_ij``, one exp2 per element.
 
@@ -289,6 +335,12 @@ def _plan_sums_kernel(
             tl.store(GATE_OUT, 0.0)
             tl.store(GATE_OUT + 1, 0.0)
     kt_tile = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, D_CHUNKS, True)
+    kt_lo_tile = kt_tile
+    unscale = 1.0
+    if PRESPLIT:
+        kt_lo_tile = _load_tile(K + k_lo, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, D_CHUNKS,
+                                True)  # fmt: skip
+        unscale = tl.load(Q_INV) * tl.load(K_INV)
     g, beta, log_b = _side_load(G, BETA, LOG_B, offs_n, col_ok, True)
     v, b = _side_terms(g, beta, log_b, col_ok, scale)
     b_den = b
@@ -306,7 +358,8 @@ def _plan_sums_kernel(
         )
         s = _score_tile(
             Q, K, kt_tile, kt_tile, offs_m, offs_n, row_hi, m, d, stride_qn, stride_qd, stride_kn,
-            stride_kd, BLOCK_D, D_CHUNKS, True, PRECISION,
+            stride_kd, BLOCK_D, D_CHUNKS, True, PRECISION, kt_lo_tile, kt_lo_tile, q_lo, k_lo,
+            unscale, PRESPLIT,
         )
         u, a = _side_terms(f, alpha, log_a, row_ok, scale)
         e = tl.exp2(s * scale + (u + shift)[:, None] + v[None, :])
@@ -431,7 +484,8 @@ def _plan_vjp_kernel(
                     mask=col_ok[:, None] & (offs_d[None, :] < d), other=0.0)  # fmt: skip
         s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION)
         u = _score_tile(DR, VC, dr_tile, dr_tile, offs_m, offs_n, n, col_hi, p, stride_dn,
-                        stride_dp, stride_vn, stride_vp, BLOCK_P, P_CHUNKS, False, PRECISION)  # fmt: skip
+                        stride_dp, stride_vn, stride_vp, BLOCK_P, P_CHUNKS, False, PRECISION,
+                        dr_tile, dr_tile, 0, 0, 1.0, False)  # fmt: skip
         if EXTRA_SIDE == 1:
             u += row_extra[:, None]
         if EXTRA_SIDE == 2:

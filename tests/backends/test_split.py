@@ -1,0 +1,84 @@
+"""The accurate mode's split operands (flashot.backends.triton._split)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashot
+from flashot.backends import available_backends
+from tests.conftest import rel
+
+pytestmark = pytest.mark.skipif("triton" not in available_backends(), reason="needs triton")
+
+
+@settings(max_examples=60, deadline=None)
+@given(log_scale=st.floats(-30, 30), n=st.integers(1, 20), d=st.integers(1, 9),
+       seed=st.integers(0, 2**31 - 1), zeros=st.booleans())  # fmt: skip
+def test_split_parts_rebuild_the_features(log_scale, n, d, seed, zeros):
+    """hi + 2^-11 lo equals 2^e x to 2^-22 of the largest entry, both parts fit in
+    float16 and the scale is a power of two bringing the largest entry to (2^13, 2^14]."""
+    from flashot.backends.triton._split import split_operand
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen) * 2.0**log_scale
+    if zeros:
+        x[0] = 0.0
+    s = split_operand(x)
+    hi, lo = s.parts.double()
+    assert s.parts.dtype == torch.float16 and torch.isfinite(s.parts).all()
+    scale = 1.0 / float(s.inv)
+    assert float(torch.log2(torch.tensor(scale))) == round(float(torch.log2(torch.tensor(scale))))
+    top = float(x.abs().max()) * scale
+    assert top == 0.0 or 2.0**13 < top <= 2.0**14
+    err = (hi + lo * 2.0**-11 - x.double() * scale).abs().max()
+    assert err <= 2.0**-22 * max(top, 1e-300) * 1.01
+
+
+def test_split_of_zeros_is_zero():
+    from flashot.backends.triton._split import split_operand
+
+    s = split_operand(torch.zeros(4, 3))
+    assert torch.equal(s.parts.float(), torch.zeros(2, 4, 3)) and float(s.inv) == 1.0
+
+
+@pytest.mark.parametrize("scale,presplit", [(1e-3, True), (300.0, True), (1.0, False)])
+def test_presplit_and_per_tile_3xtf32_agree_with_float64(scale, presplit):
+    """The default fp32 mode (split once per solve) and 3xTF32 per tile (presplit=False)
+    both solve to float32 accuracy, whatever the clouds' magnitude (the split's scale)."""
+    from flashot.backends.triton import TritonBackend
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 5, generator=gen) * scale
+    y = (torch.randn(30, 5, generator=gen) + 0.5) * scale
+    eps = 0.5 * scale**2
+    ref = flashot.sinkhorn(x.double(), y.double(), eps=eps, max_iter=40, tol=None,
+                           backend="torch").cost  # fmt: skip
+    res = flashot.sinkhorn(x, y, eps=eps, max_iter=40, tol=None,
+                           backend=TritonBackend(presplit=presplit))  # fmt: skip
+    assert rel(res.cost.double(), ref) < 2e-6
+
+
+def test_split_operands_live_only_while_a_solve_runs():
+    """Split copies are shared by a solve's launches and dropped after it (memory)."""
+    from flashot.backends.triton import TritonBackend
+    from flashot.backends.triton._split import SplitOperand
+
+    backend = TritonBackend()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(30, 4, generator=gen), torch.randn(20, 4, generator=gen)
+    seen = []
+    real = backend._split_parts
+
+    def spy(t):
+        seen.append(t)
+        return real(t)
+
+    backend._split_parts = spy
+    flashot.sinkhorn(x, y, eps=0.5, max_iter=30, tol=None, backend=backend)
+    assert backend._halves == [] and 2 <= len(seen) <= 6  # q and k once (a probe may add)
+    with backend.operand_scope():
+        form = flashot.costs.attention_form(flashot.costs.get_cost("sqeuclidean"), x, y)
+        first = backend._operand(form.q)
+        assert isinstance(first, SplitOperand) and backend._operand(form.q) is first
+    assert backend._halves == []
