@@ -94,7 +94,10 @@ def test_forward_memory_is_inputs_plus_little(precision):
         fn()
         extra = (torch.cuda.max_memory_allocated() - base) / 1e6
     print(f"extra memory fwd 50k d64 {precision}: {extra:.1f} MB")
-    assert extra < 32, f"{extra:.1f} MB beyond the inputs"
+    # centred copies of both clouds (25.6 MB) and O(n) vectors; fp32 also splits each
+    # cloud once per solve into two float16 parts (another 25.6 MB while it runs)
+    split = 2 * x.numel() * 4 / 1e6 if precision == "fp32" else 0.0
+    assert extra < 32 + split, f"{extra:.1f} MB beyond the inputs"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

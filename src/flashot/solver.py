@@ -576,6 +576,14 @@ def solve_self(
         backend: the streaming primitives.
     """
     _check_iterations(max_iter, len(eps_list), tol, check_every, min_iter)
+    with backend.operand_scope():
+        return _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol,
+                                check_every, min_iter)  # fmt: skip
+
+
+def _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol, check_every,
+                     min_iter) -> SolverOutput:  # fmt: skip
+    """The loop of :func:`solve_self`."""
     alpha = form.alpha
     eps = eps_list[0]
     warm = warm_form(form, eps_list)

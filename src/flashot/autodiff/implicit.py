@@ -273,10 +273,9 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     rhs = eps * (g_bar - pt_times(d_r_inv * f_bar))
     if deflate:  # the part along 1 is a gauge dependence: no solution, dropped
         rhs = rhs - c_unit * rhs.sum(0)
-    with backend.operand_scope():
-        res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter, capture=capture,
-                 columns=columns, preconditioner=lambda v: d_c_inv * v,
-                 on_negative_curvature="return")  # fmt: skip
+    res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter, capture=capture,
+             columns=columns, preconditioner=lambda v: d_c_inv * v,
+             on_negative_curvature="return")  # fmt: skip
     if res.negative_curvature is not None:  # rounding won: the iterate is as good as it gets
         warnings.warn(
             f"the dual system's CG met rounding-level curvature after {res.n_iter} iterations "

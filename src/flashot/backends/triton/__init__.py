@@ -108,8 +108,9 @@ class TritonBackend(Backend):
             (n·m ≤ 2^28) as CUDA graphs (:mod:`flashot.graphs`); each captured solve
             keeps a copy of its inputs.
         presplit: in ``"fp32"``, split the score operands once per solve
-            (:mod:`._split`; a half-size copy of each cloud while a solve runs) instead
-            of per tile by 3xTF32.
+            (:mod:`._split`; a copy of each cloud's size in half precision while a
+            solve runs) instead of per tile by 3xTF32. Passes outside a solve
+            (gradients, plan products, dual solves) keep 3xTF32.
     """
 
     name = "triton"
@@ -160,7 +161,7 @@ class TritonBackend(Backend):
     @contextlib.contextmanager
     def operand_scope(self):
         """See :meth:`flashot.backends.base.Backend.operand_scope`: split operands are
-        kept within (a solve's or a dual solve's launches share them) and dropped after."""
+        made and shared within (a solve's launches) and dropped after."""
         self._scopes += 1
         try:
             yield
@@ -172,15 +173,19 @@ class TritonBackend(Backend):
     def _operand(self, t: torch.Tensor, keep: bool = True):
         """A feature matrix as the kernels read it: float32, a half copy, or split parts.
 
-        Half copies are cached (``keep``); split parts only within :meth:`operand_scope`.
+        Half copies are cached (``keep``). Split parts (``"fp32"``) are made only within
+        :meth:`operand_scope` (a solve's many passes share them); a pass outside one
+        reads the float32 features with 3xTF32 and needs no copy.
         """
         if t.dtype != torch.float32:
             raise TypeError(f"the triton backend computes in float32, got {t.dtype}")
         split = self._splits()
         if self.precision not in _HALF and not split:
             return t
+        if split and self._scopes == 0:  # a one-off pass: 3xTF32 per tile, no copy
+            return t
         convert = self._split_parts if split else self._half
-        if not keep or (split and self._scopes == 0):  # a one-off sample, or no solve running
+        if not keep:  # a one-off sample
             return convert(t)
         # the solver reuses q and k: convert each once. Entries hold a weak reference to
         # their source, so a new tensor at a freed one's address never hits a stale copy;

@@ -32,6 +32,8 @@ __all__ = ["SplitOperand", "split_operand"]
 HEADROOM = 14
 #: lo is the remainder scaled by 2^LO_BITS (the kernels multiply lo products by 2^-11)
 LO_BITS = 11
+#: rows converted at a time (a float32 temporary of ROWS × d)
+ROWS = 8192
 
 
 class SplitOperand(NamedTuple):
@@ -54,16 +56,21 @@ class SplitOperand(NamedTuple):
 def split_operand(t: torch.Tensor, interpreted: bool = False) -> SplitOperand:
     """Split float32 features ``t`` (n, d) into scaled half parts (see the module).
 
-    One float32 temporary of t's size; no wait for the device.
+    Float32 temporaries of :data:`ROWS` rows; no wait for the device.
     """
-    amax = t.abs().amax() if t.numel() else torch.zeros((), device=t.device)
+    parts = torch.empty((2, *t.shape), dtype=torch.float16, device=t.device)
+    if t.numel():
+        amax = torch.maximum(t.amax(), -t.amin())  # (no temporary of t's size)
+    else:
+        amax = torch.zeros((), device=t.device)
     # e = HEADROOM − ⌈log2 max|t|⌉, so that 2^e max|t| ≤ 2^HEADROOM (e = 0 for zeros)
     e = torch.where(amax > 0, HEADROOM - torch.ceil(torch.log2(amax)), 0.0).clamp(-120.0, 120.0)
-    scaled = t * torch.exp2(e)
-    parts = torch.empty((2, *t.shape), dtype=torch.float16, device=t.device)
-    parts[0].copy_(scaled)
-    scaled.sub_(parts[0]).mul_(2.0**LO_BITS)
-    parts[1].copy_(scaled)
+    scale = torch.exp2(e)
+    for start in range(0, t.shape[0], ROWS):  # blocks of rows: float32 temporaries stay small
+        scaled = t[start : start + ROWS] * scale
+        parts[0, start : start + ROWS].copy_(scaled)
+        scaled.sub_(parts[0, start : start + ROWS]).mul_(2.0**LO_BITS)
+        parts[1, start : start + ROWS].copy_(scaled)
     if interpreted:
         parts = parts.float()
     return SplitOperand(parts, torch.exp2(-e).reshape(1).float())
