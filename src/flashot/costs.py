@@ -79,7 +79,10 @@ class AttentionForm:
         return self.alpha[:, None] + self.beta[None, :] - self.q @ self.k.T
 
     def detach(self) -> AttentionForm:
-        """The same form cut from the autograd graph."""
+        """The same form cut from the autograd graph (itself when it has no history:
+        backends key conversions of q and k by tensor identity)."""
+        if not any(t.requires_grad for t in (self.q, self.k, self.alpha, self.beta)):
+            return self
         return AttentionForm(
             self.q.detach(),
             self.k.detach(),

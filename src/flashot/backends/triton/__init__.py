@@ -188,13 +188,14 @@ class TritonBackend(Backend):
         if not keep:  # a one-off sample
             return convert(t)
         # the solver reuses q and k: convert each once. Entries hold a weak reference to
-        # their source, which keeps its memory from a new tensor while they match; an
-        # alias of it (detached, same data and layout) matches too. A CUDA graph being
-        # captured converts for itself (a copy made outside would be stale on replay).
+        # their source, so a new tensor at a freed one's address never hits a stale copy
+        # (aliases have version counters of their own: only the source itself hits). A
+        # CUDA graph being captured converts for itself (a copy made outside would be
+        # stale on replay).
         capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
         self._halves = [e for e in self._halves if e[0]() is not None]
         for ref, version, inside, half in self._halves:
-            if _same_data(ref(), t) and version == t._version and inside == capturing:
+            if ref() is t and version == t._version and inside == capturing:
                 return half
         half = convert(t)
         self._halves = [*self._halves[-3:], (weakref.ref(t), t._version, capturing, half)]
@@ -629,13 +630,6 @@ class TritonBackend(Backend):
         ln_r, ln_c, _ = self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), (0.0, 0.0),
                                    log_sums=True)  # fmt: skip
         return torch.exp(log_a + ln_r), torch.exp(log_b + ln_c)
-
-
-def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether b views a's data as a does (b is a, or an alias such as ``a.detach()``)."""
-    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
-                      and a.stride() == b.stride() and a.dtype == b.dtype
-                      and a.device == b.device)  # fmt: skip
 
 
 def _score_operands(q, k):
