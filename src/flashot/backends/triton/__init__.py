@@ -13,12 +13,10 @@ values stay float32).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import os
 import warnings
-import weakref
 
 import torch
 import triton
@@ -29,20 +27,19 @@ from flashot.backends.near import is_near_uniform
 from flashot.backends.plan_vjp import ALL
 from flashot.backends.triton import _configs, _tables
 from flashot.backends.triton._gate import Gate
-from flashot.backends.triton._split import SplitOperand, split_operand
 from flashot.backends.triton._kernels import (
     _attend_kernel,
     _combine_kernel,
     _plan_sums_kernel,
     _update_kernel,
 )
+from flashot.backends.triton._operands import OperandCache, score_operands
 from flashot.backends.triton._vjp import FUSED_UP_TO, fused_plan_vjp
 from flashot.dual import log_residual
 
 __all__ = ["TritonBackend"]
 
 LOG2E = 1.4426950408889634
-_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # tl.dot input precisions per mode (float32 operands); the interpreter knows only IEEE
 _DOT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "tf32", "fp16": "tf32"}
 #: the tile tables' name for the split score operands' dot (:mod:`._split`)
@@ -92,7 +89,7 @@ GRAPHS_UP_TO_LOG2 = 28
 FINALISTS = 3
 
 
-class TritonBackend(Backend):
+class TritonBackend(OperandCache, Backend):
     """Fused Triton kernels (float32 compute; float16/bfloat16/float32 inputs).
 
     Args:
@@ -143,72 +140,9 @@ class TritonBackend(Backend):
         self._halves: list = []
         self._scopes = 0
 
-    def __getstate__(self) -> dict:
-        """Options only (pickling): the cached half operands are rebuilt on demand."""
-        return {key: value for key, value in self.__dict__.items() if key != "_halves"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _halves=[])
-
     # ---- helpers -------------------------------------------------------------------
     def _dot(self) -> str:
         return "ieee" if triton_interpreted() else _DOT[self.precision]
-
-    def _splits(self) -> bool:
-        """Whether score operands are split once per solve (:mod:`._split`)."""
-        return self.precision == "fp32" and self.presplit
-
-    @contextlib.contextmanager
-    def operand_scope(self):
-        """See :meth:`flashot.backends.base.Backend.operand_scope`: split operands are
-        made and shared within (a solve's launches) and dropped after."""
-        self._scopes += 1
-        try:
-            yield
-        finally:
-            self._scopes -= 1
-            if self._scopes == 0 and self._splits():
-                self._halves = []
-
-    def _operand(self, t: torch.Tensor, keep: bool = True):
-        """A feature matrix as the kernels read it: float32, a half copy, or split parts.
-
-        Half copies are cached (``keep``). Split parts (``"fp32"``) are made only within
-        :meth:`operand_scope` (a solve's many passes share them); a pass outside one
-        reads the float32 features with 3xTF32 and needs no copy.
-        """
-        if t.dtype != torch.float32:
-            raise TypeError(f"the triton backend computes in float32, got {t.dtype}")
-        split = self._splits()
-        if self.precision not in _HALF and not split:
-            return t
-        if split and self._scopes == 0:  # a one-off pass: 3xTF32 per tile, no copy
-            return t
-        convert = self._split_parts if split else self._half
-        if not keep:  # a one-off sample
-            return convert(t)
-        # the solver reuses q and k: convert each once. Entries hold a weak reference to
-        # their source, so a new tensor at a freed one's address never hits a stale copy
-        # (aliases have version counters of their own: only the source itself hits). A
-        # CUDA graph being captured converts for itself (a copy made outside would be
-        # stale on replay).
-        capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
-        self._halves = [e for e in self._halves if e[0]() is not None]
-        for ref, version, inside, half in self._halves:
-            if ref() is t and version == t._version and inside == capturing:
-                return half
-        half = convert(t)
-        self._halves = [*self._halves[-3:], (weakref.ref(t), t._version, capturing, half)]
-        return half
-
-    def _split_parts(self, t: torch.Tensor) -> SplitOperand:
-        return split_operand(t, triton_interpreted())
-
-    def _half(self, t: torch.Tensor) -> torch.Tensor:
-        half = t.to(_HALF[self.precision])
-        if triton_interpreted():  # numpy has no bfloat16: round, compute in float32
-            half = half.float()  # (exact: products of halves fit in float32)
-        return half
 
     def _tiles(self, key, size_log2, device):
         """The tiles a launch takes; None when this call must tune them first.
@@ -318,7 +252,7 @@ class TritonBackend(Backend):
         ``(lo[0], hi)`` (``lo`` a 1-element tensor; other rows' outputs are then
         meaningless). ``keep_q``: cache q's half copy (False for a one-off sample).
         """
-        q, k, split_args, presplit = _score_operands(self._operand(q, keep_q), self._operand(k))
+        q, k, split_args, presplit = score_operands(self._operand(q, keep_q), self._operand(k))
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
         potential = len(bias) == 3
@@ -418,7 +352,7 @@ class TritonBackend(Backend):
             ``(R (n,), C (m,))``; with ``mul``, ``(R, C, R₀, C₀)`` with ``R₀``, ``C₀`` the
             sums without it.
         """
-        q, k, split_args, presplit = _score_operands(self._operand(form.q),
+        q, k, split_args, presplit = score_operands(self._operand(form.q),
                                                      self._operand(form.k))  # fmt: skip
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
@@ -630,17 +564,6 @@ class TritonBackend(Backend):
         ln_r, ln_c, _ = self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), (0.0, 0.0),
                                    log_sums=True)  # fmt: skip
         return torch.exp(log_a + ln_r), torch.exp(log_b + ln_c)
-
-
-def _score_operands(q, k):
-    """``(Q, K, (Q_INV, K_INV, q_lo, k_lo), presplit)``: the kernels' score operands.
-
-    For :class:`~._split.SplitOperand` s, the high parts, the scales and the low parts'
-    offsets; otherwise the tensors themselves (the split arguments are then unused).
-    """
-    if isinstance(q, SplitOperand):
-        return q.parts[0], k.parts[0], (q.inv, k.inv, q.parts.stride(0), k.parts.stride(0)), True
-    return q, k, (q, k, 0, 0), False
 
 
 def _window(n: int, m: int) -> float:

@@ -59,10 +59,8 @@ def split_operand(t: torch.Tensor, interpreted: bool = False) -> SplitOperand:
     Float32 temporaries of :data:`ROWS` rows; no wait for the device.
     """
     parts = torch.empty((2, *t.shape), dtype=torch.float16, device=t.device)
-    if t.numel():
-        amax = torch.maximum(t.amax(), -t.amin())  # (no temporary of t's size)
-    else:
-        amax = torch.zeros((), device=t.device)
+    # max |t| with no temporary of t's size
+    amax = torch.maximum(t.amax(), -t.amin()) if t.numel() else torch.zeros((), device=t.device)
     # e = HEADROOM − ⌈log2 max|t|⌉, so that 2^e max|t| ≤ 2^HEADROOM (e = 0 for zeros)
     e = torch.where(amax > 0, HEADROOM - torch.ceil(torch.log2(amax)), 0.0).clamp(-120.0, 120.0)
     scale = torch.exp2(e)

@@ -1,0 +1,109 @@
+"""How the Triton kernels read the clouds: float32, cached half copies, or split parts.
+
+:class:`OperandCache` is the :class:`~flashot.backends.triton.TritonBackend`'s side of
+that: per precision mode, the operand a kernel takes for a feature matrix, converted
+once and shared by the launches that reuse it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from flashot.backends import triton_interpreted
+from flashot.backends.triton._split import SplitOperand, split_operand
+
+__all__ = ["OperandCache", "score_operands"]
+
+_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class OperandCache:
+    """Conversions of q and k for the kernels (a mixin of the Triton backend).
+
+    Needs ``precision`` and ``presplit``; keeps ``_halves`` (the cache) and ``_scopes``.
+    """
+
+    precision: str
+    presplit: bool
+    _halves: list
+    _scopes: int
+
+    def __getstate__(self) -> dict:
+        """Options only (pickling): the cached half operands are rebuilt on demand."""
+        return {key: value for key, value in self.__dict__.items()
+                if key not in ("_halves", "_scopes")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _halves=[], _scopes=0)
+
+    def _splits(self) -> bool:
+        """Whether score operands are split once per solve (:mod:`._split`)."""
+        return self.precision == "fp32" and self.presplit
+
+    @contextlib.contextmanager
+    def operand_scope(self):
+        """See :meth:`flashot.backends.base.Backend.operand_scope`.
+
+        Split operands are made and shared within (a solve's launches), dropped after.
+        """
+        self._scopes += 1
+        try:
+            yield
+        finally:
+            self._scopes -= 1
+            if self._scopes == 0 and self._splits():
+                self._halves = []
+
+    def _operand(self, t: torch.Tensor, keep: bool = True):
+        """A feature matrix as the kernels read it: float32, a half copy, or split parts.
+
+        Half copies are cached (``keep``). Split parts (``"fp32"``) are made only within
+        :meth:`operand_scope` (a solve's many passes share them); a pass outside one
+        reads the float32 features with 3xTF32 and needs no copy.
+        """
+        if t.dtype != torch.float32:
+            raise TypeError(f"the triton backend computes in float32, got {t.dtype}")
+        split = self._splits()
+        if self.precision not in _HALF and not split:
+            return t
+        if split and self._scopes == 0:  # a one-off pass: 3xTF32 per tile, no copy
+            return t
+        convert = self._split_parts if split else self._half
+        if not keep:  # a one-off sample
+            return convert(t)
+        # the solver reuses q and k: convert each once. Entries hold a weak reference to
+        # their source, so a new tensor at a freed one's address never hits a stale copy
+        # (aliases have version counters of their own: only the source itself hits). A
+        # CUDA graph being captured converts for itself (a copy made outside would be
+        # stale on replay).
+        capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
+        self._halves = [e for e in self._halves if e[0]() is not None]
+        for ref, version, inside, half in self._halves:
+            if ref() is t and version == t._version and inside == capturing:
+                return half
+        half = convert(t)
+        self._halves = [*self._halves[-3:], (weakref.ref(t), t._version, capturing, half)]
+        return half
+
+    def _split_parts(self, t: torch.Tensor) -> SplitOperand:
+        return split_operand(t, triton_interpreted())
+
+    def _half(self, t: torch.Tensor) -> torch.Tensor:
+        half = t.to(_HALF[self.precision])
+        if triton_interpreted():  # numpy has no bfloat16: round, compute in float32
+            half = half.float()  # (exact: products of halves fit in float32)
+        return half
+
+
+def score_operands(q, k):
+    """``(Q, K, (Q_INV, K_INV, q_lo, k_lo), presplit)``: the kernels' score operands.
+
+    For :class:`~._split.SplitOperand` s, the high parts, the scales and the low parts'
+    offsets; otherwise the tensors themselves (the split arguments are then unused).
+    """
+    if isinstance(q, SplitOperand):
+        return q.parts[0], k.parts[0], (q.inv, k.inv, q.parts.stride(0), k.parts.stride(0)), True
+    return q, k, (q, k, 0, 0), False
