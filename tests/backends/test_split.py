@@ -45,7 +45,7 @@ def test_split_of_zeros_is_zero():
 @pytest.mark.parametrize("scale,presplit", [(1e-3, True), (300.0, True), (1.0, False)])
 def test_presplit_and_per_tile_3xtf32_agree_with_float64(scale, presplit):
     """The default fp32 mode (split once per solve) and 3xTF32 per tile (presplit=False)
-    both solve to float32 accuracy, whatever the clouds' magnitude (the split's scale)."""
+    both solve within 1e-6 of float64, whatever the clouds' magnitude (the split's scale)."""
     from flashot.backends.triton import TritonBackend
 
     gen = torch.Generator().manual_seed(0)
@@ -56,7 +56,7 @@ def test_presplit_and_per_tile_3xtf32_agree_with_float64(scale, presplit):
                            backend="torch").cost  # fmt: skip
     res = flashot.sinkhorn(x, y, eps=eps, max_iter=40, tol=None,
                            backend=TritonBackend(presplit=presplit))  # fmt: skip
-    assert rel(res.cost.double(), ref) < 2e-6
+    assert rel(res.cost.double(), ref) < 1e-6  # the default precision's promise
 
 
 def test_split_operands_live_only_while_a_solve_runs():
