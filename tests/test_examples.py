@@ -1,0 +1,35 @@
+"""The examples/ gallery runs and does what its docstring says (small sizes)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+pytest.importorskip("matplotlib")
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_registration_newton_recovers_the_map_adam_does_not(tmp_path):
+    out = tmp_path / "reg.png"
+    results = load("registration").main(["--n", "40", "--newton-steps", "6", "--adam-steps",
+                                          "20", "--out", str(out)])  # fmt: skip
+    _, _, (A_true, t_true) = load("registration").problem(40)
+    A, t, newton = results["newton"]
+    assert float((A - A_true).norm() + (t - t_true).norm()) < 1e-5
+    assert newton[-1] < 1e-3 * results["adam"][2][-1]
+    assert out.stat().st_size > 10_000
+
+
+def test_color_transfer_moves_the_palette(tmp_path):
+    out = tmp_path / "ct.png"
+    before, after = load("color_transfer").main(["--n", "400", "--side", "48", "--out", str(out)])
+    assert 0.0 <= after < 0.1 * before and out.stat().st_size > 10_000
+    assert torch.isfinite(torch.tensor([before, after])).all()
