@@ -63,3 +63,15 @@ def test_in_place_form_equals_the_autograd_form(gen, rounding):
     if rounding is not None:  # the rounding is exact: rounding again changes nothing
         k = plain.k.clone()
         assert torch.equal(_round_in_place(k, rounding), plain.k)
+
+
+def test_squared_norms_first_and_second_derivatives():
+    """|w|² by its own autograd Function: gradcheck and gradgradcheck in float64, batched too."""
+    from flashot.costs import _SquaredNorms
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(5, 3), (2, 4, 3)]:
+        w = torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+        assert torch.allclose(_SquaredNorms.apply(w), (w * w).sum(-1), rtol=1e-14, atol=0)
+        assert torch.autograd.gradcheck(_SquaredNorms.apply, (w,))
+        assert torch.autograd.gradgradcheck(_SquaredNorms.apply, (w,))

@@ -188,7 +188,7 @@ def round_operands(u: torch.Tensor, rounding) -> torch.Tensor:
 
 
 class _SquaredNorms(torch.autograd.Function):
-    """``|w_i|²`` (n,) of rows w (n, d), with a one-product backward ``2 w ⊙ ḡ``.
+    """``|w_i|²`` (…, n) of rows w (…, n, d), with a one-product backward ``2 w ⊙ ḡ``.
 
     ``vecdot(w, w)`` differentiates each factor apart: its double backward (an HVP)
     holds about five (n, d) temporaries at once where this one holds two.
@@ -205,7 +205,7 @@ class _SquaredNorms(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (w,) = ctx.saved_tensors
-        return w * (2 * grad)[:, None]
+        return w * (2 * grad).unsqueeze(-1)
 
 
 def _centered(u: torch.Tensor, center: torch.Tensor, rounding, factor: float, scale: float):
