@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import flashot
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 pytest.importorskip("matplotlib")
 
@@ -30,6 +32,18 @@ def test_registration_newton_recovers_the_map_adam_does_not(tmp_path):
 
 def test_color_transfer_moves_the_palette(tmp_path):
     out = tmp_path / "ct.png"
-    before, after = load("color_transfer").main(["--n", "400", "--side", "48", "--out", str(out)])
+    before, after = load("color_transfer").main(["--n", "300", "--side", "32", "--out", str(out)])
     assert 0.0 <= after < 0.1 * before and out.stat().st_size > 10_000
     assert torch.isfinite(torch.tensor([before, after])).all()
+
+
+def test_quickstart_map_is_the_plans_barycenter(tmp_path):
+    out = tmp_path / "qs.png"
+    res, mapped = load("quickstart").main(["--n", "80", "--out", str(out)])
+    x, y = load("quickstart").clouds(80)
+    ref = flashot.sinkhorn(x.double(), y.double(), eps=0.05, eps_schedule="geomloss", tol=1e-9,
+                           max_iter=20_000)  # fmt: skip
+    dense = ref.plan @ torch.eye(80, dtype=torch.float64)
+    want = dense @ y.double() / dense.sum(1, keepdim=True)
+    assert torch.allclose(mapped.double(), want, atol=1e-4)
+    assert abs(float(res.cost) / float(ref.cost) - 1) < 1e-5 and out.stat().st_size > 10_000
