@@ -65,7 +65,7 @@ __all__ = [
 last_dual_solve: dict = {}
 #: the dual CG replays CUDA graphs up to this many plan entries (n·m); beyond, a step's
 #: two passes outlast the host's ~1.5 ms of launches and eager launches keep the GPU busy
-#: (benchmarks/NOTES.md v14). Captured blocks are kept per (shapes, ε, ρ, backend) and
+#: (benchmarks/HISTORY.md v14). Captured blocks are kept per (shapes, ε, ρ, backend) and
 #: replayed by later solves: see :func:`clear_dual_graphs`.
 CAPTURE_UP_TO = 1 << 28
 

@@ -155,7 +155,7 @@ def _side_ahead(P, OFFSET, LOG_W, offs, hi, ahead_p, ahead_o, ahead_w):
 
     A whole tile then hides the loads' latency, which in the sm_90 SASS otherwise only
     the tile's MMA covered (measured on the H200, fused pass at n = 50k: bf16 1.29 →
-    1.16 ms, tf32 1.46 → 1.34 ms; the exact pass did not gain, see NOTES.md v7).
+    1.16 ms, tf32 1.46 → 1.34 ms; the exact pass did not gain, see benchmarks/HISTORY.md v7).
     """
     nxt = offs + offs.shape[0]
     p, o, w = _side_load(P, OFFSET, LOG_W, nxt, nxt < hi, True)

@@ -2,7 +2,7 @@ r"""Operands split once per solve for the accurate mode (the kernels' PRESPLIT).
 
 3xTF32 (``tl.dot(..., input_precision="tf32x3")``) splits both operands into TF32
 high and low parts inside the streaming loop, for every tile: 7–11 instructions per
-score element on sm_90, about as many as the rest of the loop (benchmarks/NOTES.md,
+score element on sm_90, about as many as the rest of the loop (benchmarks/HISTORY.md,
 v7 item 6). Split once instead, into half precision with a power-of-two scale per
 cloud,
 

@@ -33,7 +33,7 @@ LOG2E = 1.4426950408889634
 FUSED_UP_TO = 128
 #: tiles (BLOCK_M, BLOCK_N, warps, stages) on a GPU for wide values and for narrow ones
 #: (p ≤ 16); the interpreter takes 16 × 16. Measured on the H200 (benchmarks/bench_vjp.py,
-#: NOTES v13): 32 × 64 fastest for p = 65, 64 × 64 for p = 2; 8 warps gave wrong sums
+#: HISTORY.md v13): 32 × 64 fastest for p = 65, 64 × 64 for p = 2; 8 warps gave wrong sums
 #: and illegal addresses under Triton 3.6: not used
 TILES = (32, 64, 4, 2)
 NARROW_TILES = (64, 64, 4, 2)
