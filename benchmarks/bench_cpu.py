@@ -5,8 +5,12 @@
 2. n = m = 100 000, d = 3: a 5-iteration solve (a dense float32 matrix would be 40 GB);
    peak resident memory of the process (run it alone, ``--only-large``, so that
    GeomLoss' dense matrices of part 1 do not count).
+3. ``--contention``: the debiased call of part 1 (value and gradient) with one and with
+   two threads, on an idle machine and with a busy loop on another core (issue 14, item
+   4: small shared VMs).
 
     python benchmarks/bench_cpu.py --skip-large && python benchmarks/bench_cpu.py --only-large
+    python benchmarks/bench_cpu.py --contention
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import argparse
 import platform
 import resource
+import subprocess
+import sys
 import time
 
 import torch
@@ -31,11 +37,40 @@ def best_of(fn, reps=3):
     return min(times)
 
 
+def contention():
+    """Seconds of the debiased value+gradient call at n = 5 000: threads × (idle, busy)."""
+    torch.manual_seed(0)
+    x, y = torch.rand(5000, 3, requires_grad=True), torch.rand(5000, 3)
+    loss = flashot.SamplesLoss("sinkhorn", p=2, blur=0.05, scaling=0.5, debias=True,
+                               backend="torch")  # fmt: skip
+
+    def call():
+        torch.autograd.grad(loss(x, y), x)
+
+    before = torch.get_num_threads()
+    for busy in (False, True):
+        spin = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                t = best_of(call)
+                where = "busy loop on another core" if busy else "idle machine"
+                print(f"contention: n=5000 debiased value+grad, {threads} thread(s), {where}: "
+                      f"{t:.2f} s")  # fmt: skip
+        finally:
+            torch.set_num_threads(before)
+            if spin is not None:
+                spin.kill()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-large", action="store_true")
     ap.add_argument("--only-large", action="store_true", help="peak RSS of the large solve alone")
+    ap.add_argument("--contention", action="store_true", help="1 and 2 threads, idle and busy")
     args = ap.parse_args()
+    if args.contention:
+        return contention()
     cpu = platform.processor() or "cpu"
     print(f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     torch.manual_seed(0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from flashot.backends.base import Backend
+from flashot.backends.row_pool import run_row_blocks
 
 __all__ = ["TorchBackend"]
 
@@ -64,8 +65,8 @@ class TorchBackend(Backend):
         keep = None if bool(keep.all()) else keep.to(q.dtype)  # zero-weight columns
         lse = torch.empty(n, dtype=q.dtype, device=q.device)
         out = None if v is None else torch.empty(n, v.shape[1], dtype=q.dtype, device=q.device)
-        for i0 in range(0, n, block_m):
-            i1 = min(n, i0 + block_m)
+
+        def attend_rows(i0, i1):
             run_max = run_sum = acc = None
             for j0 in range(0, m, block_n):
                 j1 = min(m, j0 + block_n)
@@ -90,4 +91,7 @@ class TorchBackend(Backend):
             lse[i0:i1] = eps * (run_max + torch.log(run_sum))
             if v is not None:
                 out[i0:i1] = acc / run_sum[:, None]
+
+        inputs = (q, k, h) if v is None else (q, k, h, v)
+        run_row_blocks(attend_rows, n, block_m, n * m, *inputs)
         return lse, out

@@ -1,0 +1,144 @@
+"""Row blocks of a CPU streaming pass, spread over single-threaded worker threads.
+
+Why not PyTorch's intra-op threads: they open one OpenMP parallel region per tile op
+(about nine per score tile, thousands per call), each closed by a barrier. On a small
+shared machine that barrier waits for a vCPU another process holds. Measured on the
+2-core VM (torch 2.13), a debiased ``SamplesLoss`` at n = 5 000, d = 3, value and
+gradient, with a busy loop on the other core: 5.7–7.1 s with two intra-op threads,
+1.4–1.6 s with one. Workers that run whole row blocks single-threaded meet once per
+pass and take blocks from a shared counter, so a busy core just takes fewer blocks.
+
+The pool has as many workers as the caller's ``torch.get_num_threads()`` and is used
+only where it cannot change a result's meaning: CPU tensors, no autograd graph to
+record, not under ``torch.compile``, at least two blocks. Starting a worker calls
+``torch.set_num_threads(1)`` in it, which also sets PyTorch's default for threads
+started later; the caller's count is set back right after, so nothing global moves.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["run_row_blocks"]
+
+#: below this many score elements per pass, handing blocks to threads costs more than it saves
+MIN_ELEMENTS = 1 << 19
+
+_lock = threading.Lock()
+_pool: _Pool | None = None
+_local = threading.local()
+
+
+class _Job:
+    """One pass: ``body(i0, i1)`` for every block, blocks taken in order by any worker."""
+
+    def __init__(self, body, starts, stop, workers, inference):
+        self.body, self.stop, self.inference = body, stop, inference
+        self.starts = iter(starts)
+        self.lock = threading.Lock()
+        self.left = workers
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def next_block(self):
+        with self.lock:
+            return None if self.error is not None else next(self.starts, None)
+
+    def work(self, step):
+        try:
+            with torch.inference_mode() if self.inference else torch.no_grad():
+                while (i0 := self.next_block()) is not None:
+                    self.body(i0, min(self.stop, i0 + step))
+        except BaseException as err:  # handed to the caller, raised there
+            with self.lock:
+                self.error = self.error or err
+        finally:
+            with self.lock:
+                self.left -= 1
+                if self.left == 0:
+                    self.done.set()
+
+
+class _Pool:
+    def __init__(self, size: int):
+        self.size = size
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        ready = threading.Barrier(size + 1)
+        for _ in range(size):
+            threading.Thread(target=self._serve, args=(ready,), daemon=True,
+                             name="flashot-rows").start()  # fmt: skip
+        ready.wait()
+        torch.set_num_threads(size)  # the workers' set_num_threads(1) also set the default
+
+    def _serve(self, ready):
+        torch.set_num_threads(1)
+        _local.worker = True
+        ready.wait()
+        while (task := self.jobs.get()) is not None:
+            task[0].work(task[1])
+            del task  # an idle worker must not keep the last pass's tensors alive
+
+    def close(self):
+        for _ in range(self.size):
+            self.jobs.put(None)
+
+
+def _forget_after_fork():
+    global _pool
+    _pool = None  # the child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _pool_of(size: int) -> _Pool:
+    global _pool
+    with _lock:
+        if _pool is None or _pool.size != size:
+            if _pool is not None:
+                _pool.close()
+            _pool = _Pool(size)
+        return _pool
+
+
+def run_row_blocks(
+    body: Callable[[int, int], None], n: int, block: int, elements: int, *tensors: torch.Tensor
+) -> None:
+    """Call ``body(i0, i1)`` for the row blocks ``[i0, i1)`` of ``range(n)`` of size ``block``.
+
+    The blocks run on the pool when that is safe and worth it (see module), else in
+    order on the calling thread. ``body`` must only write rows ``i0:i1`` of its outputs.
+
+    Args:
+        body: the work of one block.
+        n: number of rows.  block: rows per block.
+        elements: score elements of the whole pass (the pool is used from
+            :data:`MIN_ELEMENTS`).
+        tensors: the pass's inputs, which decide device and autograd.
+    """
+    starts = range(0, n, block)
+    workers = torch.get_num_threads()
+    if (
+        len(starts) < 2
+        or workers < 2
+        or elements < MIN_ELEMENTS
+        or getattr(_local, "worker", False)
+        or torch.compiler.is_compiling()
+        or any(t.device.type != "cpu" for t in tensors)
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    ):
+        for i0 in starts:
+            body(i0, min(n, i0 + block))
+        return
+    pool = _pool_of(workers)
+    job = _Job(body, starts, n, min(workers, len(starts)), torch.is_inference_mode_enabled())
+    for _ in range(job.left):
+        pool.jobs.put((job, block))
+    job.done.wait()
+    if job.error is not None:
+        raise job.error
