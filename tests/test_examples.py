@@ -47,3 +47,14 @@ def test_quickstart_map_is_the_plans_barycenter(tmp_path):
     want = dense @ y.double() / dense.sum(1, keepdim=True)
     assert torch.allclose(mapped.double(), want, atol=1e-4)
     assert abs(float(res.cost) / float(ref.cost) - 1) < 1e-5 and out.stat().st_size > 10_000
+
+
+def test_shuffled_regression_hybrid_recovers_w_where_adam_does_not(tmp_path):
+    out = tmp_path / "sr.png"
+    prob, results = load("shuffled_regression").main(["--n", "100", "--steps", "20", "--monitor",
+                                                      "10", "--out", str(out)])  # fmt: skip
+    adam, budget, hybrid = results.values()
+    assert adam.converged and len(adam.history) == 1  # the saddle passes the gradient test
+    assert prob.relative_error(budget.W) > 0.5 and prob.relative_error(hybrid.W) < 0.05
+    assert hybrid.history[0]["lambda_min"] < 0 < hybrid.history[-1]["lambda_min"]
+    assert out.stat().st_size > 10_000

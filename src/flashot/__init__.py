@@ -16,6 +16,7 @@ from flashot.ot import ConvergenceWarning, sinkhorn
 from flashot.result import SinkhornResult, TransportPlan
 from flashot.samples_loss import SamplesLoss
 from flashot.solver import EpsilonScaling
+from flashot.shuffled import shuffled_regression  # (uses the names above)
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,7 @@ __all__ = [
     "labeled_cost",
     "linalg",
     "optim",
+    "shuffled_regression",
     "sinkhorn",
     "sinkhorn_divergence",
 ]
