@@ -116,3 +116,18 @@ def test_idle_workers_keep_no_tensor_of_the_last_pass_alive(two_threads):
 
 def fill_ones(out, i0, i1):
     out[i0:i1] = 1.0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_near_uniform_lse_matches_float64_with_and_without_the_pool(two_threads, threads):
+    from flashot.backends.near import near_attend
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(700, 3, generator=g), torch.randn(900, 3, generator=g)
+    h, v = torch.randn(900, generator=g), torch.randn(900, 2, generator=g)
+    form = AttentionForm(q, k, torch.zeros(700), torch.zeros(900))
+    lse, out = near_attend(form, h, 50.0, v, budget=900 * 64)
+    s = (q.double() @ k.double().T + h.double()) / 50.0
+    torch.testing.assert_close(lse.double(), 50.0 * torch.logsumexp(s, 1), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(out.double(), torch.softmax(s, 1) @ v.double(), rtol=1e-5, atol=1e-5)

@@ -37,6 +37,8 @@ import math
 
 import torch
 
+from flashot.backends.row_pool import run_row_blocks
+
 __all__ = ["is_near_uniform", "log_mass", "near_attend"]
 
 #: the near-uniform path runs when ε ≥ NEAR_FROM × (bound on the cost)
@@ -93,8 +95,8 @@ def near_attend(form, h, eps, v=None, log_w=None, budget: int | None = None):
     block_m, block_n = tile_sizes(n, m, budget)
     lse = torch.empty(n, dtype=dtype, device=dev)
     out = None if v is None else torch.empty(n, v.shape[1], dtype=dtype, device=dev)
-    for i0 in range(0, n, block_m):
-        i1 = min(n, i0 + block_m)
+
+    def near_rows(i0, i1):
         top = torch.full((i1 - i0,), -math.inf, dtype=dtype, device=dev)
         s = torch.zeros(i1 - i0, dtype=dtype, device=dev)
         e = torch.zeros_like(s)
@@ -123,4 +125,7 @@ def near_attend(form, h, eps, v=None, log_w=None, budget: int | None = None):
         lse[i0:i1] = eps * top + eps * log_sum + (eps * log_total).to(dtype)
         if out is not None and acc is not None:
             out[i0:i1] = acc / s[:, None]
+
+    inputs = (q, k, h) if v is None else (q, k, h, v)
+    run_row_blocks(near_rows, n, block_m, n * m, *inputs)
     return lse, out
