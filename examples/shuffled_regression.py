@@ -9,7 +9,7 @@ eigenvalue (Lanczos on streamed Hessian-vector products), steps along its
 eigenvector to the better side and finishes with Newton steps. Prints each run's
 loss and error and writes a figure of the loss and λ_min over the steps.
 
-    python examples/shuffled_regression.py --n 1000 --out shuffled_regression.png
+    python examples/shuffled_regression.py --n 300 --out shuffled_regression.png
 """
 
 import argparse
@@ -24,7 +24,7 @@ from flashot.shuffled import make_shuffled_regression, shuffled_regression
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=1000, help="rows of X and Y")
+    p.add_argument("--n", type=int, default=300, help="rows of X and Y")
     p.add_argument("--q", type=int, default=2, help="responses (columns of Y)")
     p.add_argument("--noise", type=float, default=0.1)
     p.add_argument("--eps", type=float, default=0.05)

@@ -66,3 +66,25 @@ def test_bad_options_are_named(kw, match):
     xa, ya, xb, yb = data()
     with pytest.raises(ValueError, match=match):
         dataset_flow(xa, ya, xb, yb, eps=0.1, progress=False, **kw)
+
+
+def test_a_flow_step_keeps_at_most_eight_and_a_half_clouds():
+    """One flow step (two problems' gradients, one after the other) holds about eight
+    cloud-sized tensors beyond the inputs (8.1 at d = 784, 8.3 here): the flow state,
+    B's labeled copy, the attention form's q and k, the envelope's barycenters, the
+    feature part of q kept for |q|²'s backward, and two backward temporaries. (One
+    more before A's labeled copy was dropped ahead of the backward pass.)"""
+    from flashot.backends.torch_backend import TorchBackend
+    from tests.live_memory import LiveTensors
+
+    n, d = 300, 120
+    g = torch.Generator().manual_seed(0)
+    xa, xb = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g) + 0.3
+    ya, yb = torch.randint(0, 4, (n,), generator=g), torch.randint(0, 4, (n,), generator=g)
+    cloud = n * d * 4
+    with LiveTensors(cloud // 4) as live:
+        live.ignore(xa, xb)
+        out = dataset_flow(xa, ya, xb, yb, steps=1, step_size=0.1, eps=5.0, progress=False,
+                           max_iter=10, tol=None, diagonal=True,
+                           backend=TorchBackend(budget=1 << 12))  # fmt: skip
+    assert torch.isfinite(out.x).all() and live.peak / cloud <= 8.5  # (d + K)/d = 1.03 wide

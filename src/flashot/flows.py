@@ -86,7 +86,7 @@ def _value_and_grad(x, index_a, lb, cost, eps, self_b, **sinkhorn_options):
     if self_b is None:
         with torch.no_grad():
             self_b = flashot.sinkhorn(lb, lb, eps=eps, cost=cost, **sinkhorn_options).cost
-    value, grad = -0.5 * self_b, torch.zeros_like(x)
+    value, grad = -0.5 * self_b, None
     # OT(A, A): with its symmetric cost and weights (and ρ) the rows' share of the
     # gradient equals the columns' (P = Pᵀ): differentiate one side, twice (half the
     # cotangents); a ρ = (ρ_x, ρ_y) with ρ_x ≠ ρ_y breaks the symmetry
@@ -98,9 +98,12 @@ def _value_and_grad(x, index_a, lb, cost, eps, self_b, **sinkhorn_options):
         if other is None:
             other = la.detach() if one_side else la
         term = flashot.sinkhorn(la, other, eps=eps, cost=cost, **sinkhorn_options).cost
+        del la, other  # the form holds its own operands; the labeled copy can go now
         (g,) = torch.autograd.grad(term, xs)
-        value, grad = value + weight * term.detach(), grad + (weight * sides) * g
-        del term, la, other, xs, g  # this problem's graph and form go before the next
+        value = value + weight * term.detach()
+        # accumulate in the first gradient's storage: no zero cloud, no sum temporaries
+        grad = g.mul_(weight * sides) if grad is None else grad.add_(g, alpha=weight * sides)
+        del term, xs, g  # this problem's graph and form go before the next
     return value, grad, self_b
 
 
