@@ -29,7 +29,7 @@ def main(argv=None):
     p.add_argument("--noise", type=float, default=0.1)
     p.add_argument("--eps", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--steps", type=int, default=150, help="optimizer steps at most")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps at most")
     p.add_argument("--monitor", type=int, default=10, help="λ_min every that many steps")
     p.add_argument("--out", default="shuffled_regression.png", help="the figure ('' for none)")
     args = p.parse_args(argv)
