@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -252,8 +253,8 @@ def shuffled_regression(
             with torch.enable_grad():
                 loss = loss_fn(W)
                 (grad,) = torch.autograd.grad(loss, W)
-            entry = dict(loss=float(loss.detach()), grad_norm=float(grad.norm()), step="adam",
-                         cg_iters=0)  # fmt: skip
+            entry: dict[str, Any] = dict(loss=float(loss.detach()), step="adam", cg_iters=0,
+                                         grad_norm=float(grad.norm()))  # fmt: skip
             if entry["grad_norm"] <= grad_tol:
                 entry["step"] = "converged"
             else:
