@@ -51,8 +51,8 @@ def test_quickstart_map_is_the_plans_barycenter(tmp_path):
 
 def test_shuffled_regression_hybrid_recovers_w_where_adam_does_not(tmp_path):
     out = tmp_path / "sr.png"
-    prob, results = load("shuffled_regression").main(["--n", "100", "--steps", "20", "--monitor",
-                                                      "10", "--out", str(out)])  # fmt: skip
+    prob, results = load("shuffled_regression").main(["--n", "100", "--steps", "8", "--monitor",
+                                                      "0", "--out", str(out)])  # fmt: skip
     adam, budget, hybrid = results.values()
     assert adam.converged and len(adam.history) == 1  # the saddle passes the gradient test
     assert prob.relative_error(budget.W) > 0.5 and prob.relative_error(hybrid.W) < 0.05
