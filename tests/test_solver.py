@@ -127,8 +127,8 @@ def test_never_a_converged_wrong_answer_float64(problem):
     check_truthful(*problem, rtol=1e-8)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems(dtype=torch.float32))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(dtype=torch.float32))  # (20 took 170 s of CI's 15 minutes)
 def test_never_a_converged_wrong_answer_float32(problem):
     check_truthful(*problem, rtol=2e-5)
 
