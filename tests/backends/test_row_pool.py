@@ -87,17 +87,21 @@ def test_inference_mode_outputs_are_writable_by_the_workers(two_threads):
     torch.testing.assert_close(out, torch.arange(100.0))
 
 
+def lse_against_float64(attend, eps, seed):
+    """Row LSE and softmax average of ``attend`` against float64 on a pooled size."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(700, 3, generator=g), torch.randn(900, 3, generator=g)
+    h, v = torch.randn(900, generator=g), torch.randn(900, 2, generator=g)
+    lse, out = attend(AttentionForm(q, k, torch.zeros(700), torch.zeros(900)), h, eps, v)
+    s = (q.double() @ k.double().T + h.double()) / eps
+    torch.testing.assert_close(lse.double(), eps * torch.logsumexp(s, 1), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(out.double(), torch.softmax(s, 1) @ v.double(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_torch_backend_row_lse_matches_float64_with_and_without_the_pool(two_threads, threads):
     torch.set_num_threads(threads)
-    g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(700, 3, generator=g), torch.randn(900, 3, generator=g)
-    h, v = torch.randn(900, generator=g), torch.randn(900, 2, generator=g)
-    form = AttentionForm(q, k, torch.zeros(700), torch.zeros(900))
-    lse, out = TorchBackend(budget=900 * 64)._row_attend(form, h, 0.1, v)
-    s = (q.double() @ k.double().T + h.double()) / 0.1
-    torch.testing.assert_close(lse.double(), 0.1 * torch.logsumexp(s, 1), rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(out.double(), torch.softmax(s, 1) @ v.double(), rtol=1e-5, atol=1e-5)
+    lse_against_float64(TorchBackend(budget=900 * 64)._row_attend, 0.1, seed=0)
 
 
 def test_idle_workers_keep_no_tensor_of_the_last_pass_alive(two_threads):
@@ -123,11 +127,4 @@ def test_near_uniform_lse_matches_float64_with_and_without_the_pool(two_threads,
     from flashot.backends.near import near_attend
 
     torch.set_num_threads(threads)
-    g = torch.Generator().manual_seed(1)
-    q, k = torch.randn(700, 3, generator=g), torch.randn(900, 3, generator=g)
-    h, v = torch.randn(900, generator=g), torch.randn(900, 2, generator=g)
-    form = AttentionForm(q, k, torch.zeros(700), torch.zeros(900))
-    lse, out = near_attend(form, h, 50.0, v, budget=900 * 64)
-    s = (q.double() @ k.double().T + h.double()) / 50.0
-    torch.testing.assert_close(lse.double(), 50.0 * torch.logsumexp(s, 1), rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(out.double(), torch.softmax(s, 1) @ v.double(), rtol=1e-5, atol=1e-5)
+    lse_against_float64(lambda *args: near_attend(*args, budget=900 * 64), 50.0, seed=1)

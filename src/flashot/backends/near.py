@@ -126,6 +126,5 @@ def near_attend(form, h, eps, v=None, log_w=None, budget: int | None = None):
         if out is not None and acc is not None:
             out[i0:i1] = acc / s[:, None]
 
-    inputs = (q, k, h) if v is None else (q, k, h, v)
-    run_row_blocks(near_rows, n, block_m, n * m, *inputs)
+    run_row_blocks(near_rows, n, block_m, n * m, q, k, h, v)
     return lse, out

@@ -107,7 +107,11 @@ def _pool_of(size: int) -> _Pool:
 
 
 def run_row_blocks(
-    body: Callable[[int, int], None], n: int, block: int, elements: int, *tensors: torch.Tensor
+    body: Callable[[int, int], None],
+    n: int,
+    block: int,
+    elements: int,
+    *tensors: torch.Tensor | None,
 ) -> None:
     """Call ``body(i0, i1)`` for the row blocks ``[i0, i1)`` of ``range(n)`` of size ``block``.
 
@@ -119,9 +123,10 @@ def run_row_blocks(
         n: number of rows.  block: rows per block.
         elements: score elements of the whole pass (the pool is used from
             :data:`MIN_ELEMENTS`).
-        tensors: the pass's inputs, which decide device and autograd.
+        tensors: the pass's inputs, which decide device and autograd (None: absent).
     """
     starts = range(0, n, block)
+    given = [t for t in tensors if t is not None]
     workers = torch.get_num_threads()
     if (
         len(starts) < 2
@@ -129,8 +134,8 @@ def run_row_blocks(
         or elements < MIN_ELEMENTS
         or getattr(_local, "worker", False)
         or torch.compiler.is_compiling()
-        or any(t.device.type != "cpu" for t in tensors)
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        or any(t.device.type != "cpu" for t in given)
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in given))
     ):
         for i0 in starts:
             body(i0, min(n, i0 + block))

@@ -92,6 +92,5 @@ class TorchBackend(Backend):
             if v is not None:
                 out[i0:i1] = acc / run_sum[:, None]
 
-        inputs = (q, k, h) if v is None else (q, k, h, v)
-        run_row_blocks(attend_rows, n, block_m, n * m, *inputs)
+        run_row_blocks(attend_rows, n, block_m, n * m, q, k, h, v)
         return lse, out
