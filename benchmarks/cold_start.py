@@ -1,8 +1,9 @@
 """First calls in fresh processes (issue 14, item 1): compile-only cold start.
 
-Each case runs twice in a new Python process: first with an empty Triton cache
-(``TRITON_CACHE_DIR`` pointed at a new folder; the tile tables as shipped), then again
-with that cache warm. Times are wall seconds of the call (import excluded), synchronized.
+Each case runs twice in a new Python process: first with empty caches (``TRITON_CACHE_DIR``
+and ``FLASHOT_CACHE_DIR`` pointed at new folders, per case; the tile tables as shipped),
+then again with those caches warm. Env: ONLY (a substring of the case names). Times are
+wall seconds of the call (import excluded), synchronized.
 
     python benchmarks/cold_start.py
 """
@@ -13,10 +14,6 @@ import sys
 import tempfile
 
 CASES = {
-    "sinkhorn 50k d64 fp32, eps 0.1, 10 it": (
-        "x = torch.randn(50000, 64, device='cuda'); y = torch.randn(50000, 64, device='cuda')\n"
-        "call = lambda: flashot.sinkhorn(x, y, eps=0.1, max_iter=10, tol=None).cost"
-    ),
     "SamplesLoss 10k d3 blur .05 value+grad": (
         "x = torch.rand(10000, 3, device='cuda', requires_grad=True)\n"
         "y = torch.rand(10000, 3, device='cuda')\n"
@@ -28,17 +25,41 @@ CASES = {
         "call = lambda: flashot.hvp(x, y, v, eps=0.09, eps_schedule=flashot.EpsilonScaling(0.9))"
     ),
 }
+# the acceptance table: the default precision against the peer (its TF32 default), ε = 0.1,
+# 10 fixed iterations
+DATA = "x = torch.randn({n}, {d}, device='cuda'); y = torch.randn({n}, {d}, device='cuda')\n"
+PEER = (
+    "from flash_sinkhorn import SamplesLoss\n"
+    "w = torch.full(({n},), 1.0 / {n}, device='cuda')\n"
+    "loss = SamplesLoss('sinkhorn', backend='symmetric', use_epsilon_scaling=False, eps=0.1, "
+    "n_iters=10, debias=False, potentials=False)\n"
+    "call = lambda: loss(w, x, w, y)"
+)
+for n in (10_000, 50_000):
+    for d in (64, 512):
+        CASES[f"sinkhorn {n // 1000}k d{d} fp32, eps 0.1, 10 it"] = DATA.format(n=n, d=d) + (
+            "call = lambda: flashot.sinkhorn(x, y, eps=0.1, max_iter=10, tol=None).cost"
+        )
+        CASES[f"peer {n // 1000}k d{d} (its TF32 default)"] = DATA.format(n=n, d=d) + PEER.format(
+            n=n
+        )
+ONLY = os.environ.get("ONLY")  # a substring of the case names to run
 TIMER = """
-import time, torch, flashot
+import time, torch, flashot, warnings
+warnings.simplefilter("ignore")
 {setup}
 torch.cuda.synchronize(); t0 = time.perf_counter(); call(); torch.cuda.synchronize()
 print(f"{{time.perf_counter() - t0:.2f}}")
 """
 
-env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="cold_triton_"))
-env.pop("FLASHOT_AUTOTUNE", None)
 print("case                                       cold s   warm-cache s", flush=True)
 for name, setup in CASES.items():
+    if ONLY and ONLY not in name:
+        continue
+    # a fresh environment per case: empty Triton and flashot caches
+    env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="cold_triton_"),
+               FLASHOT_CACHE_DIR=tempfile.mkdtemp(prefix="cold_flashot_"))  # fmt: skip
+    env.pop("FLASHOT_AUTOTUNE", None)
     times = []
     for _ in range(2):
         run = subprocess.run([sys.executable, "-c", TIMER.format(setup=setup)], env=env,

@@ -119,8 +119,9 @@ def debiased_potentials(
     if out.final is not None:
         f, g = out.final
     else:
-        f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, (lam, lam), engine,
-                           update)  # fmt: skip
+        with engine.operand_scope():  # the accurate mode's split operands serve this pass too
+            f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, (lam, lam), engine,
+                               update)  # fmt: skip
     dtype = problem.form.q.dtype
     outs = [("OT(a, b)", out)]
     p = q = None
@@ -141,7 +142,8 @@ def debiased_potentials(
             )
             outs.append((name, res))
             h = res.f - self_form.beta.detach()
-            selves.append(soft_c_transform(self_form, h, log_w, eps, lam, engine))
+            with engine.operand_scope():
+                selves.append(soft_c_transform(self_form, h, log_w, eps, lam, engine))
         p, q = selves
     converged = None if tol is None else all(o.converged for _, o in outs)
     bound = problem.form.cost_bound

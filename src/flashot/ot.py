@@ -214,7 +214,9 @@ def sinkhorn(
         f, g = out.final
     else:
         lam = problem.damping(eps)
-        f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, lam, engine, update)
+        with engine.operand_scope():  # the accurate mode's split operands serve this pass too
+            f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, lam, engine,
+                               update)  # fmt: skip
     fd, gd = f.detach(), g.detach()
     pf = problem.form
     theta = (pf.q, pf.alpha, pf.k, pf.beta, problem.a, problem.b)

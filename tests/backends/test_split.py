@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashot
-from flashot.backends import available_backends
+from flashot.backends import TorchBackend, available_backends
 from tests.conftest import rel
 
 pytestmark = pytest.mark.skipif("triton" not in available_backends(), reason="needs triton")
@@ -82,3 +82,36 @@ def test_split_operands_live_only_while_a_solve_runs():
         first = backend._operand(form.q)
         assert isinstance(first, SplitOperand) and backend._operand(form.q) is first
     assert backend._halves == []
+
+
+@settings(max_examples=8, deadline=None)
+@given(log_v=st.floats(-20, 20), eps=st.sampled_from([0.02, 0.5, 20.0]),
+       seed=st.integers(0, 2**31 - 1))  # fmt: skip
+def test_split_values_average_like_float64(log_v, eps, seed):
+    """Within a solve's scope the values are split too (V_SPLIT, three half MMAs): the
+    softmax average of values of any magnitude, at weights spanning many orders of
+    magnitude (small ε), is as close to float64 as the float32 torch backend (whose
+    scores' rounding, amplified by 1/ε, dominates at small ε), up to 2^-20 of the values'
+    range."""
+    from flashot.backends.triton import TritonBackend
+
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(37, 5, generator=gen), torch.randn(29, 5, generator=gen)
+    v = torch.randn(29, 3, generator=gen) * 2.0**log_v
+    v[:, 0] = 0.0
+    h = torch.randn(29, generator=gen)
+    cost = flashot.costs.get_cost("sqeuclidean")
+    backend = TritonBackend()
+    splits = []
+    real = backend._split_parts
+    backend._split_parts = lambda t: splits.append(t) or real(t)
+    with backend.operand_scope():
+        lse, out = backend.row_attend(flashot.costs.attention_form(cost, x, y), h, eps, v)
+    assert len(splits) == 3  # q, k and the values: the split path ran
+    form64 = flashot.costs.attention_form(cost, x.double(), y.double())
+    ref_lse, ref = TorchBackend().row_attend(form64, h.double(), eps,
+                                                 v.double())  # fmt: skip
+    f32 = TorchBackend().row_attend(flashot.costs.attention_form(cost, x, y), h, eps, v)[1]
+    err32 = float((f32.double() - ref).abs().max())
+    assert (out.double() - ref).abs().max() <= 2.0 * err32 + 2.0**-20 * float(v.abs().max())
+    assert (lse.double() - ref_lse).abs().max() <= 1e-6 * (1.0 + float(ref_lse.abs().max()))

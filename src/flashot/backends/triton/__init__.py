@@ -262,6 +262,13 @@ class TritonBackend(OperandCache, Backend):
         p = v.shape[1] if has_v else 1
         bp = _configs.block_p(p)
         vv = v.to(torch.float32) if has_v else h
+        # values split like the score operands when those are (a solve's scope)
+        v_split = presplit and has_v
+        if v_split:
+            vs = self._operand(vv.contiguous())
+            vv, v_args = vs.parts[0], (vs.inv, vs.parts.stride(0))
+        else:
+            v_args = (h, 0)
         lse = torch.empty(n, device=dev, dtype=torch.float32)
         out = torch.empty(n, p, device=dev, dtype=torch.float32) if has_v else lse
         p_chunks = triton.cdiv(p, bp) if has_v else 1
@@ -286,11 +293,11 @@ class TritonBackend(OperandCache, Backend):
                     per, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                     vv.stride(0) if has_v else 0, vv.stride(1) if has_v else 0,
                     out.stride(0) if has_v else 0, out.stride(1) if has_v else 0,
-                    nb, mb, *split_args)  # fmt: skip
+                    nb, mb, *split_args, *v_args)  # fmt: skip
             consts = dict(BLOCK_D=bd, BLOCK_P=bp, D_CHUNKS=chunks, HAS_V=has_v, SPLIT=split,
                           POTENTIAL_BIAS=potential, REPAIR=repair is not None,
                           PRECISION=self._dot(), V_PRECISION=self._dot(),
-                          PRESPLIT=presplit)  # fmt: skip
+                          PRESPLIT=presplit, V_SPLIT=v_split)  # fmt: skip
             return grid, args, consts
 
         # tuned apart: forming the bias in the kernel adds loads (16 % slower in tf32 at 50k)

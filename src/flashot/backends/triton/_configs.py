@@ -60,7 +60,9 @@ def block_d(d: int, itemsize: int = 4) -> tuple[int, int]:
 #: most value columns per program on a GPU. Each further chunk of values recomputes the
 #: scores, yet wider chunks were not faster: a gradient at n = 10k, d = 512 (p = 512) on
 #: the H200 took 16.5 ms (tf32) / 11.2 (bf16) with 64, 17.9 / — with 128, 16.9 / 13.2 with 256
-VALUE_TILE_CAP = 64
+#: (v8); the pass alone, v17: tf32 5.25 / 3.80 / 4.14 ms, fp32 (split values) 8.77 / 7.42 /
+#: 11.05 with 64 / 128 / 256
+VALUE_TILE_CAP = 128
 
 
 def block_p(p: int) -> int:

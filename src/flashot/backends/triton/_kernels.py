@@ -165,9 +165,16 @@ def _side_ahead(P, OFFSET, LOG_W, offs, hi, ahead_p, ahead_o, ahead_w):
 @triton.jit
 def _attend_tile(
     s, h, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, run_max, run_sum, acc, scale,
-    HAS_V: tl.constexpr, V_PRECISION: tl.constexpr,
+    v_lo, v_unscale, HAS_V: tl.constexpr, V_PRECISION: tl.constexpr, V_SPLIT: tl.constexpr,
 ):
-    """One column tile of ``_attend_kernel``: online max, sum and values (``h`` in base 2)."""
+    """One column tile of ``_attend_kernel``: online max, sum and values (``h`` in base 2).
+
+    V_SPLIT: the values come split once per solve like the score operands (``V`` the
+    high parts, ``v_lo`` elements to the low ones, ``v_unscale`` their ``2^-e``); the
+    weights ``e ∈ [0, 1]`` are split here into half ``hi + 2^-11 lo`` (absolute error
+    2^-36 per weight): three half MMAs with float32 accumulation, the accuracy of
+    3xTF32 at half its tensor-core work and with no split of the values per tile.
+    """
     t = s * scale + h[None, :]
     new_max = tl.maximum(run_max, tl.max(t, 1))
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -176,9 +183,18 @@ def _attend_tile(
     run_sum = run_sum * decay + tl.sum(e, 1)
     if HAS_V:
         v_ok = col_ok[:, None] & (offs_p[None, :] < p)
-        v = tl.load(V + offs_n[:, None] * stride_vn + offs_p[None, :] * stride_vp, mask=v_ok,
-                    other=0.0)  # fmt: skip
-        acc = acc * decay[:, None] + tl.dot(e.to(v.dtype), v, input_precision=V_PRECISION)
+        v_ptrs = V + offs_n[:, None] * stride_vn + offs_p[None, :] * stride_vp
+        v = tl.load(v_ptrs, mask=v_ok, other=0.0)
+        if V_SPLIT:
+            # .to(v.dtype): a no-op on the GPU; float32 parts under the interpreter
+            e_hi = e.to(tl.float16).to(v.dtype)
+            e_lo = ((e - e_hi.to(tl.float32)) * 2048.0).to(tl.float16).to(v.dtype)
+            c = tl.dot(e_hi, tl.load(v_ptrs + v_lo, mask=v_ok, other=0.0))
+            c = tl.dot(e_lo, v, c)
+            pv = (tl.dot(e_hi, v) + c * 0.00048828125) * v_unscale  # 2^-11
+        else:
+            pv = tl.dot(e.to(v.dtype), v, input_precision=V_PRECISION)
+        acc = acc * decay[:, None] + pv
     return new_max, run_sum, acc
 
 
@@ -186,11 +202,12 @@ def _attend_tile(
 def _attend_kernel(
     Q, K, H, BETA, LOG_W, V, LSE, OUT, PART_MAX, PART_SUM, PART_ACC, S, n, m, d, p, scale, eps, LO,
     hi, cols_per_split, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vp,
-    stride_on, stride_op, n_bucket, m_bucket, Q_INV, K_INV, q_lo, k_lo,
+    stride_on, stride_op, n_bucket, m_bucket, Q_INV, K_INV, q_lo, k_lo, V_INV, v_lo,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, D_CHUNKS: tl.constexpr, HAS_V: tl.constexpr,
     SPLIT: tl.constexpr, POTENTIAL_BIAS: tl.constexpr, REPAIR: tl.constexpr,
     PRECISION: tl.constexpr, V_PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
+    V_SPLIT: tl.constexpr,
 ):
     """Row LSE ``ε ln Σ_j e^{(s_ij + h_j)/ε}`` and softmax average of V over one column split.
 
@@ -199,7 +216,8 @@ def _attend_kernel(
     ``_combine_kernel``. With REPAIR, a row block whose plan sums ``S`` all lie in
     ``(LO[0], hi)`` (the fused pass was valid there) streams nothing and its outputs are
     meaningless. ``n_bucket``/``m_bucket`` only key the autotuner. PRESPLIT: see
-    ``_score_tile`` (``Q_INV``, ``K_INV``: the parts' inverse scales ``2^-e``).
+    ``_score_tile`` (``Q_INV``, ``K_INV``: the parts' inverse scales ``2^-e``); V_SPLIT:
+    see ``_attend_tile`` (``V_INV``, ``v_lo``: the values' scale and low parts' offset).
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -221,6 +239,9 @@ def _attend_kernel(
         q_lo_tile = _load_tile(Q + q_lo, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, D_CHUNKS,
                                False)  # fmt: skip
         unscale = tl.load(Q_INV) * tl.load(K_INV)
+    v_unscale = 1.0
+    if V_SPLIT:
+        v_unscale = tl.load(V_INV)
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
@@ -239,7 +260,7 @@ def _attend_kernel(
             h = g * scale
         run_max, run_sum, acc = _attend_tile(
             s, h, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, run_max, run_sum, acc,
-            scale, HAS_V, V_PRECISION,
+            scale, v_lo, v_unscale, HAS_V, V_PRECISION, V_SPLIT,
         )
     if SPLIT:
         idx = pid_s * n + offs_m
