@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from flashot.autodiff.functional import functional_transforms
 from flashot.autodiff.functions import dual_term, extrapolate, needs_grad, soft_c_transform
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.backends import autocast_off
@@ -53,7 +54,8 @@ class DebiasedPotentials:
 
     def value(self, problem: Problem) -> torch.Tensor:
         """The (debiased) Sinkhorn cost, differentiable w.r.t. x, y, a, b (twice: see
-        :mod:`flashot.autodiff.second_order`)."""
+        :mod:`flashot.autodiff.second_order`).
+        """
         a, b, eps, rho = problem.a, problem.b, problem.eps, problem.rho_x
         out = dual_term(self.f, a, eps, rho) + dual_term(self.g, b, eps, rho)
         if self.p is not None and self.q is not None:
@@ -159,6 +161,7 @@ def debiased_potentials(
 
 
 @autocast_off
+@functional_transforms
 def sinkhorn_divergence(
     x: torch.Tensor,
     y: torch.Tensor,

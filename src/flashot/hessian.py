@@ -21,6 +21,7 @@ import contextlib
 
 import torch
 
+from flashot.autodiff.functional import refuse_transforms
 from flashot.autodiff.implicit import add_optional, deferred_dual_solves
 from flashot.autodiff.second_order import dual_solve_options
 from flashot.backends import autocast_off
@@ -33,6 +34,7 @@ WRT = ("x", "y", "xy")
 
 
 @autocast_off
+@refuse_transforms
 def hvp(
     x: torch.Tensor,
     y: torch.Tensor,

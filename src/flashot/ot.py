@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from flashot.autodiff.functional import functional_transforms
 from flashot.autodiff.functions import extrapolate, needs_grad, relaxed_side
 from flashot.autodiff.implicit import implicit_potentials
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
@@ -89,6 +90,7 @@ def _check_init(init, problem: Problem):
 
 
 @autocast_off
+@functional_transforms
 def sinkhorn(
     x: torch.Tensor,
     y: torch.Tensor,

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 import flashot
+from flashot.autodiff.functional import refuse_transforms
 from flashot.backends import autocast_off
 
 __all__ = ["DatasetDistance", "class_table", "dataset_distance", "gaussian_table"]
@@ -174,6 +175,7 @@ def _labeled(x, index, offset: int) -> torch.Tensor:
 
 
 @autocast_off
+@refuse_transforms
 def dataset_distance(
     xa: torch.Tensor,
     ya,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flashot.autodiff.functional import TRANSFORM_HELP
 from flashot.backends import resolve_backend
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm, Cost, attention_form, box_cost_bound, get_cost
@@ -287,13 +288,8 @@ def make_problem(
     """
     if not isinstance(relative_eps, bool):
         raise TypeError(f"relative_eps must be True or False, got {relative_eps!r}")
-    if torch._C._are_functorch_transforms_active():
-        raise RuntimeError(
-            "flashot does not support torch.func transforms (grad, vmap, jvp, hessian, "
-            "functional_call under them): its streamed autograd Functions are written for "
-            "torch.autograd. Use torch.autograd.grad (create_graph=True for second "
-            "derivatives) or flashot.hessian.hvp"
-        )
+    if torch._C._are_functorch_transforms_active():  # an entry point with no functional path
+        raise RuntimeError(TRANSFORM_HELP.format(what="a torch.func transform of this call"))
     checks = DeviceChecks()  # the value checks wait for the device once, at the end
     (x, box_x), (y, box_y) = check_cloud(x, "x", checks), check_cloud(y, "y", checks)
     if x.device != y.device:

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from flashot.autodiff.functional import functional_transforms
 from flashot.backends import autocast_off
 from flashot.costs import bounding_diameter, get_cost
 from flashot.divergence import debiased_potentials
@@ -124,6 +125,7 @@ class SamplesLoss(torch.nn.Module):
         )
 
     @autocast_off
+    @functional_transforms
     def forward(self, *args):
         """``(x, y)`` or ``(a, x, b, y)``; see the class docstring."""
         if len(args) == 2:
