@@ -90,6 +90,7 @@ def debiased_potentials(
     check_every: int = 10,
     update: str = "symmetric",
     min_iter: int = 0,
+    momentum: float | str | None = None,
 ) -> DebiasedPotentials:
     """Solve OT(a, b) (and OT(a, a), OT(b, b) when debiasing), then extrapolate once.
 
@@ -98,6 +99,7 @@ def debiased_potentials(
         temps: ε schedule ending at ``problem.eps``.
         debias: also solve the two self problems.
         max_iter, tol, check_every, update, min_iter: as in :func:`flashot.solver.solve`.
+        momentum: as there, for OT(a, b) (the self problems take symmetric steps).
     """
     if problem.rho_x != problem.rho_y:
         raise ValueError("a Sinkhorn divergence needs the same rho on both sides")
@@ -116,6 +118,7 @@ def debiased_potentials(
         engine,
         update=update,
         final_step=not needs_grad(problem.form),
+        momentum=momentum,
         **opts,
     )
     if out.final is not None:
@@ -181,6 +184,7 @@ def sinkhorn_divergence(
     min_iter: int = 0,
     warn: bool = True,
     relative_eps: bool = False,
+    momentum: float | str | None = None,
 ) -> torch.Tensor:
     """Debiased Sinkhorn divergence ``S_ε(a, b)`` (see the module docstring).
 
@@ -192,8 +196,9 @@ def sinkhorn_divergence(
         a: (n,) source weights or None.  b: (m,) target weights or None.
         options: ``eps``, ``cost``, ``rho``, ``max_iter``, ``tol``, ``check_every``,
             ``update``, ``eps_schedule``, ``backend``, ``precision``, ``min_iter``,
-            ``warn``, ``relative_eps``: as in :func:`flashot.sinkhorn`
-            (``relative_eps`` scales by the mean cost between x and y).
+            ``warn``, ``relative_eps``, ``momentum``: as in :func:`flashot.sinkhorn`
+            (``relative_eps`` scales by the mean cost between x and y; ``momentum``
+            relaxes OT(a, b), the self problems take symmetric steps).
 
     Returns:
         A 0-dim tensor, differentiable w.r.t. x, y, a and b; nonnegative up to
@@ -211,10 +216,10 @@ def sinkhorn_divergence(
         )
     problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend,
                            precision=precision, relative_eps=relative_eps)  # fmt: skip
-    tol, update = resolve_stopping(tol, update, problem)
+    tol, update = resolve_stopping(tol, update, problem, momentum)
     temps = resolve_schedule(eps_schedule, problem)
     options: dict[str, Any] = dict(max_iter=max_iter, tol=tol, check_every=check_every,
-                                   min_iter=min_iter)  # fmt: skip
+                                   min_iter=min_iter, momentum=momentum)  # fmt: skip
     pots = debiased_potentials(problem, temps, update=update, **options)
     if pots.converged is False and warn:
         warnings.warn(  # stacklevel: the caller, past the autocast_off wrapper

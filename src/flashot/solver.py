@@ -19,20 +19,20 @@ from __future__ import annotations
 
 import collections
 import math
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from flashot.backends.base import Backend
 from flashot.autodiff.functions import extrapolate
+from flashot.backends.base import Backend
 from flashot.backends.near import is_near_uniform
 from flashot.costs import AttentionForm
 from flashot.dual import marginal_error, row_mass
 from flashot.graphs import GRAPHS
+from flashot.momentum import Relaxation, check_momentum
+from flashot.progress import Progress
 
 __all__ = [
     "EpsilonScaling",
@@ -162,7 +162,7 @@ class FloorTolerance(float):
         return error <= self.SLACK * self and error <= FLOOR_FACTOR * floor()
 
 
-def resolve_stopping(tol, update: str, problem=None) -> tuple[float | None, str]:
+def resolve_stopping(tol, update: str, problem=None, momentum=None) -> tuple[float | None, str]:
     """``(tol, update)`` with the defaults resolved (see :func:`flashot.sinkhorn`).
 
     ``tol="auto"``: :class:`FloorTolerance` (1e-6). ``update="auto"``: alternating when
@@ -170,12 +170,14 @@ def resolve_stopping(tol, update: str, problem=None) -> tuple[float | None, str]
     benchmarks/NOTES.md), symmetric for a fixed iteration count (GeomLoss' schedule,
     one fused pass per step) and for a ``problem`` between a measure and itself, where
     the averaged steps keep f = g and converge in a few dozen iterations (alternating
-    ones take thousands at small ε).
+    ones take thousands at small ε). With a ``momentum``, alternating (it relaxes those).
     """
     if isinstance(tol, str):
         if tol != "auto":
             raise ValueError(f"tol must be a number ≥ 0, None or 'auto', got {tol!r}")
         tol = FloorTolerance(AUTO_TOL)
+    if update == "auto" and momentum is not None:
+        update = "alternating"
     if update == "auto":  # (the self-problem check waits for the device: only with a tol)
         same = tol is not None and problem is not None and _is_self_problem(problem)
         update = "symmetric" if tol is None or same else "alternating"
@@ -319,57 +321,6 @@ def describe_miss(cause: str, tol: float, error: float, floor: float | None, n_i
     return f"{head}: {why}"
 
 
-class _Progress:
-    """Progress on stderr: a tqdm bar (rate, ETA) when tqdm is installed, else one line.
-
-    The line is redrawn in place on a terminal (a line every few seconds in a log) and
-    gives the time left to ``max_iter`` (a tolerance may end the solve sooner).
-    """
-
-    def __init__(self, enabled: bool, total: int):
-        self.enabled, self.total, self.t0, self.last = enabled, total, time.perf_counter(), 0.0
-        self.bar = _tqdm_bar(total) if enabled else None
-        self.tty = enabled and sys.stderr.isatty()
-        self.every = 0.2 if self.tty else 5.0
-
-    def update(self, it: int, eps: float, error: float | None, force: bool = False):
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if not force and now - self.last < self.every:
-            return
-        self.last = now
-        err = "" if error is None or math.isnan(error) else f" err {error:.2e}"
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"eps {eps:.3g}{err}", refresh=False)
-            self.bar.update(it - self.bar.n)
-            return
-        elapsed = now - self.t0
-        eta = elapsed / it * (self.total - it) if it else float("nan")
-        bar = "#" * int(30 * it / self.total)
-        line = (f"sinkhorn [{bar:<30}] {it}/{self.total} eps {eps:.3g}{err} "
-                f"{elapsed:.1f}s, at most {eta:.1f}s left")  # fmt: skip
-        # \x1b[K clears what a longer previous line left on a terminal
-        sys.stderr.write(("\r" + line + "\x1b[K") if self.tty else (line + "\n"))
-        sys.stderr.flush()
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
-        elif self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
-def _tqdm_bar(total: int):
-    """A tqdm bar on stderr, or None without tqdm (an optional dependency)."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="sinkhorn", unit="it", file=sys.stderr, dynamic_ncols=True)
-
-
 def _check_iterations(max_iter: int, n_schedule: int, tol: float | None, check_every: int,
                       min_iter: int = 0):  # fmt: skip
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
@@ -408,6 +359,7 @@ def solve(
     final_step: bool = False,
     record: bool = False,
     min_iter: int = 0,
+    momentum: float | str | None = None,
 ) -> SolverOutput:
     """Run Sinkhorn iterations between two measures.
 
@@ -434,13 +386,16 @@ def solve(
             and ``tol=None`` included, and return the checks (``SolverOutput.checks``);
             each record waits for the device.
         min_iter: iterations at least before ``tol`` may stop the solve.
+        momentum: over-relaxation of the alternating updates at the final ε (None,
+            ``"auto"`` or ω in (0, 2); :mod:`flashot.momentum`).
     """
     if update not in UPDATES:
         raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+    momentum = check_momentum(momentum, update, tol)
     _check_iterations(max_iter, len(eps_list), tol, check_every, min_iter)
     options = dict(eps_list=eps_list, damping=damping, rho=rho, backend=backend,
                    max_iter=max_iter, tol=tol, check_every=check_every, update=update,
-                   min_iter=min_iter)  # fmt: skip
+                   min_iter=min_iter, momentum=momentum)  # fmt: skip
     eps, lam = eps_list[-1], damping(eps_list[-1])
 
     def final(form, out, la, lb):
@@ -468,6 +423,7 @@ def solve(
         max_iter,
         update,
         final_step,
+        momentum,
     )
 
     def run(q, k, alpha, beta, la, lb, *start):
@@ -498,7 +454,7 @@ def warm_form(form: AttentionForm, eps_list: Sequence[float]) -> AttentionForm:
 
 def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_iter, tol,
              check_every, update, progress=False, record=False,
-             min_iter=0) -> SolverOutput:  # fmt: skip
+             min_iter=0, momentum=None) -> SolverOutput:  # fmt: skip
     """The loop of :func:`solve` (arguments checked)."""
     q_alpha, k_beta = form.alpha, form.beta
     eps = eps_list[0]
@@ -510,7 +466,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
         f, g = lam_x * (q_alpha - lse_r), lam_y * (k_beta - lse_c)
     else:
         f, g = init
-    bar = _Progress(progress, max_iter)
+    bar = Progress(progress, max_iter)
     stop = _Stopping(tol, lambda: precision_floor(form, f, g, log_a, log_b, eps_list[-1]))
     last = len(eps_list) - 1
     # a backend's fast path (one exponential per element for both updates) keeps its
@@ -518,6 +474,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
     state = backend.fast_state(f.device) if update == "symmetric" else None
     error, it = float("nan"), 0
     checks: list[tuple[int, float, float]] = []
+    relax = None if momentum is None else Relaxation(momentum)
     for it in range(1, max_iter + 1):
         eps = eps_list[min(it - 1, last)]
         lam = damping(eps)
@@ -534,11 +491,18 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
             lse_r, _ = backend.row_attend(step_form, g - k_beta, eps, log_w=log_b)
             if check:  # columns are exact after the previous g-update
                 err = marginal_error(f, row_mass(f, lse_r, q_alpha, log_a, eps), log_a, rho[0])
-            f = lam[0] * (q_alpha - lse_r)
+            f_new = lam[0] * (q_alpha - lse_r)
+            omega = relax.omega if relax is not None and it - 1 >= last else 1.0
+            f = f_new if omega == 1.0 else torch.lerp(f, f_new, omega)
             lse_c, _ = backend.row_attend(step_form.T, f - q_alpha, eps, log_w=log_a)
-            g = lam[1] * (k_beta - lse_c)
+            g_new = lam[1] * (k_beta - lse_c)
+            # plain before a check: exact columns, so the row error is the whole error
+            before_check = it >= last and (it + 1 - last) % check_every == 0
+            g = g_new if omega == 1.0 or before_check else torch.lerp(g, g_new, omega)
         if check:
             error = float(err)
+            if relax is not None and it - 1 >= last:
+                relax.observe(it, error)
             if record:
                 checks.append((it, eps, error))
             if stopping and stop.done(error, it):
