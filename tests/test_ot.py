@@ -485,7 +485,7 @@ def test_history_records_the_errors_of_the_iterations(gen):
 
 
 def test_warnings_point_at_the_caller(gen):
-    # the autocast_off wrapper is a frame of its own: warnings must skip it
+    # entry points are wrapped (autocast, compile, torch.func): warnings must skip those frames
     x, y = clouds(gen, 20, 15, 2)
     with pytest.warns(ConvergenceWarning) as caught:
         flashot.sinkhorn(x, y, eps=0.01, tol=1e-12, max_iter=3)

@@ -15,7 +15,6 @@ potentials, and one final extrapolation is differentiated. In dual form,
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,8 @@ import torch
 from flashot.autodiff.functional import functional_transforms
 from flashot.autodiff.functions import dual_term, extrapolate, needs_grad, soft_c_transform
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
-from flashot.backends import autocast_off
+from flashot.backends import entry_point
+from flashot.caller import warn_at_caller
 from flashot.costs import attention_form
 from flashot.ot import ConvergenceWarning, resolve_schedule
 from flashot.problem import Problem, make_problem
@@ -163,7 +163,7 @@ def debiased_potentials(
     return DebiasedPotentials(f, g, p, q, converged, misses)
 
 
-@autocast_off
+@entry_point
 @functional_transforms
 def sinkhorn_divergence(
     x: torch.Tensor,
@@ -222,9 +222,7 @@ def sinkhorn_divergence(
                                    min_iter=min_iter, momentum=momentum)  # fmt: skip
     pots = debiased_potentials(problem, temps, update=update, **options)
     if pots.converged is False and warn:
-        warnings.warn(  # stacklevel: the caller, past the autocast_off wrapper
-            "sinkhorn_divergence: " + "; ".join(pots.misses), ConvergenceWarning, stacklevel=3
-        )
+        warn_at_caller("sinkhorn_divergence: " + "; ".join(pots.misses), ConvergenceWarning)
     value = pots.value(problem)
     if not bool(torch.isfinite(value)):
         raise FloatingPointError(

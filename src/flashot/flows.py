@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import flashot
-from flashot.backends import autocast_off
+from flashot.backends import entry_point
 from flashot.otdd import _label_cost, _labeled, _outer, _prepare
 
 __all__ = ["FlowResult", "dataset_flow", "save_grid"]
@@ -107,7 +107,7 @@ def _value_and_grad(x, index_a, lb, cost, eps, self_b, **sinkhorn_options):
     return value, grad, self_b
 
 
-@autocast_off
+@entry_point
 def dataset_flow(
     xa: torch.Tensor,
     ya,

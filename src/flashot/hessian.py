@@ -24,7 +24,7 @@ import torch
 from flashot.autodiff.functional import refuse_transforms
 from flashot.autodiff.implicit import add_optional, deferred_dual_solves
 from flashot.autodiff.second_order import dual_solve_options
-from flashot.backends import autocast_off
+from flashot.backends import entry_point
 from flashot.ot import sinkhorn
 from flashot.problem import cloud_tensor, weights_tensor
 
@@ -33,7 +33,7 @@ __all__ = ["hvp"]
 WRT = ("x", "y", "xy")
 
 
-@autocast_off
+@entry_point
 @refuse_transforms
 def hvp(
     x: torch.Tensor,

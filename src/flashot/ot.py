@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -14,7 +13,8 @@ from flashot.autodiff.functional import functional_transforms
 from flashot.autodiff.functions import extrapolate, needs_grad, relaxed_side
 from flashot.autodiff.implicit import implicit_potentials
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
-from flashot.backends import autocast_off
+from flashot.backends import entry_point
+from flashot.caller import warn_at_caller
 from flashot.costs import bounding_diameter
 from flashot.dual import phi_sum
 from flashot.problem import Problem, make_problem
@@ -89,7 +89,7 @@ def _check_init(init, problem: Problem):
     return tuple(out)
 
 
-@autocast_off
+@entry_point
 @functional_transforms
 def sinkhorn(
     x: torch.Tensor,
@@ -270,7 +270,7 @@ def sinkhorn(
         why = describe_miss(cause, tol, error, floor, out.n_iter, problem.form.q.dtype, update,
                             None if bound is None else bound / eps)  # fmt: skip
         if warn:
-            warnings.warn(why, ConvergenceWarning, stacklevel=3)  # (+1: autocast_off)
+            warn_at_caller(why, ConvergenceWarning)
     f_out, g_out = (f, g) if exact is None else implicit_potentials(theta, fd, gd, exact[1])
     record = None
     if history:

@@ -32,7 +32,7 @@ import torch
 
 import flashot
 from flashot.autodiff.functional import refuse_transforms
-from flashot.backends import autocast_off
+from flashot.backends import entry_point
 
 __all__ = ["DatasetDistance", "class_table", "dataset_distance", "gaussian_table"]
 
@@ -174,7 +174,7 @@ def _labeled(x, index, offset: int) -> torch.Tensor:
     return torch.cat([x, (offset + index)[:, None].to(x.dtype)], 1)
 
 
-@autocast_off
+@entry_point
 @refuse_transforms
 def dataset_distance(
     xa: torch.Tensor,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from flashot.autodiff.implicit import DualSpec, implicit_potentials, plan_product
-from flashot.backends import autocast_off
+from flashot.backends import entry_point
 from flashot.backends.base import Backend, _given
 from flashot.costs import AttentionForm
 from flashot.dual import marginal_error, mass_excess, phi_sum, plan_times, row_mass
@@ -197,7 +197,7 @@ class TransportPlan:
             raise TypeError(f"{name} must have a floating dtype, got {v.dtype}")
         return v.to(self._f.dtype).reshape(m, -1)
 
-    @autocast_off
+    @entry_point
     def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
         """``P @ V`` for V of shape (m,) or (m, p); returns (n,) or (n, p) in V's dtype.
 
@@ -231,7 +231,7 @@ class TransportPlan:
             return plan_times(self._backend, self._form, self._f, self._g, self._log_a,
                               self._log_b, self._eps, vv)  # fmt: skip
 
-    @autocast_off
+    @entry_point
     def row_sums(self) -> torch.Tensor:
         """``P 1`` (n,): the plan's first marginal."""
         return self._attend(None)[0]
@@ -240,7 +240,7 @@ class TransportPlan:
         """``Pᵀ 1`` (m,): the plan's second marginal."""
         return self.T.row_sums()
 
-    @autocast_off
+    @entry_point
     def barycentric_map(self, points: torch.Tensor | None = None) -> torch.Tensor:
         """Barycentric projection ``T(x_i) = Σ_j P_ij y_j / Σ_j P_ij`` (n, d).
 
@@ -275,7 +275,7 @@ class TransportPlan:
             _, avg = self._backend.row_attend(form_z, h, self._eps, y, self._log_b)
             return _given(avg).to(self._y.dtype)
 
-    @autocast_off
+    @entry_point
     def source_potential(self, points: torch.Tensor) -> torch.Tensor:
         r"""The row potential at new points: the soft c-transform of g (detached).
 
@@ -312,7 +312,7 @@ class TransportPlan:
                                               self._log_b)  # fmt: skip
             return lam * (alpha_z - lse)
 
-    @autocast_off
+    @entry_point
     def transport_cost(self) -> torch.Tensor:
         """``⟨P, C⟩ = Σ_i r_i (α_i + E_w[β] − ⟨q_i, E_w[k]⟩)``, one streaming pass.
 
@@ -336,7 +336,7 @@ class TransportPlan:
         row_cost = form.alpha + out[:, -1] - (form.q * out[:, :-1]).sum(1)
         return (r * row_cost).sum()
 
-    @autocast_off
+    @entry_point
     def dense(self, max_elements: int = 10**7) -> torch.Tensor:
         """The full (n, m) matrix, for small problems only.
 
@@ -448,7 +448,7 @@ class SinkhornResult:
                 f"cost={value:.6g}, n_iter={self.n_iter}, converged={self.converged}{end})")
 
     @functools.cached_property
-    @autocast_off
+    @entry_point
     def marginal_error(self) -> float:
         """L1 violation of the plan's marginal conditions (one streaming pass if not measured)."""
         if self.measured_error is not None:
@@ -456,7 +456,7 @@ class SinkhornResult:
         return float(self.plan._marginal_error()[0])
 
     @functools.cached_property
-    @autocast_off
+    @entry_point
     def _objectives(self) -> dict:
         return self.plan._objectives()
 
@@ -488,7 +488,7 @@ class SinkhornResult:
         return float(self._objectives["primal"] - self._objectives["dual"])
 
     @functools.cached_property
-    @autocast_off
+    @entry_point
     def kl(self) -> torch.Tensor:
         """``KL(P ‖ a⊗b)``, the primal's entropic term over ε (detached).
 
@@ -500,7 +500,7 @@ class SinkhornResult:
             return (obj["rf_cg"] - self.plan._transport_cost()) / self.eps - obj["excess"]
 
     @functools.cached_property
-    @autocast_off
+    @entry_point
     def transport_cost(self) -> torch.Tensor:
         """``⟨P, C⟩``, streamed on first access (differentiable once, exactly)."""
         return self.plan.transport_cost()

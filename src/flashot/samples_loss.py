@@ -14,7 +14,7 @@ import sys
 import torch
 
 from flashot.autodiff.functional import functional_transforms
-from flashot.backends import autocast_off
+from flashot.backends import entry_point
 from flashot.costs import bounding_diameter, get_cost
 from flashot.divergence import debiased_potentials
 from flashot.problem import (
@@ -124,7 +124,7 @@ class SamplesLoss(torch.nn.Module):
             f"cost={self.cost.name!r}, backend={self.backend!r}"
         )
 
-    @autocast_off
+    @entry_point
     @functional_transforms
     def forward(self, *args):
         """``(x, y)`` or ``(a, x, b, y)``; see the class docstring."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from flashot.backends import autocast_off
+from flashot.backends import entry_point
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm
 
@@ -62,7 +62,7 @@ class SoftCTransform(torch.autograd.Function):
         return lam * (alpha.detach() - lse)
 
     @staticmethod
-    @autocast_off
+    @entry_point
     def backward(ctx, grad_f):
         """Backward: ``∂q = −λ grad_f ⊙ (W k)``, ``∂α = λ grad_f``."""
         if grad_f is None:

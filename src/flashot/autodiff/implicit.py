@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashot.backends import autocast_off
+from flashot.backends import entry_point
 from flashot.backends.base import Backend
 from flashot.backends.near import is_near_uniform
 from flashot.backends.plan_vjp import outputs_for
@@ -118,7 +118,7 @@ class PlanProduct(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    @autocast_off
+    @entry_point
     def backward(ctx, dout, dmass):
         q, alpha, k, beta, a, b, f, g, v = ctx.saved_tensors
         spec, eps = ctx.spec, ctx.spec.eps
@@ -388,7 +388,7 @@ class ImplicitPotentials(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    @autocast_off
+    @entry_point
     def backward(ctx, f_bar, g_bar):
         q, alpha, k, beta, a, b, f, g = ctx.saved_tensors
         spec = ctx.spec

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from flashot.autodiff.implicit import DualSpec, implicit_potentials, value_gradient
-from flashot.backends import autocast_off
+from flashot.backends import entry_point
 
 __all__ = ["Piece", "default_cg_tol", "dual_solve_options", "exact_second_order"]
 
@@ -107,7 +107,7 @@ class _ExactSecondOrder(torch.autograd.Function):
         return value.detach().clone()
 
     @staticmethod
-    @autocast_off
+    @entry_point
     def backward(ctx, grad):
         sources = ctx.saved_tensors
         if not torch.is_grad_enabled():  # first order: the envelope graph, unchanged

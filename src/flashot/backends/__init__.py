@@ -20,8 +20,8 @@ from flashot.backends.torch_backend import TorchBackend
 __all__ = [
     "PRECISIONS",
     "Backend",
-    "autocast_off",
     "available_backends",
+    "entry_point",
     "on_device",
     "resolve_backend",
 ]
@@ -43,12 +43,17 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def autocast_off(fn):
-    """``fn`` run with autocast disabled on every device type where it is enabled.
+def entry_point(fn):
+    """A public entry point or custom backward: autocast off, run outside torch.compile.
 
     flashot computes in the precision asked for (``precision=``, float64 inputs); an
     enclosing ``torch.autocast`` would silently round its matmuls (score tiles, plan
-    products) to bf16/fp16 instead. Wraps the public entry points and every backward.
+    products) to bf16/fp16 instead. Under ``torch.compile`` the call runs eagerly
+    (``torch.compiler.disable``): its work is already fused kernels, and its host logic
+    (tolerance checks, launch choices, thread pools) would otherwise break the graph
+    many times over or fail to trace. A compiled step therefore breaks its graph once
+    at each flashot call and never recompiles for flashot's sake; ``fullgraph=True``
+    is not supported around a flashot call.
     """
 
     @functools.wraps(fn)
@@ -61,7 +66,7 @@ def autocast_off(fn):
                 stack.enter_context(torch.autocast(device_type, enabled=False))
             return fn(*args, **kwargs)
 
-    return wrapper
+    return torch.compiler.disable(wrapper)
 
 
 def triton_available() -> bool:
