@@ -101,8 +101,11 @@ def check_truthful(x, y, a, b, eps, rho, update, rtol, backend="torch", max_iter
     if res.converged:
         assert not misses
         rhos = (rho, rho)
-        ref = float(entropic_ot(x.double(), y.double(), a.double(), b.double(), eps, rho=rhos,
-                                init_g=res.g.double(), max_iter=200_000))  # fmt: skip
+        x64, y64, a64, b64 = x.double(), y.double(), a.double(), b.double()
+        if rho is None:  # float32 weights' sums differ by ~1e-8: no balanced plan meets both
+            a64, b64 = a64 / a64.sum(), b64 / b64.sum()  # (and the reference ran 200 000 its)
+        ref = float(entropic_ot(x64, y64, a64, b64, eps, rho=rhos, init_g=res.g.double(),
+                                max_iter=200_000))  # fmt: skip
         assert abs(float(res.cost) - ref) <= rtol * max(abs(ref), 1e-300)
         return "converged"
     assert len(misses) == 1
@@ -127,8 +130,8 @@ def test_never_a_converged_wrong_answer_float64(problem):
     check_truthful(*problem, rtol=1e-8)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems(dtype=torch.float32))  # (20 took 170 s of CI's 15 minutes)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(dtype=torch.float32))
 def test_never_a_converged_wrong_answer_float32(problem):
     check_truthful(*problem, rtol=2e-5)
 

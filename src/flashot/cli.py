@@ -1,4 +1,4 @@
-"""The ``flashot`` command line: ``solve``, ``otdd``, ``tune``, ``info``, ``demo``.
+"""The ``flashot`` command line: ``solve``, ``otdd``, ``tune``, ``info``, ``bench``, ``demo``.
 
 Uses the public API only.
 """
@@ -531,6 +531,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-hvp", action="store_true", help="skip the Hessian-vector product")
     t.add_argument("--device", default="cuda", help="the CUDA device")
     t.set_defaults(run=_tune)
+
+    b = sub.add_parser("bench", help="flashot beside the other OT libraries on this machine",
+                       formatter_class=_HelpFormatter)  # fmt: skip
+    from flashot.bench.cli import add_arguments as bench_arguments
+    from flashot.bench.cli import run as bench_run
+
+    bench_arguments(b)
+    b.set_defaults(run=bench_run)
 
     d = sub.add_parser("demo", help="color transfer between two pictures (writes a PNG)",
                        formatter_class=_HelpFormatter)  # fmt: skip

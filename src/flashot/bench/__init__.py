@@ -1,0 +1,24 @@
+r"""``flashot bench``: flashot beside the libraries users already run, on this machine.
+
+One problem per row, the same for every provider: x, y ~ N(0, I) in d dimensions,
+random positive weights, squared Euclidean cost :math:`C_{ij} = |x_i - y_j|^2`, a
+fixed ε (``--eps``, 0.1) and float32 inputs. Workloads:
+
+* ``forward``: the OT value after a fixed number of iterations (``--iters``, 10);
+* ``gradient``: the value and its gradient in x;
+* ``converge``: solve to a marginal error (``--tol``) with ε-scaling, what users run.
+
+Each provider computes the same quantity in its own convention and the row says how
+(:attr:`~flashot.bench.providers.Provider.computes`). Times are medians: CUDA events
+through ``triton.testing.do_bench`` on a GPU, wall-clock on a CPU; first calls
+(compilation, tuning) are excluded and reported apart. On a GPU every flashot row
+also gets the floor of its operation count at ceilings measured in the same run
+(:mod:`flashot.bench.floor`).
+
+    flashot bench                       # a quick suite on whatever device is present
+    flashot bench --full --out results  # the suite behind BENCHMARKS.md
+"""
+
+from flashot.bench.harness import Row, run_suite
+
+__all__ = ["Row", "run_suite"]

@@ -1,0 +1,90 @@
+"""``flashot bench``: options and the run (registered by :mod:`flashot.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from flashot.bench.harness import environment, run_suite
+from flashot.bench.providers import PROVIDERS, providers
+from flashot.bench.report import plot, table, write
+
+__all__ = ["QUICK", "add_arguments", "run"]
+
+WORKLOADS = ("forward", "gradient", "converge")
+#: the default suite per device type: (sizes, dims); --full: FULL
+QUICK = {"cuda": ((10_000, 50_000), (64,)), "cpu": ((1_000, 4_000), (3, 64))}
+FULL = {"cuda": ((1_000, 10_000, 50_000, 200_000, 1_000_000), (3, 64, 512, 1024)),
+        "cpu": ((1_000, 4_000, 10_000, 30_000), (3, 64))}  # fmt: skip
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return tuple(kind(v) for v in text.split(",") if v)
+        except ValueError:
+            msg = f"expected comma-separated values, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``bench`` options."""
+    p.add_argument("--full", action="store_true",
+                   help="the suite behind BENCHMARKS.md (sizes up to 1M on a GPU)")  # fmt: skip
+    p.add_argument("--workloads", type=_csv(str), default=("forward", "gradient"),
+                   help=f"comma-separated, of {', '.join(WORKLOADS)}")  # fmt: skip
+    p.add_argument("--sizes", type=_csv(int), help="n = m, comma-separated (default: per device)")
+    p.add_argument("--dims", type=_csv(int), help="feature sizes d (default: per device)")
+    p.add_argument("--providers", type=_csv(str),
+                   help=f"comma-separated, of {', '.join(PROVIDERS)} (default: all)")  # fmt: skip
+    p.add_argument("--eps", type=float, default=0.1, help="ε, for the cost |x − y|²")
+    p.add_argument("--iters", type=int, default=10, help="iterations of the fixed workloads")
+    p.add_argument("--tol", type=float, default=1e-3, help="marginal error of 'converge'")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device")  # fmt: skip
+    p.add_argument("--out", default="flashot_bench", help="folder for CSV, JSON and PNGs")
+    p.add_argument("--no-floor", action="store_true", help="skip measuring the GPU's ceilings")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the suite; print the table; write the files. Returns the exit code."""
+    from flashot.cli import CliError
+
+    device = torch.device(args.device)
+    bad = [w for w in args.workloads if w not in WORKLOADS]
+    if bad:
+        raise CliError(
+            f"--workloads: unknown {', '.join(bad)} (choose from {', '.join(WORKLOADS)})"
+        )
+    unknown = [p for p in args.providers or () if p not in PROVIDERS]
+    if unknown:
+        raise CliError(
+            f"--providers: unknown {', '.join(unknown)} (choose from {', '.join(PROVIDERS)})"
+        )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError("--device cuda: no CUDA device is available")
+    sizes, dims = (FULL if args.full else QUICK)["cuda" if device.type == "cuda" else "cpu"]
+    sizes, dims = args.sizes or sizes, args.dims or dims
+    if min(sizes) < 2 or min(dims) < 1:
+        raise CliError("--sizes must be ≥ 2 and --dims ≥ 1")
+    chosen = [p for p in providers(device) if args.providers is None or p.name in args.providers]
+
+    def say(text: str) -> None:
+        if not args.quiet:
+            print(f"bench: {text}", file=sys.stderr, flush=True)
+
+    rows = run_suite(args.workloads, sizes, dims, chosen, device, eps=args.eps, iters=args.iters,
+                     tol=args.tol, floors=not args.no_floor, progress=say)  # fmt: skip
+    env = environment(device)
+    out = Path(args.out)
+    files = write(rows, env, out) + plot(rows, out)
+    print(f"{env['device']}; " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
+    print(table(rows))
+    print("\nwrote " + ", ".join(str(f) for f in files))
+    return 0

@@ -1,0 +1,161 @@
+"""Timing, memory, accuracy and the rows of one suite (see :mod:`flashot.bench`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+import flashot
+from flashot.bench.floor import Ceilings, floor_ms, measure_ceilings
+from flashot.bench.providers import Flashot, Problem, Provider, make_problem
+
+__all__ = ["Row", "environment", "median_ms", "run_suite"]
+
+#: points per cloud of the float64 accuracy reference (dense, on the CPU or the device)
+ACCURACY_N = 1000
+
+
+@dataclasses.dataclass
+class Row:
+    """One (workload, provider, size) result. Times in ms, memory in MB above the inputs."""
+
+    workload: str
+    provider: str
+    n: int
+    d: int
+    ms: float | None = None
+    first_s: float | None = None
+    peak_mb: float | None = None
+    value: float | None = None
+    floor_ms: float | None = None
+    rel_error: float | None = None
+    skipped: str | None = None
+    computes: str = ""
+
+    @property
+    def x_floor(self) -> float | None:
+        """Time over the floor (None without a floor)."""
+        return None if self.ms is None or not self.floor_ms else self.ms / self.floor_ms
+
+
+def environment(device: torch.device) -> dict:
+    """Versions, device and command, stamped on every result file."""
+    if device.type == "cuda":
+        hardware = torch.cuda.get_device_name(device)
+    else:
+        hardware = (
+            f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        )
+    versions = {"flashot": flashot.__version__, "torch": torch.__version__,
+                "python": platform.python_version()}  # fmt: skip
+    for module in ("triton", "geomloss", "ot", "flash_sinkhorn", "pykeops"):
+        with contextlib.suppress(Exception):  # absent or broken: not part of this run
+            versions[module] = __import__(module).__version__
+    return dict(device=hardware, versions=versions, command=" ".join(sys.argv),
+                date=time.strftime("%Y-%m-%d %H:%M"))  # fmt: skip
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable, device: torch.device, budget_s: float = 2.0) -> float:
+    """Median time of ``fn`` after a warm-up: CUDA events on a GPU, wall clock on a CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median"))
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (len(times) < 25 and time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def _peak_mb(fn: Callable, device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None  # the CPU allocator keeps no peak statistics
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 1e6
+
+
+def _reference(pb: Problem, workload: str) -> float:
+    """The float64 value of the same workload (flashot's torch backend).
+
+    Dense-checked in the test suite; for ``converge`` the converged value.
+    """
+    kw = dict(eps=pb.eps, backend="torch", warn=False)
+    if workload == "converge":
+        kw.update(tol=1e-8, max_iter=100_000, eps_schedule="geomloss")
+    else:
+        kw.update(tol=None, max_iter=pb.iters, update="symmetric")
+    x, y, a, b = (t.double() for t in (pb.x, pb.y, pb.a, pb.b))
+    return float(flashot.sinkhorn(x, y, a, b, **kw).cost)
+
+
+def run_suite(workloads: Iterable[str], sizes: Iterable[int], dims: Iterable[int],
+              chosen: list[Provider], device: torch.device, *, eps: float = 0.1,
+              iters: int = 10, tol: float = 1e-3, floors: bool = True,
+              progress: Callable[[str], None] | None = None) -> list[Row]:  # fmt: skip
+    """Every (workload, d, n, provider) row; providers that cannot run give a skip row."""
+    ceilings: Ceilings | None = None
+    if floors and device.type == "cuda":
+        ceilings = measure_ceilings(device)
+    rows = []
+    for workload in workloads:
+        for d in dims:
+            ref_pb = make_problem(min(ACCURACY_N, min(sizes)), min(ACCURACY_N, min(sizes)), d,
+                                  device, eps=eps, iters=iters, tol=tol, seed=1)  # fmt: skip
+            reference = _reference(ref_pb, workload)
+            for n in sizes:
+                pb = make_problem(n, n, d, device, eps=eps, iters=iters, tol=tol)
+                for prov in chosen:
+                    if progress is not None:
+                        progress(f"{workload} n={n} d={d} {prov.name}")
+                    rows.append(_row(prov, workload, pb, ref_pb, reference, device, ceilings))
+    return rows
+
+
+def _row(prov: Provider, workload: str, pb: Problem, ref_pb: Problem, reference: float,
+         device: torch.device, ceilings: Ceilings | None) -> Row:  # fmt: skip
+    row = Row(workload, prov.name, pb.n, pb.d, computes=prov.computes)
+    why = prov.unavailable(device)
+    if why is None and workload not in prov.workloads:
+        why = f"{prov.name} has no {workload} workload here"
+    if why is not None:
+        row.skipped = why
+        return row
+    try:
+        check = float(prov.prepare(workload, ref_pb)())
+        row.rel_error = abs(check - reference) / max(abs(reference), 1e-30)
+        fn = prov.prepare(workload, pb)
+        _sync(device)
+        t0 = time.perf_counter()
+        row.value = float(fn())
+        _sync(device)
+        row.first_s = time.perf_counter() - t0
+        row.ms = median_ms(fn, device)
+        row.peak_mb = _peak_mb(fn, device)
+    except Exception as err:
+        row.skipped = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return row
+    if isinstance(prov, Flashot) and prov.backend == "triton":
+        precision = "fp32" if prov.precision == "auto" else prov.precision
+        row.floor_ms = floor_ms(ceilings, workload, pb.n, pb.n, pb.d, pb.iters, precision)
+    return row

@@ -1,0 +1,289 @@
+r"""The libraries compared, each optional: a provider says why it cannot run, or runs.
+
+Every provider receives the same :class:`Problem` and returns a callable computing its
+value (and the gradient in x for ``"gradient"``) of
+
+.. math::
+
+    \mathrm{OT}_\varepsilon = \min_P \langle P, C\rangle + \varepsilon\,
+        \mathrm{KL}(P \,|\, a \otimes b), \qquad C_{ij} = |x_i - y_j|^2,
+
+converted to this convention where the library's own differs (GeomLoss: ``|x−y|²/2``
+with ``ε/2``, value doubled; POT: the plan's value computed here). Fixed-iteration
+workloads run each library's own update: GeomLoss' and flashot's symmetric averaged
+steps, POT's alternating ones (so its 10-iteration value differs by the algorithm,
+not by accuracy: compare POT in ``converge``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import flashot
+
+__all__ = ["PROVIDERS", "Problem", "Provider", "make_problem", "providers"]
+
+
+@dataclass
+class Problem:
+    """One benchmark problem (float32 on the device; ``eps`` for the cost |x − y|²)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    eps: float
+    iters: int
+    tol: float
+
+    @property
+    def n(self) -> int:
+        """Points per cloud."""
+        return self.x.shape[0]
+
+    @property
+    def d(self) -> int:
+        """Feature size."""
+        return self.x.shape[1]
+
+
+def make_problem(n: int, m: int, d: int, device, *, eps=0.1, iters=10, tol=1e-3,
+                 seed=0, dtype=torch.float32) -> Problem:  # fmt: skip
+    """x, y ~ N(0, I_d), weights uniform on [0.1, 1.1) normalized; seeded."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, d, device=device, generator=gen, dtype=dtype)
+    y = torch.randn(m, d, device=device, generator=gen, dtype=dtype)
+    a = torch.rand(n, device=device, generator=gen, dtype=dtype) + 0.1
+    b = torch.rand(m, device=device, generator=gen, dtype=dtype) + 0.1
+    return Problem(x, y, a / a.sum(), b / b.sum(), eps, iters, tol)
+
+
+class Provider:
+    """A library's way of computing one workload (see the module)."""
+
+    name = ""
+    computes = ""
+    workloads: tuple[str, ...] = ("forward", "gradient", "converge")
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why this provider cannot run here (a one-line reason), or None."""
+        return None
+
+    def prepare(self, workload: str, pb: Problem) -> Callable[[], torch.Tensor]:
+        """A callable returning the value (a 0-dim tensor) of ``workload`` on ``pb``."""
+        raise NotImplementedError
+
+
+def _with_gradient(value_of: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
+    def run():
+        xs = x.detach().requires_grad_()
+        value = value_of(xs)
+        torch.autograd.grad(value, xs)
+        return value.detach()
+
+    return run
+
+
+class Flashot(Provider):
+    """flashot with a backend and precision mode."""
+
+    def __init__(self, backend: str, precision: str = "auto"):
+        self.backend, self.precision = backend, precision
+        tag = "" if precision == "auto" else f"-{precision}"
+        self.name = f"flashot-{backend}{tag}"
+        self.computes = (
+            "OT_eps; fixed iterations: symmetric averaged updates (GeomLoss') and a final "
+            "extrapolation; converge: alternating updates, ε-scaling, tol"
+        )
+
+    def unavailable(self, device):
+        if self.backend not in flashot.backends.available_backends(device):
+            return f"backend {self.backend!r} is not available on {device.type}"
+        if self.precision != "auto" and (self.backend != "triton" or device.type != "cuda"):
+            return f"precision {self.precision!r} needs the triton backend on a GPU"
+        return None
+
+    def prepare(self, workload, pb):
+        kw = dict(eps=pb.eps, backend=self.backend, precision=self.precision)
+        if workload == "converge":
+            kw.update(tol=pb.tol, max_iter=100_000, eps_schedule="geomloss", warn=False)
+        else:
+            kw.update(tol=None, max_iter=pb.iters, update="symmetric")
+
+        def value_of(x):
+            return flashot.sinkhorn(x, pb.y, pb.a, pb.b, **kw).cost
+
+        if workload == "gradient":
+            return _with_gradient(value_of, pb.x)
+        return lambda: value_of(pb.x)
+
+
+def _sq_dist(x, y):
+    return (x * x).sum(1)[:, None] + (y * y).sum(1)[None, :] - 2.0 * x @ y.T
+
+
+class DenseTorch(Provider):
+    """A plain PyTorch log-domain loop on the full n × m cost matrix."""
+
+    name = "dense-torch"
+    computes = "OT_eps, the same symmetric updates as flashot on a stored n×m cost matrix"
+    workloads = ("forward", "gradient")
+
+    def unavailable(self, device):
+        return None
+
+    def prepare(self, workload, pb):
+        la, lb = pb.a.log(), pb.b.log()
+
+        def t(h, log_w, cost):  # soft c-transform ε LSE over the other side
+            return -pb.eps * torch.logsumexp((h[None, :] - cost) / pb.eps + log_w[None, :], 1)
+
+        def value_of(x):
+            c = _sq_dist(x, pb.y)
+            cd = c.detach()
+            with torch.no_grad():
+                f = t(torch.zeros_like(lb), lb, cd)
+                g = t(torch.zeros_like(la), la, cd.T)
+                for _ in range(pb.iters):
+                    f, g = 0.5 * (f + t(g, lb, cd)), 0.5 * (g + t(f, la, cd.T))
+            f_new, g_new = t(g, lb, c), t(f, la, c.T)  # the differentiated extrapolation
+            return (pb.a * f_new).sum() + (pb.b * g_new).sum()
+
+        if workload == "gradient":
+            return _with_gradient(value_of, pb.x)
+        return lambda: value_of(pb.x)
+
+
+class GeomLoss(Provider):
+    """GeomLoss 0.3.1's own loop (``sinkhorn_loop``), tensorized or online (KeOps)."""
+
+    workloads = ("forward", "gradient")
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.name = f"geomloss-{mode}"
+        self.computes = ("OT_eps via GeomLoss' symmetric loop at a fixed ε: cost |x−y|²/2 with "
+                         "ε/2, value doubled")  # fmt: skip
+
+    def unavailable(self, device):
+        try:
+            import geomloss  # noqa: F401
+        except ImportError:
+            return "geomloss is not installed"
+        if self.mode == "online":
+            try:
+                import pykeops  # noqa: F401
+            except ImportError:
+                return "pykeops is not installed"
+        return None
+
+    def prepare(self, workload, pb):
+        from geomloss._legacy import sinkhorn_divergence as sd
+        from geomloss._legacy import sinkhorn_samples as ss
+
+        eps = pb.eps / 2.0  # GeomLoss' p = 2 cost is |x − y|²/2
+        eps_list = [eps] * pb.iters
+        a, b, y = pb.a[None], pb.b[None], pb.y[None]
+
+        def value_of(x):
+            x = x[None]
+            if self.mode == "tensorized":
+                softmin = ss.softmin_tensorized
+                c_xy = _sq_dist(x[0], y[0].detach())[None] / 2.0
+                c_yx = _sq_dist(y[0], x[0].detach())[None] / 2.0
+            else:
+                softmin = ss.softmin_online
+                c_xy, c_yx = (x, y.detach()), (y, x.detach())
+            _, _, g_ab, f_ba = sd.sinkhorn_loop(softmin, sd.log_weights(a), sd.log_weights(b),
+                                                None, None, c_xy, c_yx, eps_list, None,
+                                                debias=False)  # fmt: skip
+            value = sd.sinkhorn_cost(eps, None, a, b, None, None, g_ab, f_ba, batch=True,
+                                     debias=False)  # fmt: skip
+            return 2.0 * value[0]
+
+        if workload == "gradient":
+            return _with_gradient(value_of, pb.x)
+        return lambda: value_of(pb.x)
+
+
+class POT(Provider):
+    """POT's log-domain Sinkhorn (``ot.sinkhorn_log``) on the full cost matrix."""
+
+    name = "pot"
+    computes = ("OT_eps = <P, C> + ε KL(P | a⊗b) of the plan of ot.sinkhorn_log (alternating "
+                "updates; numItermax, stopThr = tol on its marginal error)")  # fmt: skip
+    workloads = ("forward", "gradient", "converge")
+
+    def unavailable(self, device):
+        try:
+            import ot  # noqa: F401
+        except ImportError:
+            return "POT is not installed"
+        return None
+
+    def prepare(self, workload, pb):
+        import ot
+
+        iters, stop = (100_000, pb.tol) if workload == "converge" else (pb.iters, 0.0)
+
+        def value_of(x):
+            c = _sq_dist(x, pb.y)
+            with torch.no_grad():
+                plan = ot.bregman.sinkhorn_log(pb.a, pb.b, c.detach(), pb.eps, numItermax=iters,
+                                               stopThr=stop, warn=False)  # fmt: skip
+            # the plan's value; its gradient in C is the plan (envelope theorem)
+            ab = pb.a[:, None] * pb.b[None, :]
+            kl = (plan * (torch.log(plan.clamp_min(1e-38)) - torch.log(ab))).sum() - plan.sum() + 1
+            return (plan * c).sum() + pb.eps * kl
+
+        if workload == "gradient":
+            return _with_gradient(value_of, pb.x)
+        return lambda: value_of(pb.x)
+
+
+class FlashSinkhorn(Provider):
+    """The FlashSinkhorn paper's package (``flash-sinkhorn`` 0.4.1), its TF32 default."""
+
+    name = "flash-sinkhorn"
+    computes = "OT_eps with its symmetric updates, TF32, cost |x−y|² (its p = 2 convention)"
+    workloads = ("forward", "gradient")
+
+    def unavailable(self, device):
+        try:
+            import flash_sinkhorn  # noqa: F401
+        except ImportError:
+            return "flash-sinkhorn is not installed"
+        return None if device.type == "cuda" else "flash-sinkhorn needs a CUDA GPU"
+
+    def prepare(self, workload, pb):
+        from flash_sinkhorn import SamplesLoss
+
+        loss = SamplesLoss("sinkhorn", backend="symmetric", use_epsilon_scaling=False,
+                           eps=pb.eps, n_iters=pb.iters, debias=False, potentials=False,
+                           normalize=False, last_extrapolation=True,
+                           allow_tf32=True)  # fmt: skip
+
+        def value_of(x):
+            return loss(pb.a, x, pb.b, pb.y)
+
+        if workload == "gradient":
+            return _with_gradient(value_of, pb.x)
+        return lambda: value_of(pb.x)
+
+
+def providers(device: torch.device) -> list[Provider]:
+    """Every provider, in the table's order (those unavailable say why when run)."""
+    out: list[Provider] = [Flashot("torch")]
+    if device.type == "cuda":
+        out += [Flashot("triton"), Flashot("triton", "tf32"), Flashot("triton", "bf16")]
+    out += [DenseTorch(), GeomLoss("tensorized"), GeomLoss("online"), POT(), FlashSinkhorn()]
+    return out
+
+
+#: provider names accepted by ``--providers`` (flashot's precision rows included)
+PROVIDERS = ("flashot-torch", "flashot-triton", "flashot-triton-tf32", "flashot-triton-bf16",
+             "dense-torch", "geomloss-tensorized", "geomloss-online", "pot",
+             "flash-sinkhorn")  # fmt: skip

@@ -1,0 +1,108 @@
+"""What a suite writes: a table on stdout, CSV and JSON rows, PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+
+from flashot.bench.harness import Row
+
+__all__ = ["plot", "table", "write"]
+
+
+def _fmt(v, digits=3) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def table(rows: list[Row]) -> str:
+    """A markdown table, one line per row; skipped providers with their reason."""
+    lines = ["| workload | n | d | provider | ms | first s | peak MB | × floor | rel. error "
+             "| value |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    skips = []
+    for r in rows:
+        if r.skipped:
+            skips.append(f"- {r.provider}, {r.workload}: {r.skipped}")
+            continue
+        lines.append(f"| {r.workload} | {r.n} | {r.d} | {r.provider} | {_fmt(r.ms)} | "
+                     f"{_fmt(r.first_s, 2)} | {_fmt(r.peak_mb)} | {_fmt(r.x_floor, 2)} | "
+                     f"{_fmt(r.rel_error, 2)} | {_fmt(r.value, 7)} |")  # fmt: skip
+    computed = {r.provider: r.computes for r in rows if r.computes}
+    notes = [f"- {name}: {what}" for name, what in computed.items()]
+    return "\n".join([*lines, "", "Skipped:", *dict.fromkeys(skips), "", "Computed:", *notes])
+
+
+def write(rows: list[Row], env: dict, out: Path, name: str = "bench") -> list[Path]:
+    """Write ``name.csv`` and ``name.json``; returns their paths.
+
+    The CSV has one row per line after comment lines holding the environment; the JSON
+    is ``{"environment": ..., "rows": [...]}``.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    fields = [f.name for f in dataclasses.fields(Row)] + ["x_floor"]
+    csv_path, json_path = out / f"{name}.csv", out / f"{name}.json"
+    with csv_path.open("w", newline="") as fh:
+        for key, value in env.items():
+            fh.write(f"# {key}: {json.dumps(value)}\n")
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**dataclasses.asdict(r), "x_floor": r.x_floor})
+    payload = {"environment": env,
+               "rows": [{**dataclasses.asdict(r), "x_floor": r.x_floor} for r in rows]}  # fmt: skip
+    json_path.write_text(json.dumps(payload, indent=1))
+    return [csv_path, json_path]
+
+
+def plot(rows: list[Row], out: Path, name: str = "bench") -> list[Path]:
+    """Per workload, a PNG: time and memory against n (log-log), speed-up bars.
+
+    Time per provider and d, memory for GPU rows, and every provider's speed-up over the
+    slowest at the largest n. Returns the PNGs written (none without matplotlib).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    done = [r for r in rows if r.ms is not None]
+    paths = []
+    for workload in dict.fromkeys(r.workload for r in done):
+        mine = [r for r in done if r.workload == workload]
+        dims = sorted({r.d for r in mine})
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+        for prov in dict.fromkeys(r.provider for r in mine):
+            for d in dims:
+                pts = sorted(
+                    (r.n, r.ms, r.peak_mb) for r in mine if r.provider == prov and r.d == d
+                )
+                if not pts:
+                    continue
+                ns = [p[0] for p in pts]
+                axes[0].plot(ns, [p[1] for p in pts], marker="o", label=f"{prov}, d={d}")
+                if all(p[2] is not None for p in pts):
+                    axes[1].plot(ns, [p[2] for p in pts], marker="o", label=f"{prov}, d={d}")
+        for ax, ylabel in ((axes[0], "time (ms)"), (axes[1], "peak memory above inputs (MB)")):
+            ax.set(xscale="log", yscale="log", xlabel="n = m", ylabel=ylabel, title=workload)
+            if ax.lines:
+                ax.legend(fontsize=7)
+        largest = max(r.n for r in mine)
+        last = [r for r in mine if r.n == largest]
+        slowest = max(r.ms for r in last)
+        labels = [f"{r.provider}\nd={r.d}" for r in last]
+        axes[2].bar(range(len(last)), [slowest / r.ms for r in last])
+        axes[2].set_xticks(range(len(last)), labels, fontsize=6, rotation=60)
+        axes[2].set(ylabel="speed-up over the slowest", title=f"{workload}, n = {largest}")
+        fig.tight_layout()
+        path = out / f"{name}_{workload}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

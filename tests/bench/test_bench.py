@@ -1,0 +1,74 @@
+"""flashot.bench: the providers compute the same value, the harness and CLI write what
+they say (CPU-sized; the H200 suite is BENCHMARKS.md's)."""
+
+import json
+
+import pytest
+import torch
+
+import flashot
+from flashot.bench.floor import Ceilings, floor_ms
+from flashot.bench.providers import POT, DenseTorch, Flashot, GeomLoss, make_problem
+from flashot.cli import main
+from tests.references import entropic_ot
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("d", [2, 16])
+@pytest.mark.parametrize("workload", ["forward", "gradient"])
+def test_fixed_iteration_providers_agree_with_float64(d, workload):
+    """flashot, the dense loop and GeomLoss' own loop run the same symmetric updates: after
+    10 iterations their values agree with flashot's float64 value to float32 accuracy."""
+    pb = make_problem(150, 120, d, CPU, eps=0.5 * d, seed=3)
+    x, y, a, b = (t.double() for t in (pb.x, pb.y, pb.a, pb.b))
+    want = float(flashot.sinkhorn(x, y, a, b, eps=pb.eps, tol=None, max_iter=pb.iters,
+                                  update="symmetric", backend="torch").cost)  # fmt: skip
+    for prov in (Flashot("torch"), DenseTorch(), GeomLoss("tensorized")):
+        assert prov.unavailable(CPU) is None
+        got = float(prov.prepare(workload, pb)())
+        assert got == pytest.approx(want, rel=2e-6), prov.name
+
+
+def test_converge_providers_reach_the_dense_solution():
+    pb = make_problem(100, 100, 3, CPU, eps=0.5, tol=1e-7, seed=4)
+    want = float(entropic_ot(*(t.double() for t in (pb.x, pb.y, pb.a, pb.b)), pb.eps))
+    for prov in (Flashot("torch"), POT()):
+        assert float(prov.prepare("converge", pb)()) == pytest.approx(want, rel=1e-4), prov.name
+
+
+def test_floor_is_the_largest_of_exp_mma_and_bytes():
+    ceil = Ceilings(exp2=4e12, tf32=360e12, bf16=687e12, fp32=51e12, bytes=4e12)
+    n, d, it = 50_000, 64, 10
+    passes = it + 2
+    exp_ms = 1e3 * passes * n * n / 4e12
+    mma_ms = 1e3 * passes * 2 * n * n * d * 1.5 / 360e12
+    assert floor_ms(ceil, "forward", n, n, d, it, "fp32") == pytest.approx(max(exp_ms, mma_ms))
+    assert floor_ms(ceil, "forward", n, n, d, it, "bf16") == pytest.approx(exp_ms)
+    assert floor_ms(None, "forward", n, n, d, it, "fp32") is None
+    assert floor_ms(ceil, "converge", n, n, d, it, "fp32") is None
+
+
+def test_cli_bench_writes_rows_with_versions_and_plots(tmp_path, capsys):
+    code = main(["bench", "--sizes", "80,160", "--dims", "2", "--workloads", "forward",
+                 "--providers", "flashot-torch,dense-torch,flash-sinkhorn", "--out",
+                 str(tmp_path), "--quiet"])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| forward | 160 | 2 | flashot-torch |" in out and "flash-sinkhorn" in out
+    payload = json.loads((tmp_path / "bench.json").read_text())
+    env = payload["environment"]
+    assert env["versions"]["torch"] == torch.__version__ and "bench" in env["command"]
+    rows = payload["rows"]
+    assert len(rows) == 6 and {r["provider"] for r in rows if r["skipped"]} == {"flash-sinkhorn"}
+    timed = [r for r in rows if not r["skipped"]]
+    assert all(r["ms"] > 0 and r["rel_error"] < 1e-5 for r in timed)
+    assert (tmp_path / "bench.csv").read_text().startswith("# device:")
+    assert (tmp_path / "bench_forward.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("args,match", [(["--providers", "keops"], "--providers"),
+                                        (["--workloads", "hvp"], "--workloads")])  # fmt: skip
+def test_cli_bench_refuses_unknown_names(args, match, capsys, tmp_path):
+    assert main(["bench", "--out", str(tmp_path), *args]) == 1
+    assert match in capsys.readouterr().err
