@@ -80,7 +80,7 @@ def test_the_hybrid_escapes_the_saddle_where_adam_stops():
     prob = make_shuffled_regression(100, 1, 2, generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", flashot.ConvergenceWarning)
-        kw = dict(SOLVE, eps=0.05, eps_schedule="geomloss")
+        kw = dict(SOLVE, eps=0.05, eps_schedule="geomloss", momentum="auto")
         adam = shuffled_regression(prob.X, prob.Y, method="adam", max_steps=50, **kw)
         hybrid = shuffled_regression(prob.X, prob.Y, max_steps=50, **kw)
     assert adam.history[-1]["step"] == "converged" and prob.relative_error(adam.W) == 1.0
