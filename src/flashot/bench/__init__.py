@@ -6,7 +6,8 @@ fixed ε (``--eps``, 0.1) and float32 inputs. Workloads:
 
 * ``forward``: the OT value after a fixed number of iterations (``--iters``, 10);
 * ``gradient``: the value and its gradient in x;
-* ``converge``: solve to a marginal error (``--tol``) with ε-scaling, what users run.
+* ``converge``: solve to a marginal error (``--tol``) with ε-scaling, what users run,
+  at ε × d (a fixed fraction of the cost's scale, 2d for these clouds).
 
 Each provider computes the same quantity in its own convention and the row says how
 (:attr:`~flashot.bench.providers.Provider.computes`). Times are medians: CUDA events
