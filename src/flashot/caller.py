@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
 
 import torch
 
@@ -19,7 +20,8 @@ def warn_at_caller(message: str, category: type[Warning]) -> None:
     Entry points are wrapped (autocast, ``torch.compiler.disable``, ``torch.func``,
     ``nn.Module.__call__``), so a fixed ``stacklevel`` would point into a wrapper.
     """
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_INSIDE):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level + 1)

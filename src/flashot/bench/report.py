@@ -73,6 +73,7 @@ def plot(rows: list[Row], out: Path, name: str = "bench") -> list[Path]:
     except ImportError:
         return []
     done = [r for r in rows if r.ms is not None]
+    ms = {id(r): float(r.ms or 0.0) for r in done}  # (timed rows: never None)
     paths = []
     for workload in dict.fromkeys(r.workload for r in done):
         mine = [r for r in done if r.workload == workload]
@@ -98,11 +99,9 @@ def plot(rows: list[Row], out: Path, name: str = "bench") -> list[Path]:
                          transform=axes[1].transAxes)  # fmt: skip
         largest = max(r.n for r in mine)
         last = [r for r in mine if r.n == largest]
-        slowest = {
-            d: max(r.ms for r in last if r.d == d) for d in dims if any(r.d == d for r in last)
-        }
+        slowest = {d: max(ms[id(r)] for r in last if r.d == d) for d in {r.d for r in last}}
         labels = [f"{r.provider}\nd={r.d}" for r in last]
-        axes[2].bar(range(len(last)), [slowest[r.d] / r.ms for r in last])
+        axes[2].bar(range(len(last)), [slowest[r.d] / ms[id(r)] for r in last])
         axes[2].set_xticks(range(len(last)), labels, fontsize=6, rotation=60)
         axes[2].set(ylabel="speed-up over the slowest (same d)", title=f"{workload}, n = {largest}")
         fig.tight_layout()
