@@ -137,7 +137,7 @@ def test_never_a_converged_wrong_answer_float32(problem):
 
 
 @pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(dtype=torch.float32, max_n=16))
 def test_never_a_converged_wrong_answer_on_the_kernels(problem):
     # the interpreter takes ~0.1 s per iteration: small caps keep a slow draw (hypothesis'

@@ -555,6 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flashot`` command."""
     args = build_parser().parse_args(argv)
+    args.command_line = "flashot " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
         return args.run(args)
     except CliError as err:

@@ -30,6 +30,19 @@ def test_fixed_iteration_providers_agree_with_float64(d, workload):
         assert got == pytest.approx(want, rel=2e-6), prov.name
 
 
+def test_plan_and_hvp_workloads_match_float64():
+    """plan: the streamed product and the dense plan's agree with the float64 one; hvp:
+    flashot's <v, Hv> in float32 against its float64 value (dense-checked elsewhere)."""
+    from flashot.bench.harness import _reference
+
+    pb = make_problem(120, 100, 3, CPU, eps=0.5, seed=5)
+    want = _reference(pb, "plan")
+    for prov in (Flashot("torch"), DenseTorch()):
+        assert float(prov.prepare("plan", pb)()) == pytest.approx(want, rel=1e-5), prov.name
+    got = float(Flashot("torch").prepare("hvp", pb)())
+    assert got == pytest.approx(_reference(pb, "hvp"), rel=1e-3)
+
+
 def test_converge_providers_reach_the_dense_solution():
     pb = make_problem(100, 100, 3, CPU, eps=0.5, tol=1e-7, seed=4)
     want = float(entropic_ot(*(t.double() for t in (pb.x, pb.y, pb.a, pb.b)), pb.eps))
@@ -58,7 +71,8 @@ def test_cli_bench_writes_rows_with_versions_and_plots(tmp_path, capsys):
     assert "| forward | 160 | 2 | flashot-torch |" in out and "flash-sinkhorn" in out
     payload = json.loads((tmp_path / "bench.json").read_text())
     env = payload["environment"]
-    assert env["versions"]["torch"] == torch.__version__ and "bench" in env["command"]
+    assert env["versions"]["torch"] == torch.__version__
+    assert env["command"].startswith("flashot bench --sizes 80,160 --dims 2")
     rows = payload["rows"]
     assert len(rows) == 6 and {r["provider"] for r in rows if r["skipped"]} == {"flash-sinkhorn"}
     timed = [r for r in rows if not r["skipped"]]
@@ -68,7 +82,7 @@ def test_cli_bench_writes_rows_with_versions_and_plots(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,match", [(["--providers", "keops"], "--providers"),
-                                        (["--workloads", "hvp"], "--workloads")])  # fmt: skip
+                                        (["--workloads", "heat"], "--workloads")])  # fmt: skip
 def test_cli_bench_refuses_unknown_names(args, match, capsys, tmp_path):
     assert main(["bench", "--out", str(tmp_path), *args]) == 1
     assert match in capsys.readouterr().err

@@ -7,7 +7,9 @@ fixed ε (``--eps``, 0.1) and float32 inputs. Workloads:
 * ``forward``: the OT value after a fixed number of iterations (``--iters``, 10);
 * ``gradient``: the value and its gradient in x;
 * ``converge``: solve to a marginal error (``--tol``) with ε-scaling, what users run,
-  at ε × d (a fixed fraction of the cost's scale, 2d for these clouds).
+  at ε × d (a fixed fraction of the cost's scale, 2d for these clouds);
+* ``plan``: the product ``P y`` of the solved plan with the target points (timed alone);
+* ``hvp``: ``⟨v, H v⟩`` of the converged value's Hessian in x (flashot's exact HVP).
 
 Each provider computes the same quantity in its own convention and the row says how
 (:attr:`~flashot.bench.providers.Provider.computes`). Times are medians: CUDA events

@@ -14,7 +14,7 @@ from flashot.bench.report import plot, table, write
 
 __all__ = ["QUICK", "add_arguments", "run"]
 
-WORKLOADS = ("forward", "gradient", "converge")
+WORKLOADS = ("forward", "gradient", "converge", "plan", "hvp")
 #: the default suite per device type: (sizes, dims); --full: FULL
 QUICK = {"cuda": ((10_000, 50_000), (64,)), "cpu": ((1_000, 4_000), (3, 64))}
 FULL = {"cuda": ((1_000, 10_000, 50_000, 200_000, 1_000_000), (3, 64, 512, 1024)),
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     rows = run_suite(args.workloads, sizes, dims, chosen, device, eps=args.eps, iters=args.iters,
                      tol=args.tol, floors=not args.no_floor, progress=say)  # fmt: skip
-    env = environment(device)
+    env = environment(device, getattr(args, "command_line", None))
     out = Path(args.out)
     files = write(rows, env, out) + plot(rows, out)
     print(f"{env['device']}; " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))

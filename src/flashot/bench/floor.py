@@ -74,17 +74,21 @@ def measure_ceilings(device: torch.device) -> Ceilings:
 
 def floor_ms(ceilings: Ceilings | None, workload: str, n: int, m: int, d: int, iters: int,
              precision: str) -> float | None:  # fmt: skip
-    """The floor of a flashot fixed-iteration row (None without ceilings or for converge)."""
-    if ceilings is None or workload not in ("forward", "gradient"):
+    """The floor of a flashot row in ms (None without ceilings, for converge and hvp).
+
+    Fixed iterations (and the gradient's pass), or the plan's product alone.
+    """
+    if ceilings is None or workload not in ("forward", "gradient", "plan"):
         return None
-    passes = iters + 2
+    passes = 0 if workload == "plan" else iters + 2
     products = {"fp32": 1.5, "tf32": 1.0, "bf16": 0.5, "fp16": 0.5}[precision]
     # fp32: three half MMAs at the bf16 rate = 1.5 TF32 products; bf16/fp16 at their rate
     rate = ceilings["tf32"]
     flops = passes * 2.0 * n * m * d * products
     exps = passes * n * m
-    if workload == "gradient":
+    bytes_moved = passes * 4.0 * (n + m) * d
+    if workload in ("gradient", "plan"):
         flops += 2.0 * n * m * d * products * 2  # the values' pass: scores and P @ y
         exps += n * m
-    bytes_moved = passes * 4.0 * (n + m) * d
+        bytes_moved += 4.0 * (n + 2 * m) * d
     return 1e3 * max(exps / ceilings["exp2"], flops / rate, bytes_moved / ceilings["bytes"])

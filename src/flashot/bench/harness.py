@@ -14,7 +14,7 @@ import torch
 
 import flashot
 from flashot.bench.floor import Ceilings, floor_ms, measure_ceilings
-from flashot.bench.providers import Flashot, Problem, Provider, make_problem
+from flashot.bench.providers import Flashot, Problem, Provider, direction, make_problem
 
 __all__ = ["Row", "environment", "median_ms", "run_suite"]
 
@@ -45,8 +45,8 @@ class Row:
         return None if self.ms is None or not self.floor_ms else self.ms / self.floor_ms
 
 
-def environment(device: torch.device) -> dict:
-    """Versions, device and command, stamped on every result file."""
+def environment(device: torch.device, command: str | None = None) -> dict:
+    """Versions, device and command (default: this process's), stamped on every result file."""
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:
@@ -58,7 +58,7 @@ def environment(device: torch.device) -> dict:
     for module in ("triton", "geomloss", "ot", "flash_sinkhorn", "pykeops"):
         with contextlib.suppress(Exception):  # absent or broken: not part of this run
             versions[module] = __import__(module).__version__
-    return dict(device=hardware, versions=versions, command=" ".join(sys.argv),
+    return dict(device=hardware, versions=versions, command=command or " ".join(sys.argv),
                 date=time.strftime("%Y-%m-%d %H:%M"))  # fmt: skip
 
 
@@ -98,12 +98,19 @@ def _reference(pb: Problem, workload: str) -> float:
 
     Dense-checked in the test suite; for ``converge`` the converged value.
     """
+    x, y, a, b = (t.double() for t in (pb.x, pb.y, pb.a, pb.b))
+    if workload == "hvp":
+        v = direction(pb).double()
+        hv = flashot.hvp(x, y, v, a, b, eps=pb.eps, tol=1e-10, max_iter=100_000, backend="torch")
+        return float((v * hv).sum())
     kw = dict(eps=pb.eps, backend="torch", warn=False)
+    if workload == "plan":
+        res = flashot.sinkhorn(x, y, a, b, tol=None, max_iter=pb.iters, update="symmetric", **kw)
+        return float((res.plan @ y).sum())
     if workload == "converge":
         kw.update(tol=1e-8, max_iter=100_000, eps_schedule="geomloss")
     else:
         kw.update(tol=None, max_iter=pb.iters, update="symmetric")
-    x, y, a, b = (t.double() for t in (pb.x, pb.y, pb.a, pb.b))
     return float(flashot.sinkhorn(x, y, a, b, **kw).cost)
 
 

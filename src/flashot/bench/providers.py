@@ -24,7 +24,7 @@ import torch
 
 import flashot
 
-__all__ = ["PROVIDERS", "Problem", "Provider", "make_problem", "providers"]
+__all__ = ["HVP_TOL", "PROVIDERS", "Problem", "Provider", "direction", "make_problem", "providers"]
 
 
 @dataclass
@@ -59,6 +59,16 @@ def make_problem(n: int, m: int, d: int, device, *, eps=0.1, iters=10, tol=1e-3,
     a = torch.rand(n, device=device, generator=gen, dtype=dtype) + 0.1
     b = torch.rand(m, device=device, generator=gen, dtype=dtype) + 0.1
     return Problem(x, y, a / a.sum(), b / b.sum(), eps, iters, tol)
+
+
+#: the solve's tolerance of the ``hvp`` workload (the Hessian of the converged value)
+HVP_TOL = 1e-6
+
+
+def direction(pb: Problem) -> torch.Tensor:
+    """The ``hvp`` workload's direction: seeded, of x's shape and unit RMS."""
+    gen = torch.Generator(device=pb.x.device).manual_seed(7)
+    return torch.randn(pb.x.shape, device=pb.x.device, generator=gen, dtype=pb.x.dtype)
 
 
 class Provider:
@@ -96,7 +106,8 @@ class Flashot(Provider):
         self.name = f"flashot-{backend}{tag}"
         self.computes = (
             "OT_eps; fixed iterations: symmetric averaged updates (GeomLoss') and a final "
-            "extrapolation; converge: alternating updates, ε-scaling, tol"
+            "extrapolation; converge: alternating updates, ε-scaling, tol; plan: (P y).sum() "
+            "streamed after the solve; hvp: <v, H v> of the converged value (exact, CG)"
         )
 
     def unavailable(self, device):
@@ -106,8 +117,18 @@ class Flashot(Provider):
             return f"precision {self.precision!r} needs the triton backend on a GPU"
         return None
 
+    workloads = ("forward", "gradient", "converge", "plan", "hvp")
+
     def prepare(self, workload, pb):
         kw = dict(eps=pb.eps, backend=self.backend, precision=self.precision)
+        if workload == "plan":  # the product alone, after the solve
+            plan = flashot.sinkhorn(pb.x, pb.y, pb.a, pb.b, tol=None, max_iter=pb.iters,
+                                    update="symmetric", **kw).plan  # fmt: skip
+            return lambda: (plan @ pb.y).sum()
+        if workload == "hvp":
+            v = direction(pb)
+            return lambda: (v * flashot.hvp(pb.x, pb.y, v, pb.a, pb.b, tol=HVP_TOL,
+                                            max_iter=100_000, warn=False, **kw)).sum()  # fmt: skip
         if workload == "converge":
             kw.update(tol=pb.tol, max_iter=100_000, eps_schedule="geomloss", warn=False)
         else:
@@ -129,8 +150,9 @@ class DenseTorch(Provider):
     """A plain PyTorch log-domain loop on the full n × m cost matrix."""
 
     name = "dense-torch"
-    computes = "OT_eps, the same symmetric updates as flashot on a stored n×m cost matrix"
-    workloads = ("forward", "gradient")
+    computes = ("OT_eps, the same symmetric updates as flashot on a stored n×m cost matrix; "
+                "plan: the n×m plan formed, times y")  # fmt: skip
+    workloads = ("forward", "gradient", "plan")
 
     def unavailable(self, device):
         return None
@@ -152,6 +174,19 @@ class DenseTorch(Provider):
             f_new, g_new = t(g, lb, c), t(f, la, c.T)  # the differentiated extrapolation
             return (pb.a * f_new).sum() + (pb.b * g_new).sum()
 
+        if workload == "plan":
+            with torch.no_grad():
+                c = _sq_dist(pb.x, pb.y)
+                f, g = t(torch.zeros_like(lb), lb, c), t(torch.zeros_like(la), la, c.T)
+                for _ in range(pb.iters):
+                    f, g = 0.5 * (f + t(g, lb, c)), 0.5 * (g + t(f, la, c.T))
+                f, g = t(g, lb, c), t(f, la, c.T)
+
+            def product():  # the stored plan's product (the plan is formed each call)
+                logp = (f[:, None] + g[None, :] - c) / pb.eps + la[:, None] + lb[None, :]
+                return (torch.exp(logp) @ pb.y).sum()
+
+            return product
         if workload == "gradient":
             return _with_gradient(value_of, pb.x)
         return lambda: value_of(pb.x)
