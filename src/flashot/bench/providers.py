@@ -29,7 +29,7 @@ __all__ = ["HVP_TOL", "PROVIDERS", "Problem", "Provider", "direction", "make_pro
 
 @dataclass
 class Problem:
-    """One benchmark problem (float32 on the device; ``eps`` for the cost |x − y|²)."""
+    """One benchmark problem (float32 on the device; ``eps`` for the cost ``|x − y|²``)."""
 
     x: torch.Tensor
     y: torch.Tensor
