@@ -87,7 +87,11 @@ class Provider:
         raise NotImplementedError
 
 
-def _with_gradient(value_of: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
+def _timed(value_of: Callable[[torch.Tensor], torch.Tensor], workload: str, x: torch.Tensor):
+    """The callable of a value workload: ``value_of(x)``, and its gradient for "gradient"."""
+    if workload != "gradient":
+        return lambda: value_of(x)
+
     def run():
         xs = x.detach().requires_grad_()
         value = value_of(xs)
@@ -137,9 +141,7 @@ class Flashot(Provider):
         def value_of(x):
             return flashot.sinkhorn(x, pb.y, pb.a, pb.b, **kw).cost
 
-        if workload == "gradient":
-            return _with_gradient(value_of, pb.x)
-        return lambda: value_of(pb.x)
+        return _timed(value_of, workload, pb.x)
 
 
 def _sq_dist(x, y):
@@ -187,9 +189,7 @@ class DenseTorch(Provider):
                 return (torch.exp(logp) @ pb.y).sum()
 
             return product
-        if workload == "gradient":
-            return _with_gradient(value_of, pb.x)
-        return lambda: value_of(pb.x)
+        return _timed(value_of, workload, pb.x)
 
 
 class GeomLoss(Provider):
@@ -239,9 +239,7 @@ class GeomLoss(Provider):
                                      debias=False)  # fmt: skip
             return 2.0 * value[0]
 
-        if workload == "gradient":
-            return _with_gradient(value_of, pb.x)
-        return lambda: value_of(pb.x)
+        return _timed(value_of, workload, pb.x)
 
 
 class POT(Provider):
@@ -274,9 +272,7 @@ class POT(Provider):
             kl = (plan * (torch.log(plan.clamp_min(1e-38)) - torch.log(ab))).sum() - plan.sum() + 1
             return (plan * c).sum() + pb.eps * kl
 
-        if workload == "gradient":
-            return _with_gradient(value_of, pb.x)
-        return lambda: value_of(pb.x)
+        return _timed(value_of, workload, pb.x)
 
 
 class FlashSinkhorn(Provider):
@@ -304,9 +300,7 @@ class FlashSinkhorn(Provider):
         def value_of(x):
             return loss(pb.a, x, pb.b, pb.y)
 
-        if workload == "gradient":
-            return _with_gradient(value_of, pb.x)
-        return lambda: value_of(pb.x)
+        return _timed(value_of, workload, pb.x)
 
 
 def providers(device: torch.device) -> list[Provider]:
