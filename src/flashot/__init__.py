@@ -7,6 +7,7 @@ without ever storing an n × m matrix.
 """
 
 from flashot.backends import available_backends
+from flashot.batched import BatchedSinkhornResult, sinkhorn_varlen
 from flashot.costs import COSTS
 from flashot import linalg, optim
 from flashot.divergence import sinkhorn_divergence
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "COSTS",
+    "BatchedSinkhornResult",
     "ConvergenceWarning",
     "EpsilonScaling",
     "LabeledCost",
@@ -37,4 +39,5 @@ __all__ = [
     "shuffled_regression",
     "sinkhorn",
     "sinkhorn_divergence",
+    "sinkhorn_varlen",
 ]

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashot.segments import Segments
+
 __all__ = [
     "COSTS",
     "AttentionForm",
@@ -51,6 +53,8 @@ class AttentionForm:
         cost_bound: a host bound on ``max C_ij`` (None if unknown; up to the operands'
             rounding in reduced precision); backends use it to pick the near-uniform
             LSE at large ε (:mod:`flashot.backends.near`).
+        segments: a :class:`~flashot.segments.Segments` packing of independent
+            problems (the cost is ``+inf`` between them), or None for one problem.
     """
 
     q: torch.Tensor
@@ -60,13 +64,14 @@ class AttentionForm:
     row_features: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
     col_features: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
     cost_bound: float | None = field(default=None, compare=False)
+    segments: Segments | None = field(default=None, compare=False)
 
     @property
     def T(self) -> AttentionForm:
         """The transposed form, ``C^T``: rows and columns swap roles (with their feature maps)."""
         return AttentionForm(
             self.k, self.q, self.beta, self.alpha, self.col_features, self.row_features,
-            self.cost_bound,
+            self.cost_bound, None if self.segments is None else self.segments.T,
         )  # fmt: skip
 
     @property
@@ -75,8 +80,22 @@ class AttentionForm:
         return self.q.shape[0], self.k.shape[0]
 
     def dense(self) -> torch.Tensor:
-        """The full (n, m) cost matrix; for tests and tiny problems only."""
-        return self.alpha[:, None] + self.beta[None, :] - self.q @ self.k.T
+        """The full (n, m) cost matrix (``+inf`` between packed problems); for tests only."""
+        c = self.alpha[:, None] + self.beta[None, :] - self.q @ self.k.T
+        if self.segments is None:
+            return c
+        seg = self.segments
+        same = seg.row_ids(c.device)[:, None] == seg.T.row_ids(c.device)[None, :]
+        return c.masked_fill(~same, float("inf"))
+
+    def segment(self, s: int) -> AttentionForm:
+        """Problem ``s`` of a packed form, as a form of its own."""
+        seg = self.segments
+        assert seg is not None
+        rows, cols = seg.row_slice(s), seg.col_slice(s)
+        bound = self.cost_bound if seg.bounds is None else seg.bounds[s]
+        return AttentionForm(self.q[rows], self.k[cols], self.alpha[rows], self.beta[cols],
+                             cost_bound=bound)  # fmt: skip
 
     def detach(self) -> AttentionForm:
         """The same form cut from the autograd graph (itself when it has no history:
@@ -91,6 +110,7 @@ class AttentionForm:
             self.row_features,
             self.col_features,
             self.cost_bound,
+            self.segments,
         )
 
 

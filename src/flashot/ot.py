@@ -14,10 +14,11 @@ from flashot.autodiff.functions import extrapolate, needs_grad, relaxed_side
 from flashot.autodiff.implicit import implicit_potentials
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.backends import entry_point
+from flashot.batched import sinkhorn_batched
 from flashot.caller import warn_at_caller
 from flashot.costs import bounding_diameter
 from flashot.dual import phi_sum
-from flashot.problem import Problem, make_problem
+from flashot.problem import Problem, cloud_tensor, make_problem
 from flashot.result import SinkhornResult, SolveHistory, TransportPlan
 from flashot.solver import (
     FLOOR_FACTOR,
@@ -131,7 +132,10 @@ def sinkhorn(
     Args:
         x: (n, d) source points (float16, bfloat16, float32 or float64); a numpy array
             is taken as a CPU tensor, numpy weights go to their cloud's device and
-            dtype, and results are tensors.
+            dtype, and results are tensors. A (B, n, d) batch (with y (B, m, d), weights
+            (B, n) and (B, m)) is solved in one packed solve and returns a
+            :class:`~flashot.batched.BatchedSinkhornResult`
+            (:func:`~flashot.batched.sinkhorn_batched`; ``eps`` may then hold B values).
         y: (m, d) target points, same dtype and device.
         a: (n,) nonnegative source weights, None for uniform. Balanced problems
             normalize a and b to probability vectors; relaxed ones keep their mass.
@@ -189,6 +193,18 @@ def sinkhorn(
     for flag, name in ((history, "history"), (warn, "warn")):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if getattr(x, "ndim", 2) == 3:  # a batch: one packed solve (flashot.batched)
+        extra = dict(rho=rho, init=init, history=history or None, relative_eps=relative_eps or None)
+        given = [k for k, v in extra.items() if v is not None]
+        if given:
+            raise NotImplementedError(f"batched (B, n, d) solves do not take {', '.join(given)} "
+                                      "yet: loop over the problems for those")  # fmt: skip
+        return sinkhorn_batched(  # type: ignore[return-value]
+            cloud_tensor(x), cloud_tensor(y), a, b, eps=eps, cost=cost, max_iter=max_iter,
+            tol=tol, check_every=check_every, update=update, eps_schedule=eps_schedule,
+            backend=backend, precision=precision, progress=progress, min_iter=min_iter,
+            warn=warn, momentum=momentum,
+        )
     problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend,
                            precision=precision, relative_eps=relative_eps)  # fmt: skip
     eps = problem.eps  # (absolute)

@@ -15,6 +15,7 @@ import torch
 
 from flashot.autodiff.functional import functional_transforms
 from flashot.backends import entry_point
+from flashot.batched import pack_problems
 from flashot.costs import bounding_diameter, get_cost
 from flashot.divergence import debiased_potentials
 from flashot.problem import (
@@ -152,6 +153,8 @@ class SamplesLoss(torch.nn.Module):
                 f"x and y must have the same batch size, got {x.shape[0]} and {y.shape[0]}"
             )
         temps = self._schedule(x, y)  # one diameter for the whole batch, as GeomLoss
+        if self.reach is None:  # one packed solve (flashot.batched)
+            return self._batched(a, x, b, y, temps)
         outs = []
         for i in range(x.shape[0]):
             ai = None if a is None else _batch_item(a, i, "a")
@@ -207,6 +210,59 @@ class SamplesLoss(torch.nn.Module):
             g = g.to(y.dtype).reshape(shape_b) if shape_b is not None else g.to(y.dtype)
             return f, g
         return pots.value(problem).to(x.dtype)
+
+
+    def _batched(self, a, x, b, y, temps):
+        """A balanced batch as one packed solve: the B problems (x_i, y_i) and, debiased,
+        the 2B self problems (x_i, x_i), (y_i, y_i), which symmetric steps keep symmetric.
+        """
+        bsz, n, m = x.shape[0], x.shape[1], y.shape[1]
+        weights = []
+        for w, size, name in ((a, n, "a"), (b, m, "b")):
+            if w is not None:
+                w = torch.stack([_batch_item(w, i, name) for i in range(bsz)])
+                if w.shape != (bsz, size):
+                    raise ValueError(f"{name} must be a ({bsz}, {size}) tensor")
+            weights.append(w)
+        wa, wb = weights
+        xs, ys = x.reshape(bsz * n, -1), y.reshape(bsz * m, -1)
+        pairs = [(xs, n, wa, ys, m, wb)]
+        if self.debias:
+            pairs += [(xs, n, wa, xs, n, wa), (ys, m, wb, ys, m, wb)]
+        rows, cols = [0], [0]
+        for _, rn, _, _, cm, _ in pairs:
+            rows += [rows[-1] + rn * (i + 1) for i in range(bsz)]
+            cols += [cols[-1] + cm * (i + 1) for i in range(bsz)]
+
+        def packed(side, size):  # (packed weights, or None when every problem is uniform)
+            parts = [p[side + 2] for p in pairs]
+            if all(w is None for w in parts):
+                return None
+            return torch.cat([
+                (torch.full((bsz, p[side + 1]), 1.0 / p[side + 1], dtype=x.dtype, device=x.device)
+                 if p[side + 2] is None else p[side + 2]).reshape(-1) for p in pairs
+            ])  # fmt: skip
+
+        pp = pack_problems(
+            torch.cat([p[0] for p in pairs]), torch.cat([p[3] for p in pairs]), rows, cols,
+            packed(0, n), packed(3, m), eps=self.blur**2, cost=self.cost, backend=self.backend,
+            precision=self.precision, normalize=False,
+        )
+        f, g, _ = pp.potentials(temps, max_iter=len(temps), tol=None, update="symmetric")
+        seg = pp.segments
+        if self.potentials:
+            fs = f[: bsz * n].reshape(bsz, n)
+            gs = g[: bsz * m].reshape(bsz, m)
+            if self.debias:  # a self problem's two potentials agree up to rounding: average
+                fs = fs - 0.5 * (f[bsz * n : 2 * bsz * n] + g[bsz * m : bsz * (m + n)]).reshape(bsz, n)
+                gs = gs - 0.5 * (f[2 * bsz * n :] + g[bsz * (m + n) :]).reshape(bsz, m)
+            return fs.to(x.dtype), gs.to(y.dtype)
+        value = (seg.sum(pp.a * f) + seg.T.sum(pp.b * g)).reshape(len(pairs), bsz)
+        if self.debias:
+            value = value[0] - 0.5 * (value[1] + value[2])
+        else:
+            value = value[0]
+        return value.to(x.dtype)
 
 
 def _batch_item(w, i: int, name: str) -> torch.Tensor:

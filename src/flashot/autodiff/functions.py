@@ -48,10 +48,10 @@ class SoftCTransform(torch.autograd.Function):
     """``f = λ (α − ε LSE_j[(q k^T + h)/ε])``, differentiable in q and α."""
 
     @staticmethod
-    def forward(ctx, q, alpha, k, h, log_w, eps, lam, backend, bound):
+    def forward(ctx, q, alpha, k, h, log_w, eps, lam, backend, bound, segments=None):
         """Forward: one streaming pass; also ``Σ_j w_ij k_j`` when q needs a gradient."""
         form = AttentionForm(q.detach(), k.detach(), alpha.detach(), torch.zeros_like(h),
-                             cost_bound=bound)  # fmt: skip
+                             cost_bound=bound, segments=segments)  # fmt: skip
         need_q = ctx.needs_input_grad[0]
         lse, wk = backend.row_attend(form, h.detach(), eps, form.k if need_q else None, log_w)
         ctx.save_for_backward(wk if need_q else None)
@@ -66,14 +66,14 @@ class SoftCTransform(torch.autograd.Function):
     def backward(ctx, grad_f):
         """Backward: ``∂q = −λ grad_f ⊙ (W k)``, ``∂α = λ grad_f``."""
         if grad_f is None:
-            return (None,) * 9
+            return (None,) * 10
         if torch.is_grad_enabled():  # create_graph=True: a second derivative was asked for
             raise RuntimeError(SECOND_ORDER)
         (wk,) = ctx.saved_tensors
         lam = ctx.lam
         grad_q = None if wk is None else (-lam) * grad_f[:, None] * wk
         grad_alpha = lam * grad_f if ctx.needs_input_grad[1] else None
-        return grad_q, grad_alpha, None, None, None, None, None, None, None
+        return grad_q, grad_alpha, None, None, None, None, None, None, None, None
 
 
 def soft_c_transform(
@@ -98,7 +98,7 @@ def soft_c_transform(
         (n,) potential.
     """
     return SoftCTransform.apply(
-        form.q, form.alpha, form.k, h, log_w, eps, lam, backend, form.cost_bound
+        form.q, form.alpha, form.k, h, log_w, eps, lam, backend, form.cost_bound, form.segments
     )
 
 

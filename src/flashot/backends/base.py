@@ -24,11 +24,12 @@ must see at least one finite bias, which input validation guarantees.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import fields
 
 import torch
 
 from flashot.costs import AttentionForm
-from flashot.backends.near import is_near_uniform, near_attend
+from flashot.backends.near import NEAR_FROM, is_near_uniform, near_attend
 from flashot.backends.plan_vjp import ALL, PlanVJP, plan_vjp_tiles
 from flashot.dual import marginal_error, row_mass
 
@@ -53,6 +54,9 @@ class Backend:
     capturable = False
     #: precisions this backend implements, besides ``"auto"``.
     precisions: tuple[str, ...] = ("fp32",)
+    #: :meth:`_row_attend` streams packed forms (:mod:`flashot.segments`) in one pass;
+    #: otherwise :meth:`row_attend` runs their problems one by one
+    segmented = False
 
     def __init__(self, precision: str = "auto"):
         if precision not in PRECISIONS:
@@ -105,9 +109,26 @@ class Backend:
         Returns:
             ``(lse, out)``: lse (n,) and out (n, p), or None when ``v`` is None.
         """
-        if is_near_uniform(form, eps):
+        seg = form.segments
+        if seg is not None and (not self.segmented or seg.near(eps, NEAR_FROM)):
+            return self._per_segment(form, h, eps, v, log_w)
+        if seg is None and is_near_uniform(form, eps):
             return near_attend(form, h, eps, v, log_w)
         return self._row_attend(form, h if log_w is None else h + eps * log_w, eps, v)
+
+    def _per_segment(self, form, h, eps, v, log_w):
+        """:meth:`row_attend` of a packed form, one problem at a time (a launch each)."""
+        seg = form.segments
+        assert seg is not None
+        parts = []
+        for s in range(seg.count):
+            cols = seg.col_slice(s)
+            parts.append(self.row_attend(
+                form.segment(s), h[cols], eps, None if v is None else v[cols],
+                None if log_w is None else log_w[cols],
+            ))  # fmt: skip
+        lse = torch.cat([p[0] for p in parts])
+        return lse, (None if v is None else torch.cat([_given(p[1]) for p in parts]))
 
     def _row_attend(
         self, form: AttentionForm, h: torch.Tensor, eps: float, v: torch.Tensor | None = None
@@ -258,6 +279,20 @@ class Backend:
         Returns:
             A :class:`~flashot.backends.plan_vjp.PlanVJP`.
         """
+        seg = form.segments
+        if seg is not None:  # one problem at a time (a gradient's pass, not a step's)
+            parts = []
+            for s in range(seg.count):
+                rows, cols = seg.row_slice(s), seg.col_slice(s)
+                parts.append(self.plan_vjp(
+                    form.segment(s), f[rows], g[cols], a[rows], b[cols], eps, v[cols],
+                    d[rows], need, None if d0 is None else d0[rows],
+                ))  # fmt: skip
+            names = [fl.name for fl in fields(PlanVJP)]
+            return PlanVJP(*(
+                None if getattr(parts[0], k) is None else torch.cat([getattr(p, k) for p in parts])
+                for k in names
+            ))  # fmt: skip
         # GPUs want fewer, larger tiles (launches): 4M elements, 16 MB per float32 temporary
         budget = getattr(self, "budget", 1 << 22 if f.is_cuda else 1 << 20)
         return plan_vjp_tiles(form, f, g, a, b, eps, v, d, budget, need, d0)

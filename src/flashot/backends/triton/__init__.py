@@ -113,6 +113,7 @@ class TritonBackend(OperandCache, Backend):
     name = "triton"
     precisions = ("fp32", "tf32", "bf16", "fp16")
     capturable = True
+    segmented = True
 
     def __init__(
         self,
@@ -245,12 +246,14 @@ class TritonBackend(OperandCache, Backend):
                 best = (ms, cfg)
         return best[1]
 
-    def _attend(self, q, k, eps, bias, v=None, repair=None, keep_q=True):
+    def _attend(self, q, k, eps, bias, v=None, repair=None, keep_q=True, segments=None):
         """Row LSE and softmax average; ``bias`` is ``(h,)`` or ``(g, β, log b)``.
 
         ``repair=(sums, lo, hi)`` computes only the row blocks holding a sum outside
         ``(lo[0], hi)`` (``lo`` a 1-element tensor; other rows' outputs are then
         meaningless). ``keep_q``: cache q's half copy (False for a one-off sample).
+        ``segments``: a packed batch (:mod:`flashot.segments`); the grid then runs over
+        its table of row blocks, each streaming its own problem's columns (no splits).
         """
         q, k, split_args, presplit = score_operands(self._operand(q, keep_q), self._operand(k))
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
@@ -273,6 +276,10 @@ class TritonBackend(OperandCache, Backend):
         out = torch.empty(n, p, device=dev, dtype=torch.float32) if has_v else lse
         p_chunks = triton.cdiv(p, bp) if has_v else 1
         nb, mb = _configs.bucket(n), _configs.bucket(m)
+        block_m = 0  # (a packed batch's table: set once its tiles are known)
+        if segments is not None:  # tiles for the batch's largest problem
+            nb = _configs.bucket(max(b - a for a, b in zip(segments.rows, segments.rows[1:])))
+            mb = _configs.bucket(max(b - a for a, b in zip(segments.cols, segments.cols[1:])))
 
         def build(splits, per, probe=False):
             """Grid, arguments and constexprs; partials allocated unless ``probe``."""
@@ -285,9 +292,12 @@ class TritonBackend(OperandCache, Backend):
                     part_acc = torch.empty(splits, n, p, device=dev, dtype=torch.float32)
 
             def grid(meta):
+                if segments is not None:
+                    return (len(segments.blocks(meta["BLOCK_M"], dev)), splits, p_chunks)
                 return (triton.cdiv(n, meta["BLOCK_M"]), splits, p_chunks)
 
-            args = (q, k, h, beta, log_w, vv, lse, out, part_max, part_sum, part_acc,
+            table = lse if segments is None else segments.blocks(block_m, dev)
+            args = (q, k, h, beta, log_w, vv, lse, out, part_max, part_sum, part_acc, table,
                     h if repair is None else repair[0], n, m, d, p, LOG2E / eps, eps,
                     h if repair is None else repair[1], 0.0 if repair is None else repair[2],
                     per, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -297,7 +307,8 @@ class TritonBackend(OperandCache, Backend):
             consts = dict(BLOCK_D=bd, BLOCK_P=bp, D_CHUNKS=chunks, HAS_V=has_v, SPLIT=split,
                           POTENTIAL_BIAS=potential, REPAIR=repair is not None,
                           PRECISION=self._dot(), V_PRECISION=self._dot(),
-                          PRESPLIT=presplit, V_SPLIT=v_split)  # fmt: skip
+                          PRESPLIT=presplit, V_SPLIT=v_split,
+                          SEGMENTED=segments is not None)  # fmt: skip
             return grid, args, consts
 
         # tuned apart: forming the bias in the kernel adds loads (16 % slower in tf32 at 50k)
@@ -311,8 +322,16 @@ class TritonBackend(OperandCache, Backend):
             return build(*self._split(_attend_kernel, key, tiles, build, n, m, dev, most))
 
         cfg = self._tiles(key, nb + mb, dev)
-        full = {"REPAIR": False}
-        plan = self._launch(_ATTEND, _attend_kernel, key, cfg, plan_for, dev, full)
+        if segments is not None:  # the tiles of one problem of the batch, never tuned
+            cfg = cfg or _tables.choose(key, dev, _configs.fits)
+            block_m = cfg.kwargs["BLOCK_M"]
+            grid, args, consts = plan = build(1, m)
+            tiles = cfg.kwargs if triton_interpreted() else cfg.all_kwargs()
+            with on_device(dev):
+                _attend_kernel[grid(cfg.kwargs)](*args, **consts, **tiles)
+        else:
+            full = {"REPAIR": False}
+            plan = self._launch(_ATTEND, _attend_kernel, key, cfg, plan_for, dev, full)
         if plan[2]["SPLIT"]:
             part_max, part_sum, part_acc = plan[1][8:11]
             splits = part_max.shape[0]
@@ -328,7 +347,8 @@ class TritonBackend(OperandCache, Backend):
     # ---- primitives ----------------------------------------------------------------
     def _row_attend(self, form, h, eps, v=None):
         """See :meth:`flashot.backends.base.Backend._row_attend`."""
-        return self._attend(form.q, form.k, eps, (h.to(torch.float32).contiguous(),), v)
+        return self._attend(form.q, form.k, eps, (h.to(torch.float32).contiguous(),), v,
+                            segments=form.segments)  # fmt: skip
 
     def plan_sums(self, form, f, g, log_a, log_b, eps, gate=None, limit=GATE_LIMIT, span=False,
                   shift=0.0, mul=None):  # fmt: skip
@@ -430,6 +450,8 @@ class TritonBackend(OperandCache, Backend):
     def graph_key(self, form):
         """See :meth:`flashot.backends.base.Backend.graph_key`: small problems on CUDA."""
         n, m = form.shape
+        if form.segments is not None:
+            return None
         small = n * m <= 2**GRAPHS_UP_TO_LOG2 and (n + m) * form.q.shape[1] <= 2**24
         if not (self.graphs and small and form.q.is_cuda and not triton_interpreted()):
             return None
@@ -525,14 +547,14 @@ class TritonBackend(OperandCache, Backend):
         every row takes the exact path. Either way the update and the marginal error are
         one more small launch, and nothing waits for the host.
         """
-        if is_near_uniform(form, eps):  # ε above the cost's range: the exact near path
+        if _generic(form, eps):  # ε above the cost's range: the exact near path
             return super().jacobi_step(form, f, g, log_a, log_b, eps, lam, rho, check=check)
         return self._step(form, f, g, log_a, log_b, eps, (0.5, 0.5), (0.5 * lam[0], 0.5 * lam[1]),
                           rho=rho, check=check, state=state)  # fmt: skip
 
     def extrapolate(self, form, f, g, log_a, log_b, eps, lam):
         """See :meth:`flashot.backends.base.Backend.extrapolate` (fused where valid)."""
-        if is_near_uniform(form, eps):
+        if _generic(form, eps):
             return super().extrapolate(form, f, g, log_a, log_b, eps, lam)
         return self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), lam)[:2]
 
@@ -544,7 +566,7 @@ class TritonBackend(OperandCache, Backend):
         range (``E_ij ≤ 1/b_j``) and no max needs tracking; the pass also sums the plain
         weights, whose ratios give the averages.
         """
-        if is_near_uniform(form, eps):
+        if _generic(form, eps):
             return super().plan_matvec(form, f, g, log_a, log_b, eps, r, c, w, u)
         # row weights r with f̃ keep r_i E'_ij = a_i E_ij for the columns; rows without
         # mass add nothing (and must not overflow into 0 · inf)
@@ -560,17 +582,23 @@ class TritonBackend(OperandCache, Backend):
 
     def plan_vjp(self, form, f, g, a, b, eps, v, d, need=ALL, d0=None):
         """:meth:`~flashot.backends.base.Backend.plan_vjp`, fused (:mod:`._vjp`) for d, p ≤ 128."""
-        if is_near_uniform(form, eps) or max(form.q.shape[1], v.shape[1]) > FUSED_UP_TO:
+        if _generic(form, eps) or max(form.q.shape[1], v.shape[1]) > FUSED_UP_TO:
             return super().plan_vjp(form, f, g, a, b, eps, v, d, need, d0)
         return fused_plan_vjp(self, form, f, g, a, b, eps, v, d, need, d0)
 
     def marginals(self, form, f, g, log_a, log_b, eps):
         """See :meth:`flashot.backends.base.Backend.marginals` (fused where valid)."""
-        if is_near_uniform(form, eps):
+        if _generic(form, eps):
             return super().marginals(form, f, g, log_a, log_b, eps)
         ln_r, ln_c, _ = self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), (0.0, 0.0),
                                    log_sums=True)  # fmt: skip
         return torch.exp(log_a + ln_r), torch.exp(log_b + ln_c)
+
+
+def _generic(form, eps: float) -> bool:
+    """Whether a primitive takes the base class's path: the near-uniform LSE, or a packed
+    form (:mod:`flashot.segments`), whose steps are exact passes over the diagonal blocks."""
+    return form.segments is not None or is_near_uniform(form, eps)
 
 
 def _window(n: int, m: int) -> float:

@@ -200,14 +200,15 @@ def _attend_tile(
 
 @triton.jit
 def _attend_kernel(
-    Q, K, H, BETA, LOG_W, V, LSE, OUT, PART_MAX, PART_SUM, PART_ACC, S, n, m, d, p, scale, eps, LO,
+    Q, K, H, BETA, LOG_W, V, LSE, OUT, PART_MAX, PART_SUM, PART_ACC, BLOCKS, S, n, m, d, p, scale,
+    eps, LO,
     hi, cols_per_split, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vp,
     stride_on, stride_op, n_bucket, m_bucket, Q_INV, K_INV, q_lo, k_lo, V_INV, v_lo,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, D_CHUNKS: tl.constexpr, HAS_V: tl.constexpr,
     SPLIT: tl.constexpr, POTENTIAL_BIAS: tl.constexpr, REPAIR: tl.constexpr,
     PRECISION: tl.constexpr, V_PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
-    V_SPLIT: tl.constexpr,
+    V_SPLIT: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
     """Row LSE ``ε ln Σ_j e^{(s_ij + h_j)/ε}`` and softmax average of V over one column split.
 
@@ -218,26 +219,32 @@ def _attend_kernel(
     meaningless. ``n_bucket``/``m_bucket`` only key the autotuner. PRESPLIT: see
     ``_score_tile`` (``Q_INV``, ``K_INV``: the parts' inverse scales ``2^-e``); V_SPLIT:
     see ``_attend_tile`` (``V_INV``, ``v_lo``: the values' scale and low parts' offset).
+    SEGMENTED (a packed batch, :mod:`flashot.segments`): program ``pid_m`` reads its rows
+    ``[r0, r1)`` and its problem's columns ``[c0, c1)`` from the table ``BLOCKS``.
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_p = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_lo, row_end, seg_lo, seg_hi = pid_m * BLOCK_M, n, 0, m
+    if SEGMENTED:
+        row_lo, row_end = tl.load(BLOCKS + 4 * pid_m), tl.load(BLOCKS + 4 * pid_m + 1)
+        seg_lo, seg_hi = tl.load(BLOCKS + 4 * pid_m + 2), tl.load(BLOCKS + 4 * pid_m + 3)
+    offs_m = row_lo + tl.arange(0, BLOCK_M)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    row_ok = offs_m < n
-    col_lo = pid_s * cols_per_split
-    col_hi = tl.minimum(m, col_lo + cols_per_split)
+    row_ok = offs_m < row_end
+    col_lo = seg_lo + pid_s * cols_per_split
+    col_hi = tl.minimum(seg_hi, col_lo + cols_per_split)
     if REPAIR:  # an empty column range when every row of the block is valid
         sums = tl.load(S + offs_m, mask=row_ok, other=1.0)
         lo = tl.load(LO)  # on the device: it depends on the weights, and nobody waits
         bad = row_ok & ((sums <= lo) | (sums >= hi) | (sums != sums))
         col_hi = tl.where(tl.max(bad.to(tl.int32), 0) > 0, col_hi, col_lo)
-    q_tile = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, D_CHUNKS, False)
+    q_tile = _load_tile(Q, offs_m, row_end, d, stride_qn, stride_qd, BLOCK_D, D_CHUNKS, False)
     q_lo_tile = q_tile
     unscale = 1.0
     if PRESPLIT:
-        q_lo_tile = _load_tile(Q + q_lo, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, D_CHUNKS,
-                               False)  # fmt: skip
+        q_lo_tile = _load_tile(Q + q_lo, offs_m, row_end, d, stride_qn, stride_qd, BLOCK_D,
+                               D_CHUNKS, False)  # fmt: skip
         unscale = tl.load(Q_INV) * tl.load(K_INV)
     v_unscale = 1.0
     if V_SPLIT:
@@ -250,7 +257,8 @@ def _attend_kernel(
         col_ok = offs_n < col_hi
         g, beta, log_w = _side_load(H, BETA, LOG_W, offs_n, col_ok, POTENTIAL_BIAS)
         s = _score_tile(
-            Q, K, q_tile, q_tile, offs_m, offs_n, n, col_hi, d, stride_qn, stride_qd, stride_kn,
+            Q, K, q_tile, q_tile, offs_m, offs_n, row_end, col_hi, d, stride_qn, stride_qd,
+            stride_kn,
             stride_kd, BLOCK_D, D_CHUNKS, False, PRECISION, q_lo_tile, q_lo_tile, q_lo, k_lo,
             unscale, PRESPLIT,
         )

@@ -1,0 +1,106 @@
+r"""Block-diagonal problems: many independent (row, column) pairs packed in one form.
+
+A batch of B problems packs its clouds end to end, as FlashAttention's ``cu_seqlens``
+does: problem ``s`` owns rows ``[r_s, r_{s+1})`` and columns ``[c_s, c_{s+1})``. The
+packed cost is block diagonal,
+
+.. math::
+
+    C_{ij} = \begin{cases} C^{(s)}_{ij} & i, j \text{ in problem } s \\
+                           +\infty & \text{otherwise,} \end{cases}
+
+so every row reduction of the packed form (a soft c-transform, a plan product) only
+sees its own problem's columns, and the packed Sinkhorn iterates are exactly the B
+problems' iterates side by side. Backends stream only the diagonal blocks (the
+Triton kernels read a table of row blocks, one launch for the whole batch); sums over
+the packed vectors (the marginal error, the value) are split back per problem with
+:meth:`Segments.sum`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Segments"]
+
+
+@dataclass(frozen=True, eq=False)
+class Segments:
+    """The packing of a batch of problems (see module).
+
+    Attributes:
+        rows: B + 1 row offsets, ``rows[0] = 0``, nondecreasing, host integers.
+        cols: B + 1 column offsets, the same for the columns.
+        bounds: a bound on each problem's cost (B floats), or None when unknown; it
+            decides per problem whether the near-uniform LSE runs
+            (:mod:`flashot.backends.near`).
+    """
+
+    rows: tuple[int, ...]
+    cols: tuple[int, ...]
+    bounds: tuple[float, ...] | None = None
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        if len(self.rows) != len(self.cols) or len(self.rows) < 2:
+            raise ValueError("row and column offsets must both have B + 1 ≥ 2 entries")
+        for off, name in ((self.rows, "row"), (self.cols, "column")):
+            if off[0] != 0 or any(b < a for a, b in zip(off, off[1:], strict=False)):
+                raise ValueError(f"{name} offsets must start at 0 and never decrease")
+
+    @property
+    def count(self) -> int:
+        """B, the number of problems."""
+        return len(self.rows) - 1
+
+    @property
+    def T(self) -> Segments:
+        """The packing of the transposed problems (one object per packing: caches stay)."""
+        t = self._cache.get("T")
+        if t is None:
+            t = self._cache["T"] = Segments(self.cols, self.rows, self.bounds)
+            t._cache["T"] = self
+        return t
+
+    def row_slice(self, s: int) -> slice:
+        """Problem ``s``'s rows."""
+        return slice(self.rows[s], self.rows[s + 1])
+
+    def col_slice(self, s: int) -> slice:
+        """Problem ``s``'s columns."""
+        return slice(self.cols[s], self.cols[s + 1])
+
+    def row_ids(self, device: torch.device) -> torch.Tensor:
+        """(n,) int64: the problem of every packed row (cached per device)."""
+        key = ("row_ids", str(device))
+        if key not in self._cache:
+            sizes = torch.tensor([b - a for a, b in zip(self.rows, self.rows[1:], strict=False)])
+            ids = torch.repeat_interleave(torch.arange(self.count), sizes)
+            self._cache[key] = ids.to(device)
+        return self._cache[key]
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Per-problem sums (B, ...) of a packed row vector ``t`` (n, ...); differentiable."""
+        out = t.new_zeros((self.count, *t.shape[1:]))
+        return out.index_add(0, self.row_ids(t.device), t)
+
+    def blocks(self, block: int, device: torch.device) -> torch.Tensor:
+        """(programs, 4) int32 table of row blocks: ``(row_lo, row_hi, col_lo, col_hi)``.
+
+        Each problem's rows are cut into blocks of ``block`` rows, so that a program never
+        holds rows of two problems; the columns are its problem's. Cached per size.
+        """
+        key = ("blocks", block, str(device))
+        if key not in self._cache:
+            table = []
+            for s in range(self.count):
+                r0, r1, c0, c1 = self.rows[s], self.rows[s + 1], self.cols[s], self.cols[s + 1]
+                table += [(i, min(r1, i + block), c0, c1) for i in range(r0, r1, block)]
+            self._cache[key] = torch.tensor(table or [(0, 0, 0, 0)], dtype=torch.int32).to(device)
+        return self._cache[key]
+
+    def near(self, eps: float, near_from: float) -> bool:
+        """Whether any problem takes the near-uniform LSE at ``eps``."""
+        return self.bounds is not None and eps >= near_from * min(self.bounds, default=0.0)

@@ -1,0 +1,207 @@
+"""Batched and ragged solves (flashot.batched) against per-problem solves and the
+float64 dense reference; the Triton backend's segmented kernel in the interpreter."""
+
+import itertools
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashot
+from flashot.backends import available_backends
+from flashot.batched import sinkhorn_batched, sinkhorn_varlen
+from tests.references import dense_cost, entropic_ot, plan_dense, sinkhorn_dense
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def ragged(gen, sizes, d=3, dtype=torch.float64, device="cpu"):
+    """Per-problem clouds, their concatenations and offsets."""
+    xs = [(0.5 * torch.randn(n, d, generator=gen, dtype=dtype)).to(device) for n, _ in sizes]
+    ys = [(0.5 * torch.randn(m, d, generator=gen, dtype=dtype) + 0.5).to(device) for _, m in sizes]
+    xo = [0, *itertools.accumulate(n for n, _ in sizes)]
+    yo = [0, *itertools.accumulate(m for _, m in sizes)]
+    return xs, ys, xo, yo
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 12)), min_size=1, max_size=4),
+    eps=st.lists(st.floats(0.3, 3.0), min_size=4, max_size=4),
+    weighted=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_varlen_matches_per_problem_solves_and_the_dense_reference(sizes, eps, weighted, seed):
+    gen = torch.Generator().manual_seed(seed)
+    xs, ys, xo, yo = ragged(gen, sizes)
+    eps = eps[: len(sizes)]
+    ws = [(torch.rand(n, generator=gen, dtype=torch.float64) + 0.1,
+           torch.rand(m, generator=gen, dtype=torch.float64) + 0.1) for n, m in sizes]  # fmt: skip
+    a = torch.cat([w[0] for w in ws]).requires_grad_() if weighted else None
+    b = torch.cat([w[1] for w in ws]) if weighted else None
+    x = torch.cat(xs).requires_grad_()
+    y = torch.cat(ys).requires_grad_()
+    res = sinkhorn_varlen(x, y, xo, yo, a, b, eps=eps, tol=1e-12, max_iter=5000,
+                          backend="torch")  # fmt: skip
+    assert res.converged.all()
+    gx, gy = torch.autograd.grad(res.cost.sum(), (x, y))
+    for s, (xi, yi) in enumerate(zip(xs, ys, strict=True)):
+        xi, yi = xi.clone().requires_grad_(), yi.clone().requires_grad_()
+        ai, bi = ws[s] if weighted else (None, None)
+        one = flashot.sinkhorn(xi, yi, ai, bi, eps=eps[s], tol=1e-12, max_iter=5000,
+                               backend="torch")  # fmt: skip
+        wa = torch.full((len(xi),), 1.0 / len(xi), dtype=torch.float64) if ai is None else ai / ai.sum()
+        wb = torch.full((len(yi),), 1.0 / len(yi), dtype=torch.float64) if bi is None else bi / bi.sum()
+        ref = entropic_ot(xi.detach(), yi.detach(), wa, wb, eps[s])
+        rows, cols = slice(xo[s], xo[s + 1]), slice(yo[s], yo[s + 1])
+        assert res.cost[s].item() == pytest.approx(float(one.cost), rel=1e-10, abs=1e-12)
+        assert res.cost[s].item() == pytest.approx(float(ref), rel=1e-8, abs=1e-10)
+        f_ref, g_ref = one.f.detach(), one.g.detach()
+        shift = (res.f[rows].detach() - f_ref).mean()  # potentials up to a constant
+        assert torch.allclose(res.f[rows].detach() - shift, f_ref, atol=1e-8)
+        assert torch.allclose(res.g[cols].detach() + shift, g_ref, atol=1e-8)
+        gxi, gyi = torch.autograd.grad(one.cost, (xi, yi))
+        assert torch.allclose(gx[rows], gxi, atol=1e-9)
+        assert torch.allclose(gy[cols], gyi, atol=1e-9)
+    assert torch.equal(res.eps, torch.tensor(eps, dtype=torch.float64))
+
+
+def test_weight_gradients_match_per_problem_solves(gen):
+    sizes = [(6, 9), (11, 4)]
+    xs, ys, xo, yo = ragged(gen, sizes)
+    a = (torch.rand(17, generator=gen, dtype=torch.float64) + 0.2).requires_grad_()
+    res = sinkhorn_varlen(torch.cat(xs), torch.cat(ys), xo, yo, a, eps=0.5, tol=1e-12,
+                          max_iter=5000, backend="torch")  # fmt: skip
+    (ga,) = torch.autograd.grad(res.cost.sum(), a)
+    for s in range(2):
+        ai = a.detach()[xo[s] : xo[s + 1]].clone().requires_grad_()
+        one = flashot.sinkhorn(xs[s], ys[s], ai, eps=0.5, tol=1e-12, max_iter=5000,
+                               backend="torch")  # fmt: skip
+        (gai,) = torch.autograd.grad(one.cost, ai)
+        assert torch.allclose(ga[xo[s] : xo[s + 1]], gai, atol=1e-9)
+
+
+def test_batched_sinkhorn_routes_3d_inputs_and_keeps_the_batch_layout(gen):
+    x = torch.randn(3, 10, 2, generator=gen, dtype=torch.float64)
+    y = torch.randn(3, 8, 2, generator=gen, dtype=torch.float64)
+    b = torch.rand(3, 8, generator=gen, dtype=torch.float64) + 0.1
+    res = flashot.sinkhorn(x, y, None, b, eps=0.2, tol=1e-10, eps_schedule="geomloss",
+                           backend="torch")  # fmt: skip
+    assert isinstance(res, flashot.BatchedSinkhornResult)
+    assert res.f.shape == (3, 10) and res.g.shape == (3, 8) and res.cost.shape == (3,)
+    assert res.n_iter.shape == (3,) and res.converged.all()
+    v = torch.randn(3, 8, 4, generator=gen, dtype=torch.float64)
+    pv = res.plan @ v
+    for i in range(3):
+        one = flashot.sinkhorn(x[i], y[i], None, b[i], eps=0.2, tol=1e-10, backend="torch")
+        assert res.cost[i].item() == pytest.approx(float(one.cost), rel=1e-9)
+        assert torch.allclose(pv[i], one.plan @ v[i], atol=1e-9)
+        assert res.marginal_error[i] <= 1e-10
+
+
+def test_packed_plan_is_block_diagonal_and_matches_the_blocks(gen):
+    sizes = [(4, 6), (7, 3), (2, 5)]
+    xs, ys, xo, yo = ragged(gen, sizes)
+    res = sinkhorn_varlen(torch.cat(xs), torch.cat(ys), xo, yo, eps=0.5, tol=1e-12,
+                          backend="torch")  # fmt: skip
+    dense = res.plan.packed.dense()
+    for s in range(3):
+        block = dense[xo[s] : xo[s + 1], yo[s] : yo[s + 1]]
+        c = dense_cost(xs[s], ys[s])
+        wa = torch.full((len(xs[s]),), 1.0 / len(xs[s]), dtype=torch.float64)
+        wb = torch.full((len(ys[s]),), 1.0 / len(ys[s]), dtype=torch.float64)
+        ref = plan_dense(c, wa, wb, *sinkhorn_dense(c, wa, wb, 0.5), 0.5)
+        assert torch.allclose(block, ref, atol=1e-10)
+        dense[xo[s] : xo[s + 1], yo[s] : yo[s + 1]] = 0
+    assert dense.abs().max() == 0  # nothing between problems
+    u = torch.randn(len(torch.cat(xs)), 2, generator=gen, dtype=torch.float64)
+    assert torch.allclose(res.plan.T @ u, res.plan.packed.dense().T @ u, atol=1e-12)
+
+
+def test_per_problem_convergence_and_warning(gen):
+    sizes = [(8, 8), (8, 8)]
+    xs, ys, xo, yo = ragged(gen, sizes)
+    with pytest.warns(flashot.ConvergenceWarning, match="1 of 2 problems"):
+        res = sinkhorn_varlen(torch.cat(xs), torch.cat(ys), xo, yo, eps=[10.0, 0.005],
+                              tol=1e-9, max_iter=60, update="alternating",
+                              backend="torch")  # fmt: skip
+    assert res.converged.tolist() == [True, False]
+    assert res.marginal_error[0] <= 1e-9 < res.marginal_error[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sinkhorn_varlen(torch.cat(xs), torch.cat(ys), xo, yo, eps=[10.0, 0.005], tol=1e-9,
+                        max_iter=60, backend="torch", warn=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(x_offsets=[0, 5, 20]), "x_offsets must run from 0"),
+        (dict(x_offsets=[0, 5, 6, 20, 26]), "x_offsets and y_offsets must describe"),
+        (dict(x_offsets=[0, 10, 10, 26], y_offsets=[0, 4, 9, 14]), "increase strictly"),
+        (dict(x_offsets=torch.tensor([0.0, 26.0])), "integer"),
+        (dict(eps=[0.1, 0.2]), "one value per problem"),
+        (dict(eps=[0.1, -1.0, 0.2]), "eps must be finite and > 0"),
+        (dict(a=torch.cat([torch.zeros(10), torch.ones(16)]).double()), "sums to zero within"),
+        (dict(a=torch.ones(25).double()), r"a must have shape \(26,\)"),
+        (dict(cost=flashot.labeled_cost(torch.zeros(2, 2))), "plain costs"),
+    ],
+)
+def test_varlen_errors_name_the_argument(gen, kwargs, match):
+    x = torch.randn(26, 2, generator=gen, dtype=torch.float64)
+    y = torch.randn(14, 2, generator=gen, dtype=torch.float64)
+    args = dict(x_offsets=[0, 10, 20, 26], y_offsets=[0, 4, 9, 14], eps=0.5)
+    args.update(kwargs)
+    xo, yo = args.pop("x_offsets"), args.pop("y_offsets")
+    with pytest.raises((ValueError, TypeError, NotImplementedError), match=match):
+        sinkhorn_varlen(x, y, xo, yo, backend="torch", **args)
+
+
+def test_batched_refuses_what_it_does_not_do(gen):
+    x = torch.randn(2, 5, 2, generator=gen, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="rho"):
+        flashot.sinkhorn(x, x, eps=0.1, rho=1.0)
+    with pytest.raises(ValueError, match="same batch size"):
+        sinkhorn_batched(x, x[:1], eps=0.1)
+    with pytest.raises(ValueError, match=r"a must be a \(2, 5\) tensor"):
+        sinkhorn_batched(x, x, torch.ones(5).double(), eps=0.1)
+
+
+def test_samples_loss_batch_is_one_packed_solve_equal_to_the_loop(gen):
+    x = torch.rand(3, 12, 2, generator=gen, dtype=torch.float64).requires_grad_()
+    y = torch.rand(3, 9, 2, generator=gen, dtype=torch.float64)
+    a = torch.rand(3, 12, generator=gen, dtype=torch.float64) + 0.1
+    a = a / a.sum(1, keepdim=True)
+    for debias, pots in itertools.product([True, False], [False, True]):
+        loss = flashot.SamplesLoss(blur=0.1, scaling=0.6, debias=debias, potentials=pots,
+                                   backend="torch")  # fmt: skip
+        out = loss(a, x, None, y)
+        temps = loss._schedule(x, y)
+        ref = [loss._single(a[i], x[i], None, y[i], temps) for i in range(3)]
+        if pots:
+            assert torch.allclose(out[0], torch.stack([r[0] for r in ref]), atol=1e-12)
+            assert torch.allclose(out[1], torch.stack([r[1] for r in ref]), atol=1e-12)
+            continue
+        assert torch.allclose(out, torch.stack(ref), atol=1e-13)
+        (g,) = torch.autograd.grad(out.sum(), x)
+        (g_ref,) = torch.autograd.grad(sum(ref), x)
+        assert torch.allclose(g, g_ref, atol=1e-13)
+
+
+@pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
+def test_triton_segmented_kernel_matches_the_torch_backend(gen):
+    """One launch over the packed blocks (rows of two problems never share a program)."""
+    sizes = [(5, 7), (40, 3), (20, 33), (1, 4)]
+    xs, ys, xo, yo = ragged(gen, sizes, d=5, dtype=torch.float32, device=DEVICE)
+    x, y = torch.cat(xs).requires_grad_(), torch.cat(ys)
+    out = {}
+    v = torch.randn(len(y), 3, generator=gen).to(DEVICE)
+    for backend in ("torch", "triton"):
+        res = sinkhorn_varlen(x, y, xo, yo, eps=[0.5, 0.3, 1.0, 0.3], tol=None, max_iter=12,
+                              update="symmetric", backend=backend)  # fmt: skip
+        (gx,) = torch.autograd.grad(res.cost.sum(), x)
+        out[backend] = (res.cost.detach(), res.f.detach(), gx, res.plan @ v)
+    for t, r in zip(out["triton"], out["torch"], strict=True):
+        assert torch.allclose(t, r, rtol=1e-5, atol=1e-5)
