@@ -205,3 +205,15 @@ def test_triton_segmented_kernel_matches_the_torch_backend(gen):
         out[backend] = (res.cost.detach(), res.f.detach(), gx, res.plan @ v)
     for t, r in zip(out["triton"], out["torch"], strict=True):
         assert torch.allclose(t, r, rtol=1e-5, atol=1e-5)
+
+
+def test_fixed_iteration_solve_measures_its_errors_on_demand(gen):
+    sizes = [(6, 9), (11, 4)]
+    xs, ys, xo, yo = ragged(gen, sizes)
+    fixed = sinkhorn_varlen(torch.cat(xs), torch.cat(ys), xo, yo, eps=0.5, tol=None,
+                            max_iter=7, update="alternating", backend="torch")  # fmt: skip
+    assert fixed.measured_error is None and fixed.converged is None
+    for s in range(2):
+        one = flashot.sinkhorn(xs[s], ys[s], eps=0.5, tol=None, max_iter=7,
+                               update="alternating", backend="torch")  # fmt: skip
+        assert fixed.marginal_error[s].item() == pytest.approx(one.marginal_error, rel=1e-9)

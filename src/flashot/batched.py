@@ -23,7 +23,7 @@ error (and, with ``tol="auto"``, its own precision floor).
 
 from __future__ import annotations
 
-import math
+import functools
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,7 +75,9 @@ class BatchedSinkhornResult:
         n_iter: (B,) int64 iterations run; the batch iterates together, so every entry
             is the batch's count.
         converged: (B,) bool, each problem's error within ``tol`` (None without tol).
-        marginal_error: (B,) L1 marginal error of each problem's plan.
+        measured_error: (B,) float64 L1 marginal error of each problem's plan when the
+            solve measured it (with a ``tol``), else None: :attr:`marginal_error` then
+            measures it on first access (one pass over the plans).
         eps: (B,) float64, each problem's ε.
         plan: the lazy transport plans (:class:`BatchedPlan`).
         x_offsets: (B + 1,) int64 row offsets of the packing.
@@ -87,11 +89,19 @@ class BatchedSinkhornResult:
     cost: torch.Tensor
     n_iter: torch.Tensor
     converged: torch.Tensor | None
-    marginal_error: torch.Tensor
+    measured_error: torch.Tensor | None
     eps: torch.Tensor
     plan: BatchedPlan
     x_offsets: torch.Tensor
     y_offsets: torch.Tensor
+
+    @functools.cached_property
+    def marginal_error(self) -> torch.Tensor:
+        """(B,) float64 L1 marginal error of each problem's plan (measured if needed)."""
+        if self.measured_error is not None:
+            return self.measured_error
+        p = self.plan.packed
+        return _errors(p._form, p._f, p._g, p._log_a, p._log_b, p._eps, p._backend).cpu()
 
     def __repr__(self) -> str:
         """One line: the batch size, the values' range and how many converged."""
@@ -108,7 +118,9 @@ class BatchedPlan:
     ``V`` is (B, m, p) or (B, m) for batched results and packed (M, p) or (M,) for
     ragged ones; the product has the rows' layout. ``packed`` is the
     :class:`~flashot.result.TransportPlan` of the block-diagonal packed problem (its
-    ``dense()`` shows the blocks). Products are differentiable like a single plan's.
+    ``dense()`` shows the blocks); when ε varies it is the rescaled problem at the
+    common ε_0 (the same plans; its costs scaled by ε_0/ε_s). Products are
+    differentiable like a single plan's.
     """
 
     def __init__(self, packed: TransportPlan, count: int, batch: int | None):
@@ -255,6 +267,14 @@ def _schedule(eps_schedule, eps0: float, diameters: torch.Tensor, uniform: bool)
         return [*temps, eps0] if not temps or temps[-1] != eps0 else temps
     raise TypeError("eps_schedule must be None, 'geomloss', an EpsilonScaling or floats, "
                     f"got {eps_schedule!r}")  # fmt: skip
+
+
+def _errors(form, f, g, log_a, log_b, eps: float, engine: Backend) -> torch.Tensor:
+    """(B,) float64 L1 marginal errors of the problems of a packed form, on the device."""
+    seg = form.segments
+    r, c = engine.marginals(form, f, g, log_a, log_b, eps)
+    a, b = torch.exp(log_a), torch.exp(log_b)
+    return (seg.sum((r - a).abs()) + seg.T.sum((c - b).abs())).double()
 
 
 def _floors(form, f, g, log_a, log_b, eps: float) -> torch.Tensor:
@@ -450,17 +470,19 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
     log_a, log_b = torch.log(a.detach()), torch.log(b.detach())
     detached = pp.form.detach()
     fd, gd = f.detach(), g.detach()
-    r, c = engine.marginals(detached, fd, gd, log_a, log_b, eps0)
-    errors = (seg.sum((r - a.detach()).abs()) + seg.T.sum((c - b.detach()).abs())).double()
     f_s, g_s = pp.to_own_eps(f, g)
     value = seg.sum(a * f_s) + seg.T.sum(b * g_s)
-    err_host = errors.cpu()
-    if not (bool(torch.isfinite(fd).all() & torch.isfinite(gd).all())
-            and bool(torch.isfinite(err_host).all())):  # fmt: skip
+    # a fixed-iteration solve measures the errors only when asked (a pass over the plans)
+    err_host = None
+    if tol is not None:
+        err_host = _errors(detached, fd, gd, log_a, log_b, eps0, engine).cpu()
+    finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
+    if not (bool(finite) and (err_host is None or bool(torch.isfinite(err_host).all()))):
         raise FloatingPointError("Sinkhorn produced non-finite potentials; try a larger eps, "
                                  "an eps_schedule, or float64 inputs")  # fmt: skip
     converged = None
     if tol is not None:
+        assert err_host is not None
         converged = err_host <= tol
         if isinstance(tol, FloorTolerance):
             floors = _floors(detached, fd, gd, log_a, log_b, eps0)
