@@ -24,6 +24,7 @@ error (and, with ``tol="auto"``, its own precision floor).
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -161,7 +162,7 @@ def _offsets(off, total: int, name: str) -> tuple[int, ...]:
     if len(off) < 2 or off[0] != 0 or off[-1] != total:
         raise ValueError(f"{name} must run from 0 to the packed size {total} "
                          f"(B + 1 entries), got {list(off)[:8]}…")  # fmt: skip
-    if any(b <= a for a, b in zip(off, off[1:], strict=False)):
+    if any(b <= a for a, b in itertools.pairwise(off)):
         raise ValueError(f"{name} must increase strictly: every problem needs a point")
     return off
 

@@ -258,10 +258,7 @@ class SamplesLoss(torch.nn.Module):
                 gs = gs - 0.5 * (f[2 * bsz * n :] + g[bsz * (m + n) :]).reshape(bsz, m)
             return fs.to(x.dtype), gs.to(y.dtype)
         value = (seg.sum(pp.a * f) + seg.T.sum(pp.b * g)).reshape(len(pairs), bsz)
-        if self.debias:
-            value = value[0] - 0.5 * (value[1] + value[2])
-        else:
-            value = value[0]
+        value = value[0] - 0.5 * (value[1] + value[2]) if self.debias else value[0]
         return value.to(x.dtype)
 
 

@@ -19,6 +19,7 @@ the packed vectors (the marginal error, the value) are split back per problem wi
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +48,7 @@ class Segments:
         if len(self.rows) != len(self.cols) or len(self.rows) < 2:
             raise ValueError("row and column offsets must both have B + 1 ≥ 2 entries")
         for off, name in ((self.rows, "row"), (self.cols, "column")):
-            if off[0] != 0 or any(b < a for a, b in zip(off, off[1:], strict=False)):
+            if off[0] != 0 or any(b < a for a, b in itertools.pairwise(off)):
                 raise ValueError(f"{name} offsets must start at 0 and never decrease")
 
     @property

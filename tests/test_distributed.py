@@ -1,0 +1,152 @@
+"""flashot.distributed with gloo in two CPU processes against the single-process solve."""
+
+import os
+import socket
+import re
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashot
+from flashot import distributed
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _data(dtype=torch.float64):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 3, generator=gen, dtype=dtype)
+    y = torch.randn(29, 3, generator=gen, dtype=dtype) * 0.7 + 0.4
+    a = torch.rand(37, generator=gen, dtype=dtype) + 0.1
+    return x, y, a
+
+
+def _values():
+    """(V (29, 2), U (37,)): values on y and on x; each rank passes its rows."""
+    return (torch.arange(58, dtype=torch.float64).reshape(29, 2).sin(),
+            torch.arange(37, dtype=torch.float64).cos())  # fmt: skip
+
+
+#: uneven shards (the last rank's slices are larger)
+X_CUT, Y_CUT = [0, 15, 37], [0, 17, 29]
+
+
+def _worker(rank, port, case, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        result = _CASES[case](rank)
+    except Exception as err:  # the test reads what each rank raised
+        result = ("raised", type(err).__name__, str(err), traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+
+
+def _slices(rank):
+    x, y, a = _data()
+    rows, cols = slice(X_CUT[rank], X_CUT[rank + 1]), slice(Y_CUT[rank], Y_CUT[rank + 1])
+    return x[rows].clone(), y[cols].clone(), a[rows].clone()
+
+
+def _solve_case(rank, mode="gather", update="auto"):
+    x, y, a = _slices(rank)
+    x.requires_grad_()
+    res = distributed.sinkhorn(x, y, a, eps=0.3, tol=1e-11, max_iter=3000, backend="torch",
+                               mode=mode, update=update, eps_schedule="geomloss")  # fmt: skip
+    (gx,) = torch.autograd.grad(res.cost, x)
+    v, u = _values()
+    v, u = v[Y_CUT[rank] : Y_CUT[rank + 1]], u[X_CUT[rank] : X_CUT[rank + 1]]
+    return dict(f=res.f.detach(), g=res.g.detach(), cost=float(res.cost.detach()), gx=gx,
+                pv=res.plan @ v, ptu=res.plan.T @ u, converged=res.converged,
+                error=res.marginal_error)  # fmt: skip
+
+
+def _mismatch_case(rank):
+    x, y, a = _slices(rank)
+    return distributed.sinkhorn(x, y, a, eps=0.3 if rank == 0 else 0.4, backend="torch")
+
+
+def _bad_input_case(rank):
+    x, y, a = _slices(rank)
+    if rank == 1:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    return distributed.sinkhorn(x, y, a, eps=0.3, backend="torch")
+
+
+def _raised(fn, rank):
+    try:
+        return fn(rank)
+    except Exception as err:
+        return ("raised", type(err).__name__, str(err), traceback.format_exc())
+
+
+#: one spawn per group of cases (a spawn costs seconds)
+_CASES = {
+    "solves": lambda rank: {
+        "gather": _raised(_solve_case, rank),
+        "ring": _raised(lambda r: _solve_case(r, mode="ring"), rank),
+        "symmetric": _raised(lambda r: _solve_case(r, update="symmetric"), rank),
+    },
+    "errors": lambda rank: {  # a collectively raised error leaves the group usable
+        "mismatch": _raised(_mismatch_case, rank),
+        "bad_input": _raised(_bad_input_case, rank),
+    },
+}
+
+
+def _run(case, tmp_path):
+    mp.start_processes(_worker, args=(_free_port(), case, str(tmp_path)), nprocs=WORLD,
+                       start_method="spawn")  # fmt: skip
+    return [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both groups of cases, each in one spawn of two gloo ranks."""
+    return {group: _run(group, tmp_path_factory.mktemp(group)) for group in _CASES}
+
+
+@pytest.mark.parametrize("case", ["gather", "ring", "symmetric"])
+def test_two_gloo_ranks_match_the_single_process_solve(case, runs):
+    outs = [r[case] for r in runs["solves"]]
+    for out in outs:
+        assert not (isinstance(out, tuple) and out[0] == "raised"), out
+    x, y, a = _data()
+    x = x.clone().requires_grad_()
+    ref = flashot.sinkhorn(x, y, a, eps=0.3, tol=1e-11, max_iter=3000, backend="torch",
+                           eps_schedule="geomloss")  # fmt: skip
+    (gx,) = torch.autograd.grad(ref.cost, x)
+    f = torch.cat([o["f"] for o in outs])
+    g = torch.cat([o["g"] for o in outs])
+    shift = (f - ref.f.detach()).mean()
+    assert torch.allclose(f - shift, ref.f.detach(), atol=1e-8)
+    assert torch.allclose(g + shift, ref.g.detach(), atol=1e-8)
+    for out in outs:  # the global value on every rank
+        assert out["cost"] == pytest.approx(float(ref.cost), rel=1e-9)
+        assert out["converged"] and out["error"] <= 1e-10
+    assert torch.allclose(torch.cat([o["gx"] for o in outs]), gx, atol=1e-9)
+    v, u = _values()
+    dense = ref.plan.dense()
+    assert torch.allclose(torch.cat([o["pv"] for o in outs]), dense @ v, atol=1e-10)
+    assert torch.allclose(torch.cat([o["ptu"] for o in outs]), dense.T @ u, atol=1e-10)
+
+
+@pytest.mark.parametrize("case,match", [("mismatch", r"disagree on the options \['eps'\]"),
+                                        ("bad_input", "rank 1: x_local contains NaN")])
+def test_every_rank_gets_the_same_clear_error(case, match, runs):
+    outs = [r[case] for r in runs["errors"]]
+    for out in outs:
+        assert isinstance(out, tuple) and out[0] == "raised" and out[1] == "ValueError"
+        assert re.search(match, out[2]), out[2]
