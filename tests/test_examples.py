@@ -58,3 +58,15 @@ def test_shuffled_regression_hybrid_recovers_w_where_adam_does_not(tmp_path):
     assert prob.relative_error(budget.W) > 0.5 and prob.relative_error(hybrid.W) < 0.05
     assert hybrid.history[0]["lambda_min"] < 0 < hybrid.history[-1]["lambda_min"]
     assert out.stat().st_size > 10_000
+
+
+def test_distributed_example_as_a_one_rank_job_matches_sinkhorn(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "29531")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    res = load("distributed_sinkhorn").main(["--n", "300", "--d", "4", "--iters", "5"])
+    gen = torch.Generator().manual_seed(1000)
+    x = torch.randn(300, 4, generator=gen) / 2
+    y = torch.randn(300, 4, generator=gen) / 2 + 0.2
+    one = flashot.sinkhorn(x, y, eps=0.1, tol=None, max_iter=5, update="symmetric")
+    assert float(res.cost) == pytest.approx(float(one.cost), rel=1e-5)

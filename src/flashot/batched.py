@@ -314,8 +314,9 @@ def sinkhorn_varlen(
         a: (N,) nonnegative packed source weights, None for uniform per problem.
         b: (M,) packed target weights, None for uniform.
         eps: ε > 0, one number or B of them (a sequence or a (B,) tensor).
-        cost, max_iter, tol, check_every, update, eps_schedule, backend, precision,
-        min_iter, warn, momentum, progress: as in :func:`flashot.sinkhorn` (an explicit
+        options: ``cost``, ``max_iter``, ``tol``, ``check_every``, ``update``,
+            ``eps_schedule``, ``backend``, ``precision``, ``min_iter``, ``warn``,
+            ``momentum``, ``progress`` as in :func:`flashot.sinkhorn` (an explicit
             temperature list needs one ε for the batch; ``tol`` bounds the sum of the
             problems' errors).
 
@@ -353,8 +354,8 @@ def sinkhorn_batched(x, y, a=None, b=None, **options) -> BatchedSinkhornResult:
         flat.append(None if w is None else w.reshape(-1))
     rows = list(range(0, bsz * n + 1, n))
     cols = list(range(0, bsz * m + 1, m))
-    return _solve_packed(x.reshape(bsz * n, -1), y.reshape(bsz * m, -1), rows, cols, *flat,
-                         bsz, **options)  # fmt: skip
+    return _solve_packed(x.reshape(bsz * n, -1), y.reshape(bsz * m, -1), rows, cols, flat[0],
+                         flat[1], bsz, **options)  # fmt: skip
 
 
 @dataclass(frozen=True)

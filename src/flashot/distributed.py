@@ -182,7 +182,7 @@ def _transform(comm: _Comm, engine: Backend, rows: _Side, cols: _Side, pot_cols,
             continue
         top = torch.maximum(lse, part)
         w_old, w_new = torch.exp((lse - top) / eps), torch.exp((part - top) / eps)
-        if out is not None:
+        if out is not None and avg is not None:
             avg = (avg * w_old[:, None] + out * w_new[:, None]) / (w_old + w_new)[:, None]
         lse = top + eps * torch.log(w_old + w_new)
     return lse, avg
