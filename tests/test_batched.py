@@ -217,3 +217,23 @@ def test_fixed_iteration_solve_measures_its_errors_on_demand(gen):
         one = flashot.sinkhorn(xs[s], ys[s], eps=0.5, tol=None, max_iter=7,
                                update="alternating", backend="torch")  # fmt: skip
         assert fixed.marginal_error[s].item() == pytest.approx(one.marginal_error, rel=1e-9)
+
+
+@pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
+def test_triton_fused_plan_sums_stream_only_the_diagonal_blocks(gen):
+    """The one-exp pass over a packed form: its row and column sums against the dense
+    block-diagonal matrix (entries between problems are exp(−inf) = 0)."""
+    from flashot.backends.triton import TritonBackend
+    from flashot.batched import pack_problems
+
+    sizes = [(5, 70), (40, 3), (20, 33)]
+    xs, ys, xo, yo = ragged(gen, sizes, d=4, dtype=torch.float32, device=DEVICE)
+    pp = pack_problems(torch.cat(xs), torch.cat(ys), xo, yo, eps=0.7, backend="triton")
+    form = pp.form
+    f = 0.1 * torch.randn(len(form.q), generator=gen).to(DEVICE)
+    g = 0.1 * torch.randn(len(form.k), generator=gen).to(DEVICE)
+    log_a, log_b = pp.a.log(), pp.b.log()
+    r, c = TritonBackend().plan_sums(form, f, g, log_a, log_b, 0.7)
+    e = torch.exp((f[:, None] + g[None, :] - form.dense().double()) / 0.7)
+    assert torch.allclose(r.double(), e @ pp.b.double(), rtol=1e-5)
+    assert torch.allclose(c.double(), e.T @ pp.a.double(), rtol=1e-5)

@@ -23,7 +23,7 @@ import triton
 
 from flashot.backends import on_device, triton_interpreted
 from flashot.backends.base import Backend
-from flashot.backends.near import is_near_uniform
+from flashot.backends.near import NEAR_FROM, is_near_uniform
 from flashot.backends.plan_vjp import ALL
 from flashot.backends.triton import _configs, _tables
 from flashot.backends.triton._gate import Gate
@@ -278,8 +278,7 @@ class TritonBackend(OperandCache, Backend):
         nb, mb = _configs.bucket(n), _configs.bucket(m)
         block_m = 0  # (a packed batch's table: set once its tiles are known)
         if segments is not None:  # tiles for the batch's largest problem
-            nb = _configs.bucket(max(b - a for a, b in zip(segments.rows, segments.rows[1:])))
-            mb = _configs.bucket(max(b - a for a, b in zip(segments.cols, segments.cols[1:])))
+            nb, mb = _largest(segments.rows), _largest(segments.cols)
 
         def build(splits, per, probe=False):
             """Grid, arguments and constexprs; partials allocated unless ``probe``."""
@@ -389,21 +388,28 @@ class TritonBackend(OperandCache, Backend):
         r, c, r_den, c_den = sums[:n], sums[n : n + m], sums[n + m : 2 * n + m], sums[2 * n + m :]
         gate_in, gate_out = gate if gate is not None else (sums, sums)
         nb, mb = _configs.bucket(n), _configs.bucket(m)
+        seg = None if form.segments is None else form.segments.T  # column blocks' table
+        block_n = 0  # (set once a packed batch's tiles are known)
+        if seg is not None:
+            nb, mb = _largest(seg.cols), _largest(seg.rows)
 
         def build(splits, per, probe=False):
             """Grid, arguments and constexprs of a launch with ``splits`` row splits."""
 
             def grid(meta):
+                if seg is not None:
+                    return (len(seg.blocks(meta["BLOCK_N"], dev)), splits)
                 return (triton.cdiv(m, meta["BLOCK_N"]), splits)
 
+            table = sums if seg is None else seg.blocks(block_n, dev)
             args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, r, c, gate_in, gate_out,
-                    *(mul or (sums, sums)), r_den if mul else sums, c_den if mul else sums,
+                    *(mul or (sums, sums)), r_den if mul else sums, c_den if mul else sums, table,
                     n, m, d, LOG2E / eps, shift, limit, int(span), per,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), nb, mb,
                     *split_args)  # fmt: skip
             consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=gate is not None,
                           MULTIPLY=mul is not None, PRECISION=self._dot(),
-                          PRESPLIT=presplit)  # fmt: skip
+                          PRESPLIT=presplit, SEGMENTED=seg is not None)  # fmt: skip
             return grid, args, consts
 
         key = ("plan_sums", d, nb, mb, SPLIT_DOT if presplit else self._dot(), q.dtype)
@@ -417,8 +423,16 @@ class TritonBackend(OperandCache, Backend):
                 gate_out.zero_()
 
         cfg = self._tiles(key, nb + mb, dev)
-        self._launch(_PLAN_SUMS, _plan_sums_kernel, key, cfg, plan_for, dev, {"GATED": False},
-                     reset)  # fmt: skip
+        if seg is not None:  # one problem's tiles, never tuned; no row splits
+            cfg = cfg or _tables.choose(key, dev, _configs.fits)
+            block_n = cfg.kwargs["BLOCK_N"]
+            grid, args, consts = build(1, n)
+            tiles = cfg.kwargs if triton_interpreted() else cfg.all_kwargs()
+            with on_device(dev):
+                _plan_sums_kernel[grid(cfg.kwargs)](*args, **consts, **tiles)
+        else:
+            self._launch(_PLAN_SUMS, _plan_sums_kernel, key, cfg, plan_for, dev,
+                         {"GATED": False}, reset)  # fmt: skip
         return (r, c) if mul is None else (r, c, r_den, c_den)
 
     @staticmethod
@@ -485,7 +499,7 @@ class TritonBackend(OperandCache, Backend):
         span = rho == (None, None) and w_old == w_new == (0.5, 0.5)
         limit = _window(n, m) if span else GATE_LIMIT
         probe = span and self.fused and state is not None and state.steps == 1
-        probe = probe and min(n, m) >= PROBE_FROM
+        probe = probe and min(n, m) >= PROBE_FROM and form.segments is None
         if probe:  # an estimate at this ε replaces the bound
             self._probe(form, f, g, log_a, log_b, eps, gate[0])
         elif state is not None:  # |ln R| scales as 1/ε: after an ε-scaling step, predict it
@@ -499,8 +513,11 @@ class TritonBackend(OperandCache, Backend):
             r, c = torch.zeros(n, device=dev), torch.zeros(m, device=dev)
         lo, hi = self._ranges(log_a, log_b, state)
         bias_r, bias_c = (g, form.beta, log_b), (f, form.alpha, log_a)
-        lse_r = self._attend(form.q, form.k, eps, bias_r, repair=(r, lo[0:1], hi))[0]
-        lse_c = self._attend(form.k, form.q, eps, bias_c, repair=(c, lo[1:2], hi))[0]
+        seg = form.segments
+        lse_r = self._attend(form.q, form.k, eps, bias_r, repair=(r, lo[0:1], hi),
+                             segments=seg)[0]  # fmt: skip
+        lse_c = self._attend(form.k, form.q, eps, bias_c, repair=(c, lo[1:2], hi),
+                             segments=None if seg is None else seg.T)[0]  # fmt: skip
         f_out, g_out = torch.empty_like(f), torch.empty_like(g)
         err = torch.zeros(1, device=dev, dtype=torch.float32) if check else f_out
         blk = 1024
@@ -547,14 +564,14 @@ class TritonBackend(OperandCache, Backend):
         every row takes the exact path. Either way the update and the marginal error are
         one more small launch, and nothing waits for the host.
         """
-        if _generic(form, eps):  # ε above the cost's range: the exact near path
+        if _near(form, eps):  # ε above the cost's range: the exact near path
             return super().jacobi_step(form, f, g, log_a, log_b, eps, lam, rho, check=check)
         return self._step(form, f, g, log_a, log_b, eps, (0.5, 0.5), (0.5 * lam[0], 0.5 * lam[1]),
                           rho=rho, check=check, state=state)  # fmt: skip
 
     def extrapolate(self, form, f, g, log_a, log_b, eps, lam):
         """See :meth:`flashot.backends.base.Backend.extrapolate` (fused where valid)."""
-        if _generic(form, eps):
+        if _near(form, eps):
             return super().extrapolate(form, f, g, log_a, log_b, eps, lam)
         return self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), lam)[:2]
 
@@ -588,17 +605,29 @@ class TritonBackend(OperandCache, Backend):
 
     def marginals(self, form, f, g, log_a, log_b, eps):
         """See :meth:`flashot.backends.base.Backend.marginals` (fused where valid)."""
-        if _generic(form, eps):
+        if _near(form, eps):
             return super().marginals(form, f, g, log_a, log_b, eps)
         ln_r, ln_c, _ = self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), (0.0, 0.0),
                                    log_sums=True)  # fmt: skip
         return torch.exp(log_a + ln_r), torch.exp(log_b + ln_c)
 
 
+def _near(form, eps: float) -> bool:
+    """Whether the near-uniform LSE serves ``form`` (for a packed form: any of its problems)."""
+    if form.segments is not None:
+        return form.segments.near(eps, NEAR_FROM)
+    return is_near_uniform(form, eps)
+
+
 def _generic(form, eps: float) -> bool:
-    """Whether a primitive takes the base class's path: the near-uniform LSE, or a packed
-    form (:mod:`flashot.segments`), whose steps are exact passes over the diagonal blocks."""
+    """Whether a plan product takes the base class's path: near-uniform, or a packed form
+    (:mod:`flashot.segments`), whose products run one problem at a time."""
     return form.segments is not None or is_near_uniform(form, eps)
+
+
+def _largest(offsets) -> int:
+    """The size bucket of the largest problem of a packing."""
+    return _configs.bucket(max(b - a for a, b in zip(offsets, offsets[1:], strict=False)))
 
 
 def _window(n: int, m: int) -> float:

@@ -327,11 +327,11 @@ def _side_terms(p, offset, log_w, ok, scale):
 @triton.jit
 def _plan_sums_kernel(
     Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, MUL_A, MUL_B, R_DEN, C_DEN,
-    n, m, d, scale, shift, gate_limit, gate_span, rows_per_split, stride_qn, stride_qd,
+    BLOCKS, n, m, d, scale, shift, gate_limit, gate_span, rows_per_split, stride_qn, stride_qd,
     stride_kn, stride_kd, n_bucket, m_bucket, Q_INV, K_INV, q_lo, k_lo,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, GATED: tl.constexpr, MULTIPLY: tl.constexpr,
-    PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, PRESPLIT: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
     """``R_i += Σ_j b_j E_ij`` and ``C_j += Σ_i a_i E_ij``, one exp2 per element.
 
@@ -349,13 +349,19 @@ def _plan_sums_kernel(
     step's largest ``ln R`` and ``−ln R``, rows and columns; with ``gate_span`` half
     their sum, else the larger) exceeds ``gate_limit``, and program (0, 0) zeroes
     ``GATE_OUT``, which the update kernel then fills. Grid: (column blocks, row splits).
+    SEGMENTED (a packed batch): program ``pid_n`` reads its columns ``[c0, c1)`` and its
+    problem's rows ``[r0, r1)`` from the table ``BLOCKS``.
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = offs_n < m
-    row_lo = pid_s * rows_per_split
-    row_hi = tl.minimum(n, row_lo + rows_per_split)
+    col_lo, col_end, seg_lo, seg_hi = pid_n * BLOCK_N, m, 0, n
+    if SEGMENTED:
+        col_lo, col_end = tl.load(BLOCKS + 4 * pid_n), tl.load(BLOCKS + 4 * pid_n + 1)
+        seg_lo, seg_hi = tl.load(BLOCKS + 4 * pid_n + 2), tl.load(BLOCKS + 4 * pid_n + 3)
+    offs_n = col_lo + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < col_end
+    row_lo = seg_lo + pid_s * rows_per_split
+    row_hi = tl.minimum(seg_hi, row_lo + rows_per_split)
     if GATED:
         top, bottom = tl.load(GATE_IN), tl.load(GATE_IN + 1)
         bound = tl.where(gate_span != 0, 0.5 * (top + bottom), tl.maximum(top, bottom))
@@ -363,12 +369,12 @@ def _plan_sums_kernel(
         if (pid_n == 0) & (pid_s == 0):
             tl.store(GATE_OUT, 0.0)
             tl.store(GATE_OUT + 1, 0.0)
-    kt_tile = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, D_CHUNKS, True)
+    kt_tile = _load_tile(K, offs_n, col_end, d, stride_kn, stride_kd, BLOCK_D, D_CHUNKS, True)
     kt_lo_tile = kt_tile
     unscale = 1.0
     if PRESPLIT:
-        kt_lo_tile = _load_tile(K + k_lo, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, D_CHUNKS,
-                                True)  # fmt: skip
+        kt_lo_tile = _load_tile(K + k_lo, offs_n, col_end, d, stride_kn, stride_kd, BLOCK_D,
+                                D_CHUNKS, True)  # fmt: skip
         unscale = tl.load(Q_INV) * tl.load(K_INV)
     g, beta, log_b = _side_load(G, BETA, LOG_B, offs_n, col_ok, True)
     v, b = _side_terms(g, beta, log_b, col_ok, scale)
@@ -386,9 +392,9 @@ def _plan_sums_kernel(
             F, ALPHA, LOG_A, offs_m, row_hi, ah_p, ah_o, ah_w
         )
         s = _score_tile(
-            Q, K, kt_tile, kt_tile, offs_m, offs_n, row_hi, m, d, stride_qn, stride_qd, stride_kn,
-            stride_kd, BLOCK_D, D_CHUNKS, True, PRECISION, kt_lo_tile, kt_lo_tile, q_lo, k_lo,
-            unscale, PRESPLIT,
+            Q, K, kt_tile, kt_tile, offs_m, offs_n, row_hi, col_end, d, stride_qn, stride_qd,
+            stride_kn, stride_kd, BLOCK_D, D_CHUNKS, True, PRECISION, kt_lo_tile, kt_lo_tile,
+            q_lo, k_lo, unscale, PRESPLIT,
         )
         u, a = _side_terms(f, alpha, log_a, row_ok, scale)
         e = tl.exp2(s * scale + (u + shift)[:, None] + v[None, :])
