@@ -6,12 +6,12 @@ iterations and the time. GPUs use NCCL (one GPU per rank), CPUs gloo.
 
 One host, two GPUs::
 
-    torchrun --nproc-per-node 2 examples/distributed_sinkhorn.py --n 1000000 --d 64
+    torchrun --nproc-per-node 2 examples/distributed_sinkhorn.py --points 1000000 --dim 64
 
 Two hosts (run on each, with the first host's address)::
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST0:29500 examples/distributed_sinkhorn.py --n 4000000
+        --rdzv-endpoint HOST0:29500 examples/distributed_sinkhorn.py --points 4000000
 
 Without torchrun it runs as a one-rank job (gloo), which is how the tests call it.
 """
@@ -28,8 +28,8 @@ from flashot import distributed
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=20_000, help="points per cloud, all ranks together")
-    p.add_argument("--d", type=int, default=16, help="feature dimension")
+    p.add_argument("--points", type=int, default=20_000, help="points per cloud, all ranks together")
+    p.add_argument("--dim", type=int, default=16, help="feature dimension")
     p.add_argument("--eps", type=float, default=0.1, help="entropic regularization")
     p.add_argument("--iters", type=int, default=10, help="fixed iterations (tol=None)")
     p.add_argument("--mode", default="auto", choices=["auto", "gather", "ring"],
@@ -51,9 +51,9 @@ def main(argv=None):
         torch.cuda.set_device(device)
     try:
         gen = torch.Generator().manual_seed(1000 + rank)  # each rank draws its own rows
-        n_local = args.n // world + (rank < args.n % world)
-        x = torch.randn(n_local, args.d, generator=gen).to(device) / args.d**0.5
-        y = (torch.randn(n_local, args.d, generator=gen) / args.d**0.5 + 0.2).to(device)
+        n_local = args.points // world + (rank < args.points % world)
+        x = torch.randn(n_local, args.dim, generator=gen).to(device) / args.dim**0.5
+        y = (torch.randn(n_local, args.dim, generator=gen) / args.dim**0.5 + 0.2).to(device)
         dist.barrier()
         t0 = time.perf_counter()
         res = distributed.sinkhorn(x, y, eps=args.eps, tol=None, max_iter=args.iters,
@@ -62,7 +62,7 @@ def main(argv=None):
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
         if rank == 0:
-            print(f"{world} rank(s), n = m = {args.n}, d = {args.d}, {res.n_iter} iterations: "
+            print(f"{world} rank(s), n = m = {args.points}, d = {args.dim}, {res.n_iter} iterations: "
                   f"cost {float(res.cost):.6f}, {seconds:.3f} s")  # fmt: skip
         return res
     finally:

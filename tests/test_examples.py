@@ -64,7 +64,7 @@ def test_distributed_example_as_a_one_rank_job_matches_sinkhorn(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29531")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
-    res = load("distributed_sinkhorn").main(["--n", "300", "--d", "4", "--iters", "5"])
+    res = load("distributed_sinkhorn").main(["--points", "300", "--dim", "4", "--iters", "5"])
     gen = torch.Generator().manual_seed(1000)
     x = torch.randn(300, 4, generator=gen) / 2
     y = torch.randn(300, 4, generator=gen) / 2 + 0.2
