@@ -26,6 +26,8 @@ def compile_for_hopper(fn, consts, half=False):
             sig[a] = "constexpr"
         elif a in FLOATS:
             sig[a] = "fp32"
+        elif a == "BLOCKS":  # a packed batch's table of blocks
+            sig[a] = "*i32"
         elif a[0].isupper():
             sig[a] = "*bf16" if half and a in ("Q", "K") else "*fp32"
         else:
@@ -45,15 +47,20 @@ def variants():
         (dict(with_v, D_CHUNKS=4, SPLIT=True), False),
         (dict(with_v, BLOCK_M=64, BLOCK_D=32, BLOCK_P=256, D_CHUNKS=16, SPLIT=True), False),
         (dict(with_v, D_CHUNKS=1, SPLIT=False), True),
+        (dict(plain, D_CHUNKS=1, SPLIT=False, REPAIR=True, PRECISION="tf32x3", SEGMENTED=True),
+         False),
+        (dict(with_v, D_CHUNKS=4, SPLIT=False, SEGMENTED=True), True),
     ):
         flags = dict(flags, V_PRECISION=flags["PRECISION"])
+        flags.setdefault("SEGMENTED", False)
         yield K._attend_kernel, {**base, **flags}, half
-    # (BLOCK_D, D_CHUNKS, GATED, half operands)
-    plan_sums = ((64, 1, True, False), (64, 1, True, True), (64, 4, False, False),
-                 (32, 16, True, False), (64, 8, True, True))  # fmt: skip
-    for bd, chunks, gated, half in plan_sums:
+    # (BLOCK_D, D_CHUNKS, GATED, half operands, packed batch)
+    plan_sums = ((64, 1, True, False, False), (64, 1, True, True, True),
+                 (64, 4, False, False, False), (32, 16, True, False, True),
+                 (64, 8, True, True, False))  # fmt: skip
+    for bd, chunks, gated, half, segmented in plan_sums:
         consts = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=bd, D_CHUNKS=chunks, GATED=gated,
-                      PRECISION="tf32")  # fmt: skip
+                      PRECISION="tf32", SEGMENTED=segmented)  # fmt: skip
         yield K._plan_sums_kernel, consts, half
     yield K._combine_kernel, dict(BLOCK=128, BLOCK_P=64, HAS_V=True), False
     yield (
