@@ -237,3 +237,15 @@ def test_triton_fused_plan_sums_stream_only_the_diagonal_blocks(gen):
     e = torch.exp((f[:, None] + g[None, :] - form.dense().double()) / 0.7)
     assert torch.allclose(r.double(), e @ pp.b.double(), rtol=1e-5)
     assert torch.allclose(c.double(), e.T @ pp.a.double(), rtol=1e-5)
+
+
+def test_several_target_weight_vectors_for_one_pair_of_clouds_in_one_solve(gen):
+    """POT's several histograms b for one (x, y): a batch of the same clouds."""
+    x = torch.randn(9, 2, generator=gen, dtype=torch.float64)
+    y = torch.randn(7, 2, generator=gen, dtype=torch.float64)
+    bs = torch.rand(4, 7, generator=gen, dtype=torch.float64) + 0.05
+    res = flashot.sinkhorn(x.expand(4, 9, 2), y.expand(4, 7, 2), None, bs, eps=0.4, tol=1e-11,
+                           backend="torch")  # fmt: skip
+    for i in range(4):
+        one = flashot.sinkhorn(x, y, None, bs[i], eps=0.4, tol=1e-11, backend="torch")
+        assert res.cost[i].item() == pytest.approx(float(one.cost), rel=1e-10)
