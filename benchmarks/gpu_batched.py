@@ -22,8 +22,8 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import flashot  # noqa: E402
-from flashot.backends.triton import TritonBackend  # noqa: E402
+import flashot
+from flashot.backends.triton import TritonBackend
 
 warnings.simplefilter("ignore")
 B = int(os.environ.get("B", "64"))
@@ -88,9 +88,9 @@ def main():
         c_loop = loop()
         err = float(((c_packed - c_loop).abs() / c_loop.abs()).max())
         for grad in (False, True):
-            tp = median_ms(lambda: packed(grad))  # noqa: B023
-            te = median_ms(lambda: packed(grad, fused=False))  # noqa: B023
-            tl = median_ms(lambda: loop(grad))  # noqa: B023
+            tp = median_ms(lambda: packed(grad))
+            te = median_ms(lambda: packed(grad, fused=False))
+            tl = median_ms(lambda: loop(grad))
             what = "value+grad" if grad else "value"
             rows.append((prec, what, tp, te, tl))
             print(f"{prec:5s} {what:10s} packed {tp:8.2f} ms (exact passes {te:8.2f})  loop "

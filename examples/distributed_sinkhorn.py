@@ -28,7 +28,8 @@ from flashot import distributed
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--points", type=int, default=20_000, help="points per cloud, all ranks together")
+    p.add_argument("--points", type=int, default=20_000,
+                   help="points per cloud, all ranks together")
     p.add_argument("--dim", type=int, default=16, help="feature dimension")
     p.add_argument("--eps", type=float, default=0.1, help="entropic regularization")
     p.add_argument("--iters", type=int, default=10, help="fixed iterations (tol=None)")
@@ -62,8 +63,8 @@ def main(argv=None):
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
         if rank == 0:
-            print(f"{world} rank(s), n = m = {args.points}, d = {args.dim}, {res.n_iter} iterations: "
-                  f"cost {float(res.cost):.6f}, {seconds:.3f} s")  # fmt: skip
+            print(f"{world} rank(s), n = m = {args.points}, d = {args.dim}, {res.n_iter} "
+                  f"iterations: cost {float(res.cost):.6f}, {seconds:.3f} s")  # fmt: skip
         return res
     finally:
         if owned:

@@ -52,8 +52,10 @@ def test_varlen_matches_per_problem_solves_and_the_dense_reference(sizes, eps, w
         ai, bi = ws[s] if weighted else (None, None)
         one = flashot.sinkhorn(xi, yi, ai, bi, eps=eps[s], tol=1e-12, max_iter=5000,
                                backend="torch")  # fmt: skip
-        wa = torch.full((len(xi),), 1.0 / len(xi), dtype=torch.float64) if ai is None else ai / ai.sum()
-        wb = torch.full((len(yi),), 1.0 / len(yi), dtype=torch.float64) if bi is None else bi / bi.sum()
+        wa = torch.full((len(xi),), 1.0 / len(xi), dtype=torch.float64)
+        wb = torch.full((len(yi),), 1.0 / len(yi), dtype=torch.float64)
+        if weighted:
+            wa, wb = ai / ai.sum(), bi / bi.sum()
         ref = entropic_ot(xi.detach(), yi.detach(), wa, wb, eps[s])
         rows, cols = slice(xo[s], xo[s + 1]), slice(yo[s], yo[s + 1])
         assert res.cost[s].item() == pytest.approx(float(one.cost), rel=1e-10, abs=1e-12)

@@ -1,8 +1,8 @@
 """flashot.distributed with gloo in two CPU processes against the single-process solve."""
 
 import os
-import socket
 import re
+import socket
 import traceback
 
 import pytest

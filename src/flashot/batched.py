@@ -217,8 +217,10 @@ def _boxes(u: torch.Tensor, seg: Segments) -> torch.Tensor:
 
 
 def _packed_form(cost: Cost, x, y, seg: Segments, dtype, rounding, shrink: torch.Tensor):
-    """The packed attention form: each problem centered on its own mean, its centered
-    coordinates scaled by ``shrink_s = √(ε_0/ε_s)`` (its cost by ``shrink_s²``).
+    """The packed attention form, each problem centered on its own mean.
+
+    Problem s's centered coordinates are scaled by ``shrink_s = √(ε_0/ε_s)`` (its cost by
+    ``shrink_s²``).
 
     Returns ``(form, bounds (B,) float64 host, diameters (B,) float64 host)``.
     """
@@ -232,7 +234,8 @@ def _packed_form(cost: Cost, x, y, seg: Segments, dtype, rounding, shrink: torch
         scaled = bool((shrink != 1).any())
         r = shrink.to(device=u.device, dtype=dtype)
         box_u, box_v = _boxes(u.detach(), seg), _boxes(v.detach(), seg.T)
-        span = torch.maximum(box_u[1], box_v[1]).double() - torch.minimum(box_u[0], box_v[0]).double()
+        top = torch.maximum(box_u[1], box_v[1]).double()
+        span = top - torch.minimum(box_u[0], box_v[0]).double()
         diam = torch.linalg.vector_norm(span, dim=1) * shrink.to(span.device)
         bound = cost.scale * diam**2
         if cost.normalize:  # points on the unit sphere: |u − v|² ≤ 4
@@ -286,8 +289,8 @@ def _floors(form, f, g, log_a, log_b, eps: float) -> torch.Tensor:
     for side, pot, offset, log_w in ((seg, f, form.alpha, log_a), (seg.T, g, form.beta, log_b)):
         w = torch.exp(log_w)
         size = side.sum(w * (pot.abs() + offset.abs())) * (2.0 / eps)
-        other = torch.tensor([max(b - a, 2) for a, b in zip(side.cols, side.cols[1:],
-                                                             strict=False)], dtype=torch.float64)  # fmt: skip
+        sizes = zip(side.cols, side.cols[1:], strict=False)
+        other = torch.tensor([max(b - a, 2) for a, b in sizes], dtype=torch.float64)
         out += (size.double().cpu() + side.sum(w).double().cpu() * torch.log(other))
     return u * out
 
@@ -409,7 +412,8 @@ class PackedProblem:
 
 
 def pack_problems(x, y, x_offsets, y_offsets, a=None, b=None, *, eps, cost="sqeuclidean",
-                  backend="auto", precision="auto", normalize: bool = True) -> PackedProblem:  # fmt: skip
+                  backend="auto", precision="auto",
+                  normalize: bool = True) -> PackedProblem:  # fmt: skip
     """Validate a ragged batch and build its packed form (arguments of :func:`sinkhorn_varlen`).
 
     ``normalize=False`` keeps the weights as given (GeomLoss' convention).

@@ -163,13 +163,14 @@ class _Comm:
 
 def _transform(comm: _Comm, engine: Backend, rows: _Side, cols: _Side, pot_cols, eps: float,
                v: torch.Tensor | None = None):  # fmt: skip
-    """Row LSE ``ε log Σ_j w_j e^{(⟨q_i, k_j⟩ + g_j − β_j)/ε}`` over all ranks' columns,
-    and the softmax average of ``v`` (this rank's (m_local, p) values) when given.
+    """Row LSE ``ε log Σ_j w_j e^{(⟨q_i, k_j⟩ + g_j − β_j)/ε}`` over all ranks' columns.
+
+    Also the softmax average of ``v`` (this rank's (m_local, p) values) when given.
     """
     h_local = pot_cols - cols.offset
     if comm.mode == "gather":
-        shards = [tuple(comm.gather(t, cols.index) for t in (cols.feat, h_local, cols.log_w,
-                                                               *(() if v is None else (v,))))]  # fmt: skip
+        local = (cols.feat, h_local, cols.log_w, *(() if v is None else (v,)))
+        shards = [tuple(comm.gather(t, cols.index) for t in local)]
     else:
         shards = comm.ring((cols.feat, h_local, cols.log_w, *(() if v is None else (v,))),
                            cols.index)  # fmt: skip
@@ -234,8 +235,9 @@ def _local_checks(x, y, a, b, mode, cost) -> tuple[str | None, tuple]:
 
 
 def _sides(comm: _Comm, cost: Cost, x, y, a, b, dtype, rounding):
-    """Both local sides in attention form around the global center, and the global
-    weights' normalization and bounding-box diagonal.
+    """Both local sides in attention form around the global center.
+
+    Also the weights normalized by their global sums and the global bounding-box diagonal.
     """
     u, v = cost.embed(x.to(dtype)), cost.embed(y.to(dtype))
     with torch.no_grad():
@@ -288,8 +290,9 @@ def sinkhorn(
         A :class:`DistributedSinkhornResult` (local potentials, global cost).
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("flashot.distributed.sinkhorn needs an initialized process group "
-                           "(torch.distributed.init_process_group, e.g. under torchrun)")  # fmt: skip
+        raise RuntimeError("flashot.distributed.sinkhorn needs an initialized process "
+                           "group (torch.distributed.init_process_group, e.g. under "
+                           "torchrun)")  # fmt: skip
     cost_obj = get_cost(cost)
     error, shared = _local_checks(x_local, y_local, a_local, b_local, mode, cost_obj)
     opts = (("eps", float(eps) if isinstance(eps, (int, float)) else repr(eps)),
@@ -373,8 +376,10 @@ def _final(comm, engine, side: _Side, other: _Side, pot_other, eps: float) -> to
 
 
 def _local_check(rows: _Side, cols: _Side, f, g, lse_r, lse_c, eps: float):
-    """This rank's share of the L1 marginal error at (f, g) and of the precision floor's
-    sum (:func:`flashot.solver.precision_floor`, without its log terms).
+    """This rank's shares of the L1 marginal error at (f, g) and of the precision floor.
+
+    The floor's share is its sum term (:func:`flashot.solver.precision_floor`, without
+    the log terms).
     """
     r = row_mass(f, lse_r, rows.offset, rows.log_w, eps)
     c = row_mass(g, lse_c, cols.offset, cols.log_w, eps)
@@ -399,9 +404,10 @@ def _met(tol, error: float, floor: float) -> bool:
 
 
 def _iterate(comm, engine, rows: _Side, cols: _Side, temps, max_iter, tol, check_every, update):
-    """Sinkhorn iterations on the shards: GeomLoss' start at the first temperature, then
-    symmetric (averaged Jacobi) or alternating updates; the global error every
-    ``check_every`` iterations at the final ε.
+    """Sinkhorn iterations on the shards.
+
+    GeomLoss' start at the first temperature, then symmetric (averaged Jacobi) or
+    alternating updates; the global error every ``check_every`` iterations at the final ε.
     """
     last = len(temps) - 1
     zero_f, zero_g = torch.zeros_like(rows.offset), torch.zeros_like(cols.offset)
@@ -419,10 +425,8 @@ def _iterate(comm, engine, rows: _Side, cols: _Side, temps, max_iter, tol, check
             f = f_new
         lse_c, _ = _transform(comm, engine, cols, rows, f, eps)
         if check:  # at (f_old, g_old); alternating: its columns are exact, lse_c is unused
-            if update == "alternating":
-                lse_c_old = cols.offset - g_old  # exact columns: T(f_old) = g_old
-            else:
-                lse_c_old = lse_c
+            # (alternating: exact columns, T(f_old) = g_old)
+            lse_c_old = cols.offset - g_old if update == "alternating" else lse_c
             local = torch.stack(_local_check(rows, cols, f_old, g_old, lse_r, lse_c_old, eps))
         g_new = cols.offset - lse_c
         if update == "alternating":
