@@ -251,3 +251,20 @@ def test_several_target_weight_vectors_for_one_pair_of_clouds_in_one_solve(gen):
     for i in range(4):
         one = flashot.sinkhorn(x, y, None, bs[i], eps=0.4, tol=1e-11, backend="torch")
         assert res.cost[i].item() == pytest.approx(float(one.cost), rel=1e-10)
+
+
+def test_batched_divergence_is_one_packed_solve_equal_to_per_problem_divergences(gen):
+    x = torch.randn(3, 11, 2, generator=gen, dtype=torch.float64).requires_grad_()
+    y = torch.randn(3, 8, 2, generator=gen, dtype=torch.float64) + 0.5
+    b = torch.rand(3, 8, generator=gen, dtype=torch.float64) + 0.1
+    eps = [0.3, 0.5, 0.8]
+    out = flashot.sinkhorn_divergence(x, y, None, b, eps=eps, tol=1e-11, max_iter=5000,
+                                      backend="torch")  # fmt: skip
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    for i in range(3):
+        xi = x.detach()[i].clone().requires_grad_()
+        one = flashot.sinkhorn_divergence(xi, y[i], None, b[i], eps=eps[i], tol=1e-11,
+                                          max_iter=5000, backend="torch")  # fmt: skip
+        (gi,) = torch.autograd.grad(one, xi)
+        assert out[i].item() == pytest.approx(float(one), rel=1e-8, abs=1e-11)
+        assert torch.allclose(gx[i], gi, atol=1e-8)

@@ -24,10 +24,11 @@ from flashot.autodiff.functional import functional_transforms
 from flashot.autodiff.functions import dual_term, extrapolate, needs_grad, soft_c_transform
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.backends import entry_point
+from flashot.batched import sinkhorn_divergence_batched
 from flashot.caller import warn_at_caller
 from flashot.costs import attention_form
 from flashot.ot import ConvergenceWarning, resolve_schedule
-from flashot.problem import Problem, make_problem
+from flashot.problem import Problem, cloud_tensor, make_problem
 from flashot.solver import describe_miss, resolve_stopping, solve, solve_self
 
 __all__ = ["DebiasedPotentials", "debiased_potentials", "sinkhorn_divergence"]
@@ -192,7 +193,9 @@ def sinkhorn_divergence(
     value: the divergence is defined for symmetric relaxations).
 
     Args:
-        x: (n, d) source points.  y: (m, d) target points.
+        x: (n, d) source points.  y: (m, d) target points. A (B, n, d) and (B, m, d)
+            batch gives (B,) values from one packed solve
+            (:func:`~flashot.batched.sinkhorn_divergence_batched`).
         a: (n,) source weights or None.  b: (m,) target weights or None.
         options: ``eps``, ``cost``, ``rho``, ``max_iter``, ``tol``, ``check_every``,
             ``update``, ``eps_schedule``, ``backend``, ``precision``, ``min_iter``,
@@ -210,6 +213,19 @@ def sinkhorn_divergence(
     """
     if not isinstance(warn, bool):
         raise TypeError(f"warn must be True or False, got {warn!r}")
+    if getattr(x, "ndim", 2) == 3:  # a batch: 3B problems in one packed solve
+        extra = (("rho", rho), ("relative_eps", relative_eps or None))
+        given = [k for k, v in extra if v is not None]
+        if given:
+            raise NotImplementedError(f"batched (B, n, d) divergences do not take "
+                                      f"{', '.join(given)} yet: loop over the "
+                                      "problems")  # fmt: skip
+        return sinkhorn_divergence_batched(
+            cloud_tensor(x), cloud_tensor(y), a, b, eps=eps, cost=cost, max_iter=max_iter,
+            tol=tol, check_every=check_every, update=update, eps_schedule=eps_schedule,
+            backend=backend, precision=precision, min_iter=min_iter, warn=warn,
+            momentum=momentum,
+        )
     if rho is not None and not isinstance(rho, (int, float)):
         raise ValueError(
             f"rho must be None or a single positive float for a divergence, got {rho!r}"
