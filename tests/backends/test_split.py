@@ -64,7 +64,7 @@ def test_split_operands_live_only_while_a_solve_runs():
     from flashot.backends.triton import TritonBackend
     from flashot.backends.triton._split import SplitOperand
 
-    backend = TritonBackend()
+    backend = TritonBackend(presplit=True)  # (None would not split at this size)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(30, 4, generator=gen), torch.randn(20, 4, generator=gen)
     seen = []
@@ -101,7 +101,7 @@ def test_split_values_average_like_float64(log_v, eps, seed):
     v[:, 0] = 0.0
     h = torch.randn(29, generator=gen)
     cost = flashot.costs.get_cost("sqeuclidean")
-    backend = TritonBackend()
+    backend = TritonBackend(presplit=True)
     splits = []
     real = backend._split_parts
     backend._split_parts = lambda t: splits.append(t) or real(t)
@@ -116,3 +116,24 @@ def test_split_values_average_like_float64(log_v, eps, seed):
     err32 = float((f32.double() - ref).abs().max())
     assert (out.double() - ref).abs().max() <= 2.0 * err32 + 2.0**-20 * float(v.abs().max())
     assert (lse.double() - ref_lse).abs().max() <= 1e-6 * (1.0 + float(ref_lse.abs().max()))
+
+
+def test_default_presplit_follows_the_launch_size():
+    """presplit=None splits launches of n·m·d ≥ PRESPLIT_FROM only; True always, False never."""
+    from flashot.backends.triton import TritonBackend
+    from flashot.backends.triton._operands import PRESPLIT_FROM
+
+    auto, always = TritonBackend(), TritonBackend(presplit=True)
+    never = TritonBackend(presplit=False)
+    assert not auto._splits(PRESPLIT_FROM - 1) and auto._splits(PRESPLIT_FROM)
+    assert always._splits(1) and not never._splits(PRESPLIT_FROM)
+    assert not TritonBackend(precision="tf32")._splits(PRESPLIT_FROM)
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randn(30, 4, generator=gen), torch.randn(20, 4, generator=gen)
+    seen = []
+    real = auto._split_parts
+    auto._split_parts = lambda t: seen.append(t) or real(t)
+    flashot.sinkhorn(x, y, eps=0.5, max_iter=5, tol=None, backend=auto)
+    assert seen == []  # a small solve reads float32 with 3xTF32 per tile
+    with pytest.raises(TypeError, match="presplit"):
+        TritonBackend(presplit="yes")

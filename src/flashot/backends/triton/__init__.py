@@ -14,6 +14,7 @@ values stay float32).
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import os
 import warnings
@@ -107,7 +108,9 @@ class TritonBackend(OperandCache, Backend):
         presplit: in ``"fp32"``, split the score operands once per solve
             (:mod:`._split`; a copy of each cloud's size in half precision while a
             solve runs) instead of per tile by 3xTF32. Passes outside a solve
-            (gradients, plan products, dual solves) keep 3xTF32.
+            (gradients, plan products, dual solves) keep 3xTF32. None (default):
+            for launches with n·m·d ≥ 2^34 (:data:`._operands.PRESPLIT_FROM`), where
+            the split pays for its conversions.
     """
 
     name = "triton"
@@ -122,14 +125,15 @@ class TritonBackend(OperandCache, Backend):
         autotune: bool | None = None,
         splits: int | None = None,
         graphs: bool = True,
-        presplit: bool = True,
+        presplit: bool | None = None,
     ):
         super().__init__(precision)
         if autotune is None:
             opted = os.environ.get("FLASHOT_AUTOTUNE", "0").strip().lower()
             autotune = opted in ("1", "true", "yes")
-        flags = (("fused", fused), ("autotune", autotune), ("graphs", graphs),
-                 ("presplit", presplit))  # fmt: skip
+        flags = (("fused", fused), ("autotune", autotune), ("graphs", graphs))
+        if presplit is not None and not isinstance(presplit, bool):
+            raise TypeError(f"presplit must be None, True or False, got {presplit!r}")
         for name, flag in flags:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -255,7 +259,9 @@ class TritonBackend(OperandCache, Backend):
         ``segments``: a packed batch (:mod:`flashot.segments`); the grid then runs over
         its table of row blocks, each streaming its own problem's columns (no splits).
         """
-        q, k, split_args, presplit = score_operands(self._operand(q, keep_q), self._operand(k))
+        work = q.shape[0] * k.shape[0] * q.shape[1]
+        q, k, split_args, presplit = score_operands(self._operand(q, keep_q, work),
+                                                    self._operand(k, work=work))  # fmt: skip
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
         potential = len(bias) == 3
@@ -378,8 +384,9 @@ class TritonBackend(OperandCache, Backend):
             ``(R (n,), C (m,))``; with ``mul``, ``(R, C, R₀, C₀)`` with ``R₀``, ``C₀`` the
             sums without it.
         """
-        q, k, split_args, presplit = score_operands(self._operand(form.q),
-                                                     self._operand(form.k))  # fmt: skip
+        work = form.q.shape[0] * form.k.shape[0] * form.q.shape[1]
+        q, k, split_args, presplit = score_operands(self._operand(form.q, work=work),
+                                                     self._operand(form.k, work=work))  # fmt: skip
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
         bd, chunks = _configs.block_d(d, q.element_size())
@@ -620,14 +627,17 @@ def _near(form, eps: float) -> bool:
 
 
 def _generic(form, eps: float) -> bool:
-    """Whether a plan product takes the base class's path: near-uniform, or a packed form
-    (:mod:`flashot.segments`), whose products run one problem at a time."""
+    """Whether a plan product takes the base class's path.
+
+    That is near-uniform forms, and packed ones (:mod:`flashot.segments`), whose
+    products run one problem at a time.
+    """
     return form.segments is not None or is_near_uniform(form, eps)
 
 
 def _largest(offsets) -> int:
     """The size bucket of the largest problem of a packing."""
-    return _configs.bucket(max(b - a for a, b in zip(offsets, offsets[1:], strict=False)))
+    return _configs.bucket(max(b - a for a, b in itertools.pairwise(offsets)))
 
 
 def _window(n: int, m: int) -> float:

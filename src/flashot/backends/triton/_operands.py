@@ -18,6 +18,10 @@ from flashot.backends.triton._split import SplitOperand, split_operand
 __all__ = ["OperandCache", "score_operands"]
 
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: ``presplit=None`` splits a launch's operands when its n·m·d reaches this: below it the
+#: conversions cost more than the MMAs they save (H200, the GeomLoss call at 10k: d = 3
+#: 10.8 → 7.3 ms, d = 64 23.4 → 16.9 ms without; 10k d = 512 and 50k d = 64 gain 1.9×)
+PRESPLIT_FROM = 1 << 34
 
 
 class OperandCache:
@@ -27,7 +31,7 @@ class OperandCache:
     """
 
     precision: str
-    presplit: bool
+    presplit: bool | None
     _halves: list
     _scopes: int
 
@@ -39,9 +43,15 @@ class OperandCache:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _halves=[], _scopes=0)
 
-    def _splits(self) -> bool:
-        """Whether score operands are split once per solve (:mod:`._split`)."""
-        return self.precision == "fp32" and self.presplit
+    def _splits(self, work: int | None = None) -> bool:
+        """Whether score operands are split once per solve (:mod:`._split`).
+
+        ``work``: the launch's n·m·d, which decides for ``presplit=None``
+        (:data:`PRESPLIT_FROM`); None asks whether this backend ever splits.
+        """
+        if self.precision != "fp32" or self.presplit is False:
+            return False
+        return self.presplit is True or work is None or work >= PRESPLIT_FROM
 
     @contextlib.contextmanager
     def operand_scope(self):
@@ -57,16 +67,17 @@ class OperandCache:
             if self._scopes == 0 and self._splits():
                 self._halves = []
 
-    def _operand(self, t: torch.Tensor, keep: bool = True):
+    def _operand(self, t: torch.Tensor, keep: bool = True, work: int | None = None):
         """A feature matrix as the kernels read it: float32, a half copy, or split parts.
 
-        Half copies are cached (``keep``). Split parts (``"fp32"``) are made only within
+        Half copies are cached (``keep``); ``work`` is the launch's n·m·d (see
+        :meth:`_splits`). Split parts (``"fp32"``) are made only within
         :meth:`operand_scope` (a solve's many passes share them); a pass outside one
         reads the float32 features with 3xTF32 and needs no copy.
         """
         if t.dtype != torch.float32:
             raise TypeError(f"the triton backend computes in float32, got {t.dtype}")
-        split = self._splits()
+        split = self._splits(work)
         if self.precision not in _HALF and not split:
             return t
         if split and self._scopes == 0:  # a one-off pass: 3xTF32 per tile, no copy
