@@ -119,7 +119,8 @@ def test_split_values_average_like_float64(log_v, eps, seed):
 
 
 def test_default_presplit_follows_the_launch_size():
-    """presplit=None splits launches of n·m·d ≥ PRESPLIT_FROM only; True always, False never."""
+    """presplit=None splits launches of n·m·max(d, 64) ≥ PRESPLIT_FROM only; True always,
+    False never."""
     from flashot.backends.triton import TritonBackend
     from flashot.backends.triton._operands import PRESPLIT_FROM
 

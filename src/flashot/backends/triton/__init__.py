@@ -109,8 +109,8 @@ class TritonBackend(OperandCache, Backend):
             (:mod:`._split`; a copy of each cloud's size in half precision while a
             solve runs) instead of per tile by 3xTF32. Passes outside a solve
             (gradients, plan products, dual solves) keep 3xTF32. None (default):
-            for launches with n·m·d ≥ 2^34 (:data:`._operands.PRESPLIT_FROM`), where
-            the split pays for its conversions.
+            for launches with n·m·max(d, 64) ≥ 2^34 (:data:`._operands.PRESPLIT_FROM`),
+            where the split pays for its conversions.
     """
 
     name = "triton"
@@ -259,7 +259,7 @@ class TritonBackend(OperandCache, Backend):
         ``segments``: a packed batch (:mod:`flashot.segments`); the grid then runs over
         its table of row blocks, each streaming its own problem's columns (no splits).
         """
-        work = q.shape[0] * k.shape[0] * q.shape[1]
+        work = q.shape[0] * k.shape[0] * max(q.shape[1], 64)
         q, k, split_args, presplit = score_operands(self._operand(q, keep_q, work),
                                                     self._operand(k, work=work))  # fmt: skip
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
@@ -384,7 +384,7 @@ class TritonBackend(OperandCache, Backend):
             ``(R (n,), C (m,))``; with ``mul``, ``(R, C, R₀, C₀)`` with ``R₀``, ``C₀`` the
             sums without it.
         """
-        work = form.q.shape[0] * form.k.shape[0] * form.q.shape[1]
+        work = form.q.shape[0] * form.k.shape[0] * max(form.q.shape[1], 64)
         q, k, split_args, presplit = score_operands(self._operand(form.q, work=work),
                                                      self._operand(form.k, work=work))  # fmt: skip
         n, m, d = q.shape[0], k.shape[0], q.shape[1]

@@ -18,9 +18,11 @@ from flashot.backends.triton._split import SplitOperand, split_operand
 __all__ = ["OperandCache", "score_operands"]
 
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
-#: ``presplit=None`` splits a launch's operands when its n·m·d reaches this: below it the
-#: conversions cost more than the MMAs they save (H200, the GeomLoss call at 10k: d = 3
-#: 10.8 → 7.3 ms, d = 64 23.4 → 16.9 ms without; 10k d = 512 and 50k d = 64 gain 1.9×)
+#: ``presplit=None`` splits a launch's operands when n·m·max(d, 64) reaches this: below,
+#: the conversions cost more than the MMAs they save (H200, the GeomLoss call at 10k:
+#: d = 3 10.8 → 7.3 ms, d = 64 23.4 → 16.9 ms without), above they pay (50k d = 3 99 →
+#: 59 ms, 50k d = 64 189 → 96 ms, 10k d = 512 with the gradient 44 → 24 ms); small d
+#: counts as 64, as its tiles cost that much
 PRESPLIT_FROM = 1 << 34
 
 
@@ -46,7 +48,7 @@ class OperandCache:
     def _splits(self, work: int | None = None) -> bool:
         """Whether score operands are split once per solve (:mod:`._split`).
 
-        ``work``: the launch's n·m·d, which decides for ``presplit=None``
+        ``work``: the launch's n·m·max(d, 64), which decides for ``presplit=None``
         (:data:`PRESPLIT_FROM`); None asks whether this backend ever splits.
         """
         if self.precision != "fp32" or self.presplit is False:
@@ -70,7 +72,7 @@ class OperandCache:
     def _operand(self, t: torch.Tensor, keep: bool = True, work: int | None = None):
         """A feature matrix as the kernels read it: float32, a half copy, or split parts.
 
-        Half copies are cached (``keep``); ``work`` is the launch's n·m·d (see
+        Half copies are cached (``keep``); ``work`` is the launch's n·m·max(d, 64) (see
         :meth:`_splits`). Split parts (``"fp32"``) are made only within
         :meth:`operand_scope` (a solve's many passes share them); a pass outside one
         reads the float32 features with 3xTF32 and needs no copy.
