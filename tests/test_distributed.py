@@ -14,6 +14,7 @@ import flashot
 from flashot import distributed
 
 WORLD = 2
+EPS = 1.0  # (a few dozen iterations: every one is a collective)
 
 
 def _free_port() -> int:
@@ -62,7 +63,7 @@ def _slices(rank):
 def _solve_case(rank, mode="gather", update="auto"):
     x, y, a = _slices(rank)
     x.requires_grad_()
-    res = distributed.sinkhorn(x, y, a, eps=0.3, tol=1e-11, max_iter=3000, backend="torch",
+    res = distributed.sinkhorn(x, y, a, eps=EPS, tol=1e-11, max_iter=3000, backend="torch",
                                mode=mode, update=update, eps_schedule="geomloss")  # fmt: skip
     (gx,) = torch.autograd.grad(res.cost, x)
     v, u = _values()
@@ -92,14 +93,13 @@ def _raised(fn, rank):
         return ("raised", type(err).__name__, str(err), traceback.format_exc())
 
 
-#: one spawn per group of cases (a spawn costs seconds)
+#: every case in one spawn (a spawn costs seconds); a collectively raised error leaves the
+#: group usable for the next case
 _CASES = {
-    "solves": lambda rank: {
+    "all": lambda rank: {
         "gather": _raised(_solve_case, rank),
         "ring": _raised(lambda r: _solve_case(r, mode="ring"), rank),
         "symmetric": _raised(lambda r: _solve_case(r, update="symmetric"), rank),
-    },
-    "errors": lambda rank: {  # a collectively raised error leaves the group usable
         "mismatch": _raised(_mismatch_case, rank),
         "bad_input": _raised(_bad_input_case, rank),
     },
@@ -114,18 +114,18 @@ def _run(case, tmp_path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Both groups of cases, each in one spawn of two gloo ranks."""
+    """Every case, in one spawn of two gloo ranks."""
     return {group: _run(group, tmp_path_factory.mktemp(group)) for group in _CASES}
 
 
 @pytest.mark.parametrize("case", ["gather", "ring", "symmetric"])
 def test_two_gloo_ranks_match_the_single_process_solve(case, runs):
-    outs = [r[case] for r in runs["solves"]]
+    outs = [r[case] for r in runs["all"]]
     for out in outs:
         assert not (isinstance(out, tuple) and out[0] == "raised"), out
     x, y, a = _data()
     x = x.clone().requires_grad_()
-    ref = flashot.sinkhorn(x, y, a, eps=0.3, tol=1e-11, max_iter=3000, backend="torch",
+    ref = flashot.sinkhorn(x, y, a, eps=EPS, tol=1e-11, max_iter=3000, backend="torch",
                            eps_schedule="geomloss")  # fmt: skip
     (gx,) = torch.autograd.grad(ref.cost, x)
     f = torch.cat([o["f"] for o in outs])
@@ -146,7 +146,7 @@ def test_two_gloo_ranks_match_the_single_process_solve(case, runs):
 @pytest.mark.parametrize("case,match", [("mismatch", r"disagree on the options \['eps'\]"),
                                         ("bad_input", "rank 1: x_local contains NaN")])
 def test_every_rank_gets_the_same_clear_error(case, match, runs):
-    outs = [r[case] for r in runs["errors"]]
+    outs = [r[case] for r in runs["all"]]
     for out in outs:
         assert isinstance(out, tuple) and out[0] == "raised" and out[1] == "ValueError"
         assert re.search(match, out[2]), out[2]
