@@ -63,12 +63,18 @@ def _slices(rank):
 def _solve_case(rank, mode="gather", update="auto"):
     x, y, a = _slices(rank)
     x.requires_grad_()
+    wide = []  # gathers of 2-D tensors during the solve: the features, once per side
+    real = distributed._Comm.gather
+    distributed._Comm.gather = lambda self, t, side: (wide.append(t.dim() == 2)
+                                                      and False) or real(self, t, side)
     res = distributed.sinkhorn(x, y, a, eps=EPS, tol=1e-11, max_iter=3000, backend="torch",
                                mode=mode, update=update, eps_schedule="geomloss")  # fmt: skip
     (gx,) = torch.autograd.grad(res.cost, x)
     v, u = _values()
     v, u = v[Y_CUT[rank] : Y_CUT[rank + 1]], u[X_CUT[rank] : X_CUT[rank + 1]]
-    return dict(f=res.f.detach(), g=res.g.detach(), cost=float(res.cost.detach()), gx=gx,
+    distributed._Comm.gather = real
+    return dict(wide_gathers=sum(wide), iterations=res.n_iter,
+                f=res.f.detach(), g=res.g.detach(), cost=float(res.cost.detach()), gx=gx,
                 pv=res.plan @ v, ptu=res.plan.T @ u, converged=res.converged,
                 error=res.marginal_error)  # fmt: skip
 
@@ -133,6 +139,9 @@ def test_two_gloo_ranks_match_the_single_process_solve(case, runs):
     shift = (f - ref.f.detach()).mean()
     assert torch.allclose(f - shift, ref.f.detach(), atol=1e-8)
     assert torch.allclose(g + shift, ref.g.detach(), atol=1e-8)
+    if case != "ring":  # the clouds travel once (x's and y's features), however many iterations
+        assert all(o["wide_gathers"] == 2 and o["iterations"] > 10 for o in outs), [
+            (o["wide_gathers"], o["iterations"]) for o in outs]
     for out in outs:  # the global value on every rank
         assert out["cost"] == pytest.approx(float(ref.cost), rel=1e-9)
         assert out["converged"] and out["error"] <= 1e-10

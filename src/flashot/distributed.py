@@ -115,6 +115,19 @@ class _Comm:
         self.group, self.mode = group, mode
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.sizes = sizes  # [(n_r, m_r)] for every rank
+        self._kept: list = []  # (tensor, side, gathered): the solve's constant gathers
+
+    def gather_once(self, t: torch.Tensor, side: int) -> torch.Tensor:
+        """:meth:`gather` of a tensor fixed through the solve (features, log weights).
+
+        Gathered on first use, then kept: gather mode's copy of the other cloud.
+        """
+        for src, s, out in self._kept:
+            if src is t and s == side:
+                return out
+        out = self.gather(t, side)
+        self._kept.append((t, side, out))
+        return out
 
     def gather(self, t: torch.Tensor, side: int) -> torch.Tensor:
         """Concatenate every rank's (size_r, ...) slice of a side (0: rows, 1: columns).
@@ -169,8 +182,10 @@ def _transform(comm: _Comm, engine: Backend, rows: _Side, cols: _Side, pot_cols,
     """
     h_local = pot_cols - cols.offset
     if comm.mode == "gather":
-        local = (cols.feat, h_local, cols.log_w, *(() if v is None else (v,)))
-        shards = [tuple(comm.gather(t, cols.index) for t in local)]
+        feat = comm.gather_once(cols.feat, cols.index)
+        log_w = comm.gather_once(cols.log_w, cols.index)
+        h_all = comm.gather(h_local, cols.index)  # per call: O(n + m) per iteration
+        shards = [(feat, h_all, log_w, *(() if v is None else (comm.gather(v, cols.index),)))]
     else:
         shards = comm.ring((cols.feat, h_local, cols.log_w, *(() if v is None else (v,))),
                            cols.index)  # fmt: skip
@@ -369,8 +384,8 @@ def _final(comm, engine, side: _Side, other: _Side, pot_other, eps: float) -> to
     average, which one pass gives.
     """
     h = comm.gather(pot_other - other.offset, other.index)
-    feat = comm.gather(other.feat, other.index)
-    log_w = comm.gather(other.log_w, other.index)
+    feat = comm.gather_once(other.feat, other.index)
+    log_w = comm.gather_once(other.log_w, other.index)
     form = AttentionForm(side.feat, feat, side.offset, torch.zeros_like(h))
     return soft_c_transform(form, h, log_w, eps, 1.0, engine)
 
