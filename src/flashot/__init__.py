@@ -9,7 +9,7 @@ without ever storing an n × m matrix.
 from flashot.backends import available_backends
 from flashot.batched import BatchedSinkhornResult, sinkhorn_varlen
 from flashot.costs import COSTS
-from flashot import linalg, optim
+from flashot import linalg, ops, optim
 from flashot.divergence import sinkhorn_divergence
 from flashot.hessian import hvp
 from flashot.labeled import LabeledCost, labeled_cost
@@ -35,6 +35,7 @@ __all__ = [
     "hvp",
     "labeled_cost",
     "linalg",
+    "ops",
     "optim",
     "shuffled_regression",
     "sinkhorn",

@@ -27,6 +27,7 @@ from flashot.backends import entry_point
 from flashot.batched import sinkhorn_divergence_batched
 from flashot.caller import warn_at_caller
 from flashot.costs import attention_form
+from flashot.ops import node_when_compiling
 from flashot.ot import ConvergenceWarning, resolve_schedule
 from flashot.problem import Problem, cloud_tensor, make_problem
 from flashot.solver import describe_miss, resolve_stopping, solve, solve_self
@@ -164,6 +165,7 @@ def debiased_potentials(
     return DebiasedPotentials(f, g, p, q, converged, misses)
 
 
+@node_when_compiling("divergence")
 @entry_point
 @functional_transforms
 def sinkhorn_divergence(

@@ -18,6 +18,7 @@ from flashot.backends import entry_point
 from flashot.batched import pack_problems
 from flashot.costs import bounding_diameter, get_cost
 from flashot.divergence import debiased_potentials
+from flashot.ops import compiled_loss, encodable
 from flashot.problem import (
     check_positive,
     cloud_tensor,
@@ -117,6 +118,11 @@ class SamplesLoss(torch.nn.Module):
         self.scaling, self.debias, self.potentials = float(scaling), bool(debias), bool(potentials)
         self.backend, self.precision = backend, precision
         self.cost = get_cost("half_sqeuclidean" if cost is None else cost)
+        # what a flashot::loss node needs to rebuild this loss (None: no node, eager call)
+        node = dict(blur=self.blur, reach=self.reach, diameter=self.diameter,
+                    scaling=self.scaling, cost=cost, debias=self.debias,
+                    backend=self.backend, precision=precision)  # fmt: skip
+        self._node_options = None if potentials or verbose or not encodable(node) else node
 
     def extra_repr(self) -> str:
         """Options shown by ``repr``."""
@@ -125,10 +131,24 @@ class SamplesLoss(torch.nn.Module):
             f"cost={self.cost.name!r}, backend={self.backend!r}"
         )
 
+    def forward(self, *args):
+        """``(x, y)`` or ``(a, x, b, y)``; see the class docstring.
+
+        Under ``torch.compile`` a value (not ``potentials=True``, a backend given by name)
+        is one ``flashot::loss`` graph node (:mod:`flashot.ops`): no graph break.
+        """
+        if torch.compiler.is_compiling() and self._node_options is not None:
+            if len(args) == 2:
+                return compiled_loss("samples_loss", args[0], args[1], **self._node_options)
+            if len(args) == 4:
+                return compiled_loss("samples_loss", args[1], args[3], args[0], args[2],
+                                     **self._node_options)  # fmt: skip
+        return self._forward(*args)
+
     @entry_point
     @functional_transforms
-    def forward(self, *args):
-        """``(x, y)`` or ``(a, x, b, y)``; see the class docstring."""
+    def _forward(self, *args):
+        """The eager call behind :meth:`forward`."""
         if len(args) == 2:
             (x, y), a, b = args, None, None
         elif len(args) == 4:
@@ -213,8 +233,10 @@ class SamplesLoss(torch.nn.Module):
 
 
     def _batched(self, a, x, b, y, temps):
-        """A balanced batch as one packed solve: the B problems (x_i, y_i) and, debiased,
-        the 2B self problems (x_i, x_i), (y_i, y_i), which symmetric steps keep symmetric.
+        """A balanced batch as one packed solve.
+
+        The B problems (x_i, y_i) and, debiased, the 2B self problems (x_i, x_i),
+        (y_i, y_i), which symmetric steps keep symmetric.
         """
         bsz, n, m = x.shape[0], x.shape[1], y.shape[1]
         weights = []
@@ -254,7 +276,8 @@ class SamplesLoss(torch.nn.Module):
             fs = f[: bsz * n].reshape(bsz, n)
             gs = g[: bsz * m].reshape(bsz, m)
             if self.debias:  # a self problem's two potentials agree up to rounding: average
-                fs = fs - 0.5 * (f[bsz * n : 2 * bsz * n] + g[bsz * m : bsz * (m + n)]).reshape(bsz, n)
+                p = f[bsz * n : 2 * bsz * n] + g[bsz * m : bsz * (m + n)]
+                fs = fs - 0.5 * p.reshape(bsz, n)
                 gs = gs - 0.5 * (f[2 * bsz * n :] + g[bsz * (m + n) :]).reshape(bsz, m)
             return fs.to(x.dtype), gs.to(y.dtype)
         value = (seg.sum(pp.a * f) + seg.T.sum(pp.b * g)).reshape(len(pairs), bsz)

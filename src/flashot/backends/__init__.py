@@ -52,8 +52,9 @@ def entry_point(fn):
     (``torch.compiler.disable``): its work is already fused kernels, and its host logic
     (tolerance checks, launch choices, thread pools) would otherwise break the graph
     many times over or fail to trace. A compiled step therefore breaks its graph once
-    at each flashot call and never recompiles for flashot's sake; ``fullgraph=True``
-    is not supported around a flashot call.
+    at each such call and never recompiles for flashot's sake; ``fullgraph=True``
+    is not supported around one. Losses that return tensors avoid the break as
+    ``flashot::loss`` nodes (:mod:`flashot.ops`).
     """
 
     @functools.wraps(fn)
