@@ -66,3 +66,24 @@ def test_asymmetric_rho_is_refused(gen):
     x, y = clouds(gen, 5, 5, 2)
     with pytest.raises(ValueError, match="rho"):
         flashot.sinkhorn_divergence(x, y, eps=0.5, rho=(1.0, None))
+
+
+def test_warm_start_reaches_the_same_divergence_in_fewer_iterations():
+    """init=(f, g) of OT(a, b) from an earlier solve (POT/OTT warm starts)."""
+    import warnings
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 2, generator=gen, dtype=torch.float64)
+    y = torch.randn(30, 2, generator=gen, dtype=torch.float64) + 1.0
+    kw = dict(eps=0.05, tol=1e-9, backend="torch", update="alternating", max_iter=200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cold solve misses tol in 200 iterations
+        cold = flashot.sinkhorn_divergence(x, y, **kw)
+    ref = flashot.sinkhorn(x, y, eps=0.05, tol=1e-11, max_iter=20000, backend="torch")
+    warm = flashot.sinkhorn_divergence(x, y, init=(ref.f, ref.g), **kw)  # no warning
+    exact = flashot.sinkhorn_divergence(x, y, eps=0.05, tol=1e-11, max_iter=20000,
+                                        backend="torch")  # fmt: skip
+    assert float(warm) == pytest.approx(float(exact), rel=1e-8)
+    assert abs(float(cold) - float(exact)) > abs(float(warm) - float(exact))
+    with pytest.raises(ValueError, match=r"init\[0\] \(f\) must have shape \(40,\)"):
+        flashot.sinkhorn_divergence(x, y, init=(ref.g, ref.g), **kw)

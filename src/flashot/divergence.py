@@ -28,7 +28,7 @@ from flashot.batched import sinkhorn_divergence_batched
 from flashot.caller import warn_at_caller
 from flashot.costs import attention_form
 from flashot.ops import node_when_compiling
-from flashot.ot import ConvergenceWarning, resolve_schedule
+from flashot.ot import ConvergenceWarning, _check_init, resolve_schedule
 from flashot.problem import Problem, cloud_tensor, make_problem
 from flashot.solver import describe_miss, resolve_stopping, solve, solve_self
 
@@ -93,6 +93,7 @@ def debiased_potentials(
     update: str = "symmetric",
     min_iter: int = 0,
     momentum: float | str | None = None,
+    init: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> DebiasedPotentials:
     """Solve OT(a, b) (and OT(a, a), OT(b, b) when debiasing), then extrapolate once.
 
@@ -102,6 +103,7 @@ def debiased_potentials(
         debias: also solve the two self problems.
         max_iter, tol, check_every, update, min_iter: as in :func:`flashot.solver.solve`.
         momentum: as there, for OT(a, b) (the self problems take symmetric steps).
+        init: a checked warm start (f, g) of OT(a, b), or None.
     """
     if problem.rho_x != problem.rho_y:
         raise ValueError("a Sinkhorn divergence needs the same rho on both sides")
@@ -121,6 +123,7 @@ def debiased_potentials(
         update=update,
         final_step=not needs_grad(problem.form),
         momentum=momentum,
+        init=init,
         **opts,
     )
     if out.final is not None:
@@ -188,6 +191,7 @@ def sinkhorn_divergence(
     warn: bool = True,
     relative_eps: bool = False,
     momentum: float | str | None = None,
+    init=None,
 ) -> torch.Tensor:
     """Debiased Sinkhorn divergence ``S_ε(a, b)`` (see the module docstring).
 
@@ -204,6 +208,9 @@ def sinkhorn_divergence(
             ``warn``, ``relative_eps``, ``momentum``: as in :func:`flashot.sinkhorn`
             (``relative_eps`` scales by the mean cost between x and y; ``momentum``
             relaxes OT(a, b), the self problems take symmetric steps).
+        init: optional warm start (f (n,), g (m,)) of OT(a, b), e.g. the potentials of
+            a previous solve (``flashot.sinkhorn(...).f, .g``); the self problems
+            start as usual.
 
     Returns:
         A 0-dim tensor, differentiable w.r.t. x, y, a and b; nonnegative up to
@@ -216,7 +223,7 @@ def sinkhorn_divergence(
     if not isinstance(warn, bool):
         raise TypeError(f"warn must be True or False, got {warn!r}")
     if getattr(x, "ndim", 2) == 3:  # a batch: 3B problems in one packed solve
-        extra = (("rho", rho), ("relative_eps", relative_eps or None))
+        extra = (("rho", rho), ("relative_eps", relative_eps or None), ("init", init))
         given = [k for k, v in extra if v is not None]
         if given:
             raise NotImplementedError(f"batched (B, n, d) divergences do not take "
@@ -238,7 +245,8 @@ def sinkhorn_divergence(
     temps = resolve_schedule(eps_schedule, problem)
     options: dict[str, Any] = dict(max_iter=max_iter, tol=tol, check_every=check_every,
                                    min_iter=min_iter, momentum=momentum)  # fmt: skip
-    pots = debiased_potentials(problem, temps, update=update, **options)
+    pots = debiased_potentials(problem, temps, update=update, init=_check_init(init, problem),
+                               **options)  # fmt: skip
     if pots.converged is False and warn:
         warn_at_caller("sinkhorn_divergence: " + "; ".join(pots.misses), ConvergenceWarning)
     value = pots.value(problem)
