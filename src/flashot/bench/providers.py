@@ -303,16 +303,83 @@ class FlashSinkhorn(Provider):
         return _timed(value_of, workload, pb.x)
 
 
+class OTT(Provider):
+    """OTT-JAX 0.6's Sinkhorn on a ``PointCloud``: dense, or online (``batch_size``)."""
+
+    workloads = ("forward", "gradient", "converge")
+
+    def __init__(self, mode: str, batch_size: int = 2048):
+        self.mode, self.batch_size = mode, batch_size
+        self.name = f"ott-{mode}"
+        self.computes = ("OT_eps = reg_ot_cost of OTT's Sinkhorn (alternating updates from "
+                         "zero, cost |x−y|², absolute ε, no final extrapolation: its "
+                         "fixed-iteration value differs from flashot's by the algorithm); "
+                         "fixed iterations: min = max = iters; gradient by Danskin (the "
+                         "envelope); converge: threshold = tol (L1)")  # fmt: skip
+
+    def unavailable(self, device):
+        try:
+            import jax
+            import ott  # noqa: F401
+        except ImportError:
+            return "ott-jax (and jax) are not installed"
+        platforms = {d.platform for d in jax.devices()}
+        want = "gpu" if device.type == "cuda" else "cpu"
+        if want not in platforms:
+            return f"jax has no {want} device here (it has {sorted(platforms)})"
+        return None
+
+    def prepare(self, workload, pb):
+        import jax
+        import jax.numpy as jnp
+        from ott.geometry import pointcloud
+        from ott.problems.linear import linear_problem
+        from ott.solvers.linear import sinkhorn
+
+        def as_jax(t):  # zero-copy where the device allows it
+            try:
+                return jax.dlpack.from_dlpack(t.detach().contiguous())
+            except Exception:  # (another device or an old jax)
+                return jnp.asarray(t.detach().cpu().numpy())
+
+        fixed = workload != "converge"
+        solver = sinkhorn.Sinkhorn(
+            threshold=-1.0 if fixed else pb.tol,
+            max_iterations=pb.iters if fixed else 100_000,
+            min_iterations=pb.iters if fixed else 0,
+            inner_iterations=1 if fixed else 10,
+            implicit_diff=None, use_danskin=True,
+        )  # fmt: skip
+        batch = None if self.mode == "dense" else self.batch_size
+        y, a, b = as_jax(pb.y), as_jax(pb.a), as_jax(pb.b)
+
+        def cost(x):
+            geom = pointcloud.PointCloud(x, y, epsilon=pb.eps, batch_size=batch)
+            return solver(linear_problem.LinearProblem(geom, a, b)).reg_ot_cost
+
+        fn = jax.jit(jax.value_and_grad(cost) if workload == "gradient" else cost)
+        x = as_jax(pb.x)
+
+        def run():
+            out = fn(x)
+            value = out[0] if workload == "gradient" else out
+            jax.block_until_ready(out)
+            return torch.tensor(float(value))
+
+        return run
+
+
 def providers(device: torch.device) -> list[Provider]:
     """Every provider, in the table's order (those unavailable say why when run)."""
     out: list[Provider] = [Flashot("torch")]
     if device.type == "cuda":
         out += [Flashot("triton"), Flashot("triton", "tf32"), Flashot("triton", "bf16")]
-    out += [DenseTorch(), GeomLoss("tensorized"), GeomLoss("online"), POT(), FlashSinkhorn()]
+    out += [DenseTorch(), GeomLoss("tensorized"), GeomLoss("online"), POT(), FlashSinkhorn(),
+            OTT("dense"), OTT("online")]
     return out
 
 
 #: provider names accepted by ``--providers`` (flashot's precision rows included)
 PROVIDERS = ("flashot-torch", "flashot-triton", "flashot-triton-tf32", "flashot-triton-bf16",
              "dense-torch", "geomloss-tensorized", "geomloss-online", "pot",
-             "flash-sinkhorn")  # fmt: skip
+             "flash-sinkhorn", "ott-dense", "ott-online")  # fmt: skip
