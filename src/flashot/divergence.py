@@ -28,8 +28,15 @@ from flashot.batched import sinkhorn_divergence_batched
 from flashot.caller import warn_at_caller
 from flashot.costs import attention_form
 from flashot.ops import node_when_compiling
-from flashot.ot import ConvergenceWarning, _check_init, resolve_schedule
-from flashot.problem import Problem, cloud_tensor, make_problem
+from flashot.ot import ConvergenceWarning, _check_init, resolve_schedule, sinkhorn
+from flashot.problem import (
+    Problem,
+    cloud_tensor,
+    compute_dtype,
+    make_problem,
+    parse_rho,
+    weights_tensor,
+)
 from flashot.solver import describe_miss, resolve_stopping, solve, solve_self
 
 __all__ = ["DebiasedPotentials", "debiased_potentials", "sinkhorn_divergence"]
@@ -168,6 +175,29 @@ def debiased_potentials(
     return DebiasedPotentials(f, g, p, q, converged, misses)
 
 
+def _asymmetric(x, y, a, b, *, rho, eps, init, **options) -> torch.Tensor:
+    r"""The divergence with ρ_x ≠ ρ_y, from three full relaxed solves.
+
+    ``OT(a, b) − ½ OT(a, a) − ½ OT(b, b) + ε/2 (m(a) − m(b))²``, each OT the relaxed value
+    with (ρ_x, ρ_y): ``S(a, a) = 0``, and with one ρ the formula is the symmetric
+    divergence's value.
+    """
+    ab = sinkhorn(x, y, a, b, eps=eps, rho=rho, init=init, **options)
+    options["relative_eps"] = False  # (the self problems take OT(a, b)'s absolute ε)
+    aa = sinkhorn(x, x, a, a, eps=ab.eps, rho=rho, **options).cost
+    bb = sinkhorn(y, y, b, b, eps=ab.eps, rho=rho, **options).cost
+    mass = _mass(a, x) - _mass(b, y)
+    return ab.cost - 0.5 * (aa + bb) + 0.5 * ab.eps * mass**2
+
+
+def _mass(w, cloud) -> torch.Tensor:
+    """m(w) of given weights (1 for uniform ones, which are probability vectors)."""
+    if w is None:
+        return torch.ones((), dtype=compute_dtype(cloud.dtype), device=cloud.device)
+    w = weights_tensor(w, cloud, "weights")
+    return w.to(compute_dtype(cloud.dtype)).sum()
+
+
 @node_when_compiling("divergence")
 @entry_point
 @functional_transforms
@@ -195,8 +225,11 @@ def sinkhorn_divergence(
 ) -> torch.Tensor:
     """Debiased Sinkhorn divergence ``S_ε(a, b)`` (see the module docstring).
 
-    Takes the same options as :func:`flashot.sinkhorn` (``rho`` must be a single
-    value: the divergence is defined for symmetric relaxations).
+    Takes the same options as :func:`flashot.sinkhorn`. With ``rho=(ρ_x, ρ_y)``,
+    ρ_x ≠ ρ_y, the three problems are full relaxed solves with (ρ_x, ρ_y), combined as
+    ``OT(a, b) − ½ OT(a, a) − ½ OT(b, b) + ε/2 (m(a) − m(b))²`` (OTT's convention of one
+    relaxation for all three; the formula is the symmetric divergence's value when
+    ρ_x = ρ_y, and ``S(a, a) = 0``).
 
     Args:
         x: (n, d) source points.  y: (m, d) target points. A (B, n, d) and (B, m, d)
@@ -236,9 +269,14 @@ def sinkhorn_divergence(
             momentum=momentum,
         )
     if rho is not None and not isinstance(rho, (int, float)):
-        raise ValueError(
-            f"rho must be None or a single positive float for a divergence, got {rho!r}"
-        )
+        rx, ry = parse_rho(rho)
+        if rx != ry:  # three full solves with (ρ_x, ρ_y): OTT's convention
+            return _asymmetric(x, y, a, b, rho=(rx, ry), eps=eps, cost=cost,
+                               max_iter=max_iter, tol=tol, check_every=check_every,
+                               update=update, eps_schedule=eps_schedule, backend=backend,
+                               precision=precision, min_iter=min_iter, warn=warn,
+                               relative_eps=relative_eps, momentum=momentum, init=init)  # fmt: skip
+        rho = rx
     problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend,
                            precision=precision, relative_eps=relative_eps)  # fmt: skip
     tol, update = resolve_stopping(tol, update, problem, momentum)
