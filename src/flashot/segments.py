@@ -65,6 +65,16 @@ class Segments:
             t._cache["T"] = self
         return t
 
+    @property
+    def elements(self) -> int:
+        """``Σ_s n_s m_s``: the entries of the diagonal blocks (what a pass streams)."""
+        key = "elements"
+        if key not in self._cache:
+            sizes = zip(itertools.pairwise(self.rows), itertools.pairwise(self.cols),
+                        strict=True)  # fmt: skip
+            self._cache[key] = sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in sizes)
+        return self._cache[key]
+
     def row_slice(self, s: int) -> slice:
         """Problem ``s``'s rows."""
         return slice(self.rows[s], self.rows[s + 1])

@@ -140,3 +140,11 @@ def test_default_presplit_follows_the_launch_size():
     assert seen == []  # a small solve reads float32 with 3xTF32 per tile
     with pytest.raises(TypeError, match="presplit"):
         TritonBackend(presplit="yes")
+
+
+def test_a_packed_batch_counts_the_work_of_its_diagonal_blocks():
+    """presplit=None on a packed batch weighs Σ n_s m_s, not the packed N·M."""
+    from flashot.segments import Segments
+
+    seg = Segments((0, 3, 10), (0, 4, 6))
+    assert seg.elements == 3 * 4 + 7 * 2 == seg.T.elements

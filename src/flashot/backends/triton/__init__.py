@@ -259,7 +259,8 @@ class TritonBackend(OperandCache, Backend):
         ``segments``: a packed batch (:mod:`flashot.segments`); the grid then runs over
         its table of row blocks, each streaming its own problem's columns (no splits).
         """
-        work = q.shape[0] * k.shape[0] * max(q.shape[1], 64)
+        elements = q.shape[0] * k.shape[0] if segments is None else segments.elements
+        work = elements * max(q.shape[1], 64)
         q, k, split_args, presplit = score_operands(self._operand(q, keep_q, work),
                                                     self._operand(k, work=work))  # fmt: skip
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
@@ -384,7 +385,9 @@ class TritonBackend(OperandCache, Backend):
             ``(R (n,), C (m,))``; with ``mul``, ``(R, C, R₀, C₀)`` with ``R₀``, ``C₀`` the
             sums without it.
         """
-        work = form.q.shape[0] * form.k.shape[0] * max(form.q.shape[1], 64)
+        seg = form.segments
+        elements = form.q.shape[0] * form.k.shape[0] if seg is None else seg.elements
+        work = elements * max(form.q.shape[1], 64)
         q, k, split_args, presplit = score_operands(self._operand(form.q, work=work),
                                                      self._operand(form.k, work=work))  # fmt: skip
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
