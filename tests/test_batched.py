@@ -163,8 +163,10 @@ def test_varlen_errors_name_the_argument(gen, kwargs, match):
 
 def test_batched_refuses_what_it_does_not_do(gen):
     x = torch.randn(2, 5, 2, generator=gen, dtype=torch.float64)
-    with pytest.raises(NotImplementedError, match="rho"):
-        flashot.sinkhorn(x, x, eps=0.1, rho=1.0)
+    with pytest.raises(NotImplementedError, match="init"):
+        flashot.sinkhorn(x, x, eps=0.1, init=(torch.zeros(10), torch.zeros(10)))
+    with pytest.raises(NotImplementedError, match="eps above"):  # (its value would lose digits)
+        flashot.sinkhorn(x, x, eps=1e6, rho=1.0)
     with pytest.raises(ValueError, match="same batch size"):
         sinkhorn_batched(x, x[:1], eps=0.1)
     with pytest.raises(ValueError, match=r"a must be a \(2, 5\) tensor"):
@@ -268,3 +270,28 @@ def test_batched_divergence_is_one_packed_solve_equal_to_per_problem_divergences
         (gi,) = torch.autograd.grad(one, xi)
         assert out[i].item() == pytest.approx(float(one), rel=1e-8, abs=1e-11)
         assert torch.allclose(gx[i], gi, atol=1e-8)
+
+
+@pytest.mark.parametrize("rho", [0.8, (1.5, None), (0.5, 2.0)])
+def test_relaxed_batch_matches_per_problem_relaxed_solves(gen, rho):
+    sizes = [(7, 9), (12, 5), (3, 8)]
+    xs, ys, xo, yo = ragged(gen, sizes)
+    a = (torch.rand(22, generator=gen, dtype=torch.float64) + 0.1).requires_grad_()
+    b = 2.0 * (torch.rand(22, generator=gen, dtype=torch.float64) + 0.1)
+    x = torch.cat(xs).requires_grad_()
+    kw = dict(eps=0.4, rho=rho, tol=1e-11, max_iter=20_000, backend="torch")
+    res = sinkhorn_varlen(x, torch.cat(ys), xo, yo, a, b, **kw)
+    gx, ga = torch.autograd.grad(res.cost.sum(), (x, a))
+    for s in range(3):
+        rows, cols = slice(xo[s], xo[s + 1]), slice(yo[s], yo[s + 1])
+        xi = xs[s].clone().requires_grad_()
+        ai = a.detach()[rows].clone().requires_grad_()
+        one = flashot.sinkhorn(xi, ys[s], ai, b[cols], **kw)
+        gxi, gai = torch.autograd.grad(one.cost, (xi, ai))
+        assert res.cost[s].item() == pytest.approx(float(one.cost), rel=1e-9)
+        assert torch.allclose(res.f[rows].detach(), one.f.detach(), atol=1e-8)
+        assert torch.allclose(gx[rows], gxi, atol=1e-8)
+        assert torch.allclose(ga[rows], gai, atol=1e-8)
+        assert res.marginal_error[s] <= 1e-10
+    with pytest.raises(NotImplementedError, match="one eps"):
+        sinkhorn_varlen(x, torch.cat(ys), xo, yo, eps=[0.4, 0.5, 0.4], rho=rho)

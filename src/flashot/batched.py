@@ -34,6 +34,7 @@ import torch
 from flashot.autodiff.functions import extrapolate
 from flashot.backends import entry_point, resolve_backend
 from flashot.backends.base import Backend
+from flashot.backends.near import NEAR_FROM
 from flashot.caller import warn_at_caller
 from flashot.costs import AttentionForm, Cost, _centered, get_cost
 from flashot.problem import (
@@ -42,6 +43,7 @@ from flashot.problem import (
     check_eps_range,
     check_positive,
     compute_dtype,
+    parse_rho,
     weights_tensor,
 )
 from flashot.result import TransportPlan
@@ -273,12 +275,43 @@ def _schedule(eps_schedule, eps0: float, diameters: torch.Tensor, uniform: bool)
                     f"got {eps_schedule!r}")  # fmt: skip
 
 
-def _errors(form, f, g, log_a, log_b, eps: float, engine: Backend) -> torch.Tensor:
-    """(B,) float64 L1 marginal errors of the problems of a packed form, on the device."""
+def _errors(form, f, g, log_a, log_b, eps: float, engine: Backend,
+            rho=(None, None)) -> torch.Tensor:  # fmt: skip
+    """(B,) float64 L1 marginal errors of the problems of a packed form, on the device.
+
+    A relaxed side's target is ``a e^{−f/ρ}`` (:func:`flashot.dual.marginal_error`).
+    """
     seg = form.segments
     r, c = engine.marginals(form, f, g, log_a, log_b, eps)
-    a, b = torch.exp(log_a), torch.exp(log_b)
-    return (seg.sum((r - a).abs()) + seg.T.sum((c - b).abs())).double()
+    ta = torch.exp(log_a if rho[0] is None else log_a - f / rho[0])
+    tb = torch.exp(log_b if rho[1] is None else log_b - g / rho[1])
+    return (seg.sum((r - ta).abs()) + seg.T.sum((c - tb).abs())).double()
+
+
+def _relaxed_values(seg: Segments, f, g, a, b, r, eps: float, rho) -> torch.Tensor:
+    """(B,) relaxed dual values, each ``ot._dual_value``'s for its problem.
+
+    ``⟨a, φ(f)⟩ + ⟨b, φ(g)⟩ − ε (m(P) − m(a) m(b))`` per problem, with the derivatives
+    of :func:`~flashot.autodiff.functions.relaxed_side` (the envelope ones); ``r`` the
+    plan's row sums (its mass per problem).
+    """
+
+    def side(s, pot, w, rho_s):  # relaxed_side per problem
+        if rho_s is None:
+            return s.sum(w * (pot - eps))
+        return -(rho_s + eps) * s.sum(w * torch.expm1(-pot / rho_s)) - eps * s.sum(w)
+
+    def phi(s, pot, w, rho_s):  # phi_sum per problem
+        if rho_s is None:
+            return s.sum(w * pot)
+        return -rho_s * s.sum(w * torch.expm1(-pot.detach() / rho_s))
+
+    m_a, m_b = seg.sum(a), seg.T.sum(b)
+    grads = side(seg, f, a, rho[0]) + side(seg.T, g, b, rho[1]) + eps * m_a * m_b
+    with torch.no_grad():
+        excess = seg.sum(r) - m_a * m_b
+        value = phi(seg, f, a, rho[0]) + phi(seg.T, g, b, rho[1]) - eps * excess
+    return value + (grads - grads.detach())
 
 
 def _floors(form, f, g, log_a, log_b, eps: float) -> torch.Tensor:
@@ -301,7 +334,7 @@ def sinkhorn_varlen(
     max_iter: int = 1000, tol: float | str | None = "auto", check_every: int = 10,
     update: str = "auto", eps_schedule=None, backend="auto", precision: str = "auto",
     min_iter: int = 0, warn: bool = True, momentum: float | str | None = None,
-    progress: bool = False,
+    progress: bool = False, rho=None,
 ) -> BatchedSinkhornResult:  # fmt: skip
     r"""Balanced entropic OT for a ragged batch of problems in one solve.
 
@@ -322,6 +355,9 @@ def sinkhorn_varlen(
             ``momentum``, ``progress`` as in :func:`flashot.sinkhorn` (an explicit
             temperature list needs one ε for the batch; ``tol`` bounds the sum of the
             problems' errors).
+        rho: None (balanced), ρ or (ρ_x, ρ_y) as in :func:`flashot.sinkhorn`, for every
+            problem (with one ε for the batch); relaxed weights keep their masses and
+            ``cost`` is each problem's relaxed dual value.
 
     Returns:
         A :class:`BatchedSinkhornResult` with packed potentials (N,), (M,).
@@ -329,8 +365,8 @@ def sinkhorn_varlen(
     return _solve_packed(x, y, x_offsets, y_offsets, a, b, None, eps=eps, cost=cost,
                          max_iter=max_iter, tol=tol, check_every=check_every, update=update,
                          eps_schedule=eps_schedule, backend=backend, precision=precision,
-                         min_iter=min_iter, warn=warn, momentum=momentum,
-                         progress=progress)  # fmt: skip
+                         min_iter=min_iter, warn=warn, momentum=momentum, progress=progress,
+                         rho=rho)  # fmt: skip
 
 
 def _check_batch(x, y, a, b):
@@ -389,6 +425,12 @@ class PackedProblem:
     eps0: float
     engine: Backend
     diameters: torch.Tensor
+    rho: tuple[float | None, float | None] = (None, None)
+
+    def damping(self, eps: float) -> tuple[float, float]:
+        """Unbalanced damping ``λ = ρ / (ρ + ε)`` of each side (1 when balanced)."""
+        lam = [1.0 if r is None else r / (r + eps) for r in self.rho]
+        return lam[0], lam[1]
 
     @property
     def segments(self) -> Segments:
@@ -409,22 +451,26 @@ class PackedProblem:
         """
         log_a, log_b = torch.log(self.a.detach()), torch.log(self.b.detach())
         detached, engine = self.form.detach(), self.engine
-        out = solve(detached, log_a, log_b, temps, lambda e: (1.0, 1.0), (None, None), engine,
+        out = solve(detached, log_a, log_b, temps, self.damping, self.rho, engine,
                     **solve_options)  # fmt: skip
         update = solve_options.get("update", "symmetric")
         with engine.operand_scope():
-            f, g = extrapolate(self.form, out.f, out.g, log_a, log_b, self.eps0, (1.0, 1.0),
-                               engine, update)  # fmt: skip
+            f, g = extrapolate(self.form, out.f, out.g, log_a, log_b, self.eps0,
+                               self.damping(self.eps0), engine, update)  # fmt: skip
         return f, g, out
 
 
 def pack_problems(x, y, x_offsets, y_offsets, a=None, b=None, *, eps, cost="sqeuclidean",
-                  backend="auto", precision="auto",
-                  normalize: bool = True) -> PackedProblem:  # fmt: skip
+                  backend="auto", precision="auto", normalize: bool = True,
+                  rho=None) -> PackedProblem:  # fmt: skip
     """Validate a ragged batch and build its packed form (arguments of :func:`sinkhorn_varlen`).
 
-    ``normalize=False`` keeps the weights as given (GeomLoss' convention).
+    ``normalize=False`` keeps the weights as given (GeomLoss' convention); relaxed
+    problems (``rho``) keep them too, as :func:`flashot.sinkhorn` does.
     """
+    rho_xy = parse_rho(rho)
+    relaxed = rho_xy != (None, None)
+    normalize = normalize and not relaxed
     checks = DeviceChecks()
     (x, _), (y, _) = check_cloud(x, "x", checks), check_cloud(y, "y", checks)
     if x.device != y.device or x.dtype != y.dtype:
@@ -458,7 +504,14 @@ def pack_problems(x, y, x_offsets, y_offsets, a=None, b=None, *, eps, cost="sqeu
     form, bounds, diameters = _packed_form(cost, x, y, seg, dtype, engine.rounding, shrink)
     for bound in bounds:
         check_eps_range(eps0, bound, dtype, "eps")
-    return PackedProblem(x, y, a, b, form, eps_all, eps0, engine, diameters)
+    if relaxed and not bool((eps_all == eps0).all()):
+        raise NotImplementedError("a relaxed batch (rho) takes one eps for all its problems")
+    if relaxed and form.segments is not None and form.segments.near(eps0, NEAR_FROM):
+        raise NotImplementedError(
+            "a relaxed batch at eps above a problem's cost range: its value would lose "
+            "digits (eps·ulp); solve those problems one by one (flashot.sinkhorn)"
+        )
+    return PackedProblem(x, y, a, b, form, eps_all, eps0, engine, diameters, rho_xy)
 
 
 def sinkhorn_divergence_batched(x, y, a=None, b=None, *, eps, update: str = "auto",
@@ -500,14 +553,14 @@ def sinkhorn_divergence_batched(x, y, a=None, b=None, *, eps, update: str = "aut
 def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeuclidean",
                   max_iter=1000, tol="auto", check_every=10, update="auto", eps_schedule=None,
                   backend="auto", precision="auto", min_iter=0, warn=True, momentum=None,
-                  progress=False) -> BatchedSinkhornResult:  # fmt: skip
+                  progress=False, rho=None) -> BatchedSinkhornResult:  # fmt: skip
     """The solve behind :func:`sinkhorn_varlen` and :func:`sinkhorn_batched`."""
     from flashot.ot import ConvergenceWarning  # (flashot.ot routes batched calls here)
 
     if not isinstance(warn, bool):
         raise TypeError(f"warn must be True or False, got {warn!r}")
     pp = pack_problems(x, y, x_offsets, y_offsets, a, b, eps=eps, cost=cost, backend=backend,
-                       precision=precision)  # fmt: skip
+                       precision=precision, rho=rho)  # fmt: skip
     seg, eps0, engine, eps_all = pp.segments, pp.eps0, pp.engine, pp.eps
     x, y, a, b = pp.x, pp.y, pp.a, pp.b
     uniform = bool((eps_all == eps0).all())
@@ -520,11 +573,16 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
     detached = pp.form.detach()
     fd, gd = f.detach(), g.detach()
     f_s, g_s = pp.to_own_eps(f, g)
-    value = seg.sum(a * f_s) + seg.T.sum(b * g_s)
+    relaxed = pp.rho != (None, None)
+    if relaxed:  # the dual value per problem, with envelope-exact derivatives
+        r = engine.marginals(detached, fd, gd, log_a, log_b, eps0)[0]
+        value = _relaxed_values(seg, f, g, a, b, r, eps0, pp.rho)
+    else:
+        value = seg.sum(a * f_s) + seg.T.sum(b * g_s)
     # a fixed-iteration solve measures the errors only when asked (a pass over the plans)
     err_host = None
     if tol is not None:
-        err_host = _errors(detached, fd, gd, log_a, log_b, eps0, engine).cpu()
+        err_host = _errors(detached, fd, gd, log_a, log_b, eps0, engine, pp.rho).cpu()
     finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
     if not (bool(finite) and (err_host is None or bool(torch.isfinite(err_host).all()))):
         raise FloatingPointError("Sinkhorn produced non-finite potentials; try a larger eps, "
@@ -546,7 +604,7 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
                 "increase max_iter, use an eps_schedule or a larger eps",
                 ConvergenceWarning,
             )
-    plan = TransportPlan(detached, fd, gd, log_a, log_b, eps0, engine, x, y, (None, None), None)
+    plan = TransportPlan(detached, fd, gd, log_a, log_b, eps0, engine, x, y, pp.rho, None)
     bshape = None if batch is None else (batch, -1)
     return BatchedSinkhornResult(
         f_s if bshape is None else f_s.reshape(bshape),
