@@ -107,3 +107,15 @@ def test_cli_bench_writes_rows_with_versions_and_plots(tmp_path, capsys):
 def test_cli_bench_refuses_unknown_names(args, match, capsys, tmp_path):
     assert main(["bench", "--out", str(tmp_path), *args]) == 1
     assert match in capsys.readouterr().err
+
+
+def test_otdd_workload_streamed_and_dense_agree_with_float64():
+    """flashot's dataset_distance and the dense formula (augmented n×m cost, the same
+    debiased symmetric solves) against flashot's float64 value."""
+    from flashot.bench.harness import _reference
+
+    pb = make_problem(80, 70, 4, CPU, eps=2.0, seed=8)
+    want = _reference(pb, "otdd")
+    for prov in (Flashot("torch"), DenseTorch()):
+        assert "otdd" in prov.workloads
+        assert float(prov.prepare("otdd", pb)()) == pytest.approx(want, rel=1e-5), prov.name

@@ -9,7 +9,10 @@ fixed ε (``--eps``, 0.1) and float32 inputs. Workloads:
 * ``converge``: solve to a marginal error (``--tol``) with ε-scaling, what users run,
   at ε × d (a fixed fraction of the cost's scale, 2d for these clouds);
 * ``plan``: the product ``P y`` of the solved plan with the target points (timed alone);
-* ``hvp``: ``⟨v, H v⟩`` of the converged value's Hessian in x (flashot's exact HVP).
+* ``hvp``: ``⟨v, H v⟩`` of the converged value's Hessian in x (flashot's exact HVP);
+* ``otdd``: the debiased dataset distance between x and y labeled ``i mod 10``
+  (diagonal Gaussian class distances, fixed iterations, uniform weights), flashot's
+  streamed label table against the dense formula (the augmented n×m cost matrix).
 
 Each provider computes the same quantity in its own convention and the row says how
 (:attr:`~flashot.bench.providers.Provider.computes`). Times are medians: CUDA events

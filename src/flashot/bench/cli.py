@@ -14,7 +14,7 @@ from flashot.bench.report import plot, table, write
 
 __all__ = ["QUICK", "add_arguments", "run"]
 
-WORKLOADS = ("forward", "gradient", "converge", "plan", "hvp")
+WORKLOADS = ("forward", "gradient", "converge", "plan", "hvp", "otdd")
 #: the default suite per device type: (sizes, dims); --full: FULL
 QUICK = {"cuda": ((10_000, 50_000), (64,)), "cpu": ((1_000, 4_000), (3, 64))}
 FULL = {"cuda": ((1_000, 10_000, 50_000, 200_000, 1_000_000), (3, 64, 512, 1024)),

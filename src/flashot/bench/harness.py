@@ -104,6 +104,13 @@ def _reference(pb: Problem, workload: str) -> float:
         hv = flashot.hvp(x, y, v, a, b, eps=pb.eps, tol=1e-10, max_iter=100_000, backend="torch")
         return float((v * hv).sum())
     kw = dict(eps=pb.eps, backend="torch", warn=False)
+    if workload == "otdd":
+        from flashot.bench.providers import otdd_labels
+        from flashot.otdd import dataset_distance
+
+        ya, yb = otdd_labels(pb)
+        return float(dataset_distance(x, ya, y, yb, diagonal=True, tol=None, max_iter=pb.iters,
+                                      update="symmetric", **kw).distance)  # fmt: skip
     if workload == "plan":
         res = flashot.sinkhorn(x, y, a, b, tol=None, max_iter=pb.iters, update="symmetric", **kw)
         return float((res.plan @ y).sum())

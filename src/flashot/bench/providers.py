@@ -17,6 +17,7 @@ not by accuracy: compare POT in ``converge``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,6 +64,28 @@ def make_problem(n: int, m: int, d: int, device, *, eps=0.1, iters=10, tol=1e-3,
 
 #: the solve's tolerance of the ``hvp`` workload (the Hessian of the converged value)
 HVP_TOL = 1e-6
+#: classes of the ``otdd`` workload's datasets (labels i mod K on both sides)
+OTDD_CLASSES = 10
+
+
+def otdd_labels(pb: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``otdd`` workload's labels of x and y: ``i mod K`` (every class the same size)."""
+    dev = pb.x.device
+    return (torch.arange(pb.n, device=dev) % OTDD_CLASSES,
+            torch.arange(pb.y.shape[0], device=dev) % OTDD_CLASSES)  # fmt: skip
+
+
+def otdd_table(pb: Problem) -> torch.Tensor:
+    """(2K, 2K) W² between the classes of both datasets (diagonal Gaussians).
+
+    The label table the ``otdd`` workload's providers share (flashot's own, held fixed).
+    """
+    from flashot.otdd import class_table
+
+    ya, yb = otdd_labels(pb)
+    feats = [pb.x[ya == c] for c in range(OTDD_CLASSES)] + [
+        pb.y[yb == c] for c in range(OTDD_CLASSES)]  # fmt: skip
+    return class_table(feats, "gaussian", diagonal=True)
 
 
 def direction(pb: Problem) -> torch.Tensor:
@@ -121,10 +144,17 @@ class Flashot(Provider):
             return f"precision {self.precision!r} needs the triton backend on a GPU"
         return None
 
-    workloads = ("forward", "gradient", "converge", "plan", "hvp")
+    workloads = ("forward", "gradient", "converge", "plan", "hvp", "otdd")
 
     def prepare(self, workload, pb):
         kw = dict(eps=pb.eps, backend=self.backend, precision=self.precision)
+        if workload == "otdd":  # debiased, diagonal Gaussian inner, fixed iterations
+            from flashot.otdd import dataset_distance
+
+            ya, yb = otdd_labels(pb)
+            return lambda: dataset_distance(pb.x, ya, pb.y, yb, diagonal=True, tol=None,
+                                            max_iter=pb.iters, update="symmetric",
+                                            **kw).distance  # fmt: skip
         if workload == "plan":  # the product alone, after the solve
             plan = flashot.sinkhorn(pb.x, pb.y, pb.a, pb.b, tol=None, max_iter=pb.iters,
                                     update="symmetric", **kw).plan  # fmt: skip
@@ -153,8 +183,10 @@ class DenseTorch(Provider):
 
     name = "dense-torch"
     computes = ("OT_eps, the same symmetric updates as flashot on a stored n×m cost matrix; "
-                "plan: the n×m plan formed, times y")  # fmt: skip
-    workloads = ("forward", "gradient", "plan")
+                "plan: the n×m plan formed, times y; otdd: the dense formula, the augmented "
+                "n×m cost |x−y|² + W²[c, c'] (flashot's class table) and the same debiased "
+                "symmetric solves")  # fmt: skip
+    workloads = ("forward", "gradient", "plan", "otdd")
 
     def unavailable(self, device):
         return None
@@ -176,6 +208,29 @@ class DenseTorch(Provider):
             f_new, g_new = t(g, lb, c), t(f, la, c.T)  # the differentiated extrapolation
             return (pb.a * f_new).sum() + (pb.b * g_new).sum()
 
+        if workload == "otdd":
+            ya, yb = otdd_labels(pb)
+            table = otdd_table(pb).to(pb.x.dtype)
+            k = OTDD_CLASSES
+            uni_a = torch.full_like(la, -math.log(len(la)))
+            uni_b = torch.full_like(lb, -math.log(len(lb)))
+
+            def ot(u, v, cu, cv, wu, wv):  # symmetric solve, GeomLoss' start and final step
+                c = _sq_dist(u, v) + table[cu[:, None], cv[None, :]]
+                f, g = t(torch.zeros_like(wv), wv, c), t(torch.zeros_like(wu), wu, c.T)
+                for _ in range(pb.iters):
+                    f, g = 0.5 * (f + t(g, wv, c)), 0.5 * (g + t(f, wu, c.T))
+                f, g = t(g, wv, c), t(f, wu, c.T)
+                return (wu.exp() * f).sum() + (wv.exp() * g).sum()
+
+            def distance():
+                with torch.no_grad():
+                    xy = ot(pb.x, pb.y, ya, yb + k, uni_a, uni_b)
+                    xx = ot(pb.x, pb.x, ya, ya, uni_a, uni_a)
+                    yy = ot(pb.y, pb.y, yb + k, yb + k, uni_b, uni_b)
+                    return xy - 0.5 * (xx + yy)
+
+            return distance
         if workload == "plan":
             with torch.no_grad():
                 c = _sq_dist(pb.x, pb.y)
