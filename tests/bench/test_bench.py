@@ -119,3 +119,17 @@ def test_otdd_workload_streamed_and_dense_agree_with_float64():
     for prov in (Flashot("torch"), DenseTorch()):
         assert "otdd" in prov.workloads
         assert float(prov.prepare("otdd", pb)()) == pytest.approx(want, rel=1e-5), prov.name
+
+
+def test_cli_largest_doubles_n_within_the_budget(tmp_path, capsys):
+    """--largest: the largest n (doubling from the smallest size, up to the cap) each
+    provider runs in one call under the budget; a generous budget reaches the cap."""
+    code = main(["bench", "--sizes", "50", "--dims", "2", "--workloads", "forward",
+                 "--providers", "flashot-torch,dense-torch", "--largest", "30",
+                 "--largest-cap", "200", "--out", str(tmp_path), "--quiet"])  # fmt: skip
+    assert code == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    largest = [r for r in rows if r["workload"] == "forward:largest"]
+    assert {r["provider"] for r in largest} == {"flashot-torch", "dense-torch"}
+    assert all(r["n"] == 200 and r["ms"] > 0 for r in largest)  # 50 → 100 → 200, the cap
+    assert main(["bench", "--largest", "-1", "--out", str(tmp_path)]) == 1

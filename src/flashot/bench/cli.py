@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from flashot.bench.harness import environment, run_suite
+from flashot.bench.harness import environment, largest_sizes, run_suite
 from flashot.bench.providers import PROVIDERS, providers
 from flashot.bench.report import plot, table, write
 
@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="flashot_bench", help="folder for CSV, JSON and PNGs")
     p.add_argument("--no-floor", action="store_true", help="skip measuring the GPU's ceilings")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--largest", type=float, default=0.0, metavar="SECONDS",
+                   help="also find the largest n each provider runs a workload at in one "
+                        "call of at most SECONDS (doubling n; 0: skip)")  # fmt: skip
+    p.add_argument("--largest-cap", type=int, default=None, metavar="N",
+                   help="the largest n tried by --largest (default 4M on a GPU, 64k on a "
+                        "CPU)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(
             f"--providers: unknown {', '.join(unknown)} (choose from {', '.join(PROVIDERS)})"
         )
+    if not args.largest >= 0:
+        raise CliError(f"--largest must be ≥ 0 seconds, got {args.largest}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CliError("--device cuda: no CUDA device is available")
     sizes, dims = (FULL if args.full else QUICK)["cuda" if device.type == "cuda" else "cpu"]
@@ -81,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
 
     rows = run_suite(args.workloads, sizes, dims, chosen, device, eps=args.eps, iters=args.iters,
                      tol=args.tol, floors=not args.no_floor, progress=say)  # fmt: skip
+    if args.largest > 0:
+        cap = args.largest_cap or (1 << 22 if device.type == "cuda" else 1 << 16)
+        rows += largest_sizes(args.workloads, dims, chosen, device, args.largest,
+                              start=min(sizes), cap=cap, eps=args.eps, iters=args.iters,
+                              tol=args.tol, progress=say)  # fmt: skip
     env = environment(device, getattr(args, "command_line", None))
     out = Path(args.out)
     files = write(rows, env, out) + plot(rows, out)

@@ -16,7 +16,7 @@ import flashot
 from flashot.bench.floor import Ceilings, floor_ms, measure_ceilings
 from flashot.bench.providers import Flashot, Problem, Provider, direction, make_problem
 
-__all__ = ["Row", "environment", "median_ms", "run_suite"]
+__all__ = ["Row", "environment", "largest_sizes", "median_ms", "run_suite"]
 
 #: points per cloud of the float64 accuracy reference (dense, on the CPU or the device)
 ACCURACY_N = 1000
@@ -176,3 +176,58 @@ def _row(prov: Provider, workload: str, pb: Problem, ref_pb: Problem, reference:
         precision = "fp32" if prov.precision == "auto" else prov.precision
         row.floor_ms = floor_ms(ceilings, workload, pb.n, pb.n, pb.d, pb.iters, precision)
     return row
+
+
+def largest_sizes(workloads: Iterable[str], dims: Iterable[int], chosen: list[Provider],
+                  device: torch.device, budget_s: float, *, start: int = 1000,
+                  cap: int = 1 << 22, eps: float = 0.1, iters: int = 10, tol: float = 1e-3,
+                  progress: Callable[[str], None] | None = None) -> list[Row]:  # fmt: skip
+    """The largest n = m each provider computes a workload at in one call of ``budget_s``.
+
+    n doubles from ``start`` up to ``cap``. A call at ``start`` first compiles and warms up, untimed. A row per (workload, d,
+    provider), workload ``"<name>:largest"``: its ``n`` and the call's time, or why not
+    (over budget at ``start``, failing, unavailable). Out-of-memory ends the doubling.
+    """
+    rows = []
+    for workload in workloads:
+        for d in dims:
+            e = eps * d if workload == "converge" else eps
+            for prov in chosen:
+                row = Row(f"{workload}:largest", prov.name, 0, d, computes=prov.computes)
+                rows.append(row)
+                why = prov.unavailable(device)
+                if why is None and workload not in prov.workloads:
+                    why = f"{prov.name} has no {workload} workload here"
+                if why is not None:
+                    row.skipped = why
+                    continue
+                best, n, failure = None, start, None
+                try:
+                    prov.prepare(workload, make_problem(start, start, d, device, eps=e,
+                                                        iters=iters, tol=tol))()  # fmt: skip
+                except Exception as err:  # (it cannot run at all: say why)
+                    failure = f"failed at n={start}: {type(err).__name__}"
+                while failure is None and n <= cap:
+                    if progress is not None:
+                        progress(f"largest {workload} d={d} {prov.name}: n={n}")
+                    pb = make_problem(n, n, d, device, eps=e, iters=iters, tol=tol)
+                    try:
+                        fn = prov.prepare(workload, pb)
+                        _sync(device)
+                        t0 = time.perf_counter()
+                        fn()
+                        _sync(device)
+                    except Exception:  # out of memory or beyond the library's limits
+                        break
+                    finally:
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                    seconds = time.perf_counter() - t0
+                    if seconds > budget_s:
+                        break
+                    best, n = (n, seconds), 2 * n
+                if best is None:
+                    row.skipped = failure or f"n={start} takes over {budget_s:g} s"
+                else:
+                    row.n, row.ms = best[0], 1e3 * best[1]
+    return rows
