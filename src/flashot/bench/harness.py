@@ -184,9 +184,10 @@ def largest_sizes(workloads: Iterable[str], dims: Iterable[int], chosen: list[Pr
                   progress: Callable[[str], None] | None = None) -> list[Row]:  # fmt: skip
     """The largest n = m each provider computes a workload at in one call of ``budget_s``.
 
-    n doubles from ``start`` up to ``cap``. A call at ``start`` first compiles and warms up, untimed. A row per (workload, d,
-    provider), workload ``"<name>:largest"``: its ``n`` and the call's time, or why not
-    (over budget at ``start``, failing, unavailable). Out-of-memory ends the doubling.
+    n doubles from ``start`` up to ``cap``; a call at ``start`` first compiles and warms
+    up, untimed. A row per (workload, d, provider), workload ``"<name>:largest"``: its
+    ``n`` and the call's time, or why not (over budget at ``start``, failing,
+    unavailable). Out-of-memory ends the doubling.
     """
     rows = []
     for workload in workloads:
