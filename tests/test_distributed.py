@@ -79,6 +79,21 @@ def _solve_case(rank, mode="gather", update="auto"):
                 error=res.marginal_error)  # fmt: skip
 
 
+def _auto_case(rank):
+    """mode="auto" with too little free memory on rank 1 only: both ranks take the ring."""
+    x, y, a = _slices(rank)
+    real = distributed.free_bytes
+    if rank == 1:
+        distributed.free_bytes = lambda device: 1000
+    try:
+        res = distributed.sinkhorn(x, y, a, eps=EPS, tol=1e-11, max_iter=3000, backend="torch")
+    finally:
+        distributed.free_bytes = real
+    roomy = distributed.sinkhorn(x, y, a, eps=EPS, tol=1e-11, max_iter=3000, backend="torch")
+    return dict(mode=res.mode, cost=float(res.cost.detach()), roomy=roomy.mode,
+                roomy_cost=float(roomy.cost.detach()))
+
+
 def _mismatch_case(rank):
     x, y, a = _slices(rank)
     return distributed.sinkhorn(x, y, a, eps=0.3 if rank == 0 else 0.4, backend="torch")
@@ -106,6 +121,7 @@ _CASES = {
         "gather": _raised(_solve_case, rank),
         "ring": _raised(lambda r: _solve_case(r, mode="ring"), rank),
         "symmetric": _raised(lambda r: _solve_case(r, update="symmetric"), rank),
+        "auto": _raised(_auto_case, rank),
         "mismatch": _raised(_mismatch_case, rank),
         "bad_input": _raised(_bad_input_case, rank),
     },
@@ -159,3 +175,12 @@ def test_every_rank_gets_the_same_clear_error(case, match, runs):
     for out in outs:
         assert isinstance(out, tuple) and out[0] == "raised" and out[1] == "ValueError"
         assert re.search(match, out[2]), out[2]
+
+
+def test_auto_mode_rings_when_a_rank_lacks_room_and_gathers_otherwise(runs):
+    outs = [r["auto"] for r in runs["all"]]
+    assert all(not (isinstance(o, tuple) and o[0] == "raised") for o in outs), outs
+    assert [o["mode"] for o in outs] == ["ring", "ring"]  # decided together
+    assert [o["roomy"] for o in outs] == ["gather", "gather"]
+    for o in outs:
+        assert o["cost"] == pytest.approx(o["roomy_cost"], rel=1e-10)

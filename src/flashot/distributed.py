@@ -23,6 +23,7 @@ otherwise wait for at most the process group's timeout (``init_process_group(tim
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,9 +38,35 @@ from flashot.dual import row_mass
 from flashot.problem import check_positive, compute_dtype
 from flashot.solver import EpsilonScaling, FloorTolerance, geomloss_schedule, resolve_stopping
 
-__all__ = ["DistributedPlan", "DistributedSinkhornResult", "sinkhorn"]
+__all__ = ["GATHER_SHARE", "DistributedPlan", "DistributedSinkhornResult", "free_bytes",
+           "sinkhorn"]
 
 MODES = ("auto", "gather", "ring")
+#: ``mode="auto"`` gathers when the gathered clouds take at most this share of free memory
+GATHER_SHARE = 0.5
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory a rank can still allocate on ``device``.
+
+    CUDA: the driver's free memory; CPU: the available physical memory.
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # (no sysconf: assume it fits)
+        return 1 << 62
+
+
+def _auto_mode(group, sizes, x_local: torch.Tensor) -> str:
+    """``"gather"`` when every rank has room for both gathered clouds, else ``"ring"``."""
+    n, m = (sum(s[i] for s in sizes) for i in (0, 1))
+    need = (n + m) * (x_local.shape[1] + 1) * 4  # float32 features and offsets, both sides
+    fits = torch.tensor([need <= GATHER_SHARE * free_bytes(x_local.device)],
+                        dtype=torch.int32, device=x_local.device)  # fmt: skip
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=group)  # every rank the same mode
+    return "gather" if bool(fits.item()) else "ring"
 
 
 @dataclass(frozen=True)
@@ -65,6 +92,7 @@ class DistributedSinkhornResult:
         n_iter: iterations run.  converged: error within ``tol`` (None without tol).
         marginal_error: the global L1 marginal error, equal on every rank.
         plan: the sharded lazy plan (:class:`DistributedPlan`).
+        mode: ``"gather"`` or ``"ring"``, the mode that ran.
     """
 
     f: torch.Tensor
@@ -74,6 +102,7 @@ class DistributedSinkhornResult:
     converged: bool | None
     marginal_error: float
     plan: DistributedPlan
+    mode: str = "gather"
 
 
 class DistributedPlan:
@@ -297,9 +326,10 @@ def sinkhorn(
         eps: ε > 0.  group: a process group, None for the default one.
         cost, max_iter, tol, check_every, update, eps_schedule, backend, precision: as in
             :func:`flashot.sinkhorn` (``tol`` is checked on the global error).
-        mode: ``"gather"`` (all-gather the other cloud's features once per
-            half-step's shard set), ``"ring"`` (pass shards around), ``"auto"``
-            (gather).
+        mode: ``"gather"`` (all-gather both clouds' features once per solve),
+            ``"ring"`` (pass the shards around every half-step), ``"auto"`` (gather when
+            the gathered clouds take at most :data:`GATHER_SHARE` of every rank's free
+            memory, else ring; decided collectively).
 
     Returns:
         A :class:`DistributedSinkhornResult` (local potentials, global cost).
@@ -322,7 +352,9 @@ def sinkhorn(
     gathered = [torch.empty_like(sizes_t) for _ in range(world)]
     dist.all_gather(gathered, sizes_t, group=group)
     sizes = [(int(t[0]), int(t[1])) for t in gathered]
-    comm = _Comm(group, "gather" if mode == "auto" else mode, sizes)
+    if mode == "auto":
+        mode = _auto_mode(group, sizes, x_local)
+    comm = _Comm(group, mode, sizes)
     dtype = compute_dtype(x_local.dtype)
     engine = resolve_backend(backend, x_local.device, precision, dtype)
     (q, alpha, log_a), (k, beta, log_b), diameter = _sides(
@@ -355,7 +387,8 @@ def sinkhorn(
                                  "an eps_schedule")  # fmt: skip
     converged = None if tol is None else _met(tol, err, _floor(comm, fd, totals[2]))
     plan = DistributedPlan(comm, rows, cols, fd, gd, eps, engine)
-    return DistributedSinkhornResult(f_new, g_new, value, n_iter, converged, err, plan)
+    return DistributedSinkhornResult(f_new, g_new, value, n_iter, converged, err, plan,
+                                     comm.mode)  # fmt: skip
 
 
 def _agree(group, error: str | None, shared: tuple, opts: tuple) -> None:
