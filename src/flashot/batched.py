@@ -31,17 +31,19 @@ from dataclasses import dataclass
 
 import torch
 
-from flashot.autodiff.functions import extrapolate
+from flashot.autodiff.functions import extrapolate, relaxed_side
 from flashot.backends import entry_point, resolve_backend
 from flashot.backends.base import Backend
 from flashot.backends.near import NEAR_FROM
 from flashot.caller import warn_at_caller
 from flashot.costs import AttentionForm, Cost, _centered, get_cost
+from flashot.dual import phi_sum
 from flashot.problem import (
     DeviceChecks,
     check_cloud,
     check_eps_range,
     check_positive,
+    check_weights,
     compute_dtype,
     parse_rho,
     weights_tensor,
@@ -51,9 +53,10 @@ from flashot.segments import Segments
 from flashot.solver import (
     EpsilonScaling,
     FloorTolerance,
-    geomloss_schedule,
+    precision_floor,
     resolve_stopping,
     solve,
+    temperatures,
 )
 
 __all__ = [
@@ -104,7 +107,10 @@ class BatchedSinkhornResult:
         if self.measured_error is not None:
             return self.measured_error
         p = self.plan.packed
-        return _errors(p._form, p._f, p._g, p._log_a, p._log_b, p._eps, p._backend).cpu()
+        r, c, _ = p._sums()
+        seg = p._form.segments
+        assert seg is not None
+        return _errors(seg, r, c, p._f, p._g, p._log_a, p._log_b, p._rho).cpu()
 
     def __repr__(self) -> str:
         """One line: the batch size, the values' range and how many converged."""
@@ -189,19 +195,7 @@ def _weights(w, n: int, like, seg: Segments, name: str, checks: DeviceChecks,
                              dtype=torch.float64)  # fmt: skip
         w = (1.0 / sizes).to(like.device)[seg.row_ids(like.device)]
         return w.to(compute_dtype(like.dtype))
-    w = weights_tensor(w, like, name)
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(w).__name__}")
-    if w.dim() != 1 or w.shape[0] != n:
-        raise ValueError(f"{name} must have shape ({n},) to match its packed cloud, "
-                         f"got {tuple(w.shape)}")  # fmt: skip
-    if w.device != like.device or w.dtype != like.dtype:
-        raise ValueError(f"{name} must have its cloud's device and dtype ({like.device}, "
-                         f"{like.dtype}), got {w.device}, {w.dtype}")  # fmt: skip
-    lo, hi = torch.aminmax(w.detach())
-    checks.add(torch.isfinite(lo) & torch.isfinite(hi),
-               ValueError(f"{name} contains NaN or infinite values"))  # fmt: skip
-    checks.add(lo >= 0, ValueError(f"{name} has negative entries; weights must be nonnegative"))
+    w = check_weights(w, n, like, name, checks)  # (one problem's checks, on the packing)
     mass = seg.sum(w.detach())
     checks.add((mass > 0).all(),
                ValueError(f"{name} sums to zero within a problem; every problem needs mass"))
@@ -254,35 +248,11 @@ def _packed_form(cost: Cost, x, y, seg: Segments, dtype, rounding, shrink: torch
     return form, bounds, diam.cpu()
 
 
-def _schedule(eps_schedule, eps0: float, diameters: torch.Tensor, uniform: bool) -> list[float]:
-    """The batch's temperatures: GeomLoss' from the largest (scaled) diameter."""
-    if eps_schedule is None:
-        return [eps0]
-    if eps_schedule == "geomloss":
-        eps_schedule = EpsilonScaling()
-    if isinstance(eps_schedule, EpsilonScaling):
-        diameter = eps_schedule.diameter or float(diameters.max())
-        if diameter <= 0:
-            return [eps0]
-        temps = geomloss_schedule(diameter, eps0, eps_schedule.scaling)
-        return [t for t in temps[:-1] if t > eps0] + [eps0]
-    if not uniform:
-        raise ValueError("an explicit eps_schedule needs one eps for the whole batch")
-    if isinstance(eps_schedule, Sequence) and not isinstance(eps_schedule, str):
-        temps = [check_positive(t, "eps_schedule temperature") for t in eps_schedule]
-        return [*temps, eps0] if not temps or temps[-1] != eps0 else temps
-    raise TypeError("eps_schedule must be None, 'geomloss', an EpsilonScaling or floats, "
-                    f"got {eps_schedule!r}")  # fmt: skip
-
-
-def _errors(form, f, g, log_a, log_b, eps: float, engine: Backend,
-            rho=(None, None)) -> torch.Tensor:  # fmt: skip
-    """(B,) float64 L1 marginal errors of the problems of a packed form, on the device.
+def _errors(seg: Segments, r, c, f, g, log_a, log_b, rho=(None, None)) -> torch.Tensor:
+    """(B,) float64 L1 marginal errors of packed problems from the plan's marginals r, c.
 
     A relaxed side's target is ``a e^{−f/ρ}`` (:func:`flashot.dual.marginal_error`).
     """
-    seg = form.segments
-    r, c = engine.marginals(form, f, g, log_a, log_b, eps)
     ta = torch.exp(log_a if rho[0] is None else log_a - f / rho[0])
     tb = torch.exp(log_b if rho[1] is None else log_b - g / rho[1])
     return (seg.sum((r - ta).abs()) + seg.T.sum((c - tb).abs())).double()
@@ -295,37 +265,14 @@ def _relaxed_values(seg: Segments, f, g, a, b, r, eps: float, rho) -> torch.Tens
     of :func:`~flashot.autodiff.functions.relaxed_side` (the envelope ones); ``r`` the
     plan's row sums (its mass per problem).
     """
-
-    def side(s, pot, w, rho_s):  # relaxed_side per problem
-        if rho_s is None:
-            return s.sum(w * (pot - eps))
-        return -(rho_s + eps) * s.sum(w * torch.expm1(-pot / rho_s)) - eps * s.sum(w)
-
-    def phi(s, pot, w, rho_s):  # phi_sum per problem
-        if rho_s is None:
-            return s.sum(w * pot)
-        return -rho_s * s.sum(w * torch.expm1(-pot.detach() / rho_s))
-
     m_a, m_b = seg.sum(a), seg.T.sum(b)
-    grads = side(seg, f, a, rho[0]) + side(seg.T, g, b, rho[1]) + eps * m_a * m_b
+    grads = (relaxed_side(f, a, eps, rho[0], seg.sum) + relaxed_side(g, b, eps, rho[1], seg.T.sum)
+             + eps * m_a * m_b)  # fmt: skip
     with torch.no_grad():
         excess = seg.sum(r) - m_a * m_b
-        value = phi(seg, f, a, rho[0]) + phi(seg.T, g, b, rho[1]) - eps * excess
+        value = (phi_sum(f, a, rho[0], seg.sum) + phi_sum(g, b, rho[1], seg.T.sum)
+                 - eps * excess)  # fmt: skip
     return value + (grads - grads.detach())
-
-
-def _floors(form, f, g, log_a, log_b, eps: float) -> torch.Tensor:
-    """(B,) :func:`~flashot.solver.precision_floor` of each problem of a packed form."""
-    seg = form.segments
-    u = torch.finfo(f.dtype).eps
-    out = torch.zeros(seg.count, dtype=torch.float64)
-    for side, pot, offset, log_w in ((seg, f, form.alpha, log_a), (seg.T, g, form.beta, log_b)):
-        w = torch.exp(log_w)
-        size = side.sum(w * (pot.abs() + offset.abs())) * (2.0 / eps)
-        sizes = zip(side.cols, side.cols[1:], strict=False)
-        other = torch.tensor([max(b - a, 2) for a, b in sizes], dtype=torch.float64)
-        out += (size.double().cpu() + side.sum(w).double().cpu() * torch.log(other))
-    return u * out
 
 
 @entry_point
@@ -514,6 +461,41 @@ def pack_problems(x, y, x_offsets, y_offsets, a=None, b=None, *, eps, cost="sqeu
     return PackedProblem(x, y, a, b, form, eps_all, eps0, engine, diameters, rho_xy)
 
 
+def pair_packing(x, y, wa, wb, debias: bool):
+    """The packing of the B problems (x_i, y_i), and of their self problems if told.
+
+    With ``debias`` the problems (x_i, x_i) and then (y_i, y_i) follow.
+
+    Args:
+        x: (B, n, d), y: (B, m, d) clouds.  wa: (B·n,), wb: (B·m,) weights or None.
+        debias: append the 2B self problems.
+
+    Returns:
+        ``(X, Y, rows, cols, A, B)``: packed clouds, offsets and weights (None when
+        every problem's are uniform).
+    """
+    bsz, n, m = x.shape[0], x.shape[1], y.shape[1]
+    xs, ys = x.reshape(bsz * n, -1), y.reshape(bsz * m, -1)
+    pairs = [(xs, n, wa, ys, m, wb)]
+    if debias:
+        pairs += [(xs, n, wa, xs, n, wa), (ys, m, wb, ys, m, wb)]
+    rows, cols = [0], [0]
+    for _, rn, _, _, cm, _ in pairs:
+        rows += [rows[-1] + rn * (i + 1) for i in range(bsz)]
+        cols += [cols[-1] + cm * (i + 1) for i in range(bsz)]
+
+    def packed(side):  # (the weights of side 0 (x) or 3 (y) of every pair)
+        if all(p[side + 2] is None for p in pairs):
+            return None
+        return torch.cat([
+            torch.full((bsz * p[side + 1],), 1.0 / p[side + 1], dtype=x.dtype, device=x.device)
+            if p[side + 2] is None else p[side + 2] for p in pairs
+        ])  # fmt: skip
+
+    packed_x, packed_y = torch.cat([p[0] for p in pairs]), torch.cat([p[3] for p in pairs])
+    return packed_x, packed_y, rows, cols, packed(0), packed(3)
+
+
 def sinkhorn_divergence_batched(x, y, a=None, b=None, *, eps, update: str = "auto",
                                 **options) -> torch.Tensor:  # fmt: skip
     r"""(B,) debiased Sinkhorn divergences of (B, n, d) and (B, m, d) clouds, one solve.
@@ -524,26 +506,10 @@ def sinkhorn_divergence_batched(x, y, a=None, b=None, *, eps, update: str = "aut
     ones take thousands of iterations there). Differentiable once in the clouds and
     weights. Options as :func:`flashot.sinkhorn_divergence` (``eps`` may hold B values).
     """
-    bsz, n, m, wa, wb = _check_batch(x, y, a, b)
-    xs, ys = x.reshape(bsz * n, -1), y.reshape(bsz * m, -1)
-    rows = [0] + [bsz * n * k + n * i for k in range(2) for i in range(1, bsz + 1)]
-    rows += [2 * bsz * n + m * i for i in range(1, bsz + 1)]
-    cols = [0] + [m * i for i in range(1, bsz + 1)]
-    cols += [bsz * m + n * i for i in range(1, bsz + 1)]
-    cols += [bsz * (m + n) + m * i for i in range(1, bsz + 1)]
-
-    def uniform(w, size):
-        if w is not None:
-            return w
-        return torch.full((bsz * size,), 1.0 / size, dtype=x.dtype, device=x.device)
-
-    weights_a = weights_b = None
-    if wa is not None or wb is not None:
-        ua, ub = uniform(wa, n), uniform(wb, m)
-        weights_a, weights_b = torch.cat([ua, ua, ub]), torch.cat([ub, ua, ub])
+    bsz, _, _, wa, wb = _check_batch(x, y, a, b)
+    packed_x, packed_y, rows, cols, weights_a, weights_b = pair_packing(x, y, wa, wb, True)
     eps_all = _eps_per_problem(eps, bsz).repeat(3)
-    res = _solve_packed(torch.cat([xs, xs, ys]), torch.cat([ys, xs, ys]), rows, cols,
-                        weights_a, weights_b, None, eps=eps_all,
+    res = _solve_packed(packed_x, packed_y, rows, cols, weights_a, weights_b, None, eps=eps_all,
                         update="symmetric" if update == "auto" else update,
                         **options)  # fmt: skip
     c = res.cost.reshape(3, bsz)
@@ -563,8 +529,11 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
                        precision=precision, rho=rho)  # fmt: skip
     seg, eps0, engine, eps_all = pp.segments, pp.eps0, pp.engine, pp.eps
     x, y, a, b = pp.x, pp.y, pp.a, pp.b
-    uniform = bool((eps_all == eps0).all())
-    temps = _schedule(eps_schedule, eps0, pp.diameters, uniform)
+    explicit = eps_schedule is not None and not isinstance(eps_schedule, (str, EpsilonScaling))
+    if explicit and not bool((eps_all == eps0).all()):
+        raise ValueError("an explicit eps_schedule needs one eps for the whole batch")
+    # GeomLoss' schedule from the largest (scaled) diameter
+    temps = temperatures(eps_schedule, eps0, lambda: float(pp.diameters.max()))
     tol, update = resolve_stopping(tol, update, None, momentum)
     f, g, out = pp.potentials(temps, max_iter=max_iter, tol=tol, check_every=check_every,
                               update=update, progress=progress, min_iter=min_iter,
@@ -574,15 +543,17 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
     fd, gd = f.detach(), g.detach()
     f_s, g_s = pp.to_own_eps(f, g)
     relaxed = pp.rho != (None, None)
+    # one pass for the plan's marginals, when the value or a tol needs them (else the
+    # errors are measured only when asked)
+    if relaxed or tol is not None:
+        r, c = engine.marginals(detached, fd, gd, log_a, log_b, eps0)
     if relaxed:  # the dual value per problem, with envelope-exact derivatives
-        r = engine.marginals(detached, fd, gd, log_a, log_b, eps0)[0]
         value = _relaxed_values(seg, f, g, a, b, r, eps0, pp.rho)
     else:
         value = seg.sum(a * f_s) + seg.T.sum(b * g_s)
-    # a fixed-iteration solve measures the errors only when asked (a pass over the plans)
     err_host = None
     if tol is not None:
-        err_host = _errors(detached, fd, gd, log_a, log_b, eps0, engine, pp.rho).cpu()
+        err_host = _errors(seg, r, c, fd, gd, log_a, log_b, pp.rho).cpu()
     finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
     if not (bool(finite) and (err_host is None or bool(torch.isfinite(err_host).all()))):
         raise FloatingPointError("Sinkhorn produced non-finite potentials; try a larger eps, "
@@ -592,7 +563,7 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
         assert err_host is not None
         converged = err_host <= tol
         if isinstance(tol, FloorTolerance):
-            floors = _floors(detached, fd, gd, log_a, log_b, eps0)
+            floors = precision_floor(detached, fd, gd, log_a, log_b, eps0, per_problem=True)
             converged |= (err_host <= tol.SLACK * tol) & (err_host <= floors)
         missed = int((~converged).sum())
         if missed and warn:

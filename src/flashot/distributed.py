@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,7 @@ from flashot.backends.base import Backend
 from flashot.costs import AttentionForm, Cost, _centered, get_cost
 from flashot.dual import row_mass
 from flashot.problem import check_positive, compute_dtype
-from flashot.solver import EpsilonScaling, FloorTolerance, geomloss_schedule, resolve_stopping
+from flashot.solver import FloorTolerance, resolve_stopping, temperatures
 
 __all__ = ["GATHER_SHARE", "DistributedPlan", "DistributedSinkhornResult", "free_bytes",
            "sinkhorn"]
@@ -233,24 +232,6 @@ def _transform(comm: _Comm, engine: Backend, rows: _Side, cols: _Side, pot_cols,
     return lse, avg
 
 
-def _schedule(eps_schedule, eps: float, diameter: float) -> list[float]:
-    if eps_schedule is None:
-        return [eps]
-    if eps_schedule == "geomloss":
-        eps_schedule = EpsilonScaling()
-    if isinstance(eps_schedule, EpsilonScaling):
-        d = eps_schedule.diameter or diameter
-        if d <= 0:
-            return [eps]
-        temps = geomloss_schedule(d, eps, eps_schedule.scaling)
-        return [t for t in temps[:-1] if t > eps] + [eps]
-    if isinstance(eps_schedule, Sequence) and not isinstance(eps_schedule, str):
-        temps = [check_positive(t, "eps_schedule temperature") for t in eps_schedule]
-        return [*temps, eps] if not temps or temps[-1] != eps else temps
-    raise TypeError(f"eps_schedule must be None, 'geomloss', an EpsilonScaling or floats, "
-                    f"got {eps_schedule!r}")  # fmt: skip
-
-
 def _local_checks(x, y, a, b, mode, cost) -> tuple[str | None, tuple]:
     """This rank's error (None if fine) and what must agree across ranks."""
     for t, name in ((x, "x_local"), (y, "y_local")):
@@ -362,7 +343,7 @@ def sinkhorn(
     )
     rows = _Side(q.detach(), alpha.detach(), log_a, 0)
     cols = _Side(k.detach(), beta.detach(), log_b, 1)
-    temps = _schedule(eps_schedule, eps, diameter)
+    temps = temperatures(eps_schedule, eps, lambda: diameter)
     tol, update = resolve_stopping(tol, update, None, None)
     if max_iter < len(temps):
         raise ValueError(f"max_iter={max_iter} is shorter than the eps schedule ({len(temps)})")

@@ -98,12 +98,14 @@ def mass_excess(backend, form, f, g, log_a, log_b, eps: float, r: torch.Tensor) 
     return torch.exp(log_total).to(r.dtype) * (torch.exp(log_a) * torch.expm1(delta)).sum()
 
 
-def phi_sum(pot: torch.Tensor, weights: torch.Tensor, rho: float | None) -> torch.Tensor:
+def phi_sum(pot: torch.Tensor, weights: torch.Tensor, rho: float | None,
+            total=torch.sum) -> torch.Tensor:  # fmt: skip
     """``Σ_i w_i φ(f_i)`` of the dual: ``φ(t) = t`` balanced, ``−ρ expm1(−t/ρ)`` relaxed.
 
     Args:
         pot: (n,) potential (detached on a relaxed side).  weights: (n,).  rho: ρ or None.
+        total: the sum over i (per problem for a packed batch: ``Segments.sum``).
     """
     if rho is None:
-        return (weights * pot).sum()
-    return -rho * (weights * torch.expm1(-pot.detach() / rho)).sum()
+        return total(weights * pot)
+    return -rho * total(weights * torch.expm1(-pot.detach() / rho))

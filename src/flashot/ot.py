@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from collections.abc import Sequence
 
 import torch
@@ -22,13 +21,12 @@ from flashot.problem import Problem, cloud_tensor, make_problem
 from flashot.result import SinkhornResult, SolveHistory, TransportPlan
 from flashot.solver import (
     FLOOR_FACTOR,
-    EpsilonScaling,
     FloorTolerance,
     describe_miss,
-    geomloss_schedule,
     precision_floor,
     resolve_stopping,
     solve,
+    temperatures,
 )
 
 __all__ = ["ConvergenceWarning", "resolve_schedule", "sinkhorn"]
@@ -40,33 +38,8 @@ class ConvergenceWarning(UserWarning):
 
 def resolve_schedule(eps_schedule, problem: Problem) -> list[float]:
     """The list of temperatures for ``eps_schedule`` (None, "geomloss", EpsilonScaling, floats)."""
-    eps = problem.eps
-    if eps_schedule is None:
-        return [eps]
-    if isinstance(eps_schedule, str):
-        if eps_schedule != "geomloss":
-            raise ValueError(
-                f"eps_schedule must be None, 'geomloss', an EpsilonScaling or floats, "
-                f"got {eps_schedule!r}"
-            )
-        eps_schedule = EpsilonScaling()
-    if isinstance(eps_schedule, EpsilonScaling):
-        diameter = eps_schedule.diameter or bounding_diameter(problem.cost, problem.x, problem.y)
-        if diameter <= 0:  # all points coincide: nothing to anneal
-            return [eps]
-        temps = geomloss_schedule(diameter, eps, eps_schedule.scaling)
-        return [t for t in temps[:-1] if t > eps] + [eps]
-    if isinstance(eps_schedule, Sequence) and all(
-        isinstance(t, numbers.Real) and not isinstance(t, bool) for t in eps_schedule
-    ):
-        temps = [float(t) for t in eps_schedule]
-        if any(not (t > 0 and math.isfinite(t)) for t in temps):
-            raise ValueError(f"eps_schedule temperatures must be finite and > 0, got {temps}")
-        return [*temps, eps] if not temps or temps[-1] != eps else temps
-    raise TypeError(
-        "eps_schedule must be None, 'geomloss', an EpsilonScaling or a sequence of floats, "
-        f"got {eps_schedule!r}"
-    )
+    return temperatures(eps_schedule, problem.eps,
+                        lambda: bounding_diameter(problem.cost, problem.x, problem.y))
 
 
 def _check_init(init, problem: Problem):
@@ -157,7 +130,7 @@ def sinkhorn(
             tol (fewer iterations), symmetric with ``tol=None`` (fixed schedules) or
             between a measure and itself; alternating whenever ``momentum`` is set.
         eps_schedule: None (fixed ε), ``"geomloss"``, an
-            :class:`~flashot.solver.EpsilonScaling`, or an explicit sequence of
+            :class:`~flashot.EpsilonScaling`, or an explicit sequence of
             temperatures ending at (or followed by) ε.
         init: optional warm start (f (n,), g (m,)), e.g. a previous result's potentials.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or a backend instance.

@@ -15,7 +15,7 @@ import torch
 
 from flashot.autodiff.functional import functional_transforms
 from flashot.backends import entry_point
-from flashot.batched import pack_problems
+from flashot.batched import pack_problems, pair_packing
 from flashot.costs import bounding_diameter, get_cost
 from flashot.divergence import debiased_potentials
 from flashot.ops import compiled_loss, encodable
@@ -245,31 +245,12 @@ class SamplesLoss(torch.nn.Module):
                 w = torch.stack([_batch_item(w, i, name) for i in range(bsz)])
                 if w.shape != (bsz, size):
                     raise ValueError(f"{name} must be a ({bsz}, {size}) tensor")
+                w = w.reshape(-1)
             weights.append(w)
-        wa, wb = weights
-        xs, ys = x.reshape(bsz * n, -1), y.reshape(bsz * m, -1)
-        pairs = [(xs, n, wa, ys, m, wb)]
-        if self.debias:
-            pairs += [(xs, n, wa, xs, n, wa), (ys, m, wb, ys, m, wb)]
-        rows, cols = [0], [0]
-        for _, rn, _, _, cm, _ in pairs:
-            rows += [rows[-1] + rn * (i + 1) for i in range(bsz)]
-            cols += [cols[-1] + cm * (i + 1) for i in range(bsz)]
-
-        def packed(side, size):  # (packed weights, or None when every problem is uniform)
-            parts = [p[side + 2] for p in pairs]
-            if all(w is None for w in parts):
-                return None
-            return torch.cat([
-                (torch.full((bsz, p[side + 1]), 1.0 / p[side + 1], dtype=x.dtype, device=x.device)
-                 if p[side + 2] is None else p[side + 2]).reshape(-1) for p in pairs
-            ])  # fmt: skip
-
-        pp = pack_problems(
-            torch.cat([p[0] for p in pairs]), torch.cat([p[3] for p in pairs]), rows, cols,
-            packed(0, n), packed(3, m), eps=self.blur**2, cost=self.cost, backend=self.backend,
-            precision=self.precision, normalize=False,
-        )
+        packed_x, packed_y, rows, cols, wa, wb = pair_packing(x, y, *weights, self.debias)
+        pp = pack_problems(packed_x, packed_y, rows, cols, wa, wb, eps=self.blur**2,
+                           cost=self.cost, backend=self.backend, precision=self.precision,
+                           normalize=False)  # fmt: skip
         f, g, _ = pp.potentials(temps, max_iter=len(temps), tol=None, update="symmetric")
         seg = pp.segments
         if self.potentials:
@@ -280,7 +261,7 @@ class SamplesLoss(torch.nn.Module):
                 fs = fs - 0.5 * p.reshape(bsz, n)
                 gs = gs - 0.5 * (f[2 * bsz * n :] + g[bsz * (m + n) :]).reshape(bsz, m)
             return fs.to(x.dtype), gs.to(y.dtype)
-        value = (seg.sum(pp.a * f) + seg.T.sum(pp.b * g)).reshape(len(pairs), bsz)
+        value = (seg.sum(pp.a * f) + seg.T.sum(pp.b * g)).reshape(-1, bsz)
         value = value[0] - 0.5 * (value[1] + value[2]) if self.debias else value[0]
         return value.to(x.dtype)
 

@@ -104,12 +104,17 @@ class Segments:
         holds rows of two problems; the columns are its problem's. Cached per size.
         """
         key = ("blocks", block, str(device))
-        if key not in self._cache:
-            table = []
-            for s in range(self.count):
-                r0, r1, c0, c1 = self.rows[s], self.rows[s + 1], self.cols[s], self.cols[s + 1]
-                table += [(i, min(r1, i + block), c0, c1) for i in range(r0, r1, block)]
-            self._cache[key] = torch.tensor(table or [(0, 0, 0, 0)], dtype=torch.int32).to(device)
+        if key not in self._cache:  # (vectorized: a batch has thousands of blocks)
+            rows, cols = torch.tensor(self.rows), torch.tensor(self.cols)
+            count = (rows[1:] - rows[:-1] + block - 1) // block  # blocks per problem
+            owner = torch.repeat_interleave(torch.arange(self.count), count)
+            first = torch.cumsum(count, 0) - count  # each problem's first block
+            lo = rows[owner] + (torch.arange(len(owner)) - first[owner]) * block
+            hi = torch.minimum(rows[owner + 1], lo + block)
+            table = torch.stack([lo, hi, cols[owner], cols[owner + 1]], 1)
+            if len(table) == 0:
+                table = torch.zeros(1, 4, dtype=torch.int64)
+            self._cache[key] = table.to(torch.int32).to(device)
         return self._cache[key]
 
     def near(self, eps: float, near_from: float) -> bool:

@@ -18,11 +18,11 @@ final step only (envelope theorem).
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 from flashot.autodiff.functions import extrapolate
@@ -33,6 +33,7 @@ from flashot.dual import marginal_error, row_mass
 from flashot.graphs import GRAPHS
 from flashot.momentum import Relaxation, check_momentum
 from flashot.progress import Progress
+from flashot.schedule import EpsilonScaling, geomloss_schedule, temperatures
 
 __all__ = [
     "EpsilonScaling",
@@ -43,60 +44,12 @@ __all__ = [
     "precision_floor",
     "solve",
     "solve_self",
+    "temperatures",
 ]
 
 UPDATES = ("symmetric", "alternating")
 #: warm-up temperatures take the near-uniform LSE from this multiple of the cost's bound
 WARM_NEAR_FROM = 4.0
-#: the longest ε schedule (temperatures) built: beyond it scaling is surely a mistake
-MAX_SCHEDULE = 10_000
-
-
-@dataclass(frozen=True)
-class EpsilonScaling:
-    """Geometric ε annealing ("ε-scaling") from the data diameter down to the target ε.
-
-    The temperatures are GeomLoss' (with p = 2): ``D²``, then ``D² s^{2k}`` for
-    k = 0, 1, … while above ε, then ε; ``D`` is the bounding-box diagonal of the
-    embedded clouds unless given. One Sinkhorn iteration runs per temperature,
-    then iterations continue at ε until ``tol`` or ``max_iter``.
-
-    Attributes:
-        scaling: ratio of successive blurs √ε, in (0, 1).
-        diameter: the diameter D, or None to measure it from the data.
-    """
-
-    scaling: float = 0.5
-    diameter: float | None = None
-
-    def __post_init__(self):
-        if not (isinstance(self.scaling, (int, float)) and 0 < self.scaling < 1):
-            raise ValueError(f"scaling must be in (0, 1), got {self.scaling!r}")
-        if self.diameter is not None and not (self.diameter > 0 and math.isfinite(self.diameter)):
-            raise ValueError(f"diameter must be finite and > 0, got {self.diameter!r}")
-
-
-def geomloss_schedule(diameter: float, eps: float, scaling: float) -> list[float]:
-    """GeomLoss' temperature list for p = 2: ``[D², exp(2 log D − 2k log(1/s))…, ε]``.
-
-    Args:
-        diameter: D > 0.
-        eps: final temperature ε = blur².
-        scaling: ratio of successive blurs, in (0, 1).
-    """
-    p = 2
-    blur = math.sqrt(eps)
-    count = max(0.0, math.log(diameter / blur) / math.log(1 / scaling))
-    if count > MAX_SCHEDULE:
-        raise ValueError(
-            f"scaling={scaling!r} gives an eps schedule of {count:.3g} temperatures from the "
-            f"diameter {diameter:g} down to blur {blur:g}; at most {MAX_SCHEDULE} are "
-            "supported: use a smaller scaling"
-        )
-    steps = np.arange(p * np.log(diameter), p * np.log(blur), p * np.log(scaling))
-    return [diameter**p] + [float(np.exp(e)) for e in steps] + [eps]
-
-
 @dataclass(frozen=True)
 class SolverOutput:
     """The loop's final iterate (detached) and how it got there.
@@ -192,7 +145,7 @@ def _is_self_problem(problem) -> bool:
     return bool(torch.equal(x.detach(), y.detach()) and torch.equal(problem.a, problem.b))
 
 
-def precision_floor(form, f, g, log_a, log_b, eps: float) -> float:
+def precision_floor(form, f, g, log_a, log_b, eps: float, per_problem: bool = False):
     r"""The smallest L1 marginal error the dtype can attain at these potentials.
 
     A row's log residual ``ln R_i = (f_i − α_i + ℓ_i)/ε`` is formed from terms of size
@@ -208,16 +161,31 @@ def precision_floor(form, f, g, log_a, log_b, eps: float) -> float:
     Rounding errors partly cancel, so solves settle below it (float32: 0.01–0.25 of
     it). A solve whose error stalls under :data:`FLOOR_FACTOR` times it has stopped for
     precision, not for lack of iterations.
+
+    With ``per_problem``, a packed form's (:mod:`flashot.segments`) floors of each of its
+    problems, (B,) float64 on the host; otherwise one float.
     """
     u = torch.finfo(f.dtype).eps
     n, m = f.shape[0], g.shape[0]
+    seg = form.segments if per_problem else None
     with torch.no_grad():
-        parts = []
-        for pot, offset, log_w, other in ((f, form.alpha, log_a, m), (g, form.beta, log_b, n)):
+        if seg is None:
+            parts = []
+            for pot, offset, log_w, other in ((f, form.alpha, log_a, m),
+                                              (g, form.beta, log_b, n)):  # fmt: skip
+                w = torch.exp(log_w)
+                size = (w * (pot.abs() + offset.abs())).sum() * (2.0 / eps)
+                parts.append(size + w.sum() * math.log(max(other, 2)))
+            return u * float(sum(parts))
+        out = torch.zeros(seg.count, dtype=torch.float64)
+        for side, pot, offset, log_w in ((seg, f, form.alpha, log_a),
+                                         (seg.T, g, form.beta, log_b)):  # fmt: skip
             w = torch.exp(log_w)
-            size = (w * (pot.abs() + offset.abs())).sum() * (2.0 / eps)
-            parts.append(size + w.sum() * math.log(max(other, 2)))
-        return u * float(sum(parts))
+            size = side.sum(w * (pot.abs() + offset.abs())) * (2.0 / eps)
+            logs = torch.tensor([math.log(max(c1 - c0, 2))
+                                 for c0, c1 in itertools.pairwise(side.cols)])  # fmt: skip
+            out += size.double().cpu() + side.sum(w).double().cpu() * logs.double()
+        return u * out
 
 
 class _Stopping:

@@ -150,7 +150,7 @@ def extrapolate(
 
 
 def relaxed_side(
-    pot: torch.Tensor, weights: torch.Tensor, eps: float, rho: float | None
+    pot: torch.Tensor, weights: torch.Tensor, eps: float, rho: float | None, total=torch.sum
 ) -> torch.Tensor:
     r"""One side of the entropic dual with envelope-exact partial derivatives.
 
@@ -170,11 +170,12 @@ def relaxed_side(
         weights: (n,) weights.
         eps: ε.
         rho: ρ, or None for a balanced side.
+        total: the sum over i (per problem for a packed batch: ``Segments.sum``).
     """
     if rho is None:
-        return (weights * (pot - eps)).sum()
+        return total(weights * (pot - eps))
     # ρ − (ρ + ε) e^{−f/ρ} = −(ρ + ε) expm1(−f/ρ) − ε: no cancellation as ρ → ∞
-    return -(rho + eps) * (weights * torch.expm1(-pot / rho)).sum() - eps * weights.sum()
+    return -(rho + eps) * total(weights * torch.expm1(-pot / rho)) - eps * total(weights)
 
 
 def dual_term(

@@ -14,7 +14,6 @@ values stay float32).
 from __future__ import annotations
 
 import inspect
-import itertools
 import math
 import os
 import warnings
@@ -230,10 +229,20 @@ class TritonBackend(OperandCache, Backend):
                 _tables.keep(key, cfg, device)
                 if reset is not None:
                     reset()
-            grid, args, consts = plan = plan_for(cfg)
-            tiles = cfg.kwargs if triton_interpreted() else cfg.all_kwargs()
+            return self._run(raw, cfg, plan_for(cfg), device)
+
+    @staticmethod
+    def _run(raw, cfg, plan, device):
+        """Launch ``raw`` with tiles ``cfg`` and ``plan = (grid, args, consts)``; the plan."""
+        grid, args, consts = plan
+        tiles = cfg.kwargs if triton_interpreted() else cfg.all_kwargs()
+        with on_device(device):
             raw[grid(cfg.kwargs)](*args, **consts, **tiles)
-            return plan
+        return plan
+
+    def _packed_tiles(self, key, nb, mb, device):
+        """A packed batch's tiles: its largest problem's, from the tables, never tuned."""
+        return self._tiles(key, nb + mb, device) or _tables.choose(key, device, _configs.fits)
 
     @staticmethod
     def _retime(raw, ranked, plan_for, full):
@@ -285,7 +294,7 @@ class TritonBackend(OperandCache, Backend):
         nb, mb = _configs.bucket(n), _configs.bucket(m)
         block_m = 0  # (a packed batch's table: set once its tiles are known)
         if segments is not None:  # tiles for the batch's largest problem
-            nb, mb = _largest(segments.rows), _largest(segments.cols)
+            nb, mb = _configs.largest_bucket(segments.rows), _configs.largest_bucket(segments.cols)
 
         def build(splits, per, probe=False):
             """Grid, arguments and constexprs; partials allocated unless ``probe``."""
@@ -327,15 +336,12 @@ class TritonBackend(OperandCache, Backend):
         def plan_for(tiles):
             return build(*self._split(_attend_kernel, key, tiles, build, n, m, dev, most))
 
-        cfg = self._tiles(key, nb + mb, dev)
-        if segments is not None:  # the tiles of one problem of the batch, never tuned
-            cfg = cfg or _tables.choose(key, dev, _configs.fits)
+        if segments is not None:  # one launch over the table of blocks, no splits
+            cfg = self._packed_tiles(key, nb, mb, dev)
             block_m = cfg.kwargs["BLOCK_M"]
-            grid, args, consts = plan = build(1, m)
-            tiles = cfg.kwargs if triton_interpreted() else cfg.all_kwargs()
-            with on_device(dev):
-                _attend_kernel[grid(cfg.kwargs)](*args, **consts, **tiles)
+            plan = self._run(_attend_kernel, cfg, build(1, m), dev)
         else:
+            cfg = self._tiles(key, nb + mb, dev)
             full = {"REPAIR": False}
             plan = self._launch(_ATTEND, _attend_kernel, key, cfg, plan_for, dev, full)
         if plan[2]["SPLIT"]:
@@ -401,7 +407,7 @@ class TritonBackend(OperandCache, Backend):
         seg = None if form.segments is None else form.segments.T  # column blocks' table
         block_n = 0  # (set once a packed batch's tiles are known)
         if seg is not None:
-            nb, mb = _largest(seg.cols), _largest(seg.rows)
+            nb, mb = _configs.largest_bucket(seg.cols), _configs.largest_bucket(seg.rows)
 
         def build(splits, per, probe=False):
             """Grid, arguments and constexprs of a launch with ``splits`` row splits."""
@@ -432,15 +438,12 @@ class TritonBackend(OperandCache, Backend):
             if gate is not None:
                 gate_out.zero_()
 
-        cfg = self._tiles(key, nb + mb, dev)
-        if seg is not None:  # one problem's tiles, never tuned; no row splits
-            cfg = cfg or _tables.choose(key, dev, _configs.fits)
+        if seg is not None:  # one launch over the table of blocks, no row splits
+            cfg = self._packed_tiles(key, nb, mb, dev)
             block_n = cfg.kwargs["BLOCK_N"]
-            grid, args, consts = build(1, n)
-            tiles = cfg.kwargs if triton_interpreted() else cfg.all_kwargs()
-            with on_device(dev):
-                _plan_sums_kernel[grid(cfg.kwargs)](*args, **consts, **tiles)
+            self._run(_plan_sums_kernel, cfg, build(1, n), dev)
         else:
+            cfg = self._tiles(key, nb + mb, dev)
             self._launch(_PLAN_SUMS, _plan_sums_kernel, key, cfg, plan_for, dev,
                          {"GATED": False}, reset)  # fmt: skip
         return (r, c) if mul is None else (r, c, r_den, c_den)
@@ -636,11 +639,6 @@ def _generic(form, eps: float) -> bool:
     products run one problem at a time.
     """
     return form.segments is not None or is_near_uniform(form, eps)
-
-
-def _largest(offsets) -> int:
-    """The size bucket of the largest problem of a packing."""
-    return _configs.bucket(max(b - a for a, b in itertools.pairwise(offsets)))
 
 
 def _window(n: int, m: int) -> float:

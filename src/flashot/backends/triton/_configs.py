@@ -9,6 +9,7 @@ configuration keeps CPU tests fast.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -38,6 +39,11 @@ BUCKET_CAP = 16
 def bucket(size: int) -> int:
     """Power-of-two bucket of a size (capped at :data:`BUCKET_CAP`): the autotuning key."""
     return min(BUCKET_CAP, max(0, int(math.log2(max(size, 1)))))
+
+
+def largest_bucket(offsets) -> int:
+    """The size bucket of the largest problem of a packing (B + 1 offsets)."""
+    return bucket(max(b - a for a, b in itertools.pairwise(offsets)))
 
 
 def block_d(d: int, itemsize: int = 4) -> tuple[int, int]:
