@@ -133,3 +133,44 @@ def test_cli_largest_doubles_n_within_the_budget(tmp_path, capsys):
     assert {r["provider"] for r in largest} == {"flashot-torch", "dense-torch"}
     assert all(r["n"] == 200 and r["ms"] > 0 for r in largest)  # 50 → 100 → 200, the cap
     assert main(["bench", "--largest", "-1", "--out", str(tmp_path)]) == 1
+
+
+class _Sleeper:
+    """A fake provider whose call takes ``seconds_per_point2 × n²`` seconds."""
+
+    name, computes, workloads = "sleeper", "sleeps", ("forward",)
+
+    def __init__(self, seconds_per_point2):
+        self.rate, self.calls = seconds_per_point2, []
+
+    def unavailable(self, device):
+        return None
+
+    def prepare(self, workload, pb):
+        import time
+
+        def run():
+            self.calls.append(pb.n)
+            time.sleep(self.rate * pb.n**2)
+            return torch.tensor(1.0)
+
+        return run
+
+
+def test_row_budget_skips_sizes_predicted_too_slow_and_slow_calls_run_twice(monkeypatch):
+    """A provider whose n=40 call predicts over the row budget at n=160 (16× the work) is
+    not called there; the skip row says the prediction. A call over SLOW_CALL_S is timed
+    by two more calls, not by the usual medians."""
+    from flashot.bench import harness
+
+    monkeypatch.setattr(harness, "_reference", lambda pb, workload: 1.0)
+    monkeypatch.setattr(harness, "SLOW_CALL_S", 0.01)
+    prov = _Sleeper(2e-5)  # n=40: 32 ms; n=160 predicted 0.5 s
+    rows = harness.run_suite(["forward"], [160, 40], [2], [prov], CPU, floors=False,
+                             row_budget_s=0.2)  # fmt: skip
+    by_n = {r.n: r for r in rows}
+    assert by_n[40].ms == pytest.approx(32, rel=0.5) and by_n[40].skipped is None
+    assert "predicted" in by_n[160].skipped and "row budget" in by_n[160].skipped
+    assert 160 not in prov.calls
+    # the accuracy check (n=40 is ACCURACY_N's min) + first call + two timed calls
+    assert prov.calls.count(40) == 4

@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="flashot_bench", help="folder for CSV, JSON and PNGs")
     p.add_argument("--no-floor", action="store_true", help="skip measuring the GPU's ceilings")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--row-budget", type=float, default=30.0, metavar="SECONDS",
+                   help="skip a provider at a size where its previous size predicts calls "
+                        "over SECONDS (time × (n/n_prev)²)")  # fmt: skip
     p.add_argument("--largest", type=float, default=0.0, metavar="SECONDS",
                    help="also find the largest n each provider runs a workload at in one "
                         "call of at most SECONDS (doubling n; 0: skip)")  # fmt: skip
@@ -73,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(
             f"--providers: unknown {', '.join(unknown)} (choose from {', '.join(PROVIDERS)})"
         )
+    if not args.row_budget > 0:
+        raise CliError(f"--row-budget must be > 0 seconds, got {args.row_budget}")
     if not args.largest >= 0:
         raise CliError(f"--largest must be ≥ 0 seconds, got {args.largest}")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -88,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"bench: {text}", file=sys.stderr, flush=True)
 
     rows = run_suite(args.workloads, sizes, dims, chosen, device, eps=args.eps, iters=args.iters,
-                     tol=args.tol, floors=not args.no_floor, progress=say)  # fmt: skip
+                     tol=args.tol, floors=not args.no_floor,
+                     row_budget_s=args.row_budget, progress=say)  # fmt: skip
     if args.largest > 0:
         cap = args.largest_cap or (1 << 22 if device.type == "cuda" else 1 << 16)
         rows += largest_sizes(args.workloads, dims, chosen, device, args.largest,

@@ -20,6 +20,11 @@ __all__ = ["Row", "environment", "largest_sizes", "median_ms", "run_suite"]
 
 #: points per cloud of the float64 accuracy reference (dense, on the CPU or the device)
 ACCURACY_N = 1000
+#: a call slower than this (s) is timed by two wall-clock calls instead of do_bench's dozens
+SLOW_CALL_S = 1.0
+#: workloads whose ε is ``eps × d`` (a fixed fraction of the cost's scale, 2d for N(0, I)
+#: clouds, so that every d is as hard as the others: ε = 0.1 at d = 64 is near ε = 0)
+SCALED_EPS = ("converge", "hvp")
 
 
 @dataclasses.dataclass
@@ -93,6 +98,24 @@ def _peak_mb(fn: Callable, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - base) / 1e6
 
 
+def _slow_call(fn: Callable, device: torch.device) -> tuple[float, float | None]:
+    """(ms, peak MB) of a slow call: the faster of two wall-clock calls, the peak of both."""
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(1e3 * (time.perf_counter() - t0))
+    peak = None
+    if device.type == "cuda":
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 1e6
+    return min(times), peak
+
+
 def _reference(pb: Problem, workload: str) -> float:
     """The float64 value of the same workload (flashot's torch backend).
 
@@ -124,26 +147,42 @@ def _reference(pb: Problem, workload: str) -> float:
 def run_suite(workloads: Iterable[str], sizes: Iterable[int], dims: Iterable[int],
               chosen: list[Provider], device: torch.device, *, eps: float = 0.1,
               iters: int = 10, tol: float = 1e-3, floors: bool = True,
+              row_budget_s: float = 30.0,
               progress: Callable[[str], None] | None = None) -> list[Row]:  # fmt: skip
-    """Every (workload, d, n, provider) row; providers that cannot run give a skip row."""
+    """Every (workload, d, n, provider) row; providers that cannot run give a skip row.
+
+    Sizes run in increasing order; a provider whose call at the previous size predicts
+    (time × (n / n_prev)², the n·m work) more than ``row_budget_s`` seconds per call is
+    skipped at the larger size, with the prediction as the reason.
+    """
     ceilings: Ceilings | None = None
     if floors and device.type == "cuda":
         ceilings = measure_ceilings(device)
     rows = []
+    sizes = sorted(sizes)
     for workload in workloads:
         for d in dims:
-            # converge: ε × d, a fixed fraction of the cost's scale (2d for N(0, I) clouds),
-            # so that every d is as hard as the others (ε = 0.1 at d = 64 is near ε = 0)
-            e = eps * d if workload == "converge" else eps
+            e = eps * d if workload in SCALED_EPS else eps
             ref_n = min(ACCURACY_N, *sizes)
             ref_pb = make_problem(ref_n, ref_n, d, device, eps=e, iters=iters, tol=tol, seed=1)
             reference = _reference(ref_pb, workload)
+            last: dict[str, Row] = {}
             for n in sizes:
                 pb = make_problem(n, n, d, device, eps=e, iters=iters, tol=tol)
                 for prov in chosen:
                     if progress is not None:
                         progress(f"{workload} n={n} d={d} {prov.name}")
-                    rows.append(_row(prov, workload, pb, ref_pb, reference, device, ceilings))
+                    prev = last.get(prov.name)
+                    guess = None if prev is None or prev.ms is None else (
+                        prev.ms / 1e3 * (n / prev.n) ** 2)  # fmt: skip
+                    if guess is not None and guess > row_budget_s:
+                        row = Row(workload, prov.name, n, d, computes=prov.computes)
+                        row.skipped = (f"predicted {guess:.0f} s per call from n={prev.n} "
+                                       f"(over the row budget of {row_budget_s:g} s)")  # fmt: skip
+                    else:
+                        row = _row(prov, workload, pb, ref_pb, reference, device, ceilings)
+                    rows.append(row)
+                    last[prov.name] = row
     return rows
 
 
@@ -165,8 +204,11 @@ def _row(prov: Provider, workload: str, pb: Problem, ref_pb: Problem, reference:
         row.value = float(fn())
         _sync(device)
         row.first_s = time.perf_counter() - t0
-        row.ms = median_ms(fn, device)
-        row.peak_mb = _peak_mb(fn, device)
+        if row.first_s > SLOW_CALL_S:  # (do_bench would call it dozens of times)
+            row.ms, row.peak_mb = _slow_call(fn, device)
+        else:
+            row.ms = median_ms(fn, device)
+            row.peak_mb = _peak_mb(fn, device)
     except Exception as err:
         row.skipped = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
         if device.type == "cuda":
@@ -192,7 +234,7 @@ def largest_sizes(workloads: Iterable[str], dims: Iterable[int], chosen: list[Pr
     rows = []
     for workload in workloads:
         for d in dims:
-            e = eps * d if workload == "converge" else eps
+            e = eps * d if workload in SCALED_EPS else eps
             for prov in chosen:
                 row = Row(f"{workload}:largest", prov.name, 0, d, computes=prov.computes)
                 rows.append(row)

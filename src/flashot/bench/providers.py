@@ -334,8 +334,11 @@ class FlashSinkhorn(Provider):
     """The FlashSinkhorn paper's package (``flash-sinkhorn`` 0.4.1), its TF32 default."""
 
     name = "flash-sinkhorn"
-    computes = "OT_eps with its symmetric updates, TF32, cost |x−y|² (its p = 2 convention)"
-    workloads = ("forward", "gradient")
+    computes = ("OT_eps with its symmetric updates, TF32, cost |x−y|² (its p = 2 "
+                "convention); hvp: <v, H v> by double backward of its loss solved at the "
+                "fixed ε to its threshold = HVP_TOL (its own marginal criterion), its "
+                "default CG")  # fmt: skip
+    workloads = ("forward", "gradient", "hvp")
 
     def unavailable(self, device):
         try:
@@ -347,10 +350,21 @@ class FlashSinkhorn(Provider):
     def prepare(self, workload, pb):
         from flash_sinkhorn import SamplesLoss
 
+        solve = dict(n_iters=100_000, threshold=HVP_TOL) if workload == "hvp" else dict(
+            n_iters=pb.iters)  # fmt: skip
         loss = SamplesLoss("sinkhorn", backend="symmetric", use_epsilon_scaling=False,
-                           eps=pb.eps, n_iters=pb.iters, debias=False, potentials=False,
-                           normalize=False, last_extrapolation=True,
-                           allow_tf32=True)  # fmt: skip
+                           eps=pb.eps, debias=False, potentials=False, normalize=False,
+                           last_extrapolation=True, allow_tf32=True, **solve)  # fmt: skip
+        if workload == "hvp":
+            v = direction(pb)
+
+            def hvp():
+                xs = pb.x.detach().requires_grad_()
+                (grad,) = torch.autograd.grad(loss(pb.a, xs, pb.b, pb.y), xs, create_graph=True)
+                (hv,) = torch.autograd.grad((grad * v).sum(), xs)
+                return (v * hv).sum().detach()
+
+            return hvp
 
         def value_of(x):
             return loss(pb.a, x, pb.b, pb.y)
