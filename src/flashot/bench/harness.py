@@ -183,7 +183,18 @@ def run_suite(workloads: Iterable[str], sizes: Iterable[int], dims: Iterable[int
                         row = _row(prov, workload, pb, ref_pb, reference, device, ceilings)
                     rows.append(row)
                     last[prov.name] = row
+                    if progress is not None:
+                        progress(f"  {_summary(row)}")
     return rows
+
+
+def _summary(row: Row) -> str:
+    """One line of a finished row (so a run cut short still leaves its numbers in the log)."""
+    if row.skipped is not None:
+        return f"skipped: {row.skipped}"
+    peak = "" if row.peak_mb is None else f", peak {row.peak_mb:.0f} MB"
+    return (f"{row.ms:.3g} ms (first call {row.first_s:.2g} s{peak}), value {row.value:.7g}, "
+            f"rel. error at n={ACCURACY_N} {row.rel_error:.1e}")  # fmt: skip
 
 
 def _row(prov: Provider, workload: str, pb: Problem, ref_pb: Problem, reference: float,

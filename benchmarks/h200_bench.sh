@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# flashot bench with the peers on the lent GPU machine (see ../shared/GPU.md for the wheels).
+# Usage: bash benchmarks/h200_bench.sh OUT_DIR [flashot bench options...]
+# Peer packages go first on the path; their dependencies after the machine's own (the
+# machine's jax stack wins where it has one).
+set -u
+out=$1; shift
+main=(flash_sinkhorn geomloss ott_jax jaxopt pot pykeops keopscore)
+mkdir -p /tmp/site /tmp/site_deps
+for w in .whl/*.whl; do
+  name=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
+  target=/tmp/site_deps
+  for m in "${main[@]}"; do [ "$name" = "$m" ] && target=/tmp/site; done
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$target" "$w" > /dev/null 2>&1 || echo "could not install $w"
+done
+export PYTHONPATH=$PWD/src:/tmp/site:${PYTHONPATH:-}:/tmp/site_deps
+export TRITON_CACHE_DIR=$PWD/.triton_cache FLASHOT_CACHE_DIR=$PWD/.triton_cache/flashot
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import sys; from flashot.cli import main; sys.exit(main(sys.argv[1:]))" \
+  bench --out "$out" "$@"
