@@ -14,9 +14,9 @@ for w in .whl/*.whl; do
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$target" "$w" > /dev/null 2>&1 || echo "could not install $w"
 done
-export PYTHONPATH=$PWD/src:/tmp/site:${PYTHONPATH:-}:/tmp/site_deps
+export PYTHONPATH=$PWD/src:/tmp/site
 export TRITON_CACHE_DIR=$PWD/.triton_cache FLASHOT_CACHE_DIR=$PWD/.triton_cache/flashot
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import sys; from flashot.cli import main; sys.exit(main(sys.argv[1:]))" \
+python3 -c "import sys; sys.path.append('/tmp/site_deps'); from flashot.cli import main; sys.exit(main(sys.argv[1:]))" \
   bench --out "$out" "$@"
