@@ -206,6 +206,7 @@ def _row(prov: Provider, workload: str, pb: Problem, ref_pb: Problem, reference:
     if why is not None:
         row.skipped = why
         return row
+    grad_mode = torch.is_grad_enabled()  # a failing peer may leave it off (GeomLoss' loop)
     try:
         check = float(prov.prepare(workload, ref_pb)())
         row.rel_error = abs(check - reference) / max(abs(reference), 1e-30)
@@ -220,11 +221,15 @@ def _row(prov: Provider, workload: str, pb: Problem, ref_pb: Problem, reference:
         else:
             row.ms = median_ms(fn, device)
             row.peak_mb = _peak_mb(fn, device)
+        if not prov.torch_memory:
+            row.peak_mb = None
     except Exception as err:
         row.skipped = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return row
+    finally:
+        torch.set_grad_enabled(grad_mode)
     if isinstance(prov, Flashot) and prov.backend == "triton":
         precision = "fp32" if prov.precision == "auto" else prov.precision
         row.floor_ms = floor_ms(ceilings, workload, pb.n, pb.n, pb.d, pb.iters, precision)
