@@ -8,7 +8,7 @@ import torch
 
 import flashot
 from flashot.bench.floor import Ceilings, floor_ms
-from flashot.bench.providers import POT, DenseTorch, Flashot, GeomLoss, make_problem
+from flashot.bench.providers import POT, DenseTorch, Flashot, GeomLoss, Provider, make_problem
 from flashot.cli import main
 from tests.references import entropic_ot
 
@@ -135,7 +135,7 @@ def test_cli_largest_doubles_n_within_the_budget(tmp_path, capsys):
     assert main(["bench", "--largest", "-1", "--out", str(tmp_path)]) == 1
 
 
-class _Sleeper:
+class _Sleeper(Provider):
     """A fake provider whose call takes ``seconds_per_point2 × n²`` seconds."""
 
     name, computes, workloads = "sleeper", "sleeps", ("forward",)
