@@ -96,3 +96,63 @@ def test_labels_outside_the_table_are_named(label, match):
         flashot.sinkhorn(x, y, eps=1.0, cost=cost)
     with pytest.raises(ValueError, match="x must be \\(n, d \\+ 1\\)"):
         flashot.sinkhorn(torch.zeros(3, 1), torch.zeros(3, 1), eps=1.0, cost=cost)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_labels_held_by_the_cost_give_the_labeled_points_solve(backend):
+    """``cost.with_labels(lx, ly)`` between plain features equals the labeled points'
+    solve: value, potentials and the features' gradient (float64 on the torch backend,
+    float32 in the interpreter for the kernels)."""
+    if backend not in available_backends(torch.device("cpu")):
+        pytest.skip(f"{backend} unavailable")
+    dtype = F64 if backend == "torch" else torch.float32
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(23, 3, generator=g, dtype=dtype)
+    y = torch.randn(17, 3, generator=g, dtype=dtype)
+    lab_x, lab_y = torch.randint(0, 3, (23,), generator=g), torch.randint(0, 3, (17,), generator=g)
+    cost = flashot.labeled_cost(3 * torch.rand(3, 3, generator=g, dtype=F64), 0.7, 1.3)
+    kw = dict(eps=0.5, tol=None, max_iter=30, backend=backend)
+    xs = labeled(x, lab_x).requires_grad_()
+    want = flashot.sinkhorn(xs, labeled(y, lab_y), cost=cost, **kw)
+    (want_grad,) = torch.autograd.grad(want.cost, xs)
+    xf = x.clone().requires_grad_()
+    got = flashot.sinkhorn(xf, y, cost=cost.with_labels(lab_x, lab_y), **kw)
+    (got_grad,) = torch.autograd.grad(got.cost, xf)
+    rel = 1e-12 if dtype == F64 else 1e-5
+    assert float(got.cost) == pytest.approx(float(want.cost), rel=rel)
+    assert torch.allclose(got.f, want.f, rtol=rel, atol=rel)
+    assert torch.allclose(got_grad, want_grad[:, :-1], rtol=rel * 10, atol=rel)
+
+
+def test_held_labels_are_checked():
+    cost = flashot.labeled_cost(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="labels_y must be a 1-D integer tensor of indices 0 … 1"):
+        cost.with_labels(torch.zeros(3, dtype=torch.long), torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="labels_x must be"):
+        cost.with_labels(torch.zeros(3), torch.zeros(3, dtype=torch.long))
+    bound = cost.with_labels(torch.zeros(3, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"y must be \(4, d\) features: this cost holds"):
+        flashot.sinkhorn(torch.zeros(3, 2), torch.zeros(5, 2), eps=1.0, cost=bound)
+
+
+def test_second_derivatives_of_labeled_values_match_finite_differences():
+    """The operands' Function is differentiable twice (create_graph): the HVP of a
+    labeled self problem's value (x given twice) against central differences of its
+    gradient, float64."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(15, 2, generator=g, dtype=F64)
+    lab = torch.randint(0, 2, (15,), generator=g)
+    cost = flashot.labeled_cost(torch.tensor([[0.0, 1.5], [1.5, 0.0]], dtype=F64)).with_labels(
+        lab, lab)  # fmt: skip
+    v = torch.randn(15, 2, generator=g, dtype=F64)
+
+    def grad_at(z, create_graph=False):
+        z = z.detach().requires_grad_() if not create_graph else z
+        value = flashot.sinkhorn(z, z, eps=0.7, cost=cost, tol=1e-13, max_iter=5000).cost
+        return torch.autograd.grad(value, z, create_graph=create_graph)[0]
+
+    xs = x.clone().requires_grad_()
+    (hv,) = torch.autograd.grad((grad_at(xs, create_graph=True) * v).sum(), xs)
+    h = 1e-5
+    fd = (grad_at(x + h * v) - grad_at(x - h * v)) / (2 * h)
+    assert torch.allclose(hv, fd, rtol=1e-5, atol=1e-7)

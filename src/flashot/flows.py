@@ -21,7 +21,7 @@ import torch
 
 import flashot
 from flashot.backends import entry_point
-from flashot.otdd import _label_cost, _labeled, _outer, _prepare
+from flashot.otdd import _label_cost, _outer, _prepare
 
 __all__ = ["FlowResult", "dataset_flow", "save_grid"]
 
@@ -76,29 +76,32 @@ def save_grid(x: torch.Tensor, labels: torch.Tensor, path, per_class: int = 8,
     return path
 
 
-def _value_and_grad(x, index_a, lb, cost, eps, self_b, **sinkhorn_options):
+def _value_and_grad(x, index_a, xb, labels_b, cost, eps, self_b, **sinkhorn_options):
     """``(OTDD, its gradient in x, OT(B, B))``, one problem's autograd graph at a time.
 
     ``OT(A, B) − ½ OT(A, A) − ½ OT(B, B)``: each term's graph (its attention form and
     cotangents, a few cloud-sized tensors) is freed before the next is built, so the
-    peak is that of one problem, not of three.
+    peak is that of one problem, not of three. The cost holds the labels, so the
+    points are the flow state itself (no labeled copy).
     """
     if self_b is None:
         with torch.no_grad():
-            self_b = flashot.sinkhorn(lb, lb, eps=eps, cost=cost, **sinkhorn_options).cost
+            self_b = flashot.sinkhorn(xb, xb, eps=eps, cost=cost.with_labels(labels_b, labels_b),
+                                      **sinkhorn_options).cost  # fmt: skip
     value, grad = -0.5 * self_b, None
     # OT(A, A): with its symmetric cost and weights (and ρ) the rows' share of the
     # gradient equals the columns' (P = Pᵀ): differentiate one side, twice (half the
     # cotangents); a ρ = (ρ_x, ρ_y) with ρ_x ≠ ρ_y breaks the symmetry
     rho = sinkhorn_options.get("rho")
     one_side = not (isinstance(rho, (tuple, list)) and rho[0] != rho[1])
-    for weight, other, sides in ((-0.5, None, 2.0 if one_side else 1.0), (1.0, lb, 1.0)):
+    for weight, other, sides in ((-0.5, None, 2.0 if one_side else 1.0), (1.0, xb, 1.0)):
         xs = x.detach().requires_grad_()
-        la = _labeled(xs, index_a, 0)
+        labels = labels_b
         if other is None:
-            other = la.detach() if one_side else la
-        term = flashot.sinkhorn(la, other, eps=eps, cost=cost, **sinkhorn_options).cost
-        del la, other  # the form holds its own operands; the labeled copy can go now
+            other, labels = (xs.detach() if one_side else xs), index_a
+        term = flashot.sinkhorn(xs, other, eps=eps, cost=cost.with_labels(index_a, labels),
+                                **sinkhorn_options).cost  # fmt: skip
+        del other
         (g,) = torch.autograd.grad(term, xs)
         value = value + weight * term.detach()
         # accumulate in the first gradient's storage: no zero cloud, no sum temporaries
@@ -156,22 +159,23 @@ def dataset_flow(
     if snapshot_every and snapshot_dir is None:
         raise ValueError("snapshot_every needs snapshot_dir")
     ka, kb = len(classes_a), len(classes_b)
-    out = FlowResult(xa.detach().clone())
-    lb = _labeled(xb.detach(), index_b, ka)
+    first = xa.detach()
+    out = FlowResult(first)  # the input is the first state (never written to)
+    xb, labels_b = xb.detach(), index_b + ka  # B's labels after A's in the class table
     cost = self_b = None
     start = time.perf_counter()
     for step in range(steps + 1):
         if cost is None or recompute_stats:
-            cost = _label_cost(out.x, index_a, ka, xb.detach(), index_b, kb, inner, diagonal, eps,
+            cost = _label_cost(out.x, index_a, ka, xb, index_b, kb, inner, diagonal, eps,
                                lambda_x, lambda_y)  # fmt: skip
             self_b = None  # OT(B, B) depends on the table
         x = out.x
         if step < steps:
-            value, grad, self_b = _value_and_grad(x, index_a, lb, cost, eps, self_b,
+            value, grad, self_b = _value_and_grad(x, index_a, xb, labels_b, cost, eps, self_b,
                                                   **sinkhorn_options)  # fmt: skip
         else:
             with torch.no_grad():
-                value, _, self_b = _outer(_labeled(x, index_a, 0), lb, cost, eps, True, self_b,
+                value, _, self_b = _outer(x, index_a, xb, labels_b, cost, eps, True, self_b,
                                           **sinkhorn_options)  # fmt: skip
         out.distances.append(float(value))
         if snapshot_every and (step % snapshot_every == 0 or step == steps):
@@ -181,10 +185,11 @@ def dataset_flow(
                                            title=title))  # fmt: skip
         if step == steps:
             break
-        out.x = x - step_size * x.shape[0] * grad
+        out.x = torch.add(x, grad, alpha=-step_size * x.shape[0])  # one allocation
+        del x, grad  # not into the next step's peak
         if progress:
             per = (time.perf_counter() - start) / (step + 1)
             print(f"flow step {step + 1}/{steps}  OTDD {out.distances[-1]:.6g}  {per:.2f} s/step  "
                   f"{per * (steps - step - 1):.0f} s left", file=sys.stderr, flush=True)  # fmt: skip
-    out.x = out.x.detach()
+    out.x = out.x.clone() if out.x is first else out.x.detach()
     return out

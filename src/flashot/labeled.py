@@ -22,12 +22,22 @@ the features (the label column gets none).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from flashot.costs import COSTS, AttentionForm, Cost, FeatureMap, get_cost, round_operands
+from flashot.costs import (
+    COSTS,
+    AttentionForm,
+    Cost,
+    FeatureMap,
+    _joint_center,
+    get_cost,
+    round_operands,
+)
+from flashot.labeled_operands import augmented_rows
 
 __all__ = ["LabeledCost", "labeled_cost"]
 
@@ -37,15 +47,47 @@ class LabeledCost(Cost):
     """``λ_x · base(x, y) + λ_y · table[c, c']`` between points ``(x, c)`` (see module).
 
     Build it with :func:`labeled_cost`. Attributes: ``table`` (K, K), ``lambda_y``,
-    ``base`` (the feature cost, λ_x folded into ``scale``).
+    ``base`` (the feature cost, λ_x folded into ``scale``), ``labels_x``/``labels_y``
+    (None, or the labels of plain feature clouds: :meth:`with_labels`).
     """
 
     table: torch.Tensor = field(default=None, repr=False)  # type: ignore[assignment]  # (always set)
     lambda_y: float = 1.0
     base: Cost = COSTS["sqeuclidean"]
+    labels_x: torch.Tensor | None = field(default=None, repr=False)
+    labels_y: torch.Tensor | None = field(default=None, repr=False)
 
-    def split(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(features (n, d), label indices (n,) int64) of labeled points (n, d + 1)."""
+    def with_labels(self, labels_x, labels_y) -> LabeledCost:
+        """This cost between plain feature clouds x (n, d) and y (m, d) with these labels.
+
+        The points then carry no label column, so no (n, d + 1) labeled copy of a cloud
+        is made (what :mod:`flashot.otdd` and the flows use at scale). New points given
+        to a plan's feature maps still carry their label in the last column.
+
+        Args:
+            labels_x: (n,) integer indices into the table.  labels_y: (m,) the same.
+        """
+        k = self.table.shape[0]
+        out = []
+        for lab, name in ((labels_x, "labels_x"), (labels_y, "labels_y")):
+            lab = torch.as_tensor(lab)
+            bad = lab.dim() != 1 or lab.is_floating_point() or lab.is_complex()
+            if bad or (lab.numel() and not bool(((lab >= 0) & (lab < k)).all())):
+                raise ValueError(f"{name} must be a 1-D integer tensor of indices 0 … {k - 1}")
+            out.append(lab.long())
+        return dataclasses.replace(self, labels_x=out[0], labels_y=out[1])
+
+    def split(self, x: torch.Tensor, name: str,
+              labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(features (n, d), label indices (n,) int64) of labeled points (n, d + 1).
+
+        Or of plain features (n, d) whose ``labels`` the cost holds.
+        """
+        if labels is not None:
+            if x.dim() != 2 or x.shape[0] != labels.shape[0]:
+                raise ValueError(f"{name} must be ({labels.shape[0]}, d) features: this cost "
+                                 f"holds its labels, got shape {tuple(x.shape)}")  # fmt: skip
+            return x, labels.to(x.device)
         if x.dim() != 2 or x.shape[1] < 2:
             raise ValueError(f"{name} must be (n, d + 1) with labels in its last column, "
                              f"got shape {tuple(x.shape)}")  # fmt: skip
@@ -57,41 +99,51 @@ class LabeledCost(Cost):
         return x[:, :-1], lab.long()
 
     def compile(self, x, y, dtype, rounding, cost_bound) -> AttentionForm:
-        """The attention form of labeled clouds (``costs.attention_form`` delegates here)."""
-        from flashot.costs import attention_form
+        """The attention form of labeled clouds (``costs.attention_form`` delegates here).
 
-        (fx, lx), (fy, ly) = self.split(x, "x"), self.split(y, "y")
-        feat = Cost(self.name, self.scale)
-        form = attention_form(feat, fx, fy, dtype, rounding, cost_bound=math.inf)
-        table = self.table.to(dtype=dtype or x.dtype, device=x.device)
+        q and k are built in one allocation each, features and label parts together
+        (:func:`~flashot.labeled_operands.augmented_rows`): no centered or concatenated
+        temporary of a cloud's size.
+        """
+        (fx, lx), (fy, ly) = self.split(x, "x", self.labels_x), self.split(y, "y", self.labels_y)
+        dtype = dtype or x.dtype
+        u, v = fx.to(dtype), fy.to(dtype)
+        with torch.no_grad():
+            center = _joint_center(u.detach(), v.detach())
+        table = self.table.to(dtype=dtype, device=x.device)
         eye = torch.eye(table.shape[0], dtype=table.dtype, device=table.device)
         # row labels c ↦ −λ_y T[c, ·], rounded like the other operands; columns one-hot
         label_rows = round_operands(-self.lambda_y * table, rounding)
-        # the maps keep the feature form's maps, not its q and k (cloud-sized)
-        base_rows, base_cols = form.row_features, form.col_features
-        assert isinstance(base_rows, FeatureMap) and isinstance(base_cols, FeatureMap)
-        row_features = LabeledFeatures(self, base_rows, label_rows)
-        col_features = LabeledFeatures(self, base_cols, eye)
+        two_s = 2.0 * self.scale
+        q, alpha = augmented_rows(u, center, label_rows, lx, rounding, two_s, self.scale)
+        k, beta = augmented_rows(v, center, eye, ly, rounding, 1.0, self.scale)
+        feat = Cost(self.name, self.scale)
+        row_features = LabeledFeatures(self, FeatureMap(feat, center, two_s, rounding, dtype),
+                                       label_rows)  # fmt: skip
+        col_features = LabeledFeatures(self, FeatureMap(feat, center, 1.0, rounding, dtype), eye)
         if cost_bound is None:
             boxes = [torch.stack(torch.aminmax(t.detach(), dim=0)) for t in (x, y)]
             cost_bound = float(self.box_bound(*boxes))
-        alpha, beta, k_feat = form.alpha, form.beta, form.k
-        q = torch.cat([form.q, label_rows[lx]], 1)
-        del form  # its q goes: at most three cloud-sized operands live at once
-        k = torch.cat([k_feat, eye[ly]], 1)
         return AttentionForm(q, k, alpha, beta, row_features, col_features, cost_bound)
 
     def box_bound(self, box_x: torch.Tensor, box_y: torch.Tensor) -> torch.Tensor:
-        """A bound on the cost from the clouds' (2, d + 1) bounding boxes (0-d float64)."""
-        span = torch.maximum(box_x[1, :-1], box_y[1, :-1]).double()
-        span = span - torch.minimum(box_x[0, :-1], box_y[0, :-1]).double()
+        """A bound on the cost from the clouds' bounding boxes (0-d float64).
+
+        Boxes (2, d + 1) of labeled points, or (2, d) when the cost holds the labels.
+        """
+        if self.labels_x is None:
+            box_x, box_y = box_x[:, :-1], box_y[:, :-1]
+        span = torch.maximum(box_x[1], box_y[1]).double()
+        span = span - torch.minimum(box_x[0], box_y[0]).double()
         top = self.table.detach().double().max().clamp_min(0.0).to(span.device)
         return self.scale * (span**2).sum() + self.lambda_y * top
 
     def diameter(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """``D`` with ``s D²`` the largest cost: the start of an ε-scaling schedule."""
         with torch.no_grad():
-            u, v = x.detach()[:, :-1], y.detach()[:, :-1]
+            u, v = x.detach(), y.detach()
+            if self.labels_x is None:
+                u, v = u[:, :-1], v[:, :-1]
             lo = torch.minimum(u.min(0).values, v.min(0).values)
             hi = torch.maximum(u.max(0).values, v.max(0).values)
             feat = float(((hi - lo).double() ** 2).sum())

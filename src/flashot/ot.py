@@ -15,7 +15,7 @@ from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.backends import entry_point
 from flashot.batched import sinkhorn_batched
 from flashot.caller import warn_at_caller
-from flashot.costs import bounding_diameter
+from flashot.costs import attention_form, bounding_diameter
 from flashot.dual import phi_sum
 from flashot.problem import Problem, cloud_tensor, make_problem
 from flashot.result import SinkhornResult, SolveHistory, TransportPlan
@@ -61,6 +61,27 @@ def _check_init(init, problem: Problem):
             raise ValueError(f"{name} contains NaN or infinite values")
         out.append(pot.detach().to(like.dtype))
     return tuple(out)
+
+
+def _piece(problem, f: torch.Tensor, g: torch.Tensor, spec) -> Piece:
+    """The value's second-order piece: its form rebuilt from the clouds on demand.
+
+    A first-order graph then keeps x and y (the caller's tensors) rather than the
+    form's q and k, two more cloud-sized tensors through the backward pass; a second
+    derivative compiles the form again (O((n + m) d)). Packed forms keep their operands.
+    """
+    pf = problem.form
+    if pf.segments is not None:
+        return Piece(1.0, (pf.q, pf.alpha, pf.k, pf.beta, problem.a, problem.b), f, g, spec)
+
+    # the closure holds what compiles the form, not the form (nor the problem holding it)
+    cost, dtype, rounding, bound = problem.cost, pf.q.dtype, problem.engine.rounding, pf.cost_bound
+
+    def theta(x, y, a, b):  # run by a double backward only
+        form = attention_form(cost, x, y, dtype, rounding, bound)
+        return form.q, form.alpha, form.k, form.beta, a, b
+
+    return Piece(1.0, (problem.x, problem.y, problem.a, problem.b), f, g, spec, build=theta)
 
 
 @entry_point
@@ -230,7 +251,7 @@ def sinkhorn(
         error_t, excess = plan._marginal_error()
     value = _dual_value(problem, f, g, excess)  # queued before the checks wait
     if exact is not None:
-        value = exact_second_order(value, [Piece(1.0, theta, fd, gd, exact[1])])
+        value = exact_second_order(value, [_piece(problem, fd, gd, exact[1])])
     error = None if error_t is None else float(error_t)
     finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
     if not (bool(finite) and (error is None or math.isfinite(error))):

@@ -25,6 +25,7 @@ of size n × m is formed. The distance is ``S_ε = OT_ε(A, B) − ½ OT_ε(A, A
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,7 +78,7 @@ def _check_dataset(x, labels, name: str) -> tuple[torch.Tensor, torch.Tensor, to
     return x, classes, index
 
 
-def gaussian_table(feats: list[torch.Tensor], diagonal: bool = False) -> torch.Tensor:
+def gaussian_table(feats: Sequence[torch.Tensor], diagonal: bool = False) -> torch.Tensor:
     """Bures–Wasserstein ``W²`` between Gaussian fits of clouds (float64, (K, K)).
 
     Args:
@@ -86,11 +87,12 @@ def gaussian_table(feats: list[torch.Tensor], diagonal: bool = False) -> torch.T
     """
     centers, moments = [], []
     for f in feats:  # one class at a time: a float64 copy of one class, not of all
-        x = f.detach().double()
-        centers.append(x.mean(0))
-        c = x - centers[-1]
-        moments.append(c.square().mean(0) if diagonal else c.T @ c / c.shape[0])
-        del x, c
+        c = f.detach().double()
+        del f
+        centers.append(c.mean(0))
+        c.sub_(centers[-1])  # in place: the copy is ours
+        moments.append(c.square_().mean(0) if diagonal else c.T @ c / c.shape[0])
+        del c
     means = torch.stack(centers)
     table = torch.cdist(means, means).square()
     if diagonal:
@@ -110,7 +112,7 @@ def gaussian_table(feats: list[torch.Tensor], diagonal: bool = False) -> torch.T
     return (0.5 * (table + table.T)).clamp_min(0.0).fill_diagonal_(0.0)
 
 
-def class_table(feats: list[torch.Tensor], inner: str = "gaussian", diagonal: bool = False,
+def class_table(feats: Sequence[torch.Tensor], inner: str = "gaussian", diagonal: bool = False,
                 eps: float | None = None, **sinkhorn_options) -> torch.Tensor:  # fmt: skip
     """``W²`` between every pair of class clouds (float64, (K, K), zero diagonal).
 
@@ -137,26 +139,49 @@ def class_table(feats: list[torch.Tensor], inner: str = "gaussian", diagonal: bo
     return table.clamp_min(0.0)
 
 
+class _ClassClouds(Sequence):
+    """The class clouds of labeled datasets, each copied out when read.
+
+    ``class_table`` reads one class (two for ``"exact"``) at a time, so at most those
+    copies exist, not a copy of every class (two clouds) at once.
+    """
+
+    def __init__(self, *datasets: tuple[torch.Tensor, torch.Tensor, int]):
+        self._parts = [(x, index, c) for x, index, k in datasets for c in range(k)]
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def __getitem__(self, i):  # type: ignore[override]  # (ints only)
+        x, index, c = self._parts[i]
+        return x[index == c]
+
+
 def _label_cost(xa, index_a, ka, xb, index_b, kb, inner, diagonal, inner_eps, lambda_x,
                 lambda_y) -> flashot.LabeledCost:  # fmt: skip
     """The augmented cost of two datasets: ``W²`` over the union of their classes."""
-    feats = [xa[index_a == c] for c in range(ka)] + [xb[index_b == c] for c in range(kb)]
+    feats = _ClassClouds((xa, index_a, ka), (xb, index_b, kb))
     table = class_table(feats, inner, diagonal, inner_eps)
     return flashot.labeled_cost(table, lambda_x=lambda_x, lambda_y=lambda_y)
 
 
-def _outer(la, lb, cost, eps, debias, self_b=None, **sinkhorn_options):
-    """``(value, result of OT(A, B), OT(B, B) or None)`` of labeled point sets.
+def _outer(xa, index_a, xb, index_b, cost, eps, debias, self_b=None, **sinkhorn_options):
+    """``(value, result of OT(A, B), OT(B, B) or None)`` of labeled datasets.
 
-    The self problems go first: a solve's attention form is two cloud-sized operands,
-    and only the cross problem's stays (its result holds the lazy plan).
+    ``index_b`` already offset past A's classes. The cost holds each problem's labels
+    (:meth:`~flashot.labeled.LabeledCost.with_labels`): no labeled copy of a cloud. The
+    self problems go first: a solve's attention form is two cloud-sized operands, and
+    only the cross problem's stays (its result holds the lazy plan).
     """
     self_a = None
     if debias:
-        self_a = flashot.sinkhorn(la, la, eps=eps, cost=cost, **sinkhorn_options).cost
+        self_a = flashot.sinkhorn(xa, xa, eps=eps, cost=cost.with_labels(index_a, index_a),
+                                  **sinkhorn_options).cost  # fmt: skip
         if self_b is None:
-            self_b = flashot.sinkhorn(lb, lb, eps=eps, cost=cost, **sinkhorn_options).cost
-    res = flashot.sinkhorn(la, lb, eps=eps, cost=cost, **sinkhorn_options)
+            self_b = flashot.sinkhorn(xb, xb, eps=eps, cost=cost.with_labels(index_b, index_b),
+                                      **sinkhorn_options).cost  # fmt: skip
+    res = flashot.sinkhorn(xa, xb, eps=eps, cost=cost.with_labels(index_a, index_b),
+                           **sinkhorn_options)  # fmt: skip
     value = res.cost if not debias else res.cost - 0.5 * self_a - 0.5 * self_b
     return value, res, self_b
 
@@ -168,10 +193,6 @@ def _prepare(xa, ya, xb, yb):
         raise ValueError(f"Xa and Xb must have the same feature size, got {xa.shape[1]} "
                          f"and {xb.shape[1]}")  # fmt: skip
     return xa, classes_a, index_a, xb, classes_b, index_b
-
-
-def _labeled(x, index, offset: int) -> torch.Tensor:
-    return torch.cat([x, (offset + index)[:, None].to(x.dtype)], 1)
 
 
 @entry_point
@@ -214,8 +235,7 @@ def dataset_distance(
     ka, kb = len(classes_a), len(classes_b)
     cost = _label_cost(xa, index_a, ka, xb, index_b, kb, inner, diagonal, inner_eps or eps,
                        lambda_x, lambda_y)  # fmt: skip
-    la, lb = _labeled(xa, index_a, 0), _labeled(xb, index_b, ka)
-    value, res, _ = _outer(la, lb, cost, eps, debias, **sinkhorn_options)
+    value, res, _ = _outer(xa, index_a, xb, index_b + ka, cost, eps, debias, **sinkhorn_options)
     with torch.no_grad():
         onehot_b = torch.nn.functional.one_hot(index_b, kb).to(res.f.dtype)
         to_b = res.plan @ onehot_b  # (n, K_b): mass from each point to each class of B

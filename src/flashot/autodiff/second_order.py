@@ -89,14 +89,15 @@ def _piece_gradient(piece: Piece, sources, grad) -> list:
         if t.requires_grad:
             old = merged.get(id(t))
             merged[id(t)] = (t, gt if old is None else old[1] + gt)
-    wanted = [s for s in sources if s.requires_grad]
+    # a source given twice (x and y of a self problem) gets its gradient once
+    wanted = list({id(s): s for s in sources if s.requires_grad}.values())
     outs = [t for t, _ in merged.values()]
     if not (wanted and outs):
         return [None] * len(sources)
     found = torch.autograd.grad(outs, wanted, grad_outputs=[gt for _, gt in merged.values()],
                                 create_graph=True, allow_unused=True)  # fmt: skip
     by_id = {id(s): gs for s, gs in zip(wanted, found, strict=True)}
-    return [by_id.get(id(s)) for s in sources]
+    return [by_id.pop(id(s), None) for s in sources]
 
 
 class _ExactSecondOrder(torch.autograd.Function):

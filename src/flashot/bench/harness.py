@@ -173,9 +173,10 @@ def run_suite(workloads: Iterable[str], sizes: Iterable[int], dims: Iterable[int
                     if progress is not None:
                         progress(f"{workload} n={n} d={d} {prov.name}")
                     prev = last.get(prov.name)
-                    guess = None if prev is None or prev.ms is None else (
-                        prev.ms / 1e3 * (n / prev.n) ** 2)  # fmt: skip
-                    if guess is not None and guess > row_budget_s:
+                    guess = None
+                    if prev is not None and prev.ms is not None:
+                        guess = prev.ms / 1e3 * (n / prev.n) ** 2
+                    if prev is not None and guess is not None and guess > row_budget_s:
                         row = Row(workload, prov.name, n, d, computes=prov.computes)
                         row.skipped = (f"predicted {guess:.0f} s per call from n={prev.n} "
                                        f"(over the row budget of {row_budget_s:g} s)")  # fmt: skip
