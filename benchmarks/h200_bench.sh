@@ -16,7 +16,8 @@ for w in .whl/*.whl; do
 done
 export PYTHONPATH=$PWD/src:/tmp/site
 export TRITON_CACHE_DIR=$PWD/.triton_cache FLASHOT_CACHE_DIR=$PWD/.triton_cache/flashot
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+# the peers' Triton autotuning is kept on disk across calls (each shape still tunes once)
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import sys; sys.path.append('/tmp/site_deps'); from flashot.cli import main; sys.exit(main(sys.argv[1:]))" \
   bench --out "$out" "$@"

@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", type=_csv(int), help="n = m, comma-separated (default: per device)")
     p.add_argument("--dims", type=_csv(int), help="feature sizes d (default: per device)")
     p.add_argument("--providers", type=_csv(str),
-                   help=f"comma-separated, of {', '.join(PROVIDERS)} (default: all)")  # fmt: skip
+                   help=f"comma-separated, run in this order, of {', '.join(PROVIDERS)} "
+                        "(default: all)")  # fmt: skip
     p.add_argument("--eps", type=float, default=0.1, help="ε, for the cost |x − y|²")
     p.add_argument("--iters", type=int, default=10, help="iterations of the fixed workloads")
     p.add_argument("--tol", type=float, default=1e-3, help="marginal error of 'converge'")
@@ -86,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
     sizes, dims = args.sizes or sizes, args.dims or dims
     if min(sizes) < 2 or min(dims) < 1:
         raise CliError("--sizes must be ≥ 2 and --dims ≥ 1")
-    chosen = [p for p in providers(device) if args.providers is None or p.name in args.providers]
+    chosen = providers(device)
+    if args.providers is not None:  # in the order given (e.g. KeOps before Triton compiles)
+        by_name = {p.name: p for p in chosen}
+        chosen = [by_name[name] for name in dict.fromkeys(args.providers)]
 
     def say(text: str) -> None:
         if not args.quiet:
