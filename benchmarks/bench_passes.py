@@ -36,7 +36,7 @@ def main():
         help="split counts to time: 0 the first guess, 1 balanced waves (the default)",
     )
     args = ap.parse_args()
-    from flashot.backends import triton as backend
+    from flashot.backends.triton import _launch as backend
     from flashot.backends.triton import _configs
 
     resident = _configs.resident_programs
@@ -97,7 +97,7 @@ def main():
             ok = float(((r > lo) & (r < hi)).float().mean() + ((c > lo) & (c < hi)).float().mean())
             print(f"fused sums in range: {ok / 2:.1%}", flush=True)
     H.write(rows, args.out, args.name)
-    from flashot.backends.triton import _BEST
+    from flashot.backends.triton._launch import _BEST
 
     for key, cfg in _BEST.items():  # the tuned tiles and how many programs an SM holds
         resident = backend._RESIDENT.get((key, str(cfg)))

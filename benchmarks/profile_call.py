@@ -95,7 +95,7 @@ def main():
             "  " + " ".join(f"{e.name.split('_')[1][:6]}:{e.device_time / 1e3:.3f}" for e in ours)
         )
 
-    from flashot.backends.triton import _BEST
+    from flashot.backends.triton._launch import _BEST
 
     for key, cfg in _BEST.items():  # the tiles this process tuned
         print("  tiles", key, cfg.kwargs, f"warps={cfg.num_warps} stages={cfg.num_stages}")

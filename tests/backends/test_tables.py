@@ -109,9 +109,10 @@ def test_tuning_says_so_and_keeps_its_tiles(tables, monkeypatch, capsys):
 
 def test_launches_take_table_tiles_unless_tuning_is_opted_in(tables, monkeypatch):
     from flashot.backends import triton as backend
+    from flashot.backends.triton import _launch
 
-    monkeypatch.setattr(backend, "triton_interpreted", lambda: False)
-    monkeypatch.setattr(backend, "_BEST", {})
+    monkeypatch.setattr(_launch, "triton_interpreted", lambda: False)
+    monkeypatch.setattr(_launch, "_BEST", {})
     monkeypatch.setattr(_tables, "_CHOSEN", {})
     monkeypatch.setattr(_tables, "arch", lambda index: "sm_90")
     gpu = torch.device("cuda", 0)  # (only its arch is asked for, patched)

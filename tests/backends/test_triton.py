@@ -447,13 +447,14 @@ def test_tuning_times_the_finalists_again_at_their_own_splits(monkeypatch, cache
     import triton
 
     from flashot.backends import triton as backend
+    from flashot.backends.triton import _launch
 
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": 64}) for bm in (16, 32, 64, 128)]
     first = dict(zip(configs, ([3.0], [1.0], [2.0], [1.5]), strict=True))  # 32 < 128 < 64 < 16
     again = {16: 0.1, 32: 1.2, 64: 1.1, 128: 0.9}  # balanced: 128 wins (16 is no finalist)
     tuned, raw, resets = _FakeAutotuner(configs, first, cached), _FakeKernel(), []
-    monkeypatch.setattr(backend, "_BEST", {})
-    monkeypatch.setattr(backend, "_RETIMED", {})
+    monkeypatch.setattr(_launch, "_BEST", {})
+    monkeypatch.setattr(_launch, "_RETIMED", {})
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or again[raw.block_m[-1]])
 
     def plan_for(cfg):
@@ -465,13 +466,13 @@ def test_tuning_times_the_finalists_again_at_their_own_splits(monkeypatch, cache
     plan = be._launch(tuned, raw, ("k",), None, plan_for, cpu, {"FULL": True}, reset)
     assert tuned.launches == [{"SPLITS": None, "FULL": True}]  # tuned at the first guess
     winner = 32 if cached else 128  # a cached ranking (no new timings) is kept as it is
-    assert backend._BEST[("k",)].kwargs["BLOCK_M"] == winner
+    assert _launch._BEST[("k",)].kwargs["BLOCK_M"] == winner
     assert raw.block_m == ([] if cached else [32, 128, 64]) + [winner]  # retimed, then run
     assert plan[2]["SPLITS"] == winner and resets == [1]
     # a later call that finds the ranking kept (no new timings) takes the retimed winner
-    backend._BEST.clear()
+    _launch._BEST.clear()
     be._launch(tuned, raw, ("k",), None, plan_for, cpu)
-    assert backend._BEST[("k",)].kwargs["BLOCK_M"] == winner
+    assert _launch._BEST[("k",)].kwargs["BLOCK_M"] == winner
 
 
 @pytest.mark.parametrize(

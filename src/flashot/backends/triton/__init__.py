@@ -13,10 +13,8 @@ values stay float32).
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
-import warnings
 
 import torch
 import triton
@@ -25,7 +23,7 @@ from flashot.backends import on_device, triton_interpreted
 from flashot.backends.base import Backend
 from flashot.backends.near import NEAR_FROM, is_near_uniform
 from flashot.backends.plan_vjp import ALL
-from flashot.backends.triton import _configs, _tables
+from flashot.backends.triton import _configs
 from flashot.backends.triton._gate import Gate
 from flashot.backends.triton._kernels import (
     _attend_kernel,
@@ -33,6 +31,7 @@ from flashot.backends.triton._kernels import (
     _plan_sums_kernel,
     _update_kernel,
 )
+from flashot.backends.triton._launch import _ATTEND, _PLAN_SUMS, TunedLaunches
 from flashot.backends.triton._operands import OperandCache, score_operands
 from flashot.backends.triton._vjp import FUSED_UP_TO, fused_plan_vjp
 from flashot.dual import log_residual
@@ -46,31 +45,6 @@ _DOT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "tf32", "fp16": "tf32"}
 SPLIT_DOT = "split16"
 
 
-def _tuned(kernel, configs, key):
-    options = {}
-    if "cache_results" in inspect.signature(triton.autotune).parameters:
-        options["cache_results"] = True  # tuned tiles persist on disk across processes
-    return triton.autotune(
-        configs=configs,
-        key=key,
-        prune_configs_by={"early_config_prune": _configs.prune},
-        reset_to_zero=["R", "C"] if "R" in kernel.arg_names else None,
-        **options,
-    )(kernel)
-
-
-_ATTEND_KEY = ["d", "p", "n_bucket", "m_bucket", "HAS_V", "POTENTIAL_BIAS", "PRECISION",
-               "PRESPLIT"]  # fmt: skip
-_ATTEND = _tuned(_attend_kernel, _configs.attend_configs(), _ATTEND_KEY)
-_PLAN_SUMS_KEY = ["d", "n_bucket", "m_bucket", "PRECISION", "PRESPLIT"]
-_PLAN_SUMS = _tuned(_plan_sums_kernel, _configs.plan_sums_configs(), _PLAN_SUMS_KEY)
-# best configuration per (kernel, key): after the first (tuning) call, launches skip the
-# autotuner's per-call Python work and go straight to the compiled kernel
-_BEST: dict = {}
-# programs per SM of each (kernel, key, tiles), read from the compiled kernel
-_RESIDENT: dict = {}
-# the retimed winner of each autotuner ranking (keyed as the autotuner keys)
-_RETIMED: dict = {}
 #: relaxed problems skip the fused pass when the last step's largest |ln R| (nats)
 #: exceeded this: the sums would mostly fall outside their window and need repair anyway
 GATE_LIMIT = 100.0
@@ -85,11 +59,7 @@ SUM_SHIFT = 18.0
 PROBE_ROWS, PROBE_MARGIN, PROBE_FROM = 256, 1.1, 4096
 #: CUDA graphs pay off while launches cost as much as the work: n·m up to 2^28
 GRAPHS_UP_TO_LOG2 = 28
-#: autotuning's fastest configurations timed again at their balanced split counts
-FINALISTS = 3
-
-
-class TritonBackend(OperandCache, Backend):
+class TritonBackend(TunedLaunches, OperandCache, Backend):
     """Fused Triton kernels (float32 compute; float16/bfloat16/float32 inputs).
 
     Args:
@@ -147,117 +117,6 @@ class TritonBackend(OperandCache, Backend):
     # ---- helpers -------------------------------------------------------------------
     def _dot(self) -> str:
         return "ieee" if triton_interpreted() else _DOT[self.precision]
-
-    def _tiles(self, key, size_log2, device):
-        """The tiles a launch takes; None when this call must tune them first.
-
-        ``size_log2``: log2 of the n·m elements streamed (small solves are not tuned).
-        Without tuning, the tile tables' (:mod:`._tables`) or the heuristic's.
-        """
-        if triton_interpreted():
-            return triton.Config(_configs.INTERPRETER_TILES)
-        # tiny problems run in microseconds and would spend seconds tuning
-        if not (self.autotune and size_log2 >= _configs.TUNE_FROM_LOG2):
-            return _tables.choose(key, device, _configs.fits)
-        if key not in _BEST:
-            kept = _tables.lookup(key, _tables.arch_of(device), exact_only=True)  # earlier runs'
-            if kept is None:
-                return None
-            _BEST[key] = kept
-        return _BEST[key]
-
-    def _split(self, raw, key, cfg, build, stationary, moving, device, most=None):
-        """``(splits, per)``: the moving side cut into splits of ``per`` items each.
-
-        Before the tiles are known (tuning) the count is :func:`_configs.column_splits`;
-        afterwards :func:`_configs.balanced_splits` for the compiled kernel's occupancy,
-        at most ``max(most, first guess)`` splits. ``build(splits, per, probe=True)``
-        gives the launch's ``(grid, args, consts)`` for compiling it.
-        """
-        block = cfg.kwargs["BLOCK_M" if raw is _attend_kernel else "BLOCK_N"] if cfg else 128
-        guess = self.splits or _configs.column_splits(
-            triton.cdiv(stationary, block), moving, 64, device
-        )
-        per = triton.cdiv(triton.cdiv(moving, guess), 128) * 128
-        guess = triton.cdiv(moving, per)
-        if cfg is None or self.splits or device.type != "cuda" or triton_interpreted():
-            return guess, per
-        rkey = (key, str(cfg))
-        if rkey not in _RESIDENT:
-            grid, args, consts = build(guess, per, probe=True)
-            try:  # compile (cached) and load without launching: loading sets n_regs
-                kernel = raw.warmup(*args, **consts, **cfg.all_kwargs(), grid=grid(cfg.kwargs))
-                kernel = kernel.result() if hasattr(kernel, "result") else kernel
-                kernel._init_handles()
-            except (AttributeError, TypeError) as err:  # another Triton: keep the guess
-                warnings.warn(f"flashot: occupancy unknown ({err}); splits not balanced",
-                              RuntimeWarning, stacklevel=2)  # fmt: skip
-                kernel = None
-            props = torch.cuda.get_device_properties(device.index or 0)
-            _RESIDENT[rkey] = _configs.resident_programs(kernel, props)
-        if _RESIDENT[rkey] is None:
-            return guess, per
-        slots = _RESIDENT[rkey] * _configs.sm_count(device.index or 0)
-        most = moving if most is None else max(most, guess)
-        return _configs.balanced_splits(triton.cdiv(stationary, block), moving, slots, most)
-
-    def _launch(self, tuned, raw, key, cfg, plan_for, device, full=None, reset=None):
-        """Launch with tiles ``cfg``, or tune them first (cfg None); returns the plan run.
-
-        ``plan_for(tiles)`` gives ``(grid, args, consts)`` with the split count for
-        those tiles (the first guess for None). Tuning times every candidate at the first
-        guess, then the :data:`FINALISTS` fastest again at their own balanced splits
-        (small tiles gain most from balancing, so the first ranking is biased against
-        them). ``full``: constexpr overrides that make a call that may skip work (gated
-        or repair launches) do all of it while timing: skipped work would time nothing.
-        ``reset()`` clears outputs that launches accumulate into; ``device``: the data's.
-        ``key`` holds what the autotuner keys on, so a ranking it kept from an earlier
-        call maps to that call's retimed winner.
-        """
-        with on_device(device):  # tuning, compiling and launching on the data's GPU
-            if cfg is None:
-                _tables.announce(tuned, key, device)
-                grid, args, consts = plan_for(None)
-                tuned_keys = len(tuned.cache)
-                tuned[grid](*args, **{**consts, **(full or {})})
-                cfg = _RETIMED.get(key, tuned.best_config)
-                timings = getattr(tuned, "configs_timings", None)
-                if len(tuned.cache) > tuned_keys and timings:  # this call tuned: rank again
-                    cfg = self._retime(raw, sorted(timings, key=timings.get), plan_for, full)
-                    _RETIMED[key] = cfg
-                _BEST[key] = cfg
-                _tables.keep(key, cfg, device)
-                if reset is not None:
-                    reset()
-            return self._run(raw, cfg, plan_for(cfg), device)
-
-    @staticmethod
-    def _run(raw, cfg, plan, device):
-        """Launch ``raw`` with tiles ``cfg`` and ``plan = (grid, args, consts)``; the plan."""
-        grid, args, consts = plan
-        tiles = cfg.kwargs if triton_interpreted() else cfg.all_kwargs()
-        with on_device(device):
-            raw[grid(cfg.kwargs)](*args, **consts, **tiles)
-        return plan
-
-    def _packed_tiles(self, key, nb, mb, device):
-        """A packed batch's tiles: its largest problem's, from the tables, never tuned."""
-        return self._tiles(key, nb + mb, device) or _tables.choose(key, device, _configs.fits)
-
-    @staticmethod
-    def _retime(raw, ranked, plan_for, full):
-        """The fastest of the first :data:`FINALISTS` configurations, each at its own splits."""
-        best = None
-        for cfg in ranked[:FINALISTS]:
-            grid, args, consts = plan_for(cfg)
-            kwargs = {**consts, **(full or {}), **cfg.all_kwargs()}
-            ms = triton.testing.do_bench(
-                lambda: raw[grid(cfg.kwargs)](*args, **kwargs),  # noqa: B023 (called here)
-                return_mode="median",
-            )
-            if best is None or ms < best[0]:
-                best = (ms, cfg)
-        return best[1]
 
     def _attend(self, q, k, eps, bias, v=None, repair=None, keep_q=True, segments=None):
         """Row LSE and softmax average; ``bias`` is ``(h,)`` or ``(g, β, log b)``.

@@ -43,7 +43,8 @@ def tune(
         log: one line per case.
     """
     import flashot
-    from flashot.backends.triton import _BEST, TritonBackend, _tables
+    from flashot.backends.triton import TritonBackend, _tables
+    from flashot.backends.triton._launch import _BEST
 
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
