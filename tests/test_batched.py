@@ -173,14 +173,17 @@ def test_batched_refuses_what_it_does_not_do(gen):
         sinkhorn_batched(x, x, torch.ones(5).double(), eps=0.1)
 
 
-def test_samples_loss_batch_is_one_packed_solve_equal_to_the_loop(gen):
+@pytest.mark.parametrize("reach", [None, 0.3])
+def test_samples_loss_batch_is_one_packed_solve_equal_to_the_loop(gen, reach):
+    """Balanced and relaxed (``reach``) batches: one packed solve, equal to one solve per
+    item (values, potentials, gradients in x and in the weights) in float64."""
     x = torch.rand(3, 12, 2, generator=gen, dtype=torch.float64).requires_grad_()
     y = torch.rand(3, 9, 2, generator=gen, dtype=torch.float64)
     a = torch.rand(3, 12, generator=gen, dtype=torch.float64) + 0.1
-    a = a / a.sum(1, keepdim=True)
+    a = (a / a.sum(1, keepdim=True)).requires_grad_()
     for debias, pots in itertools.product([True, False], [False, True]):
         loss = flashot.SamplesLoss(blur=0.1, scaling=0.6, debias=debias, potentials=pots,
-                                   backend="torch")  # fmt: skip
+                                   reach=reach, backend="torch")  # fmt: skip
         out = loss(a, x, None, y)
         temps = loss._schedule(x, y)
         ref = [loss._single(a[i], x[i], None, y[i], temps) for i in range(3)]
@@ -189,9 +192,10 @@ def test_samples_loss_batch_is_one_packed_solve_equal_to_the_loop(gen):
             assert torch.allclose(out[1], torch.stack([r[1] for r in ref]), atol=1e-12)
             continue
         assert torch.allclose(out, torch.stack(ref), atol=1e-13)
-        (g,) = torch.autograd.grad(out.sum(), x)
-        (g_ref,) = torch.autograd.grad(sum(ref), x)
-        assert torch.allclose(g, g_ref, atol=1e-13)
+        g = torch.autograd.grad(out.sum(), (x, a))
+        g_ref = torch.autograd.grad(sum(ref), (x, a))
+        assert torch.allclose(g[0], g_ref[0], atol=1e-13)
+        assert torch.allclose(g[1], g_ref[1], atol=1e-12)
 
 
 @pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")

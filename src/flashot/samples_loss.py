@@ -14,6 +14,7 @@ import sys
 import torch
 
 from flashot.autodiff.functional import functional_transforms
+from flashot.autodiff.functions import dual_term
 from flashot.backends import entry_point
 from flashot.batched import pack_problems, pair_packing
 from flashot.costs import bounding_diameter, get_cost
@@ -173,16 +174,7 @@ class SamplesLoss(torch.nn.Module):
                 f"x and y must have the same batch size, got {x.shape[0]} and {y.shape[0]}"
             )
         temps = self._schedule(x, y)  # one diameter for the whole batch, as GeomLoss
-        if self.reach is None:  # one packed solve (flashot.batched)
-            return self._batched(a, x, b, y, temps)
-        outs = []
-        for i in range(x.shape[0]):
-            ai = None if a is None else _batch_item(a, i, "a")
-            bi = None if b is None else _batch_item(b, i, "b")
-            outs.append(self._single(ai, x[i], bi, y[i], temps))
-        if self.potentials:
-            return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
-        return torch.stack(outs)
+        return self._batched(a, x, b, y, temps)  # one packed solve (flashot.batched)
 
     def _say(self, x, y, temps) -> None:
         if self.verbose:
@@ -233,10 +225,11 @@ class SamplesLoss(torch.nn.Module):
 
 
     def _batched(self, a, x, b, y, temps):
-        """A balanced batch as one packed solve.
+        """A batch as one packed solve (balanced or with ``reach``).
 
         The B problems (x_i, y_i) and, debiased, the 2B self problems (x_i, x_i),
-        (y_i, y_i), which symmetric steps keep symmetric.
+        (y_i, y_i), which symmetric steps keep symmetric. Each problem's value is
+        :func:`~flashot.autodiff.functions.dual_term` summed over its own points.
         """
         bsz, n, m = x.shape[0], x.shape[1], y.shape[1]
         weights = []
@@ -248,9 +241,10 @@ class SamplesLoss(torch.nn.Module):
                 w = w.reshape(-1)
             weights.append(w)
         packed_x, packed_y, rows, cols, wa, wb = pair_packing(x, y, *weights, self.debias)
+        rho = None if self.reach is None else self.reach**2
         pp = pack_problems(packed_x, packed_y, rows, cols, wa, wb, eps=self.blur**2,
                            cost=self.cost, backend=self.backend, precision=self.precision,
-                           normalize=False)  # fmt: skip
+                           normalize=False, rho=rho)  # fmt: skip
         f, g, _ = pp.potentials(temps, max_iter=len(temps), tol=None, update="symmetric")
         seg = pp.segments
         if self.potentials:
@@ -261,7 +255,9 @@ class SamplesLoss(torch.nn.Module):
                 fs = fs - 0.5 * p.reshape(bsz, n)
                 gs = gs - 0.5 * (f[2 * bsz * n :] + g[bsz * (m + n) :]).reshape(bsz, m)
             return fs.to(x.dtype), gs.to(y.dtype)
-        value = (seg.sum(pp.a * f) + seg.T.sum(pp.b * g)).reshape(-1, bsz)
+        eps = self.blur**2
+        value = dual_term(f, pp.a, eps, rho, seg.sum) + dual_term(g, pp.b, eps, rho, seg.T.sum)
+        value = value.reshape(-1, bsz)
         value = value[0] - 0.5 * (value[1] + value[2]) if self.debias else value[0]
         return value.to(x.dtype)
 

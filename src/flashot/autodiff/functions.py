@@ -179,7 +179,7 @@ def relaxed_side(
 
 
 def dual_term(
-    pot: torch.Tensor, weights: torch.Tensor, eps: float, rho: float | None
+    pot: torch.Tensor, weights: torch.Tensor, eps: float, rho: float | None, total=None
 ) -> torch.Tensor:
     """One measure's share of GeomLoss' (debiased) Sinkhorn cost, with exact gradients.
 
@@ -196,10 +196,13 @@ def dual_term(
         weights: (n,) weights.
         eps: ε.
         rho: ρ or None.
+        total: the sum to take (default: over all entries; a packed batch's
+            per-problem sums, :meth:`flashot.segments.Segments.sum`, give (B,) values).
     """
+    total = total or torch.sum
     if rho is None:
-        return (weights * pot).sum()
+        return total(weights * pot)
     # value −(ρ + ε/2) ⟨w, expm1(−f/ρ)⟩; the last term adds ∂/∂w = −ε/2 and is exactly 0
-    shrink = (weights * torch.expm1(-pot / rho)).sum()
-    mass = weights.sum()
+    shrink = total(weights * torch.expm1(-pot / rho))
+    mass = total(weights)
     return -(rho + eps) * shrink + 0.5 * eps * shrink.detach() - 0.5 * eps * (mass - mass.detach())
