@@ -299,3 +299,41 @@ def test_relaxed_batch_matches_per_problem_relaxed_solves(gen, rho):
         assert res.marginal_error[s] <= 1e-10
     with pytest.raises(NotImplementedError, match="one eps"):
         sinkhorn_varlen(x, torch.cat(ys), xo, yo, eps=[0.4, 0.5, 0.4], rho=rho)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(2, 10), st.integers(2, 10)), min_size=1, max_size=3),
+    rel=st.lists(st.floats(0.05, 1.0), min_size=3, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_relative_eps_is_each_problems_own(sizes, rel, seed):
+    """``relative_eps=True``: problem s is solved at ε_s = eps_s × its own mean cost,
+    as ``flashot.sinkhorn(relative_eps=True)`` does for it alone (float64: the absolute
+    ε, costs and potentials)."""
+    gen = torch.Generator().manual_seed(seed)
+    xs, ys, xo, yo = ragged(gen, sizes)
+    scale = [1.0 + 3.0 * s for s in range(len(sizes))]  # problems of different cost scales
+    xs = [x * c for x, c in zip(xs, scale, strict=True)]
+    ys = [y * c for y, c in zip(ys, scale, strict=True)]
+    eps = rel[: len(sizes)]
+    kw = dict(tol=None, max_iter=40, update="symmetric", backend="torch")
+    res = sinkhorn_varlen(torch.cat(xs), torch.cat(ys), xo, yo, eps=eps, relative_eps=True, **kw)
+    for s, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        one = flashot.sinkhorn(x, y, eps=eps[s], relative_eps=True, **kw)
+        assert float(res.eps[s]) == pytest.approx(one.eps, rel=1e-12)
+        assert float(res.cost[s]) == pytest.approx(float(one.cost), rel=1e-10, abs=1e-12)
+        assert torch.allclose(res.f[xo[s] : xo[s + 1]], one.f, rtol=1e-9, atol=1e-10)
+
+
+def test_relative_eps_batches_through_sinkhorn_and_refuse_zero_mean_cost(gen):
+    x = torch.randn(2, 6, 2, generator=gen, dtype=torch.float64)
+    y = torch.randn(2, 5, 2, generator=gen, dtype=torch.float64)
+    res = flashot.sinkhorn(x, y, eps=0.2, relative_eps=True, tol=None, max_iter=20)
+    one = flashot.sinkhorn(x[1], y[1], eps=0.2, relative_eps=True, tol=None, max_iter=20)
+    assert float(res.cost[1]) == pytest.approx(float(one.cost), rel=1e-10)
+    z = torch.ones(2, 4, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="positive mean cost in every problem.*problem 0"):
+        flashot.sinkhorn(z, z, eps=0.2, relative_eps=True)
+    with pytest.raises(TypeError, match="relative_eps must be True or False"):
+        sinkhorn_varlen(x[0], y[0], [0, 6], [0, 5], eps=0.2, relative_eps=1)

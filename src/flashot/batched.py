@@ -281,7 +281,7 @@ def sinkhorn_varlen(
     max_iter: int = 1000, tol: float | str | None = "auto", check_every: int = 10,
     update: str = "auto", eps_schedule=None, backend="auto", precision: str = "auto",
     min_iter: int = 0, warn: bool = True, momentum: float | str | None = None,
-    progress: bool = False, rho=None,
+    progress: bool = False, rho=None, relative_eps: bool = False,
 ) -> BatchedSinkhornResult:  # fmt: skip
     r"""Balanced entropic OT for a ragged batch of problems in one solve.
 
@@ -305,6 +305,9 @@ def sinkhorn_varlen(
         rho: None (balanced), ρ or (ρ_x, ρ_y) as in :func:`flashot.sinkhorn`, for every
             problem (with one ε for the batch); relaxed weights keep their masses and
             ``cost`` is each problem's relaxed dual value.
+        relative_eps: each problem's ε is ``eps`` (its value for that problem) times
+            its own weighted mean cost, as in :func:`flashot.sinkhorn`; the result's
+            ``eps`` holds the absolute values.
 
     Returns:
         A :class:`BatchedSinkhornResult` with packed potentials (N,), (M,).
@@ -313,7 +316,7 @@ def sinkhorn_varlen(
                          max_iter=max_iter, tol=tol, check_every=check_every, update=update,
                          eps_schedule=eps_schedule, backend=backend, precision=precision,
                          min_iter=min_iter, warn=warn, momentum=momentum, progress=progress,
-                         rho=rho)  # fmt: skip
+                         rho=rho, relative_eps=relative_eps)  # fmt: skip
 
 
 def _check_batch(x, y, a, b):
@@ -407,14 +410,34 @@ class PackedProblem:
         return f, g, out
 
 
+def _mean_costs(form: AttentionForm, a: torch.Tensor, b: torch.Tensor,
+                seg: Segments) -> torch.Tensor:  # fmt: skip
+    """(B,) float64 host: each problem's weighted mean cost, in closed form.
+
+    ``⟨â, α⟩ + ⟨b̂, β⟩ − ⟨qᵀâ, kᵀb̂⟩`` per problem, weights normalized within it
+    (:func:`flashot.problem.mean_cost` for one problem).
+    """
+    wa, wb = a.detach().double(), b.detach().double()
+    rid, cid = seg.row_ids(wa.device), seg.T.row_ids(wb.device)
+    wa, wb = wa / seg.sum(wa)[rid], wb / seg.T.sum(wb)[cid]
+    offsets = seg.sum(wa * form.alpha.detach().double())
+    offsets = offsets + seg.T.sum(wb * form.beta.detach().double())
+    qa = seg.sum(wa[:, None] * form.q.detach().double())
+    kb = seg.T.sum(wb[:, None] * form.k.detach().double())
+    return (offsets - (qa * kb).sum(1)).cpu()
+
+
 def pack_problems(x, y, x_offsets, y_offsets, a=None, b=None, *, eps, cost="sqeuclidean",
                   backend="auto", precision="auto", normalize: bool = True,
-                  rho=None) -> PackedProblem:  # fmt: skip
+                  rho=None, relative_eps: bool = False) -> PackedProblem:  # fmt: skip
     """Validate a ragged batch and build its packed form (arguments of :func:`sinkhorn_varlen`).
 
     ``normalize=False`` keeps the weights as given (GeomLoss' convention); relaxed
     problems (``rho``) keep them too, as :func:`flashot.sinkhorn` does.
+    ``relative_eps``: each problem's ε is ``eps`` times its own mean cost.
     """
+    if not isinstance(relative_eps, bool):
+        raise TypeError(f"relative_eps must be True or False, got {relative_eps!r}")
     rho_xy = parse_rho(rho)
     relaxed = rho_xy != (None, None)
     normalize = normalize and not relaxed
@@ -446,6 +469,16 @@ def pack_problems(x, y, x_offsets, y_offsets, a=None, b=None, *, eps, cost="sqeu
     checks.verify()
     dtype = compute_dtype(x.dtype)
     engine = resolve_backend(backend, x.device, precision, dtype)
+    if relative_eps:  # the means from an unscaled form, then the form at the problems' ε
+        unit = torch.ones(seg.count, dtype=torch.float64)
+        means = _mean_costs(_packed_form(cost, x, y, seg, dtype, engine.rounding, unit)[0],
+                            a, b, seg)  # fmt: skip
+        if not bool((means > 0).all()):
+            worst = int(torch.argmin(means))
+            raise ValueError(f"relative_eps needs a positive mean cost in every problem, got "
+                             f"{float(means[worst]):g} in problem {worst} (coinciding points?): "
+                             "pass an absolute eps")  # fmt: skip
+        eps_all = eps_all * means
     eps0 = float(eps_all.max())
     shrink = torch.sqrt(eps0 / eps_all)
     form, bounds, diameters = _packed_form(cost, x, y, seg, dtype, engine.rounding, shrink)
@@ -519,14 +552,15 @@ def sinkhorn_divergence_batched(x, y, a=None, b=None, *, eps, update: str = "aut
 def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeuclidean",
                   max_iter=1000, tol="auto", check_every=10, update="auto", eps_schedule=None,
                   backend="auto", precision="auto", min_iter=0, warn=True, momentum=None,
-                  progress=False, rho=None) -> BatchedSinkhornResult:  # fmt: skip
+                  progress=False, rho=None,
+                  relative_eps=False) -> BatchedSinkhornResult:  # fmt: skip
     """The solve behind :func:`sinkhorn_varlen` and :func:`sinkhorn_batched`."""
     from flashot.ot import ConvergenceWarning  # (flashot.ot routes batched calls here)
 
     if not isinstance(warn, bool):
         raise TypeError(f"warn must be True or False, got {warn!r}")
     pp = pack_problems(x, y, x_offsets, y_offsets, a, b, eps=eps, cost=cost, backend=backend,
-                       precision=precision, rho=rho)  # fmt: skip
+                       precision=precision, rho=rho, relative_eps=relative_eps)  # fmt: skip
     seg, eps0, engine, eps_all = pp.segments, pp.eps0, pp.engine, pp.eps
     x, y, a, b = pp.x, pp.y, pp.a, pp.b
     explicit = eps_schedule is not None and not isinstance(eps_schedule, (str, EpsilonScaling))

@@ -188,7 +188,7 @@ def sinkhorn(
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     if getattr(x, "ndim", 2) == 3:  # a batch: one packed solve (flashot.batched)
-        extra = dict(init=init, history=history or None, relative_eps=relative_eps or None)
+        extra = dict(init=init, history=history or None)
         given = [k for k, v in extra.items() if v is not None]
         if given:
             raise NotImplementedError(f"batched (B, n, d) solves do not take {', '.join(given)} "
@@ -197,7 +197,7 @@ def sinkhorn(
             cloud_tensor(x), cloud_tensor(y), a, b, eps=eps, cost=cost, max_iter=max_iter,
             tol=tol, check_every=check_every, update=update, eps_schedule=eps_schedule,
             backend=backend, precision=precision, progress=progress, min_iter=min_iter,
-            warn=warn, momentum=momentum, rho=rho,
+            warn=warn, momentum=momentum, rho=rho, relative_eps=relative_eps,
         )
     problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend,
                            precision=precision, relative_eps=relative_eps)  # fmt: skip
