@@ -163,8 +163,10 @@ def test_varlen_errors_name_the_argument(gen, kwargs, match):
 
 def test_batched_refuses_what_it_does_not_do(gen):
     x = torch.randn(2, 5, 2, generator=gen, dtype=torch.float64)
-    with pytest.raises(NotImplementedError, match="init"):
-        flashot.sinkhorn(x, x, eps=0.1, init=(torch.zeros(10), torch.zeros(10)))
+    with pytest.raises(NotImplementedError, match="history"):
+        flashot.sinkhorn(x, x, eps=0.1, history=True)
+    with pytest.raises(ValueError, match=r"init\[0\] \(f\) must have shape \(10,\)"):
+        flashot.sinkhorn(x, x, eps=0.1, init=(torch.zeros(2, 4), torch.zeros(2, 5)))
     with pytest.raises(NotImplementedError, match="eps above"):  # (its value would lose digits)
         flashot.sinkhorn(x, x, eps=1e6, rho=1.0)
     with pytest.raises(ValueError, match="same batch size"):
@@ -333,7 +335,27 @@ def test_relative_eps_batches_through_sinkhorn_and_refuse_zero_mean_cost(gen):
     one = flashot.sinkhorn(x[1], y[1], eps=0.2, relative_eps=True, tol=None, max_iter=20)
     assert float(res.cost[1]) == pytest.approx(float(one.cost), rel=1e-10)
     z = torch.ones(2, 4, 2, dtype=torch.float64)
-    with pytest.raises(ValueError, match="positive mean cost in every problem.*problem 0"):
+    with pytest.raises(ValueError, match=r"positive mean cost in every problem.*problem 0"):
         flashot.sinkhorn(z, z, eps=0.2, relative_eps=True)
     with pytest.raises(TypeError, match="relative_eps must be True or False"):
         sinkhorn_varlen(x[0], y[0], [0, 6], [0, 5], eps=0.2, relative_eps=1)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_warm_start_from_a_converged_batch_converges_at_once(gen, packed):
+    """``init``: each problem's potentials at its own ε (a previous result's), rescaled
+    to the batch's common ε inside; a converged batch restarted from its own potentials
+    meets the tolerance at the first check with the same costs."""
+    sizes = [(7, 5), (4, 9), (6, 6)]
+    xs, ys, xo, yo = ragged(gen, sizes)
+    kw = dict(eps=[0.3, 0.9, 0.5], tol=1e-10, check_every=5, max_iter=20000, backend="torch")
+    if packed:
+        x, y = torch.cat(xs), torch.cat(ys)
+        cold = sinkhorn_varlen(x, y, xo, yo, **kw)
+        warm = sinkhorn_varlen(x, y, xo, yo, init=(cold.f, cold.g), **kw)
+    else:
+        x, y = torch.stack([t[:4] for t in xs]), torch.stack([t[:5] for t in ys])
+        cold = flashot.sinkhorn(x, y, **kw)
+        warm = flashot.sinkhorn(x, y, init=(cold.f, cold.g), **kw)
+    assert int(cold.n_iter[0]) > 20 and int(warm.n_iter[0]) <= 5
+    assert torch.allclose(warm.cost, cold.cost, rtol=1e-9, atol=1e-12)

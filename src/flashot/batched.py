@@ -281,7 +281,7 @@ def sinkhorn_varlen(
     max_iter: int = 1000, tol: float | str | None = "auto", check_every: int = 10,
     update: str = "auto", eps_schedule=None, backend="auto", precision: str = "auto",
     min_iter: int = 0, warn: bool = True, momentum: float | str | None = None,
-    progress: bool = False, rho=None, relative_eps: bool = False,
+    progress: bool = False, rho=None, relative_eps: bool = False, init=None,
 ) -> BatchedSinkhornResult:  # fmt: skip
     r"""Balanced entropic OT for a ragged batch of problems in one solve.
 
@@ -308,6 +308,8 @@ def sinkhorn_varlen(
         relative_eps: each problem's ε is ``eps`` (its value for that problem) times
             its own weighted mean cost, as in :func:`flashot.sinkhorn`; the result's
             ``eps`` holds the absolute values.
+        init: a warm start (f (N,), g (M,)), packed, each problem's potentials at its
+            own ε (e.g. a previous result's ``f``, ``g``).
 
     Returns:
         A :class:`BatchedSinkhornResult` with packed potentials (N,), (M,).
@@ -316,7 +318,7 @@ def sinkhorn_varlen(
                          max_iter=max_iter, tol=tol, check_every=check_every, update=update,
                          eps_schedule=eps_schedule, backend=backend, precision=precision,
                          min_iter=min_iter, warn=warn, momentum=momentum, progress=progress,
-                         rho=rho, relative_eps=relative_eps)  # fmt: skip
+                         rho=rho, relative_eps=relative_eps, init=init)  # fmt: skip
 
 
 def _check_batch(x, y, a, b):
@@ -392,6 +394,12 @@ class PackedProblem:
         """Potentials at ε_0 (N,), (M,) → each problem's own, ``f ε_s/ε_0`` (differentiable)."""
         seg = self.segments
         scale = (self.eps / self.eps0).to(device=f.device, dtype=f.dtype)
+        return f * scale[seg.row_ids(f.device)], g * scale[seg.T.row_ids(f.device)]
+
+    def from_own_eps(self, f: torch.Tensor, g: torch.Tensor):
+        """Each problem's own potentials (N,), (M,) → at ε_0: ``f ε_0/ε_s`` (a warm start)."""
+        seg = self.segments
+        scale = (self.eps0 / self.eps).to(device=f.device, dtype=f.dtype)
         return f * scale[seg.row_ids(f.device)], g * scale[seg.T.row_ids(f.device)]
 
     def potentials(self, temps, **solve_options):
@@ -552,10 +560,10 @@ def sinkhorn_divergence_batched(x, y, a=None, b=None, *, eps, update: str = "aut
 def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeuclidean",
                   max_iter=1000, tol="auto", check_every=10, update="auto", eps_schedule=None,
                   backend="auto", precision="auto", min_iter=0, warn=True, momentum=None,
-                  progress=False, rho=None,
-                  relative_eps=False) -> BatchedSinkhornResult:  # fmt: skip
+                  progress=False, rho=None, relative_eps=False,
+                  init=None) -> BatchedSinkhornResult:  # fmt: skip
     """The solve behind :func:`sinkhorn_varlen` and :func:`sinkhorn_batched`."""
-    from flashot.ot import ConvergenceWarning  # (flashot.ot routes batched calls here)
+    from flashot.ot import ConvergenceWarning, _check_init  # (flashot.ot routes batches here)
 
     if not isinstance(warn, bool):
         raise TypeError(f"warn must be True or False, got {warn!r}")
@@ -569,9 +577,14 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
     # GeomLoss' schedule from the largest (scaled) diameter
     temps = temperatures(eps_schedule, eps0, lambda: float(pp.diameters.max()))
     tol, update = resolve_stopping(tol, update, None, momentum)
+    if init is not None:  # (B, n), (B, m) of a batch, or packed; each problem at its own ε
+        if batch is not None and isinstance(init, Sequence) and len(init) == 2:
+            init = tuple(t.reshape(-1) if isinstance(t, torch.Tensor) and t.dim() == 2 else t
+                         for t in init)  # fmt: skip
+        init = pp.from_own_eps(*_check_init(init, pp))
     f, g, out = pp.potentials(temps, max_iter=max_iter, tol=tol, check_every=check_every,
                               update=update, progress=progress, min_iter=min_iter,
-                              momentum=momentum)  # fmt: skip
+                              momentum=momentum, init=init)  # fmt: skip
     log_a, log_b = torch.log(a.detach()), torch.log(b.detach())
     detached = pp.form.detach()
     fd, gd = f.detach(), g.detach()

@@ -153,7 +153,8 @@ def sinkhorn(
         eps_schedule: None (fixed ε), ``"geomloss"``, an
             :class:`~flashot.EpsilonScaling`, or an explicit sequence of
             temperatures ending at (or followed by) ε.
-        init: optional warm start (f (n,), g (m,)), e.g. a previous result's potentials.
+        init: optional warm start (f (n,), g (m,)), e.g. a previous result's potentials
+            ((B, n), (B, m) for a batch, each problem's at its own ε).
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or a backend instance.
         precision: ``"auto"``, ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``: how
             score tiles are computed (``"auto"`` is accurate float32/float64).
@@ -188,16 +189,14 @@ def sinkhorn(
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     if getattr(x, "ndim", 2) == 3:  # a batch: one packed solve (flashot.batched)
-        extra = dict(init=init, history=history or None)
-        given = [k for k, v in extra.items() if v is not None]
-        if given:
-            raise NotImplementedError(f"batched (B, n, d) solves do not take {', '.join(given)} "
-                                      "yet: loop over the problems for those")  # fmt: skip
+        if history:
+            raise NotImplementedError("batched (B, n, d) solves do not take history yet: "
+                                      "loop over the problems for it")  # fmt: skip
         return sinkhorn_batched(  # type: ignore[return-value]
             cloud_tensor(x), cloud_tensor(y), a, b, eps=eps, cost=cost, max_iter=max_iter,
             tol=tol, check_every=check_every, update=update, eps_schedule=eps_schedule,
             backend=backend, precision=precision, progress=progress, min_iter=min_iter,
-            warn=warn, momentum=momentum, rho=rho, relative_eps=relative_eps,
+            warn=warn, momentum=momentum, rho=rho, relative_eps=relative_eps, init=init,
         )
     problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend,
                            precision=precision, relative_eps=relative_eps)  # fmt: skip
