@@ -283,8 +283,8 @@ def sinkhorn_divergence(
     temps = resolve_schedule(eps_schedule, problem)
     options: dict[str, Any] = dict(max_iter=max_iter, tol=tol, check_every=check_every,
                                    min_iter=min_iter, momentum=momentum)  # fmt: skip
-    pots = debiased_potentials(problem, temps, update=update, init=_check_init(init, problem),
-                               **options)  # fmt: skip
+    init = _check_init(init, problem.a, problem.b)
+    pots = debiased_potentials(problem, temps, update=update, init=init, **options)
     if pots.converged is False and warn:
         warn_at_caller("sinkhorn_divergence: " + "; ".join(pots.misses), ConvergenceWarning)
     value = pots.value(problem)

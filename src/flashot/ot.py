@@ -42,14 +42,15 @@ def resolve_schedule(eps_schedule, problem: Problem) -> list[float]:
                         lambda: bounding_diameter(problem.cost, problem.x, problem.y))
 
 
-def _check_init(init, problem: Problem):
+def _check_init(init, a: torch.Tensor, b: torch.Tensor):
+    """``init`` checked against the weights ``a`` (n,), ``b`` (m,): (f, g) detached, or None."""
     if init is None:
         return None
     if not (isinstance(init, Sequence) and len(init) == 2):
         raise TypeError("init must be None or a pair (f, g) of tensors")
     out = []
     for pot, like, name in zip(
-        init, (problem.a, problem.b), ("init[0] (f)", "init[1] (g)"), strict=True
+        init, (a, b), ("init[0] (f)", "init[1] (g)"), strict=True
     ):
         if not isinstance(pot, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor")
@@ -204,7 +205,7 @@ def sinkhorn(
     engine = problem.engine
     tol, update = resolve_stopping(tol, update, problem, momentum)
     temps = resolve_schedule(eps_schedule, problem)
-    init = _check_init(init, problem)
+    init = _check_init(init, problem.a, problem.b)
     form = problem.form.detach()
     log_a, log_b = problem.log_a, problem.log_b
     rhos = (problem.rho_x, problem.rho_y)
