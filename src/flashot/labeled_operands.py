@@ -66,6 +66,8 @@ class _AugmentedRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_norms):
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
         u, center = ctx.saved_tensors
         d = u.shape[1]
         factor, scale, rounding = ctx.factor, ctx.scale, ctx.rounding
