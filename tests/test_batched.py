@@ -26,12 +26,23 @@ def ragged(gen, sizes, d=3, dtype=torch.float64, device="cpu"):
     return xs, ys, xo, yo
 
 
+def ragged_sizes(lo: int, hi: int, most: int = 4):
+    """Hypothesis: 1 … ``most`` problems of ``lo`` … ``hi`` points per cloud."""
+    return st.lists(st.tuples(st.integers(lo, hi), st.integers(lo, hi)), min_size=1,
+                    max_size=most)  # fmt: skip
+
+
+def eps_lists(lo: float, hi: float, count: int = 4):
+    """Hypothesis: ``count`` values of ε (or of a relative ε) in [lo, hi]."""
+    return st.lists(st.floats(lo, hi), min_size=count, max_size=count)
+
+
+SEEDS = st.integers(0, 2**16)
+
+
 @settings(max_examples=12, deadline=None)
 @given(
-    sizes=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 12)), min_size=1, max_size=4),
-    eps=st.lists(st.floats(0.3, 3.0), min_size=4, max_size=4),
-    weighted=st.booleans(),
-    seed=st.integers(0, 2**16),
+    sizes=ragged_sizes(1, 12), eps=eps_lists(0.3, 3.0), weighted=st.booleans(), seed=SEEDS,
 )
 def test_varlen_matches_per_problem_solves_and_the_dense_reference(sizes, eps, weighted, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -305,9 +316,7 @@ def test_relaxed_batch_matches_per_problem_relaxed_solves(gen, rho):
 
 @settings(max_examples=8, deadline=None)
 @given(
-    sizes=st.lists(st.tuples(st.integers(2, 10), st.integers(2, 10)), min_size=1, max_size=3),
-    rel=st.lists(st.floats(0.05, 1.0), min_size=3, max_size=3),
-    seed=st.integers(0, 2**16),
+    sizes=ragged_sizes(2, 10, most=3), rel=eps_lists(0.05, 1.0, count=3), seed=SEEDS,
 )
 def test_relative_eps_is_each_problems_own(sizes, rel, seed):
     """``relative_eps=True``: problem s is solved at ε_s = eps_s × its own mean cost,
@@ -364,10 +373,7 @@ def test_a_warm_start_from_a_converged_batch_converges_at_once(gen, packed):
 @pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
 @settings(max_examples=6, deadline=None)
 @given(
-    sizes=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=4),
-    eps=st.lists(st.floats(0.2, 2.0), min_size=4, max_size=4),
-    weighted=st.booleans(),
-    seed=st.integers(0, 2**16),
+    sizes=ragged_sizes(1, 40), eps=eps_lists(0.2, 2.0), weighted=st.booleans(), seed=SEEDS,
 )
 def test_triton_packed_solves_match_the_torch_backend(sizes, eps, weighted, seed):
     """Property over ragged batches (single points, blocks cut mid-problem, per-problem ε,

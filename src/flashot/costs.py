@@ -98,8 +98,10 @@ class AttentionForm:
                              cost_bound=bound)  # fmt: skip
 
     def detach(self) -> AttentionForm:
-        """The same form cut from the autograd graph (itself when it has no history:
-        backends key conversions of q and k by tensor identity)."""
+        """The same form cut from the autograd graph.
+
+        Itself when it has no history: backends key conversions of q and k by identity.
+        """
         if not any(t.requires_grad for t in (self.q, self.k, self.alpha, self.beta)):
             return self
         return AttentionForm(
@@ -155,10 +157,15 @@ def get_cost(cost: str | Cost) -> Cost:
 _BLOCK = 1 << 20
 
 
+def _row_ranges(n: int, width: int):
+    """``(lo, hi)`` row ranges of about ``_BLOCK`` elements for rows of ``width`` elements."""
+    rows = max(1, _BLOCK // max(1, width))
+    return ((i, min(n, i + rows)) for i in range(0, n, rows))
+
+
 def _row_blocks(u: torch.Tensor):
     """Views of about ``_BLOCK`` elements covering the rows of u (n, ...)."""
-    rows = max(1, _BLOCK // max(1, u[:1].numel()))
-    return (u[i : i + rows] for i in range(0, u.shape[0], rows))
+    return (u[lo:hi] for lo, hi in _row_ranges(u.shape[0], u[:1].numel()))
 
 
 def _check_fp16_range(u: torch.Tensor, rounding) -> None:
@@ -242,18 +249,28 @@ def _centered(u: torch.Tensor, center: torch.Tensor, rounding, factor: float, sc
         # two); exact when factor is a power of two (2s ∈ {1, 2} for the shipped costs)
         q = factor * w
         return q, (scale / factor**2) * _SquaredNorms.apply(q)
-    w = u - center
+    w = torch.empty_like(u)
+    return w, scale * _centered_into(w, u, center, rounding, factor)
+
+
+def _centered_into(w: torch.Tensor, u: torch.Tensor, center: torch.Tensor, rounding,
+                   factor: float) -> torch.Tensor:  # fmt: skip
+    """Write ``factor · round(u − c)`` into ``w`` (n, d), a block of rows at a time.
+
+    ``w`` may be a view (a column range of a wider operand). Returns ``|round(u − c)|²``
+    (n,). Not differentiable (the no-autograd path of :func:`_centered`).
+    """
+    torch.sub(u, center, out=w)
     _check_fp16_range(w, rounding)
     norms = torch.empty(w.shape[0], dtype=w.dtype, device=w.device)
-    start = 0
-    for block in _row_blocks(w):
+    for lo, hi in _row_ranges(w.shape[0], w.shape[1]):
+        block = w[lo:hi]
         if rounding is not None:
             _round_block(block, rounding)
-        torch.linalg.vecdot(block, block, out=norms[start : start + block.shape[0]])
-        start += block.shape[0]
+        torch.linalg.vecdot(block, block, out=norms[lo:hi])
         if factor != 1.0:
             block.mul_(factor)
-    return w, scale * norms
+    return norms
 
 
 def _joint_center(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -98,6 +98,10 @@ class LabeledCost(Cost):
                              "(integers into the cost's table)")  # fmt: skip
         return x[:, :-1], lab.long()
 
+    def _features(self, t: torch.Tensor) -> torch.Tensor:
+        """The feature columns of points (or of their bounding boxes) as this cost takes them."""
+        return t if self.labels_x is not None else t[:, :-1]
+
     def compile(self, x, y, dtype, rounding, cost_bound) -> AttentionForm:
         """The attention form of labeled clouds (``costs.attention_form`` delegates here).
 
@@ -131,8 +135,7 @@ class LabeledCost(Cost):
 
         Boxes (2, d + 1) of labeled points, or (2, d) when the cost holds the labels.
         """
-        if self.labels_x is None:
-            box_x, box_y = box_x[:, :-1], box_y[:, :-1]
+        box_x, box_y = self._features(box_x), self._features(box_y)
         span = torch.maximum(box_x[1], box_y[1]).double()
         span = span - torch.minimum(box_x[0], box_y[0]).double()
         top = self.table.detach().double().max().clamp_min(0.0).to(span.device)
@@ -141,9 +144,7 @@ class LabeledCost(Cost):
     def diameter(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """``D`` with ``s D²`` the largest cost: the start of an ε-scaling schedule."""
         with torch.no_grad():
-            u, v = x.detach(), y.detach()
-            if self.labels_x is None:
-                u, v = u[:, :-1], v[:, :-1]
+            u, v = self._features(x.detach()), self._features(y.detach())
             lo = torch.minimum(u.min(0).values, v.min(0).values)
             hi = torch.maximum(u.max(0).values, v.max(0).values)
             feat = float(((hi - lo).double() ** 2).sum())

@@ -25,16 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from flashot import costs
-from flashot.costs import _check_fp16_range, _round_block, round_operands
+from flashot.costs import _centered_into, _round_block, _row_ranges, round_operands
 
 __all__ = ["augmented_rows"]
-
-
-def _ranges(n: int, width: int):
-    """Row ranges of about ``_BLOCK`` elements (bounds the backward's temporaries)."""
-    rows = max(1, costs._BLOCK // max(1, width))
-    return ((i, min(n, i + rows)) for i in range(0, n, rows))
 
 
 class _AugmentedRows(torch.autograd.Function):
@@ -44,17 +37,7 @@ class _AugmentedRows(torch.autograd.Function):
     def forward(u, center, extra, labels, rounding, factor, scale):
         n, d = u.shape
         out = torch.empty(n, d + extra.shape[1], dtype=u.dtype, device=u.device)
-        norms = torch.empty(n, dtype=u.dtype, device=u.device)
-        w = out[:, :d]
-        torch.sub(u.detach(), center, out=w)
-        _check_fp16_range(w, rounding)
-        for lo, hi in _ranges(n, d):
-            block = w[lo:hi]
-            if rounding is not None:
-                _round_block(block, rounding)
-            torch.linalg.vecdot(block, block, out=norms[lo:hi])
-            if factor != 1.0:
-                block.mul_(factor)
+        norms = _centered_into(out[:, :d], u.detach(), center, rounding, factor)
         out[:, d:] = extra[labels]
         return out, norms.mul_(scale)
 
@@ -80,7 +63,7 @@ class _AugmentedRows(torch.autograd.Function):
                 grad = grad + 2.0 * scale * w * grad_norms[:, None]
             return grad if isinstance(grad, torch.Tensor) else None, *(None,) * 6
         grad = torch.zeros_like(u) if grad_out is None else torch.empty_like(u)
-        for lo, hi in _ranges(u.shape[0], d):
+        for lo, hi in _row_ranges(u.shape[0], d):
             block = grad[lo:hi]
             if grad_out is not None:
                 torch.mul(grad_out[lo:hi, :d], factor, out=block)

@@ -26,6 +26,7 @@ from flashot.problem import (
     check_positive,
     check_weights,
     compute_dtype,
+    mean_costs,
     parse_rho,
 )
 from flashot.segments import Segments
@@ -163,14 +164,14 @@ class PackedProblem:
 
     def to_own_eps(self, f: torch.Tensor, g: torch.Tensor):
         """Potentials at ε_0 (N,), (M,) → each problem's own, ``f ε_s/ε_0`` (differentiable)."""
-        seg = self.segments
-        scale = (self.eps / self.eps0).to(device=f.device, dtype=f.dtype)
-        return f * scale[seg.row_ids(f.device)], g * scale[seg.T.row_ids(f.device)]
+        return self._per_problem(f, g, self.eps / self.eps0)
 
     def from_own_eps(self, f: torch.Tensor, g: torch.Tensor):
         """Each problem's own potentials (N,), (M,) → at ε_0: ``f ε_0/ε_s`` (a warm start)."""
-        seg = self.segments
-        scale = (self.eps0 / self.eps).to(device=f.device, dtype=f.dtype)
+        return self._per_problem(f, g, self.eps0 / self.eps)
+
+    def _per_problem(self, f: torch.Tensor, g: torch.Tensor, scale: torch.Tensor):
+        seg, scale = self.segments, scale.to(device=f.device, dtype=f.dtype)
         return f * scale[seg.row_ids(f.device)], g * scale[seg.T.row_ids(f.device)]
 
     def potentials(self, temps, **solve_options):
@@ -187,23 +188,6 @@ class PackedProblem:
             f, g = extrapolate(self.form, out.f, out.g, log_a, log_b, self.eps0,
                                self.damping(self.eps0), engine, update)  # fmt: skip
         return f, g, out
-
-
-def _mean_costs(form: AttentionForm, a: torch.Tensor, b: torch.Tensor,
-                seg: Segments) -> torch.Tensor:  # fmt: skip
-    """(B,) float64 host: each problem's weighted mean cost, in closed form.
-
-    ``⟨â, α⟩ + ⟨b̂, β⟩ − ⟨qᵀâ, kᵀb̂⟩`` per problem, weights normalized within it
-    (:func:`flashot.problem.mean_cost` for one problem).
-    """
-    wa, wb = a.detach().double(), b.detach().double()
-    rid, cid = seg.row_ids(wa.device), seg.T.row_ids(wb.device)
-    wa, wb = wa / seg.sum(wa)[rid], wb / seg.T.sum(wb)[cid]
-    offsets = seg.sum(wa * form.alpha.detach().double())
-    offsets = offsets + seg.T.sum(wb * form.beta.detach().double())
-    qa = seg.sum(wa[:, None] * form.q.detach().double())
-    kb = seg.T.sum(wb[:, None] * form.k.detach().double())
-    return (offsets - (qa * kb).sum(1)).cpu()
 
 
 def pack_problems(x, y, x_offsets, y_offsets, a=None, b=None, *, eps, cost="sqeuclidean",
@@ -250,8 +234,7 @@ def pack_problems(x, y, x_offsets, y_offsets, a=None, b=None, *, eps, cost="sqeu
     engine = resolve_backend(backend, x.device, precision, dtype)
     if relative_eps:  # the means from an unscaled form, then the form at the problems' ε
         unit = torch.ones(seg.count, dtype=torch.float64)
-        means = _mean_costs(_packed_form(cost, x, y, seg, dtype, engine.rounding, unit)[0],
-                            a, b, seg)  # fmt: skip
+        means = mean_costs(_packed_form(cost, x, y, seg, dtype, engine.rounding, unit)[0], a, b)
         if not bool((means > 0).all()):
             worst = int(torch.argmin(means))
             raise ValueError(f"relative_eps needs a positive mean cost in every problem, got "

@@ -24,6 +24,7 @@ from flashot.autodiff.functional import TRANSFORM_HELP
 from flashot.backends import resolve_backend
 from flashot.backends.base import Backend
 from flashot.costs import AttentionForm, Cost, attention_form, box_cost_bound, get_cost
+from flashot.segments import Segments
 
 __all__ = [
     "DeviceChecks",
@@ -34,7 +35,7 @@ __all__ = [
     "cloud_tensor",
     "eps_range",
     "make_problem",
-    "mean_cost",
+    "mean_costs",
     "parse_rho",
     "weights_tensor",
 ]
@@ -283,7 +284,7 @@ def make_problem(
         normalize: rescale balanced weights to probability vectors (GeomLoss does not).
         backend: backend name or instance (see :func:`flashot.backends.resolve_backend`).
         precision: precision mode; reduced modes round the clouds once, here.
-        relative_eps: ``eps`` is relative to the mean cost (:func:`mean_cost`); the
+        relative_eps: ``eps`` is relative to the mean cost (:func:`mean_costs`); the
             problem holds the absolute one.
     """
     if not isinstance(relative_eps, bool):
@@ -320,7 +321,7 @@ def make_problem(
     engine = resolve_backend(backend, x.device, precision, dtype)
     form = attention_form(cost, x, y, dtype, engine.rounding, checks.values[bound_at])
     if relative_eps:
-        mean = mean_cost(form, a, b)
+        mean = float(mean_costs(form, a, b)[0])
         if not mean > 0:
             raise ValueError(f"relative_eps needs a positive mean cost, got {mean:g} "
                              "(coinciding points?): pass an absolute eps")  # fmt: skip
@@ -329,14 +330,23 @@ def make_problem(
     return Problem(x, y, a, b, eps, rho_x, rho_y, cost, form, engine)
 
 
-def mean_cost(form, a: torch.Tensor, b: torch.Tensor) -> float:
-    """``Σ_ij a_i b_j C_ij / (m(a) m(b))``, the weighted mean cost, in closed form.
+def mean_costs(form, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``Σ_ij a_i b_j C_ij / (m(a) m(b))`` per problem, the weighted mean cost, in closed form.
 
     In attention form ``C_ij = α_i + β_j − ⟨q_i, k_j⟩`` it is
-    ``⟨â, α⟩ + ⟨b̂, β⟩ − ⟨qᵀâ, kᵀb̂⟩`` with normalized weights: O((n + m) d), no pass
-    (OTT's ``relative_epsilon="mean"`` scale). Computed in float64; waits for the device.
+    ``⟨â, α⟩ + ⟨b̂, β⟩ − ⟨qᵀâ, kᵀb̂⟩`` with weights normalized within each problem:
+    O((n + m) d), no pass (OTT's ``relative_epsilon="mean"`` scale). (B,) float64 on the
+    host for a packed form (:mod:`flashot.segments`), (1,) for one problem; waits for
+    the device.
     """
-    wa, wb = (w.detach().double() / w.detach().double().sum() for w in (a, b))
-    q, k = form.q.detach().double(), form.k.detach().double()
-    offsets = wa @ form.alpha.detach().double() + wb @ form.beta.detach().double()
-    return float(offsets - (wa @ q) @ (wb @ k))
+    seg = form.segments or Segments((0, len(a)), (0, len(b)))
+    wa, wb = a.detach().double(), b.detach().double()
+    rows, cols = seg.sum, seg.T.sum
+    wa = wa / rows(wa)[seg.row_ids(wa.device)]
+    wb = wb / cols(wb)[seg.T.row_ids(wb.device)]
+    offsets = rows(wa * form.alpha.detach().double()) + cols(wb * form.beta.detach().double())
+    qa = rows(wa[:, None] * form.q.detach().double())
+    kb = cols(wb[:, None] * form.k.detach().double())
+    return (offsets - (qa * kb).sum(1)).cpu()
+
+

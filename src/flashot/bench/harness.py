@@ -87,33 +87,31 @@ def median_ms(fn: Callable, device: torch.device, budget_s: float = 2.0) -> floa
     return statistics.median(times)
 
 
-def _peak_mb(fn: Callable, device: torch.device) -> float | None:
+def _with_peak(fn: Callable, device: torch.device):
+    """``(fn(), peak MB above the memory before)``; the peak is None on a CPU."""
     if device.type != "cuda":
-        return None  # the CPU allocator keeps no peak statistics
+        return fn(), None  # the CPU allocator keeps no peak statistics
     _sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    fn()
+    out = fn()
     _sync(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 1e6
+    return out, (torch.cuda.max_memory_allocated(device) - base) / 1e6
 
 
 def _slow_call(fn: Callable, device: torch.device) -> tuple[float, float | None]:
     """(ms, peak MB) of a slow call: the faster of two wall-clock calls, the peak of both."""
-    if device.type == "cuda":
-        _sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    times = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(1e3 * (time.perf_counter() - t0))
-    peak = None
-    if device.type == "cuda":
-        peak = (torch.cuda.max_memory_allocated(device) - base) / 1e6
-    return min(times), peak
+
+    def twice() -> float:
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(1e3 * (time.perf_counter() - t0))
+        return min(times)
+
+    return _with_peak(twice, device)
 
 
 def _reference(pb: Problem, workload: str) -> float:
@@ -173,10 +171,10 @@ def run_suite(workloads: Iterable[str], sizes: Iterable[int], dims: Iterable[int
                     if progress is not None:
                         progress(f"{workload} n={n} d={d} {prov.name}")
                     prev = last.get(prov.name)
-                    guess = None
+                    guess = 0.0  # the n·m work from the previous size
                     if prev is not None and prev.ms is not None:
                         guess = prev.ms / 1e3 * (n / prev.n) ** 2
-                    if prev is not None and guess is not None and guess > row_budget_s:
+                    if prev is not None and guess > row_budget_s:
                         row = Row(workload, prov.name, n, d, computes=prov.computes)
                         row.skipped = (f"predicted {guess:.0f} s per call from n={prev.n} "
                                        f"(over the row budget of {row_budget_s:g} s)")  # fmt: skip
@@ -221,7 +219,7 @@ def _row(prov: Provider, workload: str, pb: Problem, ref_pb: Problem, reference:
             row.ms, row.peak_mb = _slow_call(fn, device)
         else:
             row.ms = median_ms(fn, device)
-            row.peak_mb = _peak_mb(fn, device)
+            row.peak_mb = _with_peak(fn, device)[1]
         if not prov.torch_memory:
             row.peak_mb = None
     except Exception as err:
