@@ -2,9 +2,10 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashot
@@ -198,3 +199,33 @@ def test_numpy_inputs_are_cpu_tensors_and_results_tensors():
         flashot.sinkhorn(x, y, None, np.ones(20, dtype=np.int64), eps=0.5)
     with pytest.raises(TypeError, match="x must have a floating dtype"):
         flashot.sinkhorn(np.ones((3, 2), dtype=np.int64), y, eps=0.5)
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # the same patch for all
+@given(sizes=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30)), min_size=1, max_size=4),
+       seed=st.integers(0, 2**16))
+def test_mean_costs_is_the_weighted_mean_of_the_dense_cost(monkeypatch, sizes, seed):
+    """``mean_costs`` (closed form, float64 sums a block of rows at a time) against
+    ``Σ a_i b_j C_ij / (Σa Σb)`` from the dense cost, per problem of a packed batch; blocks
+    of a few rows, so every sum spans several blocks."""
+    import flashot.costs
+    from flashot.costs import get_cost
+    from flashot.packing import _packed_form
+    from flashot.problem import mean_costs
+    from flashot.segments import Segments
+
+    monkeypatch.setattr(flashot.costs, "_BLOCK", 8)
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, 3, dtype=torch.float64, generator=g) for n, _ in sizes]
+    ys = [torch.randn(m, 3, dtype=torch.float64, generator=g) + 1 for _, m in sizes]
+    ws_a = [torch.rand(n, dtype=torch.float64, generator=g) + 0.1 for n, _ in sizes]
+    ws_b = [torch.rand(m, dtype=torch.float64, generator=g) + 0.1 for _, m in sizes]
+    seg = Segments(tuple(np.cumsum([0] + [n for n, _ in sizes]).tolist()),
+                   tuple(np.cumsum([0] + [m for _, m in sizes]).tolist()))
+    form = _packed_form(get_cost("sqeuclidean"), torch.cat(xs), torch.cat(ys), seg, F64, None,
+                        torch.ones(len(sizes), dtype=F64))[0]  # fmt: skip
+    means = mean_costs(form, torch.cat(ws_a), torch.cat(ws_b))
+    for s, (x, y, a, b) in enumerate(zip(xs, ys, ws_a, ws_b, strict=True)):
+        dense = (a[:, None] * b[None] * torch.cdist(x, y).square()).sum() / (a.sum() * b.sum())
+        assert float(means[s]) == pytest.approx(float(dense), rel=1e-10)

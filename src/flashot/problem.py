@@ -23,7 +23,7 @@ import torch
 from flashot.autodiff.functional import TRANSFORM_HELP
 from flashot.backends import resolve_backend
 from flashot.backends.base import Backend
-from flashot.costs import AttentionForm, Cost, attention_form, box_cost_bound, get_cost
+from flashot.costs import AttentionForm, Cost, _row_ranges, attention_form, box_cost_bound, get_cost
 from flashot.segments import Segments
 
 __all__ = [
@@ -345,8 +345,20 @@ def mean_costs(form, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     wa = wa / rows(wa)[seg.row_ids(wa.device)]
     wb = wb / cols(wb)[seg.T.row_ids(wb.device)]
     offsets = rows(wa * form.alpha.detach().double()) + cols(wb * form.beta.detach().double())
-    qa = rows(wa[:, None] * form.q.detach().double())
-    kb = cols(wb[:, None] * form.k.detach().double())
+    qa = _weighted_rows(seg, wa, form.q.detach())
+    kb = _weighted_rows(seg.T, wb, form.k.detach())
     return (offsets - (qa * kb).sum(1)).cpu()
+
+
+def _weighted_rows(seg: Segments, w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``Σ_i w_i u_i`` per problem (B, d) in float64, a block of rows at a time.
+
+    A float64 copy of a whole operand would be two clouds (OTDD at 60k: 380 MB each).
+    """
+    out = torch.zeros(seg.count, u.shape[1], dtype=torch.float64, device=u.device)
+    ids = seg.row_ids(u.device)
+    for lo, hi in _row_ranges(u.shape[0], u.shape[1]):
+        out.index_add_(0, ids[lo:hi], w[lo:hi, None] * u[lo:hi].double())
+    return out
 
 
