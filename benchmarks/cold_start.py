@@ -2,7 +2,8 @@
 
 Each case runs twice in a new Python process: first with empty caches (``TRITON_CACHE_DIR``
 and ``FLASHOT_CACHE_DIR`` pointed at new folders, per case; the tile tables as shipped),
-then again with those caches warm. Env: ONLY (a substring of the case names). Times are
+then again with those caches warm. Env: ONLY (a substring of the case names), COMPILES=1
+(list the first call's kernel compilations). Times are
 wall seconds of the call (import excluded), synchronized.
 
     python benchmarks/cold_start.py
@@ -44,9 +45,30 @@ for n in (10_000, 50_000):
             n=n
         )
 ONLY = os.environ.get("ONLY")  # a substring of the case names to run
+# COMPILES=1: each first call also lists its kernel compilations (Triton's JIT hooks), with
+# the constexprs that made each one a new specialization and its seconds
+HOOKS = """
+import time as _t
+from triton import knobs as _knobs
+_start = {}
+def _pre(*, key, fn, compile, **_):
+    _start[str(key)] = _t.perf_counter()
+def _post(*, key, fn, compile, **_):
+    secs = _t.perf_counter() - _start.get(str(key), _t.perf_counter())
+    try:
+        names = fn.jit_function.arg_names
+        flags = {names[k[0]] if isinstance(k, tuple) else k: v
+                 for k, v in compile["constants"].items()}
+        flags = {k: v for k, v in flags.items() if isinstance(k, str) and k.isupper()}
+    except Exception as err:  # another Triton's hook arguments
+        flags = repr(err)
+    print(f"  compile {fn.name} {secs:.2f}s {flags}", flush=True)
+_knobs.runtime.jit_cache_hook, _knobs.runtime.jit_post_compile_hook = _pre, _post
+""" if os.environ.get("COMPILES") == "1" else ""
 TIMER = """
 import time, torch, flashot, warnings
 warnings.simplefilter("ignore")
+{hooks}
 {setup}
 torch.cuda.synchronize(); t0 = time.perf_counter(); call(); torch.cuda.synchronize()
 print(f"{{time.perf_counter() - t0:.2f}}")
@@ -62,9 +84,12 @@ for name, setup in CASES.items():
     env.pop("FLASHOT_AUTOTUNE", None)
     times = []
     for _ in range(2):
-        run = subprocess.run([sys.executable, "-c", TIMER.format(setup=setup)], env=env,
+        run = subprocess.run([sys.executable, "-c", TIMER.format(setup=setup, hooks=HOOKS)], env=env,
                              capture_output=True, text=True, timeout=300)  # fmt: skip
-        times.append(run.stdout.strip().splitlines()[-1] if run.returncode == 0 else "failed")
+        lines = run.stdout.strip().splitlines()
+        times.append(lines[-1] if run.returncode == 0 else "failed")
+        if len(times) == 1 and HOOKS:
+            print("\n".join(line for line in lines if line.startswith("  compile")), flush=True)
         if run.returncode:
             print(run.stderr[-2000:], flush=True)
     print(f"{name:42s} {times[0]:>7s}   {times[1]:>7s}", flush=True)

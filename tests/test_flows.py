@@ -49,6 +49,35 @@ def test_the_flow_brings_the_datasets_together(recompute, capsys):
     assert capsys.readouterr().err.count("flow step") == 6
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_warm_starts_change_the_iterations_not_the_flow(recompute, monkeypatch):
+    """Each step's problems start from the previous step's potentials: the same states
+    and distances as solves from scratch (to the solver's tolerance, float64), in fewer
+    Sinkhorn iterations over the flow (with ε-scaling, which a warm start skips)."""
+    import flashot
+
+    solve, iterations = flashot.sinkhorn, []
+
+    def counted(*args, **kwargs):
+        res = solve(*args, **kwargs)
+        iterations.append(int(res.n_iter))
+        return res
+
+    monkeypatch.setattr(flashot, "sinkhorn", counted)
+    xa, ya, xb, yb = data(3)
+    kw = dict(KW, eps_schedule="geomloss", steps=4, step_size=0.2, recompute_stats=recompute,
+              progress=False)  # fmt: skip
+    outs, totals = [], []
+    for warm in (True, False):
+        iterations.clear()
+        outs.append(dataset_flow(xa, ya, xb, yb, warm_start=warm, **kw))
+        totals.append(sum(iterations))
+    warm, cold = outs
+    assert torch.allclose(warm.x, cold.x, rtol=1e-8, atol=1e-10)
+    assert warm.distances == pytest.approx(cold.distances, rel=1e-9)
+    assert totals[0] < totals[1], totals
+
+
 def test_snapshots_are_png_grids(tmp_path):
     pytest.importorskip("matplotlib")
     xa, ya, xb, yb = data(2, d=16)
@@ -61,6 +90,7 @@ def test_snapshots_are_png_grids(tmp_path):
 @pytest.mark.parametrize("kw, match", [
     (dict(steps=-1), "steps"), (dict(step_size=0.0), "step_size"),
     (dict(snapshot_every=1), "snapshot_dir"), (dict(steps=1.5), "steps"),
+    (dict(init=None), "init"), (dict(warm_start=1), "warm_start"),
 ])  # fmt: skip
 def test_bad_options_are_named(kw, match):
     xa, ya, xb, yb = data()

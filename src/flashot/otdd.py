@@ -165,23 +165,26 @@ def _label_cost(xa, index_a, ka, xb, index_b, kb, inner, diagonal, inner_eps, la
     return flashot.labeled_cost(table, lambda_x=lambda_x, lambda_y=lambda_y)
 
 
-def _outer(xa, index_a, xb, index_b, cost, eps, debias, self_b=None, **sinkhorn_options):
+def _outer(xa, index_a, xb, index_b, cost, eps, debias, self_b=None, solve=None,
+           **sinkhorn_options):  # fmt: skip
     """``(value, result of OT(A, B), OT(B, B) or None)`` of labeled datasets.
 
     ``index_b`` already offset past A's classes. The cost holds each problem's labels
     (:meth:`~flashot.labeled.LabeledCost.with_labels`): no labeled copy of a cloud. The
     self problems go first: a solve's attention form is two cloud-sized operands, and
-    only the cross problem's stays (its result holds the lazy plan).
+    only the cross problem's stays (its result holds the lazy plan). ``solve(x, y,
+    cost, name)`` (``name`` ``"aa"``, ``"bb"`` or ``"ab"``) replaces ``flashot.sinkhorn``
+    (the flows' warm starts).
     """
+    if solve is None:
+        def solve(x, y, c, name):
+            return flashot.sinkhorn(x, y, eps=eps, cost=c, **sinkhorn_options)
     self_a = None
     if debias:
-        self_a = flashot.sinkhorn(xa, xa, eps=eps, cost=cost.with_labels(index_a, index_a),
-                                  **sinkhorn_options).cost  # fmt: skip
+        self_a = solve(xa, xa, cost.with_labels(index_a, index_a), "aa").cost
         if self_b is None:
-            self_b = flashot.sinkhorn(xb, xb, eps=eps, cost=cost.with_labels(index_b, index_b),
-                                      **sinkhorn_options).cost  # fmt: skip
-    res = flashot.sinkhorn(xa, xb, eps=eps, cost=cost.with_labels(index_a, index_b),
-                           **sinkhorn_options)  # fmt: skip
+            self_b = solve(xb, xb, cost.with_labels(index_b, index_b), "bb").cost
+    res = solve(xa, xb, cost.with_labels(index_a, index_b), "ab")
     value = res.cost if not debias else res.cost - 0.5 * self_a - 0.5 * self_b
     return value, res, self_b
 
