@@ -8,7 +8,8 @@ by the dense formula (a tensorized torch implementation: the full augmented cost
 matrix, log-domain Sinkhorn on it) for comparison. Env: SIZES ("60000"), DENSE_N
 ("10000", 0 to skip), PRECISION ("auto"), FLOW (0: no flow step), STEP (0.1), AGAIN
 (0: first call only), TRACE_PEAK (MB: list the tensors of at least that size alive at
-each call's peak, with where they were made).
+each call's peak, with where they were made), ALLOCATOR_PEAK=1 (the same from the CUDA
+caching allocator's record, which also sees allocations made inside operators).
 
     python benchmarks/gpu_otdd.py
 """
@@ -70,6 +71,32 @@ if os.environ.get("TRACE_PEAK"):  # what is alive at each call's peak, and where
         print(f"  traced peak {live.peak / 2**20:.0f} MB:", flush=True)
         for size, site in sorted(live.at_peak, key=lambda v: -v[0]):
             print(f"    {size / 2**20:7.1f} MB  {site}", flush=True)
+        return out
+
+
+if os.environ.get("ALLOCATOR_PEAK"):  # the caching allocator's own record: every block
+    _timed_plain = timed
+
+    def timed(fn):  # noqa: F811
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
+        out = _timed_plain(fn)
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        live, cur, peak, at_peak = {}, 0, 0, []
+        for e in snap["device_traces"][torch.cuda.current_device()]:
+            if e["action"] == "alloc":
+                live[e["addr"]] = e
+                cur += e["size"]
+                if cur > peak:
+                    peak, at_peak = cur, list(live.values())
+            elif e["action"] == "free_requested" and e["addr"] in live:
+                cur -= live.pop(e["addr"])["size"]
+        print(f"  allocator peak {peak / 2**20:.0f} MB; blocks of 1 MB or more alive there:")
+        for e in sorted(at_peak, key=lambda e: -e["size"]):
+            if e["size"] >= 2**20:
+                frames = [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}"
+                          for f in e["frames"] if "flashot" in f["filename"]][:5]
+                print(f"    {e['size'] / 2**20:7.1f} MB  {' < '.join(frames)}", flush=True)
         return out
 
 

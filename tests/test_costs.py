@@ -1,7 +1,9 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from flashot.costs import COSTS, attention_form, bounding_diameter, get_cost
+from flashot.costs import COSTS, attention_form, bounding_diameter, column_box, get_cost
 from tests.conftest import clouds, rel
 from tests.references import dense_cost
 
@@ -37,6 +39,32 @@ def test_row_features_map_new_points_like_rows(gen):
 def test_unknown_cost_names_argument():
     with pytest.raises(ValueError, match="cost"):
         get_cost("euclidean")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 30),
+    d=st.integers(1, 4),
+    block=st.integers(1, 40),
+    specials=st.lists(st.sampled_from([float("nan"), float("inf"), -float("inf")]), max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_column_box_equals_one_reduction(n, d, block, specials, seed):
+    """Blocks of a few rows give the one-reduction extremes, NaN and ±inf included."""
+    import flashot.costs
+
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(n, d, generator=gen)
+    for value in specials:
+        i, j = torch.randint(n, (1,), generator=gen), torch.randint(d, (1,), generator=gen)
+        u[i, j] = value
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flashot.costs, "_BLOCK", block)
+        box = column_box(u)
+    expected = torch.stack(torch.aminmax(u, dim=0))
+    assert box.shape == (2, d)
+    assert torch.equal(box.isnan(), expected.isnan())
+    assert torch.equal(box.nan_to_num(0.0), expected.nan_to_num(0.0))
 
 
 def test_bounding_diameter_is_box_diagonal():

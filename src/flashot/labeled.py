@@ -34,6 +34,7 @@ from flashot.costs import (
     Cost,
     FeatureMap,
     _joint_center,
+    column_box,
     get_cost,
     round_operands,
 )
@@ -126,7 +127,7 @@ class LabeledCost(Cost):
                                        label_rows)  # fmt: skip
         col_features = LabeledFeatures(self, FeatureMap(feat, center, 1.0, rounding, dtype), eye)
         if cost_bound is None:
-            boxes = [torch.stack(torch.aminmax(t.detach(), dim=0)) for t in (x, y)]
+            boxes = [column_box(t.detach()) for t in (x, y)]
             cost_bound = float(self.box_bound(*boxes))
         return AttentionForm(q, k, alpha, beta, row_features, col_features, cost_bound)
 
@@ -145,9 +146,9 @@ class LabeledCost(Cost):
         """``D`` with ``s D²`` the largest cost: the start of an ε-scaling schedule."""
         with torch.no_grad():
             u, v = self._features(x.detach()), self._features(y.detach())
-            lo = torch.minimum(u.min(0).values, v.min(0).values)
-            hi = torch.maximum(u.max(0).values, v.max(0).values)
-            feat = float(((hi - lo).double() ** 2).sum())
+            box_u, box_v = column_box(u), column_box(v)
+            span = torch.maximum(box_u[1], box_v[1]) - torch.minimum(box_u[0], box_v[0])
+            feat = float((span.double() ** 2).sum())
             top = max(0.0, float(self.table.detach().max()))
         return math.sqrt(feat + self.lambda_y * top / self.scale)
 

@@ -23,7 +23,15 @@ import torch
 from flashot.autodiff.functional import TRANSFORM_HELP
 from flashot.backends import resolve_backend
 from flashot.backends.base import Backend
-from flashot.costs import AttentionForm, Cost, _row_ranges, attention_form, box_cost_bound, get_cost
+from flashot.costs import (
+    AttentionForm,
+    Cost,
+    _row_ranges,
+    attention_form,
+    box_cost_bound,
+    column_box,
+    get_cost,
+)
 from flashot.segments import Segments
 
 __all__ = [
@@ -164,7 +172,7 @@ def check_cloud(x, name: str, checks: DeviceChecks) -> tuple[torch.Tensor, torch
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"{name} must be non-empty, got shape {tuple(x.shape)}")
     # NaN and ±inf reach the extremes: no (n, d) temporary
-    box = torch.stack(torch.aminmax(x.detach(), dim=0))
+    box = column_box(x.detach())
     checks.add(torch.isfinite(box).all(), ValueError(f"{name} contains NaN or infinite values"))
     return x, box
 
