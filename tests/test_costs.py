@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashot.costs import COSTS, attention_form, bounding_diameter, column_box, get_cost
+from flashot.costs import COSTS, attention_form, bounding_diameter, column_box, column_sum, get_cost
 from tests.conftest import clouds, rel
 from tests.references import dense_cost
 
@@ -65,6 +65,15 @@ def test_column_box_equals_one_reduction(n, d, block, specials, seed):
     assert box.shape == (2, d)
     assert torch.equal(box.isnan(), expected.isnan())
     assert torch.equal(box.nan_to_num(0.0), expected.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("block", [1, 5, 1 << 20])
+def test_column_sum_is_the_sum_over_rows(monkeypatch, gen, block):
+    import flashot.costs
+
+    monkeypatch.setattr(flashot.costs, "_BLOCK", block)
+    u = torch.randn(37, 3, generator=gen, dtype=torch.float64)
+    assert torch.allclose(column_sum(u), u.sum(0), rtol=1e-14, atol=1e-13)
 
 
 def test_bounding_diameter_is_box_diagonal():

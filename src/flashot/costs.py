@@ -33,6 +33,8 @@ __all__ = [
     "attention_form",
     "bounding_diameter",
     "box_cost_bound",
+    "column_box",
+    "column_sum",
     "get_cost",
     "round_operands",
 ]
@@ -180,6 +182,14 @@ def column_box(u: torch.Tensor) -> torch.Tensor:
     return box
 
 
+def column_sum(u: torch.Tensor) -> torch.Tensor:
+    """(d,) column sums of ``u`` (n, d), a block of rows at a time (see :func:`column_box`)."""
+    total = torch.zeros(u.shape[1], dtype=u.dtype, device=u.device)
+    for lo, hi in _row_ranges(u.shape[0], u.shape[1]):
+        total += u[lo:hi].sum(0)
+    return total
+
+
 def _row_blocks(u: torch.Tensor):
     """Views of about ``_BLOCK`` elements covering the rows of u (n, ...)."""
     return (u[lo:hi] for lo, hi in _row_ranges(u.shape[0], u[:1].numel()))
@@ -294,9 +304,9 @@ def _joint_center(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The mean of both clouds' rows (no copy of either cloud).
 
     C does not depend on the center, which only keeps the coordinates small: a sum in
-    the clouds' own precision is close enough, in four launches.
+    the clouds' own precision is close enough.
     """
-    return (u.sum(0) + v.sum(0)) / (u.shape[0] + v.shape[0])
+    return (column_sum(u) + column_sum(v)) / (u.shape[0] + v.shape[0])
 
 
 def box_cost_bound(cost: Cost, box_x: torch.Tensor, box_y: torch.Tensor) -> torch.Tensor:

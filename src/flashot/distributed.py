@@ -32,7 +32,7 @@ import torch.distributed as dist
 from flashot.autodiff.functions import soft_c_transform
 from flashot.backends import entry_point, resolve_backend
 from flashot.backends.base import Backend
-from flashot.costs import AttentionForm, Cost, _centered, column_box, get_cost
+from flashot.costs import AttentionForm, Cost, _centered, column_box, column_sum, get_cost
 from flashot.dual import row_mass
 from flashot.problem import check_positive, compute_dtype
 from flashot.solver import FloorTolerance, resolve_stopping, temperatures
@@ -266,7 +266,7 @@ def _sides(comm: _Comm, cost: Cost, x, y, a, b, dtype, rounding):
     """
     u, v = cost.embed(x.to(dtype)), cost.embed(y.to(dtype))
     with torch.no_grad():
-        sums = comm.total(torch.cat([u.detach().sum(0), v.detach().sum(0)]))
+        sums = comm.total(torch.cat([column_sum(u.detach()), column_sum(v.detach())]))
         count = sum(n + m for n, m in comm.sizes)
         d = u.shape[1]
         center = (sums[:d] + sums[d:]) / count

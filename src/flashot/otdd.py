@@ -34,6 +34,7 @@ import torch
 import flashot
 from flashot.autodiff.functional import refuse_transforms
 from flashot.backends import entry_point
+from flashot.costs import column_sum
 
 __all__ = ["DatasetDistance", "class_table", "dataset_distance", "gaussian_table"]
 
@@ -89,9 +90,9 @@ def gaussian_table(feats: Sequence[torch.Tensor], diagonal: bool = False) -> tor
     for f in feats:  # one class at a time: a float64 copy of one class, not of all
         c = f.detach().double()
         del f
-        centers.append(c.mean(0))
+        centers.append(column_sum(c) / c.shape[0])
         c.sub_(centers[-1])  # in place: the copy is ours
-        moments.append(c.square_().mean(0) if diagonal else c.T @ c / c.shape[0])
+        moments.append(column_sum(c.square_()) / c.shape[0] if diagonal else c.T @ c / c.shape[0])
         del c
     means = torch.stack(centers)
     table = torch.cdist(means, means).square()
