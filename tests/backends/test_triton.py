@@ -50,6 +50,35 @@ def test_row_attend_splits_chunks_and_value_tiles(gen, splits, n, m, d, p):
     assert rel(lse.cpu(), ref_lse.cpu()) < 2e-5 and rel(out.cpu(), ref_out.cpu()) < 2e-5
 
 
+def test_value_partials_stay_within_their_budget(gen, monkeypatch):
+    """Each split of a pass with values holds an (n, p) partial: no more of them than
+    VALUE_PARTIALS floats (a 60k flow's 794-wide barycenters take no split; two splits
+    were two more copies of the output), the same result."""
+    import flashot.backends.triton as tb
+    from flashot.backends.triton import _configs
+
+    monkeypatch.setattr(_configs, "column_splits", lambda *args: 8)  # untuned: 8 splits
+    n, m, d, p = 20, 1024, 5, 6
+    form, h = problem(gen, n, m, d, torch.float32, DEVICE)
+    v = torch.randn(m, p, generator=gen).to(DEVICE)
+    ref = dense_attend(form, h, 0.4, v)[1].cpu()
+    backend, made = triton_backend(), []
+    split = backend._split
+
+    def recorded(*args, **kwargs):
+        made.append(split(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(backend, "_split", recorded)
+    for budget, most in ((1 << 24, 8), (3 * n * p, 3), (n * p - 1, 1)):
+        monkeypatch.setattr(tb, "VALUE_PARTIALS", budget)
+        made.clear()
+        _, out = backend.row_attend(form, h, 0.4, v)
+        assert rel(out.cpu(), ref) < 2e-5
+        splits = max(s for s, _ in made)
+        assert splits == most if DEVICE == "cpu" else splits <= most
+
+
 def test_non_contiguous_inputs(gen):
     form, h = problem(gen, 30, 40, 6, torch.float32, DEVICE)
     qt = form.q.T.contiguous().T  # same values, column-major strides

@@ -43,6 +43,9 @@ LOG2E = 1.4426950408889634
 _DOT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "tf32", "fp16": "tf32"}
 #: the tile tables' name for the split score operands' dot (:mod:`._split`)
 SPLIT_DOT = "split16"
+#: floats of a value pass's per-split partial sums (64 MB): more splits than that fits
+#: are not made (splits only balance the waves of programs: at most ~1.5× on one kernel)
+VALUE_PARTIALS = 1 << 24
 
 
 #: relaxed problems skip the fused pass when the last step's largest |ln R| (nats)
@@ -188,9 +191,10 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         # tuned apart: forming the bias in the kernel adds loads (16 % slower in tf32 at 50k)
         dot = SPLIT_DOT if presplit else self._dot()
         key = ("attend", d, p, nb, mb, has_v, dot, q.dtype, potential)
-        # value partials hold splits·n·p floats: with wide values few splits (16 MB of
-        # partials at most); narrow ones (a CG's matvec, p = 1) split like plain LSEs
-        most = max(2, (1 << 22) // (n * p)) if has_v else None
+        # value partials hold splits·n·p floats: at most VALUE_PARTIALS of them, so that
+        # wide values at large n take no split (a flow's 60k × 794 barycenters would
+        # hold two more copies of the output); narrow ones (a CG's matvec) split freely
+        most = max(1, VALUE_PARTIALS // (n * p)) if has_v else None
 
         def plan_for(tiles):
             return build(*self._split(_attend_kernel, key, tiles, build, n, m, dev, most))

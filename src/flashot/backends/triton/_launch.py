@@ -78,13 +78,15 @@ class TunedLaunches:
         """``(splits, per)``: the moving side cut into splits of ``per`` items each.
 
         Before the tiles are known (tuning) the count is :func:`_configs.column_splits`;
-        afterwards :func:`_configs.balanced_splits` for the compiled kernel's occupancy,
-        at most ``max(most, first guess)`` splits. ``build(splits, per, probe=True)``
+        afterwards :func:`_configs.balanced_splits` for the compiled kernel's occupancy;
+        never more than ``most`` splits (a bound on the partials' memory) unless the
+        backend's ``splits`` says. ``build(splits, per, probe=True)``
         gives the launch's ``(grid, args, consts)`` for compiling it.
         """
         block = cfg.kwargs["BLOCK_M" if raw is _attend_kernel else "BLOCK_N"] if cfg else 128
-        guess = self.splits or _configs.column_splits(
-            triton.cdiv(stationary, block), moving, 64, device
+        guess = self.splits or min(
+            _configs.column_splits(triton.cdiv(stationary, block), moving, 64, device),
+            most or moving,
         )
         per = triton.cdiv(triton.cdiv(moving, guess), 128) * 128
         guess = triton.cdiv(moving, per)
@@ -106,8 +108,8 @@ class TunedLaunches:
         if _RESIDENT[rkey] is None:
             return guess, per
         slots = _RESIDENT[rkey] * _configs.sm_count(device.index or 0)
-        most = moving if most is None else max(most, guess)
-        return _configs.balanced_splits(triton.cdiv(stationary, block), moving, slots, most)
+        return _configs.balanced_splits(triton.cdiv(stationary, block), moving, slots,
+                                        most or moving)  # fmt: skip
 
     def _launch(self, tuned, raw, key, cfg, plan_for, device, full=None, reset=None):
         """Launch with tiles ``cfg``, or tune them first (cfg None); returns the plan run.
