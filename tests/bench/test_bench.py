@@ -71,6 +71,38 @@ def test_converge_providers_reach_the_dense_solution():
         assert float(prov.prepare("converge", pb)()) == pytest.approx(want, rel=1e-6), prov.name
 
 
+@pytest.mark.parametrize("workload", ["forward", "gradient", "converge"])
+def test_pot_lazy_is_the_value_of_its_alternating_plan(workload, monkeypatch):
+    """POT's online solver in blocks of a few rows: after 10 alternating updates (f, then
+    g, from zero) the value of its plan is that of the same updates on the dense float64
+    matrix; converged, the entropic OT value."""
+    import flashot.bench.providers as providers
+
+    pytest.importorskip("ot")
+    monkeypatch.setattr(providers, "POT_LAZY_BLOCK", 7 * 30)  # 7 rows a block
+    pb = make_problem(40, 30, 3, CPU, eps=0.5, tol=1e-9, seed=8, dtype=torch.float64)
+    if workload == "converge":
+        want = float(entropic_ot(pb.x, pb.y, pb.a, pb.b, pb.eps))
+    else:
+        c = torch.cdist(pb.x, pb.y) ** 2
+        f, g = torch.zeros_like(pb.a), torch.zeros_like(pb.b)
+        for _ in range(pb.iters):
+            f = pb.a.log() - torch.logsumexp(g[None, :] - c / pb.eps, 1)
+            g = pb.b.log() - torch.logsumexp(f[:, None] - c / pb.eps, 0)
+        log_p = f[:, None] + g[None, :] - c / pb.eps
+        p = log_p.exp()
+        kl = (p * (log_p - pb.a.log()[:, None] - pb.b.log()[None, :])).sum() - p.sum() + 1
+        want = float((p * c).sum() + pb.eps * kl)
+    prov = providers.POTLazy()
+    assert prov.unavailable(CPU) is None
+    assert float(prov.prepare(workload, pb)()) == pytest.approx(want, rel=1e-9)
+    if workload == "forward":  # the gradient in x: the plan's envelope gradient
+        pb.x.requires_grad_()
+        (grad,) = torch.autograd.grad(prov.prepare(workload, pb)(), pb.x)
+        want_grad = 2 * (p.sum(1)[:, None] * pb.x - p @ pb.y)
+        assert torch.allclose(grad, want_grad.detach(), rtol=1e-8, atol=1e-12)
+
+
 def test_floor_is_the_largest_of_exp_mma_and_bytes():
     ceil = Ceilings(exp2=4e12, tf32=360e12, bf16=687e12, fp32=51e12, bytes=4e12)
     n, d, it = 50_000, 64, 10
