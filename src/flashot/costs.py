@@ -182,6 +182,12 @@ def column_box(u: torch.Tensor) -> torch.Tensor:
     return box
 
 
+def joint_span(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(d,) side lengths of the smallest box holding the rows of u (n, d) and v (m, d)."""
+    box_u, box_v = column_box(u), column_box(v)
+    return torch.maximum(box_u[1], box_v[1]) - torch.minimum(box_u[0], box_v[0])
+
+
 def column_sum(u: torch.Tensor) -> torch.Tensor:
     """(d,) column sums of ``u`` (n, d), a block of rows at a time (see :func:`column_box`)."""
     total = torch.zeros(u.shape[1], dtype=u.dtype, device=u.device)
@@ -411,6 +417,4 @@ def bounding_diameter(cost: Cost, x: torch.Tensor, y: torch.Tensor) -> float:
     with torch.no_grad():
         u = cost.embed(x.detach()).reshape(-1, x.shape[-1])
         v = cost.embed(y.detach()).reshape(-1, y.shape[-1])
-        box_u, box_v = column_box(u), column_box(v)
-        span = torch.maximum(box_u[1], box_v[1]) - torch.minimum(box_u[0], box_v[0])
-        return float(torch.linalg.vector_norm(span.double()))
+        return float(torch.linalg.vector_norm(joint_span(u, v).double()))

@@ -36,6 +36,7 @@ from flashot.costs import (
     _joint_center,
     column_box,
     get_cost,
+    joint_span,
     round_operands,
 )
 from flashot.labeled_operands import augmented_rows
@@ -146,9 +147,7 @@ class LabeledCost(Cost):
         """``D`` with ``s D²`` the largest cost: the start of an ε-scaling schedule."""
         with torch.no_grad():
             u, v = self._features(x.detach()), self._features(y.detach())
-            box_u, box_v = column_box(u), column_box(v)
-            span = torch.maximum(box_u[1], box_v[1]) - torch.minimum(box_u[0], box_v[0])
-            feat = float((span.double() ** 2).sum())
+            feat = float((joint_span(u, v).double() ** 2).sum())
             top = max(0.0, float(self.table.detach().max()))
         return math.sqrt(feat + self.lambda_y * top / self.scale)
 
