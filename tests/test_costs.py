@@ -67,6 +67,11 @@ def test_column_box_equals_one_reduction(n, d, block, specials, seed):
     assert torch.equal(box.nan_to_num(0.0), expected.nan_to_num(0.0))
 
 
+def test_column_box_of_no_rows_is_an_error():
+    with pytest.raises(ValueError, match="at least one row"):
+        column_box(torch.zeros(0, 3))
+
+
 @pytest.mark.parametrize("block", [1, 5, 1 << 20])
 def test_column_sum_is_the_sum_over_rows(monkeypatch, gen, block):
     import flashot.costs

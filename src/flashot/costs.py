@@ -173,12 +173,14 @@ def column_box(u: torch.Tensor) -> torch.Tensor:
     ``max(0)`` held a 462 MB workspace next to a solve's 61 MB operands (H200, torch
     2.11, the allocator's record). Blocks of rows bound that workspace by the block.
     """
+    if u.shape[0] == 0:
+        raise ValueError("column_box needs at least one row")
     box = None
     for lo, hi in _row_ranges(u.shape[0], u.shape[1]):
         part = torch.stack(torch.aminmax(u[lo:hi], dim=0))
         box = part if box is None else torch.stack([torch.minimum(box[0], part[0]),
                                                     torch.maximum(box[1], part[1])])  # fmt: skip
-    assert box is not None, "column_box needs at least one row"
+    assert box is not None  # (at least one block)
     return box
 
 

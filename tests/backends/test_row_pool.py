@@ -128,3 +128,57 @@ def test_near_uniform_lse_matches_float64_with_and_without_the_pool(two_threads,
 
     torch.set_num_threads(threads)
     lse_against_float64(lambda *args: near_attend(*args, budget=900 * 64), 50.0, seed=1)
+
+
+def pool_threads() -> int:
+    return sum(t.name == "flashot-rows" and t.is_alive() for t in threading.enumerate())
+
+
+def test_idle_workers_leave_and_a_later_pass_starts_new_ones(two_threads, monkeypatch):
+    """Idle workers that had run torch ops slowed the caller's own small ops 2× for the
+    rest of the process: they now leave after IDLE_S, and the next pass starts a pool."""
+    import time
+
+    monkeypatch.setattr(row_pool, "IDLE_S", 0.01)
+    assert len(record_blocks(100, 10, MIN_ELEMENTS, torch.zeros(1))) == 10
+    deadline = time.monotonic() + 5.0
+    while pool_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool_threads() == 0
+    ran = record_blocks(100, 10, MIN_ELEMENTS, torch.zeros(1))
+    assert sorted(i0 for i0, _, _ in ran) == list(range(0, 100, 10))
+    assert {name for _, _, name in ran} == {"flashot-rows"}
+
+
+def test_a_worker_timing_out_as_a_pass_is_queued_still_serves_it(two_threads, monkeypatch):
+    """Every worker's first wait times out just after the pass's blocks were queued: a
+    worker leaves only when it sees nothing queued, so the pass completes (a worker that
+    left on any timeout would leave it waiting forever: the watchdog fails the test)."""
+    import queue
+    import time
+
+    class LateQueue(queue.SimpleQueue):
+        timed_out: set = set()
+
+        def get(self, block=True, timeout=None):
+            me = threading.get_ident()
+            if me not in LateQueue.timed_out:
+                LateQueue.timed_out.add(me)
+                time.sleep(0.2)  # the pass is queued meanwhile
+                raise queue.Empty
+            return super().get(block, timeout)
+
+    monkeypatch.setattr(row_pool.queue, "SimpleQueue", LateQueue)
+    monkeypatch.setattr(row_pool, "_pool", None)
+    result = []
+
+    def one_pass():
+        torch.set_num_threads(2)  # (this thread's own count)
+        result.append(record_blocks(40, 10, MIN_ELEMENTS, torch.zeros(1)))
+
+    caller = threading.Thread(target=one_pass, daemon=True)
+    caller.start()
+    caller.join(timeout=20)
+    assert not caller.is_alive(), "the pass was queued to workers that had left"
+    assert sorted(i0 for i0, _, _ in result[0]) == [0, 10, 20, 30]
+    assert len(LateQueue.timed_out) == 2

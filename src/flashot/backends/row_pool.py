@@ -28,6 +28,11 @@ __all__ = ["run_row_blocks"]
 
 #: below this many score elements per pass, handing blocks to threads costs more than it saves
 MIN_ELEMENTS = 1 << 19
+#: seconds a worker waits for the next pass before it leaves. Idle workers that have run
+#: torch ops slow the caller's own small ops (2-core VM, torch 2.13: a 60 × 50 float64
+#: solve 0.56 → 1.3 s while they lived, back once they left); a solve's passes come
+#: closer together than this, so the workers live through a solve, not after it
+IDLE_S = 0.05
 
 _lock = threading.Lock()
 _pool: _Pool | None = None
@@ -65,8 +70,10 @@ class _Job:
 
 
 class _Pool:
+    """Workers serving the passes of one thread count; they leave once idle (see IDLE_S)."""
+
     def __init__(self, size: int):
-        self.size = size
+        self.size, self.closed = size, False
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         ready = threading.Barrier(size + 1)
         for _ in range(size):
@@ -79,11 +86,22 @@ class _Pool:
         torch.set_num_threads(1)
         _local.worker = True
         ready.wait()
-        while (task := self.jobs.get()) is not None:
+        while True:
+            try:
+                task = self.jobs.get(timeout=IDLE_S)
+            except queue.Empty:
+                with _lock:  # jobs are queued under the lock: none can slip in unseen
+                    if self.jobs.empty():
+                        self.closed = True  # the next pass starts a new pool
+                        return
+                continue
+            if task is None:
+                return
             task[0].work(task[1])
             del task  # an idle worker must not keep the last pass's tensors alive
 
     def close(self):
+        self.closed = True
         for _ in range(self.size):
             self.jobs.put(None)
 
@@ -96,14 +114,16 @@ def _forget_after_fork():
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def _pool_of(size: int) -> _Pool:
+def _queue(job: _Job, step: int, size: int) -> None:
+    """Hand ``job`` to the workers of a pool of ``size`` (started if there is none)."""
     global _pool
     with _lock:
-        if _pool is None or _pool.size != size:
-            if _pool is not None:
+        if _pool is None or _pool.closed or _pool.size != size:
+            if _pool is not None and not _pool.closed:
                 _pool.close()
             _pool = _Pool(size)
-        return _pool
+        for _ in range(job.left):
+            _pool.jobs.put((job, step))
 
 
 def run_row_blocks(
@@ -140,10 +160,8 @@ def run_row_blocks(
         for i0 in starts:
             body(i0, min(n, i0 + block))
         return
-    pool = _pool_of(workers)
     job = _Job(body, starts, n, min(workers, len(starts)), torch.is_inference_mode_enabled())
-    for _ in range(job.left):
-        pool.jobs.put((job, block))
+    _queue(job, block, workers)
     job.done.wait()
     if job.error is not None:
         raise job.error
