@@ -13,6 +13,7 @@ only where it cannot change a result's meaning: CPU tensors, no autograd graph t
 record, not under ``torch.compile``, at least two blocks. Starting a worker calls
 ``torch.set_num_threads(1)`` in it, which also sets PyTorch's default for threads
 started later; the caller's count is set back right after, so nothing global moves.
+Workers leave after :data:`IDLE_S` without a pass, so none outlive a solve.
 """
 
 from __future__ import annotations
