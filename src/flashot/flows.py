@@ -178,8 +178,8 @@ def dataset_flow(
     Memory: a step holds about five arrays of A's size beyond the inputs (the state,
     one problem's two operands and barycenters, the other problem's gradient; a
     CPU-measured count, ``tests/test_flows.py``). On the Triton backend
-    the default ``precision="auto"`` also keeps split copies of both operands (about
-    7.6 in all); ``precision="tf32"`` or ``"bf16"`` keeps none.
+    the default ``precision="auto"`` also keeps split copies of both operands at large
+    sizes (two more); ``precision="tf32"`` or ``"bf16"`` keeps none.
     """
     xa, classes_a, index_a, xb, classes_b, index_b = _prepare(xa, ya, xb, yb)
     for value, name in ((steps, "steps"), (snapshot_every, "snapshot_every")):
