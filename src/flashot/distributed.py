@@ -239,7 +239,7 @@ def _local_checks(x, y, a, b, mode, cost) -> tuple[str | None, tuple]:
             return f"{name} must be a floating (n, d) tensor", ()
         if t.shape[0] == 0:
             return f"{name} must hold at least one point on every rank", ()
-        if not bool(torch.isfinite(t.detach()).all()):
+        if not bool(torch.isfinite(column_box(t.detach())).all()):  # no (n, d) temporary
             return f"{name} contains NaN or infinite values", ()
     if x.dtype != y.dtype or x.device != y.device:
         return "x_local and y_local must share dtype and device", ()
