@@ -36,6 +36,8 @@ __all__ = [
     "column_box",
     "column_sum",
     "get_cost",
+    "joint_box",
+    "joint_span",
     "round_operands",
 ]
 
@@ -165,6 +167,11 @@ def _row_ranges(n: int, width: int):
     return ((i, min(n, i + rows)) for i in range(0, n, rows))
 
 
+def _row_blocks(u: torch.Tensor):
+    """Views of about ``_BLOCK`` elements covering the rows of u (n, ...)."""
+    return (u[lo:hi] for lo, hi in _row_ranges(u.shape[0], u[:1].numel()))
+
+
 def column_box(u: torch.Tensor) -> torch.Tensor:
     """(2, d) column minima and maxima of ``u`` (n, d), n ≥ 1, a block of rows at a time.
 
@@ -175,32 +182,33 @@ def column_box(u: torch.Tensor) -> torch.Tensor:
     """
     if u.shape[0] == 0:
         raise ValueError("column_box needs at least one row")
-    box = None
-    for lo, hi in _row_ranges(u.shape[0], u.shape[1]):
-        part = torch.stack(torch.aminmax(u[lo:hi], dim=0))
-        box = part if box is None else torch.stack([torch.minimum(box[0], part[0]),
-                                                    torch.maximum(box[1], part[1])])  # fmt: skip
-    assert box is not None  # (at least one block)
+    blocks = _row_blocks(u)
+    box = torch.stack(torch.aminmax(next(blocks), dim=0))
+    for block in blocks:
+        lo, hi = torch.aminmax(block, dim=0)
+        torch.minimum(box[0], lo, out=box[0])
+        torch.maximum(box[1], hi, out=box[1])
     return box
 
 
-def joint_span(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(d,) side lengths of the smallest box holding the rows of u (n, d) and v (m, d)."""
+def joint_box(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(2, d) the smallest box holding the rows of u (n, d) and v (m, d) (see column_box)."""
     box_u, box_v = column_box(u), column_box(v)
-    return torch.maximum(box_u[1], box_v[1]) - torch.minimum(box_u[0], box_v[0])
+    return torch.stack([torch.minimum(box_u[0], box_v[0]), torch.maximum(box_u[1], box_v[1])])
+
+
+def joint_span(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(d,) side lengths of :func:`joint_box`."""
+    lo, hi = joint_box(u, v)
+    return hi - lo
 
 
 def column_sum(u: torch.Tensor) -> torch.Tensor:
     """(d,) column sums of ``u`` (n, d), a block of rows at a time (see :func:`column_box`)."""
     total = torch.zeros(u.shape[1], dtype=u.dtype, device=u.device)
-    for lo, hi in _row_ranges(u.shape[0], u.shape[1]):
-        total += u[lo:hi].sum(0)
+    for block in _row_blocks(u):
+        total += block.sum(0)
     return total
-
-
-def _row_blocks(u: torch.Tensor):
-    """Views of about ``_BLOCK`` elements covering the rows of u (n, ...)."""
-    return (u[lo:hi] for lo, hi in _row_ranges(u.shape[0], u[:1].numel()))
 
 
 def _check_fp16_range(u: torch.Tensor, rounding) -> None:

@@ -32,7 +32,15 @@ import torch.distributed as dist
 from flashot.autodiff.functions import soft_c_transform
 from flashot.backends import entry_point, resolve_backend
 from flashot.backends.base import Backend
-from flashot.costs import AttentionForm, Cost, _centered, column_box, column_sum, get_cost
+from flashot.costs import (
+    AttentionForm,
+    Cost,
+    _centered,
+    column_box,
+    column_sum,
+    get_cost,
+    joint_box,
+)
 from flashot.dual import row_mass
 from flashot.problem import check_positive, compute_dtype
 from flashot.solver import FloorTolerance, resolve_stopping, temperatures
@@ -270,9 +278,9 @@ def _sides(comm: _Comm, cost: Cost, x, y, a, b, dtype, rounding):
         count = sum(n + m for n, m in comm.sizes)
         d = u.shape[1]
         center = (sums[:d] + sums[d:]) / count
-        box_u, box_v = column_box(u.detach()), column_box(v.detach())
-        lo = comm.total(torch.minimum(box_u[0], box_v[0]), dist.ReduceOp.MIN)
-        hi = comm.total(torch.maximum(box_u[1], box_v[1]), dist.ReduceOp.MAX)
+        box = joint_box(u.detach(), v.detach())
+        lo = comm.total(box[0], dist.ReduceOp.MIN)
+        hi = comm.total(box[1], dist.ReduceOp.MAX)
         diameter = float(torch.linalg.vector_norm((hi - lo).double()))
     q, alpha = _centered(u, center, rounding, 2.0 * cost.scale, cost.scale)
     k, beta = _centered(v, center, rounding, 1.0, cost.scale)

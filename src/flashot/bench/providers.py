@@ -307,6 +307,18 @@ class GeomLoss(Provider):
         return _timed(value_of, workload, pb.x)
 
 
+def _plan_terms(plan, log_p, c, a, b, eps):
+    """``⟨P, C⟩ + ε (Σ P log(P / a⊗b) − Σ P)`` of a block of a fixed plan (rows of a).
+
+    ``OT_ε`` of the plan is the sum over blocks plus ε. Differentiable through ``c``
+    only: the plan's envelope gradient.
+    """
+    with torch.no_grad():
+        log_ab = torch.log(a)[:, None] + torch.log(b)[None, :]
+        kl = (plan * (log_p - log_ab)).sum() - plan.sum()
+    return (plan * c).sum() + eps * kl
+
+
 class POT(Provider):
     """POT's log-domain Sinkhorn (``ot.sinkhorn_log``) on the full cost matrix."""
 
@@ -332,10 +344,8 @@ class POT(Provider):
             with torch.no_grad():
                 plan = ot.bregman.sinkhorn_log(pb.a, pb.b, c.detach(), pb.eps, numItermax=iters,
                                                stopThr=stop, warn=False)  # fmt: skip
-            # the plan's value; its gradient in C is the plan (envelope theorem)
-            ab = pb.a[:, None] * pb.b[None, :]
-            kl = (plan * (torch.log(plan.clamp_min(1e-38)) - torch.log(ab))).sum() - plan.sum() + 1
-            return (plan * c).sum() + pb.eps * kl
+            log_p = torch.log(plan.clamp_min(1e-38))
+            return pb.eps + _plan_terms(plan, log_p, c, pb.a, pb.b, pb.eps)
 
         return _timed(value_of, workload, pb.x)
 
@@ -364,16 +374,13 @@ class POTLazy(POT):
                     x.detach(), pb.y, pb.eps, pb.a, pb.b, metric="sqeuclidean", numIterMax=iters,
                     stopThr=stop, isLazy=True, batchSize=(rows, rows), log=True, warn=False)
             f, g = log["u"], log["v"]  # log-scalings: P = exp(f_i + g_j − C_ij / ε)
-            value = x.new_tensor(pb.eps)  # ε KL(P | a⊗b) = ε (Σ P log(P / ab) − Σ P + 1)
+            value = x.new_tensor(pb.eps)
             for lo in range(0, x.shape[0], rows):  # the plan's value, a block of rows at a time
                 c = _sq_dist(x[lo : lo + rows], pb.y)
                 with torch.no_grad():
                     log_p = f[lo : lo + rows, None] + g[None, :] - c / pb.eps
-                    plan = torch.exp(log_p)
-                    log_ab = torch.log(pb.a[lo : lo + rows, None]) + torch.log(pb.b[None, :])
-                    kl = (plan * (log_p - log_ab)).sum() - plan.sum()
-                # differentiable in x through c only: the plan's envelope gradient
-                value = value + (plan * c).sum() + pb.eps * kl
+                value = value + _plan_terms(log_p.exp(), log_p, c, pb.a[lo : lo + rows], pb.b,
+                                            pb.eps)  # fmt: skip
             return value
 
         return _timed(value_of, workload, pb.x)
