@@ -168,7 +168,8 @@ def test_fast_jacobi_step_matches_exact_step(gen, rho):
     logs = torch.cat([r.log(), c.log()])
     top, bottom = max(0.0, float(logs.max())), max(0.0, float(-logs.min()))
     written = state.slots[2 * state.parity : 2 * state.parity + 2].tolist()
-    assert written == pytest.approx([top, bottom], rel=1e-4, abs=1e-6)
+    # logs of float32 sums of about 1, each side within 32 ulps (as the error above)
+    assert written == pytest.approx([top, bottom], rel=1e-4, abs=64 * 2.0**-24)
 
 
 def test_averaged_step_keeps_residuals_within_half_their_span(gen):
@@ -263,7 +264,9 @@ def test_second_step_runs_fused_when_the_probe_finds_the_window(gen, monkeypatch
     y = y + 1.0
     kw = dict(eps=0.02, max_iter=6, tol=None)
     ref = flashot.sinkhorn(x, y, backend="torch", **kw)
-    res = flashot.sinkhorn(x.to(DEVICE), y.to(DEVICE), backend="triton", **kw)
+    # no CUDA graph: the spy reads its sums on the host, which a capture forbids
+    be = backend.TritonBackend(graphs=False)
+    res = flashot.sinkhorn(x.to(DEVICE), y.to(DEVICE), backend=be, **kw)
     assert ran[:3] == [False, probe, True]
     assert rel(res.cost.cpu(), ref.cost) < 1e-5
 
@@ -323,12 +326,15 @@ def test_extrapolate_and_marginals_match_the_torch_backend(gen, fused):
     f[4] += 85.5 * eps
     g[5] -= 83.0 * eps
     be, ref = triton_backend(fused=fused), TorchBackend()
+    # exponents reach 86 nats, where one float32 ulp of the exponent is 86·2^-24 of
+    # the sum: allow 8 such ulps (the GPU's scores round differently from the CPU's)
+    tol = 8 * 86 * 2.0**-24
     ours = be.extrapolate(form, f, g, la, lb, eps, (0.9, 0.8))
     want = ref.extrapolate(form, f, g, la, lb, eps, (0.9, 0.8))
     assert rel(ours[0], want[0]) < 1e-5 and rel(ours[1], want[1]) < 1e-5
     ours = be.marginals(form, f, g, la, lb, eps)
     want = ref.marginals(form, f, g, la, lb, eps)
-    assert rel(ours[0], want[0]) < 1e-5 and rel(ours[1], want[1]) < 1e-5
+    assert rel(ours[0], want[0]) < tol and rel(ours[1], want[1]) < tol
 
 
 @pytest.mark.parametrize("update", ["symmetric", "alternating"])

@@ -44,7 +44,7 @@ def test_plan_and_hvp_workloads_match_float64():
 
 
 def test_ott_provider_runs_alternating_fixed_iterations_and_converges():
-    """OTT-JAX (skipped without it; needs a jax it supports, e.g. 0.6.2 for ott 0.6.0):
+    """OTT-JAX (skipped without it; runs on jax 0.10 with the provider’s compatibility shim):
     ``converge`` reaches the dense solution; after 10 alternating updates from zero its
     value is within 1e-3 of flashot's (OTT values unconverged potentials its own way and
     takes no final extrapolation: the same algorithm, not the same number)."""

@@ -442,7 +442,8 @@ class OTT(Provider):
                          "zero, cost |x−y|², absolute ε, no final extrapolation: its "
                          "fixed-iteration value differs from flashot's by the algorithm); "
                          "fixed iterations: min = max = iters; gradient by Danskin (the "
-                         "envelope); converge: threshold = tol (L1)")  # fmt: skip
+                         "envelope); converge: threshold = tol (L1); on JAX > 0.5 the online mode runs "
+                         "with a one-line compatibility shim (_ott_jax_compat)")  # fmt: skip
 
     def unavailable(self, device):
         try:
@@ -462,6 +463,8 @@ class OTT(Provider):
         from ott.geometry import pointcloud
         from ott.problems.linear import linear_problem
         from ott.solvers.linear import sinkhorn
+
+        _ott_jax_compat()
 
         def as_jax(t):  # zero-copy where the device allows it
             try:
@@ -494,6 +497,16 @@ class OTT(Provider):
             return torch.tensor(float(value))
 
         return run
+
+
+def _ott_jax_compat():
+    """OTT 0.6's batched map (its online mode) reads ``batching.is_vmappable``, which JAX
+    removed after 0.5. It was true only for JAX's custom vmappable types, never for the
+    arrays passed here, so a constant false answer is what the old JAX would give."""
+    from jax.interpreters import batching
+
+    if not hasattr(batching, "is_vmappable"):
+        batching.is_vmappable = lambda leaf: False
 
 
 def providers(device: torch.device) -> list[Provider]:
