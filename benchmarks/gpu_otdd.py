@@ -7,7 +7,7 @@ covariances, ε = 5 with ε-scaling: the distance, then one flow step. Peak GPU 
 by the dense formula (a tensorized torch implementation: the full augmented cost
 matrix, log-domain Sinkhorn on it) for comparison. Env: SIZES ("60000"), DENSE_N
 ("10000", 0 to skip), PRECISION ("auto"), FLOW (0: no flow step), STEP (0.1), AGAIN
-(0: first call only), TRACE_PEAK (MB: list the tensors of at least that size alive at
+(0: first call only), PRESPLIT (1/0: the Triton backend's presplit forced on/off), TRACE_PEAK (MB: list the tensors of at least that size alive at
 each call's peak, with where they were made), ALLOCATOR_PEAK=1 (the same from the CUDA
 caching allocator's record, which also sees allocations made inside operators).
 
@@ -33,6 +33,10 @@ FLOW = os.environ.get("FLOW", "1") == "1"  # 0: no flow step
 AGAIN = os.environ.get("AGAIN", "1") == "1"  # 0: only the first (compiling) call
 STEP = float(os.environ.get("STEP", "0.1"))  # the flow's step size (its default)
 KW = dict(eps=EPS, eps_schedule="geomloss", diagonal=True, max_iter=2000, precision=PRECISION)
+if os.environ.get("PRESPLIT"):  # "1"/"0": the Triton backend's presplit forced on or off
+    from flashot.backends.triton import TritonBackend
+
+    KW["backend"] = TritonBackend(PRECISION, presplit=os.environ["PRESPLIT"] == "1")
 
 
 def timed(fn):
