@@ -7,9 +7,10 @@ covariances, ε = 5 with ε-scaling: the distance, then one flow step. Peak GPU 
 by the dense formula (a tensorized torch implementation: the full augmented cost
 matrix, log-domain Sinkhorn on it) for comparison. Env: SIZES ("60000"), DENSE_N
 ("10000", 0 to skip), PRECISION ("auto"), FLOW (0: no flow step), STEP (0.1), AGAIN
-(0: first call only), PRESPLIT (1/0: the Triton backend's presplit forced on/off), TRACE_PEAK (MB: list the tensors of at least that size alive at
-each call's peak, with where they were made), ALLOCATOR_PEAK=1 (the same from the CUDA
-caching allocator's record, which also sees allocations made inside operators).
+(0: first call only), PRESPLIT (1/0: the Triton backend's presplit forced on/off),
+TRACE_PEAK (MB: list the tensors of at least that size alive at each call's peak,
+with where they were made), ALLOCATOR_PEAK=1 (the same from the CUDA caching allocator's
+record, which also sees allocations made inside operators).
 
     python benchmarks/gpu_otdd.py
 """

@@ -101,6 +101,56 @@ def test_plan_product_is_differentiable_in_v(gen):
     assert torch.autograd.gradcheck(lambda u: res.plan.T @ u, (torch.randn(12, 3, dtype=torch.float64, requires_grad=True),))
 
 
+@pytest.mark.parametrize("name", ["torch", "triton"])
+@pytest.mark.parametrize("rho", [None, 0.9])
+def test_row_blocks_of_a_plan_are_its_rows(gen, name, rho):
+    """plan[lo:hi] is P[lo:hi]: products, marginals and the transpose, for any slice
+    (whole, inner, negative, clipped, empty), on both backends (the kernels under the
+    interpreter, in float32)."""
+    from tests.backends.test_contract import exact, make_backend
+
+    dtype, tol = exact(name)
+    x, y = (t.to(dtype) for t in clouds(gen, 23, 31, 3))
+    a, b = (t.to(dtype) for t in (weights(gen, 23), weights(gen, 31)))
+    res = flashot.sinkhorn(x, y, a, b, eps=0.3, rho=rho, tol=1e-5 if name == "triton" else 1e-11,
+                           max_iter=20000, backend=make_backend(name, "cpu"))  # fmt: skip
+    P = plan_dense(dense_cost(x.double(), y.double()), a.double(), b.double(), res.f.double(),
+                   res.g.double(), 0.3)  # fmt: skip
+    V = torch.randn(31, 4, generator=gen, dtype=F64).to(dtype)
+    for rows in (slice(0, 23), slice(5, 11), slice(-4, None), slice(20, 99), slice(7, 7)):
+        block = res.plan[rows]
+        n = len(range(23)[rows])
+        assert block.shape == (n, 31)
+        if n == 0:  # an empty block holds no mass
+            assert (block @ V).shape == (0, 4) and block.row_sums().shape == (0,)
+            assert torch.equal(block.T @ torch.ones(0, dtype=dtype), torch.zeros(31, dtype=dtype))
+            continue
+        assert rel((block @ V).double(), P[rows] @ V.double()) < tol
+        assert rel(block.row_sums().double(), P[rows].sum(1)) < tol
+        ones = torch.ones(n, dtype=dtype)
+        assert rel((block.T @ ones).double(), P[rows].sum(0)) < tol
+    with pytest.raises(ValueError, match="step 1"):
+        res.plan[::2]
+    with pytest.raises(TypeError, match="slice"):
+        res.plan[3]
+
+
+def test_row_blocks_refuse_plans_that_need_gradients_and_stale_plans(gen):
+    x, y = clouds(gen, 12, 9, 2)
+    xg = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="not differentiable in x"):
+        flashot.sinkhorn(xg, y, eps=0.5).plan[0:4]
+    res = flashot.sinkhorn(x, y, eps=0.5)
+    block = res.plan[2:6]
+    v = torch.randn(9, 2, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda v: block @ v, (v,))  # still differentiable in V
+    y.add_(1.0)
+    with pytest.raises(RuntimeError, match="y changed in place"):
+        block @ torch.ones(9, dtype=F64)
+    with pytest.raises(RuntimeError, match="y changed in place"):
+        res.plan[0:3]
+
+
 def test_in_place_changes_of_the_inputs_are_detected(gen):
     x, y = clouds(gen, 12, 9, 2)
     res = flashot.sinkhorn(x, y, eps=0.5)

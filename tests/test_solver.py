@@ -198,3 +198,24 @@ def test_an_oscillation_miss_still_suggests_more_iterations():
 
     text = describe_miss("oscillation", 1e-6, 7e-5, None, 1000, torch.float32, "alternating")
     assert "oscillates" in text and "increase max_iter" in text and "update='symmetric'" in text
+
+
+def test_a_self_problem_is_recognized_a_block_of_rows_at_a_time(monkeypatch):
+    """Same points (one storage, or equal copies compared a block of rows at a time:
+    no boolean copy of the cloud), same weights and ρ: a self problem; one differing
+    entry in the last block, other weights or another ρ: not one."""
+    import flashot.costs
+    from flashot.problem import make_problem
+    from flashot.solver import _is_self_problem
+
+    monkeypatch.setattr(flashot.costs, "_BLOCK", 12)  # 4 rows of 3 per block
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 3, generator=g, dtype=torch.float64)
+    copy = x.clone()
+    assert _is_self_problem(make_problem(x, x, eps=1.0))
+    assert _is_self_problem(make_problem(x, copy, eps=1.0))
+    copy[9, 2] += 1e-12
+    assert not _is_self_problem(make_problem(x, copy, eps=1.0))
+    b = torch.rand(10, generator=g, dtype=torch.float64) + 0.5
+    assert not _is_self_problem(make_problem(x, x, None, b / b.sum(), eps=1.0))
+    assert not _is_self_problem(make_problem(x, x, eps=1.0, rho=(1.0, 2.0)))

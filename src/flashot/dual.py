@@ -47,7 +47,10 @@ def plan_times(backend, form, f, g, log_a, log_b, eps: float, v: torch.Tensor) -
         f: (n,), g: (m,) potentials.  log_a: (n,), log_b: (m,) log weights.  eps: ε.
     """
     lse, out = backend.row_attend(form, g - form.beta, eps, v, log_b)
-    return row_mass(f, lse, form.alpha, log_a, eps)[:, None] * out
+    r = row_mass(f, lse, form.alpha, log_a, eps)[:, None]
+    if out.requires_grad or r.requires_grad:
+        return r * out
+    return out.mul_(r)  # the pass's own output: scaled in place, no second (n, p) array
 
 
 def marginal_error(

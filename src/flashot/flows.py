@@ -25,6 +25,9 @@ from flashot.otdd import _label_cost, _outer, _prepare
 
 __all__ = ["FlowResult", "dataset_flow", "save_grid"]
 
+#: the gradient's plan products run in this many blocks of rows (memory: one block's output)
+GRADIENT_BLOCKS = 8
+
 
 @dataclass
 class FlowResult:
@@ -77,38 +80,61 @@ def save_grid(x: torch.Tensor, labels: torch.Tensor, path, per_class: int = 8,
 
 
 def _value_and_grad(x, index_a, xb, labels_b, cost, eps, self_b, warm, **sinkhorn_options):
-    """``(OTDD, its gradient in x, OT(B, B))``, one problem's autograd graph at a time.
+    r"""``(OTDD, its gradient in x, OT(B, B))`` from the plans of OT(A, A) and OT(A, B).
 
-    ``OT(A, B) − ½ OT(A, A) − ½ OT(B, B)``: each term's graph (its attention form and
-    cotangents, a few cloud-sized tensors) is freed before the next is built, so the
-    peak is that of one problem, not of three. The cost holds the labels, so the
-    points are the flow state itself (no labeled copy). ``warm``: the previous step's
-    potentials per problem (``"aa"``, ``"ab"``), updated in place (see :func:`_solve`).
+    With the class table held, ``C = s‖x − y‖² + λ_y W²`` and the envelope theorem give
+    OT_ε(A, Y)'s gradient in a row point as ``Σ_j P_ij ∇_x C(x_i, y_j) = 2s (r_i x_i −
+    (P Y)_i)`` (``r = P 1``); OT(A, A) moves both of its sides (rows, and columns through
+    ``Pᵀ``), so for ``OTDD = OT(A, B) − ½ OT(A, A) − ½ OT(B, B)``
+
+    .. math::
+
+        \nabla_{x_i} = 2s\Big[\big(r^{ab}_i x_i - (P^{ab} Y_b)_i\big)
+            - \tfrac12 \big(r^{aa}_i x_i - (P^{aa} X)_i\big)
+            - \tfrac12 \big(c^{aa}_i x_i - (P^{aa\top} X)_i\big)\Big],
+
+    the two halves equal when ``P^{aa}`` is symmetric (ρ_x = ρ_y). The products run a
+    block of rows at a time into one gradient array (``plan[lo:hi] @ V``): the peak is
+    one problem's two operands and the gradient, no barycenters of A's size and no
+    autograd graph. ``warm``: the previous step's potentials per problem (``"aa"``,
+    ``"ab"``), updated in place (see :func:`_solve`).
     """
-    if self_b is None:
-        with torch.no_grad():
+    with torch.no_grad():
+        if self_b is None:
             self_b = flashot.sinkhorn(xb, xb, eps=eps, cost=cost.with_labels(labels_b, labels_b),
                                       **sinkhorn_options).cost  # fmt: skip
-    value, grad = -0.5 * self_b, None
-    # OT(A, A): with its symmetric cost and weights (and ρ) the rows' share of the
-    # gradient equals the columns' (P = Pᵀ): differentiate one side, twice (half the
-    # cotangents); a ρ = (ρ_x, ρ_y) with ρ_x ≠ ρ_y breaks the symmetry
-    rho = sinkhorn_options.get("rho")
-    one_side = not (isinstance(rho, (tuple, list)) and rho[0] != rho[1])
-    for weight, other, sides in ((-0.5, None, 2.0 if one_side else 1.0), (1.0, xb, 1.0)):
-        xs = x.detach().requires_grad_()
-        labels, name = labels_b, "ab"
-        if other is None:
-            other, labels, name = (xs.detach() if one_side else xs), index_a, "aa"
-        term = _solve(xs, other, cost.with_labels(index_a, labels), eps, warm, name,
-                      sinkhorn_options).cost  # fmt: skip
-        del other
-        (g,) = torch.autograd.grad(term, xs)
-        value = value + weight * term.detach()
-        # accumulate in the first gradient's storage: no zero cloud, no sum temporaries
-        grad = g.mul_(weight * sides) if grad is None else grad.add_(g, alpha=weight * sides)
-        del term, xs, g  # this problem's graph and form go before the next
+        rho = sinkhorn_options.get("rho")
+        symmetric = not (isinstance(rho, (tuple, list)) and rho[0] != rho[1])
+        grad = torch.zeros_like(x)
+        value = -0.5 * self_b
+        for name, other, labels, weight in (("aa", x, index_a, -0.5), ("ab", xb, labels_b, 1.0)):
+            res = _solve(x, other, cost.with_labels(index_a, labels), eps, warm, name,
+                         sinkhorn_options)  # fmt: skip
+            value = value + weight * res.cost
+            if name == "ab":
+                terms = [(res.plan, 1.0)]
+            else:  # both sides of OT(A, A): its rows, and its columns as Pᵀ's rows
+                terms = [(res.plan, 2.0)] if symmetric else [(res.plan, 1.0), (res.plan.T, 1.0)]
+            for plan, sides in terms:
+                _add_envelope_term(grad, plan, other, x, 2.0 * cost.scale * weight * sides)
+            del res, terms, plan  # this problem's operands go before the next is built
     return value, grad, self_b
+
+
+def _add_envelope_term(grad, plan, values, x, weight):
+    """``grad += weight · (r ⊙ x − P V)``, in :data:`GRADIENT_BLOCKS` blocks of rows.
+
+    Each product's output is 1/GRADIENT_BLOCKS of A's size; a block still fills the GPU.
+    """
+    n = x.shape[0]
+    rows = max(1, -(-n // GRADIENT_BLOCKS))
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        block = plan[lo:hi]
+        pv = block @ values
+        pv.mul_(-weight).addcmul_(x[lo:hi], block.row_sums()[:, None], value=weight)
+        grad[lo:hi] += pv
+        del block, pv  # not alive while the next block's product runs
 
 
 def _solve(x, y, cost, eps, warm, name, options):
@@ -175,11 +201,13 @@ def dataset_flow(
     Returns:
         A :class:`FlowResult`.
 
-    Memory: a step holds about five arrays of A's size beyond the inputs (the state,
-    one problem's two operands and barycenters, the other problem's gradient; a
-    CPU-measured count, ``tests/test_flows.py``). On the Triton backend
-    the default ``precision="auto"`` also keeps split copies of both operands at large
-    sizes (two more); ``precision="tf32"`` or ``"bf16"`` keeps none.
+    Memory: a step holds about 4.4 arrays of A's size beyond the inputs: the state, one
+    problem's two operands (1.07 wide with MNIST's labels), the gradient, and one
+    block of a plan product (a CPU-measured count, ``tests/test_flows.py``). The
+    gradient is the plans' envelope formula (:func:`_value_and_grad`), accumulated a
+    block of rows at a time. On the Triton backend the default ``precision="auto"`` also
+    keeps split copies of both operands at large sizes (two more); ``precision="tf32"``
+    or ``"bf16"`` keeps none.
     """
     xa, classes_a, index_a, xb, classes_b, index_b = _prepare(xa, ya, xb, yb)
     for value, name in ((steps, "steps"), (snapshot_every, "snapshot_every")):

@@ -125,6 +125,38 @@ class TransportPlan:
             None if self._exact is None else _transposed(*self._exact),
         )
 
+    def __getitem__(self, rows: slice) -> TransportPlan:
+        """The rows ``P[lo:hi]`` (hi − lo, m), also lazy: products a block of rows at a time.
+
+        ``plan[lo:hi] @ V`` streams every column for those rows only, so a product's
+        output, and what is made from it, can be built a block at a time instead of
+        holding all n rows. Slices of step 1 only. Not differentiable in x, y, a or b:
+        a plan whose inputs need gradients refuses (its blocks would silently drop them);
+        solve under ``torch.no_grad()`` or with detached inputs. Products stay
+        differentiable in V.
+        """
+        if not isinstance(rows, slice):
+            raise TypeError(f"a plan takes a slice of rows, plan[lo:hi], got {type(rows).__name__}")
+        lo, hi, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise ValueError(f"a plan's row slice must have step 1, got {rows.step}")
+        if self._exact is not None:
+            raise RuntimeError("row blocks of a plan are not differentiable in x, y, a or b, "
+                               "which need gradients here: solve under torch.no_grad() or "
+                               "with detached inputs")  # fmt: skip
+        form = self._form
+        if form.segments is not None:
+            raise ValueError("a packed batch's plan has no row blocks (slice its problems)")
+        self._check_fresh()
+        hi = max(lo, hi)
+        block = AttentionForm(form.q[lo:hi], form.k, form.alpha[lo:hi], form.beta,
+                              form.row_features, form.col_features, form.cost_bound)  # fmt: skip
+        out = TransportPlan(block, self._f[lo:hi], self._g, self._log_a[lo:hi], self._log_b,
+                            self._eps, self._backend, self._x_graph[lo:hi], self._y_graph,
+                            self._rho)  # fmt: skip
+        out._versions = self._versions  # (slices share their base's version counters)
+        return out
+
     def __repr__(self) -> str:
         n, m = self.shape
         return f"TransportPlan(shape=({n}, {m}), eps={self._eps:g}, backend={self._backend.name!r})"
@@ -195,7 +227,8 @@ class TransportPlan:
             raise ValueError(f"{name} is on {v.device} but the plan is on {self._f.device}")
         if not v.is_floating_point():
             raise TypeError(f"{name} must have a floating dtype, got {v.dtype}")
-        return v.to(self._f.dtype).reshape(m, -1)
+        v = v.to(self._f.dtype)
+        return v[:, None] if v.dim() == 1 else v
 
     @entry_point
     def __matmul__(self, v: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from flashot.autodiff.functions import extrapolate
 from flashot.backends.base import Backend
 from flashot.backends.near import is_near_uniform
-from flashot.costs import AttentionForm
+from flashot.costs import AttentionForm, _row_ranges
 from flashot.dual import marginal_error, row_mass
 from flashot.graphs import GRAPHS
 from flashot.momentum import Relaxation, check_momentum
@@ -142,7 +142,13 @@ def _is_self_problem(problem) -> bool:
     x, y = problem.x, problem.y
     if x.shape != y.shape or problem.rho_x != problem.rho_y:
         return False
-    return bool(torch.equal(x.detach(), y.detach()) and torch.equal(problem.a, problem.b))
+    if not torch.equal(problem.a, problem.b):
+        return False
+    x, y = x.detach(), y.detach()
+    if x.data_ptr() == y.data_ptr() and x.stride() == y.stride() and x.dtype == y.dtype:
+        return True  # the same storage (NaN-free: the problem's points are checked finite)
+    # a block of rows at a time: torch.equal on CUDA makes a boolean copy of the cloud
+    return all(torch.equal(x[lo:hi], y[lo:hi]) for lo, hi in _row_ranges(x.shape[0], x[:1].numel()))
 
 
 def precision_floor(form, f, g, log_a, log_b, eps: float, per_problem: bool = False):

@@ -24,6 +24,7 @@ must see at least one finite bias, which input validation guarantees.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import fields
 
 import torch
@@ -110,6 +111,10 @@ class Backend:
             ``(lse, out)``: lse (n,) and out (n, p), or None when ``v`` is None.
         """
         seg = form.segments
+        n, m = form.shape
+        if n == 0 or m == 0:  # an empty block of a plan: nothing to stream, no mass
+            lse = h.new_full((n,), -math.inf)
+            return lse, None if v is None else v.new_zeros(n, v.shape[1])
         if seg is not None and (not self.segmented or seg.near(eps, NEAR_FROM)):
             return self._per_segment(form, h, eps, v, log_w)
         if seg is None and is_near_uniform(form, eps):

@@ -442,8 +442,8 @@ class OTT(Provider):
                          "zero, cost |x−y|², absolute ε, no final extrapolation: its "
                          "fixed-iteration value differs from flashot's by the algorithm); "
                          "fixed iterations: min = max = iters; gradient by Danskin (the "
-                         "envelope); converge: threshold = tol (L1); on JAX > 0.5 the online mode runs "
-                         "with a one-line compatibility shim (_ott_jax_compat)")  # fmt: skip
+                         "envelope); converge: threshold = tol (L1); on JAX > 0.5 the "
+                         "online mode runs with a one-line shim (_ott_jax_compat)")  # fmt: skip
 
     def unavailable(self, device):
         try:
@@ -500,9 +500,12 @@ class OTT(Provider):
 
 
 def _ott_jax_compat():
-    """OTT 0.6's batched map (its online mode) reads ``batching.is_vmappable``, which JAX
-    removed after 0.5. It was true only for JAX's custom vmappable types, never for the
-    arrays passed here, so a constant false answer is what the old JAX would give."""
+    """Give JAX back ``batching.is_vmappable`` when it lacks it (JAX > 0.5).
+
+    OTT 0.6's batched map (its online mode) reads it. It was true only for JAX's custom
+    vmappable types, never for the arrays passed here, so a constant false answer is
+    what the old JAX would give.
+    """
     from jax.interpreters import batching
 
     if not hasattr(batching, "is_vmappable"):
