@@ -202,7 +202,7 @@ def dataset_flow(
         A :class:`FlowResult`.
 
     Memory: a step holds about 4.4 arrays of A's size beyond the inputs: the state, one
-    problem's two operands (1.07 wide with MNIST's labels), the gradient, and one
+    problem's two operands ((d + K)/d wide, K the classes of both), the gradient, and one
     block of a plan product (a CPU-measured count, ``tests/test_flows.py``). The
     gradient is the plans' envelope formula (:func:`_value_and_grad`), accumulated a
     block of rows at a time. On the Triton backend the default ``precision="auto"`` also
