@@ -297,9 +297,8 @@ def test_cuda_autocast_does_not_change_results():
 def test_split_operands_converge_like_3xtf32_on_an_otdd_problem():
     """v21 (H200, MNIST against rot90, d' = 784 + 20 labels, ε = 5): the default's split
     operands (presplit) stalled at a marginal error of 1e-4 on both self problems where
-    3xTF32 per tile and tf32 reached 1e-6; the split's numerics emulated on the CPU
-    match 3xTF32 (score errors 8.0e-5 and 7.8e-5), and the interpreter's split
-    converges. Mixture data of MNIST's shape and cost scale (float32 on the torch
+    3xTF32 per tile and tf32 reached 1e-6; the interpreter reproduces it at small
+    size (benchmarks/split_stall.py). Mixture data of MNIST's shape and cost scale (float32 on the torch
     backend converges here without a warning, 2e-8 of the cost from float64)."""
     import warnings
 
