@@ -3,8 +3,8 @@
 OTDD between two 6-class Gaussian mixtures (n = 96, d = 64, costs ≈ 300, ε = 5 with
 ε-scaling), debiased: the float64 torch reference, then the Triton backend with
 ``presplit`` on and off. On the 2-core VM under ``TRITON_INTERPRET=1`` (2026-12-02):
-presplit=True stalled at a marginal error of 1.07e-5 (416 iterations, a
-ConvergenceWarning) where presplit=False converged in 236; distance error 1.3e-7 and
+presplit=True stalled the cross problem at a marginal error of 1.07e-5 (416
+iterations, a ConvergenceWarning) where presplit=False converged in 236; distance error 1.3e-7 and
 3.4e-8 of the cost. Forcing the second step's probe (argv[1] = "probe") changed nothing.
 About 12 minutes per run in the interpreter.
 
