@@ -21,6 +21,7 @@ import torch
 
 import flashot
 from flashot.backends import entry_point
+from flashot.backends.base import _given
 from flashot.otdd import _label_cost, _outer, _prepare
 
 __all__ = ["FlowResult", "dataset_flow", "save_grid"]
@@ -124,17 +125,19 @@ def _value_and_grad(x, index_a, xb, labels_b, cost, eps, self_b, warm, **sinkhor
 def _add_envelope_term(grad, plan, values, x, weight):
     """``grad += weight · (r ⊙ x − P V)``, in :data:`GRADIENT_BLOCKS` blocks of rows.
 
-    Each product's output is 1/GRADIENT_BLOCKS of A's size; a block still fills the GPU.
+    ``P V = r ⊙ T`` with ``T`` the softmax averages of V: one streaming pass per block
+    gives both r and T. Each block's output is 1/GRADIENT_BLOCKS of A's size; a block
+    still fills the GPU.
     """
     n = x.shape[0]
     rows = max(1, -(-n // GRADIENT_BLOCKS))
     for lo in range(0, n, rows):
         hi = min(n, lo + rows)
         block = plan[lo:hi]
-        pv = block @ values
-        pv.mul_(-weight).addcmul_(x[lo:hi], block.row_sums()[:, None], value=weight)
-        grad[lo:hi] += pv
-        del block, pv  # not alive while the next block's product runs
+        r, avg = block._attend(block._values(values, "V"))
+        avg = _given(avg).sub_(x[lo:hi]).mul_(r[:, None])  # r ⊙ (T − x), in place
+        grad[lo:hi].add_(avg, alpha=-weight)
+        del block, r, avg  # not alive while the next block's product runs
 
 
 def _solve(x, y, cost, eps, warm, name, options):

@@ -28,7 +28,7 @@ import torch
 from flashot.autodiff.functions import extrapolate
 from flashot.backends.base import Backend
 from flashot.backends.near import is_near_uniform
-from flashot.costs import AttentionForm, _row_ranges
+from flashot.costs import AttentionForm, _row_blocks
 from flashot.dual import marginal_error, row_mass
 from flashot.graphs import GRAPHS
 from flashot.momentum import Relaxation, check_momentum
@@ -148,7 +148,7 @@ def _is_self_problem(problem) -> bool:
     if x.data_ptr() == y.data_ptr() and x.stride() == y.stride() and x.dtype == y.dtype:
         return True  # the same storage (NaN-free: the problem's points are checked finite)
     # a block of rows at a time: torch.equal on CUDA makes a boolean copy of the cloud
-    return all(torch.equal(x[lo:hi], y[lo:hi]) for lo, hi in _row_ranges(x.shape[0], x[:1].numel()))
+    return all(torch.equal(u, v) for u, v in zip(_row_blocks(x), _row_blocks(y), strict=True))
 
 
 def precision_floor(form, f, g, log_a, log_b, eps: float, per_problem: bool = False):
