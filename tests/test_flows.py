@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flashot.flows import dataset_flow
 from flashot.otdd import dataset_distance
@@ -124,3 +126,38 @@ def test_a_flow_step_keeps_under_four_and_a_half_clouds(monkeypatch):
                            max_iter=10, tol=None, diagonal=True,
                            backend=TorchBackend(budget=1 << 12))  # fmt: skip
     assert torch.isfinite(out.x).all() and live.peak / cloud <= 4.5
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(5, 14), m=st.integers(5, 14), d=st.integers(1, 4), k=st.integers(1, 3),
+       eps=st.sampled_from([0.2, 0.5, 1.0]), rho=st.sampled_from([None, 0.7, (0.4, 1.5)]),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_the_envelope_gradient_is_the_distance_gradient(n, m, d, k, eps, rho, seed):
+    """Property: the flow's gradient (plans' envelope formula, row blocks) equals autograd
+    of the float64 distance, for any sizes, classes, ε and ρ (balanced, symmetric,
+    asymmetric)."""
+    g = torch.Generator().manual_seed(seed)
+    xa, xb = torch.rand(n, d, generator=g, dtype=F64), torch.rand(m, d, generator=g, dtype=F64)
+    ya, yb = torch.arange(n) % k, torch.arange(m) % k
+    kw = dict(KW, eps=eps, rho=rho)
+    out = dataset_flow(xa, ya, xb, yb, steps=1, step_size=0.01, progress=False, **kw)
+    x = xa.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(dataset_distance(x, ya, xb, yb, **kw).distance, x)
+    assert torch.allclose(out.x, xa - 0.01 * n * grad, rtol=1e-9, atol=1e-11)
+
+
+def test_the_envelope_gradient_on_the_kernels():
+    """The same on the Triton backend (the interpreter), float32, against float64."""
+    from flashot.backends import available_backends
+
+    if "triton" not in available_backends("cpu"):
+        pytest.skip("triton unavailable")
+    xa, ya, xb, yb = data(3, n=12, m=10, d=2)
+    kw = dict(eps=2.0, tol=1e-5, max_iter=5000)
+    got = dataset_flow(xa.float(), ya, xb.float(), yb, steps=1, step_size=0.05, progress=False,
+                       backend="triton", **kw)  # fmt: skip
+    x = xa.clone().requires_grad_()
+    ref = dataset_distance(x, ya, xb, yb, **dict(kw, tol=1e-11))
+    (grad,) = torch.autograd.grad(ref.distance, x)
+    want = xa - 0.05 * len(xa) * grad
+    assert (got.x.double() - want).abs().max() < 1e-4 * (1 + want.abs().max())
