@@ -297,9 +297,9 @@ def test_cuda_autocast_does_not_change_results():
 def test_split_operands_converge_like_3xtf32_on_an_otdd_problem():
     """v21 (H200, MNIST against rot90, d' = 784 + 20 labels, ε = 5): the default's split
     operands (presplit) stalled at a marginal error of 1e-4 on both self problems where
-    3xTF32 per tile and tf32 reached 1e-6; the interpreter reproduces it at small
-    size (benchmarks/split_stall.py). Mixture data of MNIST's shape and cost scale (float32 on the torch
-    backend converges here without a warning, 2e-8 of the cost from float64)."""
+    3xTF32 per tile and tf32 reached 1e-6 (v22: the chunk sums in the MMA's accumulator,
+    see the next test). Mixture data of MNIST's shape and cost scale (float32 on the
+    torch backend converges here without a warning, 2e-8 of the cost from float64)."""
     import warnings
 
     from flashot import ConvergenceWarning, datasets
@@ -317,3 +317,39 @@ def test_split_operands_converge_like_3xtf32_on_an_otdd_problem():
         # float32 solves: the distance to 1e-5 of the cross problem's cost it is made of
         err = abs(float(got.distance) - float(ref.distance))
         assert err < 1e-5 * float(ref.result.cost), presplit
+
+
+def block_scores(backend, form, size=64):
+    """``⟨q_i, k_j⟩`` of the first (size, size) block, one column at a time through the
+    row LSE with every other column's weight zero (``lse_i = s_ij``)."""
+    import math
+
+    sub = type(form)(form.q[:size], form.k[:size], form.alpha[:size], form.beta[:size])
+    out = torch.empty(size, size, dtype=torch.float64, device=form.q.device)
+    zero = torch.zeros(size, dtype=form.q.dtype, device=form.q.device)
+    with backend.operand_scope():
+        for j in range(size):
+            log_w = torch.full_like(zero, -math.inf)
+            log_w[j] = 0.0
+            out[:, j] = backend.row_attend(sub, zero, 1.0, log_w=log_w)[0].double()
+    return out
+
+
+@pytest.mark.parametrize("d", [100, 804])
+def test_split_scores_are_as_accurate_as_3xtf32_on_large_scores(d):
+    """v22 (H200): the split operands' chunks summed in the MMA's truncating accumulator
+    drifted by 2^-18 of the score (6.6e-4 on MNIST's self scores of 250, 3xTF32 4e-5),
+    which stalled OTDD's float32 solves at 1e-4. Self scores of nonnegative features
+    grow chunk after chunk, the case that drifts."""
+    from flashot.costs import COSTS, attention_form
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.rand(256, d, device="cuda", generator=g) * 2.0
+    form = attention_form(COSTS["sqeuclidean"], x, x)
+    ref = form.q[:64].double() @ form.k[:64].double().T
+    errors = {}
+    for presplit in (False, True):
+        got = block_scores(TritonBackend(presplit=presplit), form)
+        errors[presplit] = float((got - ref).abs().max())
+    scale = float(ref.abs().max())
+    assert errors[True] <= 2.0 * errors[False] + 2.0**-22 * scale, (errors, scale)

@@ -76,26 +76,30 @@ def _score_tile(
     ``2^e x = hi + 2^-11 lo`` (the low parts ``q_lo``/``k_lo`` elements after the high
     ones, hoisted as ``q_lo_tile``/``kt_lo_tile``): three half MMAs,
     ``⟨q, k⟩ = unscale · (hi·hi' + 2^-11 (hi·lo' + lo·hi'))``, about 22 bits like
-    3xTF32 but with no split of the streamed tile in the loop.
+    3xTF32 but with no split of the streamed tile in the loop. Per chunk the low terms
+    come first and the high product adds onto them; chunks are summed in float32.
     """
     if PRESPLIT:
         if D_CHUNKS == 1:
             if HOIST_K:
                 q = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
                 ql = _load_tile(Q + q_lo, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
-                s = tl.dot(q, kt_tile)
                 c = tl.dot(q, kt_lo_tile)
                 c = tl.dot(ql, kt_tile, c)
+                s = tl.dot(q, kt_tile, c * 0.00048828125)  # 2^-11
             else:
                 kt = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
                 ktl = _load_tile(K + k_lo, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
-                s = tl.dot(q_tile, kt)
                 c = tl.dot(q_tile, ktl)
                 c = tl.dot(q_lo_tile, kt, c)
+                s = tl.dot(q_tile, kt, c * 0.00048828125)  # 2^-11
         else:
+            # Chunks are summed by rounded float32 adds: the MMA's accumulator truncates
+            # (H200: a 13-chunk sum drifted by 6e-4 on scores of 250, 3xTF32's 4e-5). A
+            # chunk's high product starts from its low terms, a non-zero accumulator, so
+            # that Triton does not fold the add back into the MMA (it does for zero ones).
             offs_d = tl.arange(0, BLOCK_D)
             s = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
-            c = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
             for ch in range(D_CHUNKS):
                 dd = ch * BLOCK_D + offs_d
                 q_ptrs = Q + offs_m[:, None] * stride_qn + dd[None, :] * stride_qd
@@ -104,10 +108,10 @@ def _score_tile(
                 k_ok = (offs_n[None, :] < m) & (dd[:, None] < d)
                 q = tl.load(q_ptrs, mask=q_ok, other=0.0)
                 kt = tl.load(k_ptrs, mask=k_ok, other=0.0)
-                s = tl.dot(q, kt, s)
-                c = tl.dot(q, tl.load(k_ptrs + k_lo, mask=k_ok, other=0.0), c)
+                c = tl.dot(q, tl.load(k_ptrs + k_lo, mask=k_ok, other=0.0))
                 c = tl.dot(tl.load(q_ptrs + q_lo, mask=q_ok, other=0.0), kt, c)
-        return (s + c * 0.00048828125) * unscale  # 2^-11
+                s += tl.dot(q, kt, c * 0.00048828125)  # 2^-11
+        return s * unscale
     if D_CHUNKS == 1:
         if HOIST_K:
             q = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
