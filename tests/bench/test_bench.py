@@ -43,6 +43,23 @@ def test_plan_and_hvp_workloads_match_float64():
     assert got == pytest.approx(_reference(pb, "hvp"), rel=1e-3)
 
 
+@pytest.mark.gpu
+def test_flash_sinkhorn_hvp_route_matches_float64():
+    """The peer's hvp row runs its own streaming HVP (CG on the dual system) at its
+    pre-extrapolation potentials: its <v, Hv> matches flashot's float64 value (2026-12-02,
+    in the interpreter with the package's CUDA checks removed: 9.3e-4 relative; on the GPU
+    its scores are TF32, hence 1e-2)."""
+    pytest.importorskip("flash_sinkhorn")
+    if not torch.cuda.is_available():
+        pytest.skip("flash-sinkhorn needs a CUDA GPU")
+    from flashot.bench.harness import _reference
+    from flashot.bench.providers import FlashSinkhorn
+
+    pb = make_problem(1200, 1000, 3, torch.device("cuda"), eps=0.5, seed=5)
+    got = float(FlashSinkhorn().prepare("hvp", pb)())
+    assert got == pytest.approx(_reference(pb, "hvp"), rel=1e-2)
+
+
 def test_ott_provider_runs_alternating_fixed_iterations_and_converges():
     """OTT-JAX (skipped without it; runs on jax 0.10 with the provider’s compatibility shim):
     ``converge`` reaches the dense solution; after 10 alternating updates from zero its
