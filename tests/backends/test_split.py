@@ -152,3 +152,36 @@ def test_a_packed_batch_counts_the_work_of_its_diagonal_blocks():
 
     seg = Segments((0, 3, 10), (0, 4, 6))
     assert seg.elements == 3 * 4 + 7 * 2 == seg.T.elements
+
+
+def test_split_chunks_are_summed_outside_the_mma():
+    """The split scores' feature chunks add up in rounded float32, never in an MMA's
+    accumulator, which truncates (H200 v22: a 13-chunk sum drifted by 6.6e-4 on scores of
+    250 and stalled OTDD's float32 solves). Triton folds ``s += dot(a, b)`` into the MMA
+    when the dot's own accumulator is zero, so the sm_90 IR is what is checked: inside
+    the chunk loop no MMA accumulates onto the loop-carried sum, and a float add does.
+    Compiled for sm_90 on this machine (no GPU needed), outside the interpreter."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, os.path.join(root, "tests", "backends",
+                                                       "split_ir_probe.py")],
+                         capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    if run.returncode != 0:
+        pytest.skip(f"Triton cannot compile for sm_90 here: {run.stderr.strip()[-300:]}")
+    ir = run.stdout
+    loop = re.search(r"scf\.for .*iter_args\((%[\w]+) = [^)]*\)", ir)
+    assert loop, ir
+    carried = loop.group(1)
+    body = ir[loop.end():]
+    mma = r"(?:ttng\.warp_group_dot|triton_nvidia_gpu\.warp_group_dot|tt\.dot)"
+    dots = re.findall(mma + r" (%[\w#]+), (%[\w#]+), (%[\w#]+)", body)
+    assert len(dots) == 3, dots  # hi·lo', lo·hi', hi·hi' per chunk
+    assert all(acc != carried for _, _, acc in dots), (carried, dots)
+    assert re.search(rf"arith\.addf {carried}, ", body) or re.search(
+        rf"arith\.addf %[\w#]+, {carried}\b", body), body  # fmt: skip
