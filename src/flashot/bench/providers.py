@@ -421,27 +421,24 @@ class FlashSinkhorn(Provider):
         return _timed(value_of, workload, pb.x)
 
     @staticmethod
-    def _hvp(pb, v, **blocks):
+    def _hvp(pb, v):
         """``<v, H v>`` through the package's own streaming HVP.
 
         That is the route its tests and paper use; v19–v21 timed double backward through
         its loss instead, whose first call at 10k did not finish in 200 s. Its TF32
-        potentials stall above HVP_TOL, so the solve stops at PEER_HVP_TOL. ``blocks``:
-        fixed tiles (its autotuner needs a GPU driver; an interpreter check passes them).
+        potentials stall above HVP_TOL, so the solve stops at PEER_HVP_TOL.
         """
         from flash_sinkhorn import geomloss_to_ott_potentials, hvp_x_sqeuclid_from_potentials
         from flash_sinkhorn.sinkhorn_solvers import sinkhorn_flashstyle_symmetric
-
-        tune = dict(autotune=False) if blocks else {}
 
         def hvp():
             _, _, f, g = sinkhorn_flashstyle_symmetric(
                 pb.x, pb.y, pb.a, pb.b, use_epsilon_scaling=False, eps=pb.eps,
                 n_iters=PEER_HVP_ITERS, threshold=PEER_HVP_TOL, allow_tf32=True,
-                return_prelast=True, **tune)  # fmt: skip
+                return_prelast=True)  # fmt: skip
             f, g = geomloss_to_ott_potentials(f, g, pb.a, pb.b, eps=pb.eps)
             hv, _ = hvp_x_sqeuclid_from_potentials(pb.x, pb.y, f, g, v, eps=pb.eps,
-                                                   allow_tf32=True, **tune, **blocks)  # fmt: skip
+                                                   allow_tf32=True)  # fmt: skip
             return (v * hv).sum()
 
         return hvp

@@ -63,6 +63,17 @@ def _load_tile(X, offs, size, d, stride_n, stride_d, BLOCK_D: tl.constexpr, D_CH
 
 
 @triton.jit
+def _split_dot(a_hi, a_lo, b_hi, b_lo):
+    """``a·b`` of split parts ``x = hi + 2^-11 lo``: three MMAs, the low terms first and
+    the high product onto them. That non-zero accumulator keeps a caller's later
+    ``s += _split_dot(...)`` a rounded float32 add: Triton folds an add of a
+    zero-accumulator dot into the MMA, whose accumulator truncates (see ``_split``)."""
+    c = tl.dot(a_hi, b_lo)
+    c = tl.dot(a_lo, b_hi, c)
+    return tl.dot(a_hi, b_hi, c * 0.00048828125)  # 2^-11
+
+
+@triton.jit
 def _score_tile(
     Q, K, q_tile, kt_tile, offs_m, offs_n, n, m, d, stride_qn, stride_qd, stride_kn, stride_kd,
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, HOIST_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -84,20 +95,14 @@ def _score_tile(
             if HOIST_K:
                 q = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
                 ql = _load_tile(Q + q_lo, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
-                c = tl.dot(q, kt_lo_tile)
-                c = tl.dot(ql, kt_tile, c)
-                s = tl.dot(q, kt_tile, c * 0.00048828125)  # 2^-11
+                s = _split_dot(q, ql, kt_tile, kt_lo_tile)
             else:
                 kt = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
                 ktl = _load_tile(K + k_lo, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
-                c = tl.dot(q_tile, ktl)
-                c = tl.dot(q_lo_tile, kt, c)
-                s = tl.dot(q_tile, kt, c * 0.00048828125)  # 2^-11
+                s = _split_dot(q_tile, q_lo_tile, kt, ktl)
         else:
-            # Chunks are summed by rounded float32 adds: the MMA's accumulator truncates
-            # (H200: a 13-chunk sum drifted by 6e-4 on scores of 250, 3xTF32's 4e-5). A
-            # chunk's high product starts from its low terms, a non-zero accumulator, so
-            # that Triton does not fold the add back into the MMA (it does for zero ones).
+            # chunks add in rounded float32, not in the MMA's truncating accumulator (H200:
+            # a 13-chunk sum there drifted by 6e-4 on scores of 250, 3xTF32's 4e-5)
             offs_d = tl.arange(0, BLOCK_D)
             s = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
             for ch in range(D_CHUNKS):
@@ -108,9 +113,8 @@ def _score_tile(
                 k_ok = (offs_n[None, :] < m) & (dd[:, None] < d)
                 q = tl.load(q_ptrs, mask=q_ok, other=0.0)
                 kt = tl.load(k_ptrs, mask=k_ok, other=0.0)
-                c = tl.dot(q, tl.load(k_ptrs + k_lo, mask=k_ok, other=0.0))
-                c = tl.dot(tl.load(q_ptrs + q_lo, mask=q_ok, other=0.0), kt, c)
-                s += tl.dot(q, kt, c * 0.00048828125)  # 2^-11
+                s += _split_dot(q, tl.load(q_ptrs + q_lo, mask=q_ok, other=0.0), kt,
+                                tl.load(k_ptrs + k_lo, mask=k_ok, other=0.0))  # fmt: skip
         return s * unscale
     if D_CHUNKS == 1:
         if HOIST_K:
@@ -193,9 +197,8 @@ def _attend_tile(
             # .to(v.dtype): a no-op on the GPU; float32 parts under the interpreter
             e_hi = e.to(tl.float16).to(v.dtype)
             e_lo = ((e - e_hi.to(tl.float32)) * 2048.0).to(tl.float16).to(v.dtype)
-            c = tl.dot(e_hi, tl.load(v_ptrs + v_lo, mask=v_ok, other=0.0))
-            c = tl.dot(e_lo, v, c)
-            pv = (tl.dot(e_hi, v) + c * 0.00048828125) * v_unscale  # 2^-11
+            pv = _split_dot(e_hi, e_lo, v, tl.load(v_ptrs + v_lo, mask=v_ok, other=0.0))
+            pv = pv * v_unscale
         else:
             pv = tl.dot(e.to(v.dtype), v, input_precision=V_PRECISION)
         acc = acc * decay[:, None] + pv
