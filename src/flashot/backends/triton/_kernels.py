@@ -64,10 +64,13 @@ def _load_tile(X, offs, size, d, stride_n, stride_d, BLOCK_D: tl.constexpr, D_CH
 
 @triton.jit
 def _split_dot(a_hi, a_lo, b_hi, b_lo):
-    """``a·b`` of split parts ``x = hi + 2^-11 lo``: three MMAs, the low terms first and
-    the high product onto them. That non-zero accumulator keeps a caller's later
-    ``s += _split_dot(...)`` a rounded float32 add: Triton folds an add of a
-    zero-accumulator dot into the MMA, whose accumulator truncates (see ``_split``)."""
+    """``a·b`` of split parts ``x = hi + 2^-11 lo``: the low terms, then the high product.
+
+    Three MMAs; the high product starts from the low terms. That non-zero accumulator
+    keeps a caller's later ``s += _split_dot(...)`` a rounded float32 add: Triton folds
+    an add of a zero-accumulator dot into the MMA, whose accumulator truncates (see
+    ``_split``).
+    """
     c = tl.dot(a_hi, b_lo)
     c = tl.dot(a_lo, b_hi, c)
     return tl.dot(a_hi, b_hi, c * 0.00048828125)  # 2^-11
