@@ -10,7 +10,9 @@ matrix, log-domain Sinkhorn on it) for comparison. Env: SIZES ("60000"), DENSE_N
 (0: first call only), PRESPLIT (1/0: the Triton backend's presplit forced on/off),
 TRACE_PEAK (MB: list the tensors of at least that size alive at each call's peak,
 with where they were made), ALLOCATOR_PEAK=1 (the same from the CUDA caching allocator's
-record, which also sees allocations made inside operators).
+record, which also sees allocations made inside operators), FLOW_RUNS ("first,later":
+which flow steps to measure), PROFILE=1 (cProfile of each timed call: the top functions
+by cumulative time, to find where a slow first call spends it).
 
     python benchmarks/gpu_otdd.py
 """
@@ -107,6 +109,19 @@ if os.environ.get("ALLOCATOR_PEAK"):  # the caching allocator's own record: ever
         return out
 
 
+if os.environ.get("PROFILE") == "1":  # where a call's time goes, Python's view
+    import cProfile
+    import pstats
+
+    _timed_unprofiled = timed
+
+    def timed(fn):  # noqa: F811
+        prof = cProfile.Profile()
+        out = prof.runcall(_timed_unprofiled, fn)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(28)
+        return out
+
+
 if os.environ.get("TRACE_AFTER"):  # where a slow run spends its time: stacks every T s
     import faulthandler
 
@@ -130,7 +145,10 @@ for n in SIZES:
         # input staying alive); stderr's progress line has the step's own time
         # (gradient and update), the totals add the distance after the step
         cloud = xa.numel() * xa.element_size() / 2**20
+        runs = os.environ.get("FLOW_RUNS", "first,later").split(",")
         for what, start in (("first", lambda: xa), ("later", lambda: xa.clone())):  # noqa: B023
+            if what not in runs:
+                continue
             flow, secs, mb = timed(lambda: dataset_flow(start(), ya, xb, yb, steps=1,  # noqa: B023
                                                         step_size=STEP, **KW))
             print(f"  a {what} flow step (step {STEP}) and the distance after it: {secs:.2f} s, "

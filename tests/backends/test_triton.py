@@ -37,7 +37,7 @@ def nan_padded(form):
 @pytest.mark.parametrize(
     "n,m,d,p",
     [(1, 37, 3, 1), (40, 300, 5, 20), (9, 50, 37, 3), (3, 20, 1000, 2), (9, 40, 7, 300),
-     (20, 70, 16, 5)],
+     (20, 70, 16, 5), (70, 40, 3, 130)],
 )  # fmt: skip
 def test_row_attend_splits_chunks_and_value_tiles(gen, splits, n, m, d, p):
     """Whole and partial column tiles, feature chunks, value chunks; NaN beyond the
@@ -48,6 +48,34 @@ def test_row_attend_splits_chunks_and_value_tiles(gen, splits, n, m, d, p):
     lse, out = triton_backend(splits=splits).row_attend(form, h, 0.4, v)
     ref_lse, ref_out = dense_attend(form, h, 0.4, v)
     assert rel(lse.cpu(), ref_lse.cpu()) < 2e-5 and rel(out.cpu(), ref_out.cpu()) < 2e-5
+
+
+def test_split_merge_of_wide_values_runs_in_bounded_tiles(gen, monkeypatch):
+    """The merge of column-split partials takes its values in chunks of COMBINE_TILE:
+    one program over all 784 columns of a flow's barycenters (a (128, 1024) tile) took
+    Triton 3.6 over 70 s to compile for sm_90, on every first flow step."""
+    import flashot.backends.triton as tb
+
+    n, m, d, p = 70, 300, 3, 784 if DEVICE == "cuda" else 130
+    form, h = problem(gen, n, m, d, torch.float32, DEVICE)
+    v = torch.randn(m, p, generator=gen).to(DEVICE)
+    real, launches = tb._combine_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, kwargs["BLOCK"], kwargs["BLOCK_P"]))
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(tb, "_combine_kernel", Spy())
+    lse, out = triton_backend(splits=2).row_attend(form, h, 0.4, v)
+    ref_lse, ref_out = dense_attend(form, h, 0.4, v)
+    assert rel(lse.cpu(), ref_lse.cpu()) < 2e-5 and rel(out.cpu(), ref_out.cpu()) < 2e-5
+    (grid, rows, cols), = launches
+    assert rows * cols <= math.prod(tb.COMBINE_TILE)
+    assert grid == (-(-n // rows), -(-p // cols))  # every row and value column merged
 
 
 def test_value_partials_stay_within_their_budget(gen, monkeypatch):
