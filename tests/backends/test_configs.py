@@ -95,3 +95,25 @@ def test_resident_programs_from_registers_shared_memory_and_warps(regs, warps, s
     kernel = SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(num_warps=warps, shared=smem))
     assert _configs.resident_programs(kernel, props) == expected
     assert _configs.resident_programs(SimpleNamespace(), props) is None  # not loaded: unknown
+
+
+@pytest.mark.parametrize("bm", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("bn", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_smaller_tiles_shrink_at_every_step_and_end(bm, bn, stages):
+    """Each step holds fewer stages or a smaller tile (never more warps), and the chain
+    ends (None) once the tile is at most 32 × 32 with one stage."""
+    import triton
+
+    from flashot.backends.triton import _configs
+
+    cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=stages)
+    steps = 0
+    while (nxt := _configs.smaller(cfg)) is not None:
+        before = (cfg.num_stages, cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"])
+        after = (nxt.num_stages, nxt.kwargs["BLOCK_M"] * nxt.kwargs["BLOCK_N"])
+        assert after != before and all(a <= b for a, b in zip(after, before, strict=True))
+        assert nxt.num_warps == cfg.num_warps
+        cfg, steps = nxt, steps + 1
+        assert steps < 20
+    assert max(cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]) <= 32 and cfg.num_stages == 1

@@ -204,9 +204,14 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             return build(*self._split(_attend_kernel, key, tiles, build, n, m, dev, most))
 
         if segments is not None:  # one launch over the table of blocks, no splits
+
+            def packed(tiles):  # the table of row blocks follows the tiles
+                nonlocal block_m
+                block_m = tiles.kwargs["BLOCK_M"]
+                return build(1, m)
+
             cfg = self._packed_tiles(key, nb, mb, dev)
-            block_m = cfg.kwargs["BLOCK_M"]
-            plan = self._run(_attend_kernel, cfg, build(1, m), dev)
+            plan = self._run_fitting(_attend_kernel, key, cfg, packed, dev)
         else:
             cfg = self._tiles(key, nb + mb, dev)
             full = {"REPAIR": False}
@@ -307,9 +312,14 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                 gate_out.zero_()
 
         if seg is not None:  # one launch over the table of blocks, no row splits
+
+            def packed(tiles):  # the table of column blocks follows the tiles
+                nonlocal block_n
+                block_n = tiles.kwargs["BLOCK_N"]
+                return build(1, n)
+
             cfg = self._packed_tiles(key, nb, mb, dev)
-            block_n = cfg.kwargs["BLOCK_N"]
-            self._run(_plan_sums_kernel, cfg, build(1, n), dev)
+            self._run_fitting(_plan_sums_kernel, key, cfg, packed, dev)
         else:
             cfg = self._tiles(key, nb + mb, dev)
             self._launch(_PLAN_SUMS, _plan_sums_kernel, key, cfg, plan_for, dev,

@@ -182,6 +182,26 @@ def prune(configs, named_args, **kwargs):
     return keep or configs[:1]
 
 
+def smaller(config):
+    """The next tiles to try when ``config`` needs more shared memory than the GPU has.
+
+    Fewer pipeline stages first (each holds a copy of the streamed tiles), then half
+    the larger block, down to 32 × 32 with one stage; None below that.
+    """
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    stages = config.num_stages
+    if stages > 2:
+        stages -= 1
+    elif max(bm, bn) > 32:
+        bm, bn = (bm // 2, bn) if bm >= bn else (bm, bn // 2)
+    elif stages > 1:
+        stages = 1
+    else:
+        return None
+    return triton.Config({**config.kwargs, "BLOCK_M": bm, "BLOCK_N": bn},
+                         num_warps=config.num_warps, num_stages=stages)  # fmt: skip
+
+
 #: autotune only when n·m ≥ 2^TUNE_FROM_LOG2 (smaller solves cost less than tuning them)
 TUNE_FROM_LOG2 = 24
 

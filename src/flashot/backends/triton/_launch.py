@@ -13,6 +13,7 @@ import warnings
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from flashot.backends import on_device, triton_interpreted
 from flashot.backends.triton import _configs, _tables
@@ -46,6 +47,8 @@ _BEST: dict = {}
 _RESIDENT: dict = {}
 # the retimed winner of each autotuner ranking (keyed as the autotuner keys)
 _RETIMED: dict = {}
+# tiles that need more on-chip memory than this GPU has: (key, tiles) → the tiles run instead
+_FITTED: dict = {}
 #: autotuning's fastest configurations timed again at their balanced split counts
 FINALISTS = 3
 
@@ -139,7 +142,27 @@ class TunedLaunches:
                 _tables.keep(key, cfg, device)
                 if reset is not None:
                     reset()
-            return self._run(raw, cfg, plan_for(cfg), device)
+            return self._run_fitting(raw, key, cfg, plan_for, device)
+
+    def _run_fitting(self, raw, key, cfg, plan_for, device):
+        """:meth:`_run` with tiles ``cfg``, or smaller ones where they do not fit the GPU.
+
+        Untuned tiles come from another key's entry or the heuristic: an entry tuned at
+        d = 64 needs twice the shared memory at d = 100 (one 128-wide feature chunk), and
+        a table made on an H200 may not fit a GPU with less. Triton refuses such tiles
+        when it loads the kernel, before anything runs; the launch then steps down
+        (:func:`._configs.smaller`) and remembers the tiles that ran.
+        """
+        slot = (key, str(cfg))
+        cfg = _FITTED.get(slot, cfg)
+        while True:
+            try:
+                return self._run(raw, cfg, plan_for(cfg), device)
+            except OutOfResources:
+                smaller = _configs.smaller(cfg)
+                if smaller is None:
+                    raise
+                cfg = _FITTED[slot] = smaller
 
     @staticmethod
     def _run(raw, cfg, plan, device):
