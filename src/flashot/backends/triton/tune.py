@@ -20,7 +20,9 @@ import torch
 __all__ = ["DEFAULT_DIMS", "DEFAULT_PRECISIONS", "DEFAULT_SIZES", "tune"]
 
 DEFAULT_PRECISIONS = ("fp32", "tf32", "bf16")
-DEFAULT_DIMS = (3, 64, 512)
+#: one feature size per regime of the kernels' feature tile: up to 64, 65–128 (one
+#: 128-wide chunk: twice d = 64's shared memory per stage), beyond 128 (chunked)
+DEFAULT_DIMS = (3, 64, 128, 512)
 DEFAULT_SIZES = (10_000, 50_000)
 
 
