@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from flashot.backends.triton._split import split_operand
 
 VARIANTS = ("tf32", "3xtf32", "old (drifts)", "v22 fix", "low chain + fma",
-            "low chain + fma, high first", "fix, 2 chunks per add", "fix, pre-scaled lows")  # fmt: skip
+            "low chain + fma, high first", "fix, 2 chunks per add",
+            "fix, pre-scaled lows")  # fmt: skip
 
 
 @triton.jit
@@ -146,8 +147,9 @@ def score_error(x, variant, rows=1024):
     q, k, ql, kl, unscale, bd = operands(x, variant)
     n, d = x.shape
     out = torch.empty(n, n, device=x.device)
-    _tile[(triton.cdiv(n, 64), triton.cdiv(n, 64))](q, k, ql, kl, out, n, n, d, unscale, BD=bd,
-                                                    CHUNKS=triton.cdiv(d, bd), VARIANT=variant)  # fmt: skip
+    grid = (triton.cdiv(n, 64), triton.cdiv(n, 64))
+    _tile[grid](q, k, ql, kl, out, n, n, d, unscale, BD=bd, CHUNKS=triton.cdiv(d, bd),
+                VARIANT=variant)  # fmt: skip
     ref = x.double() @ x.double().T
     return float((out.double() - ref).abs().max()), float(ref.abs().max())
 
