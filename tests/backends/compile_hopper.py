@@ -6,6 +6,7 @@ kernel that fails to compile, prints ``SKIP`` when this Triton has no CUDA toolc
 
 import os
 import sys
+import time
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -62,7 +63,10 @@ def variants():
         consts = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=bd, D_CHUNKS=chunks, GATED=gated,
                       PRECISION="tf32", SEGMENTED=segmented)  # fmt: skip
         yield K._plan_sums_kernel, consts, half
-    yield K._combine_kernel, dict(BLOCK=128, BLOCK_P=64, HAS_V=True), False
+    from flashot.backends.triton import COMBINE_TILE
+
+    rows, cols = COMBINE_TILE  # the split merge's tiles as launched
+    yield K._combine_kernel, dict(BLOCK=rows, BLOCK_P=cols, HAS_V=True), False
     yield (
         K._update_kernel,
         dict(BLOCK=1024, RELAXED_X=True, RELAXED_Y=False, CHECK=True, GATED=True, LOG_SUMS=False),
@@ -72,6 +76,7 @@ def variants():
 
 def main() -> int:
     for fn, consts, half in variants():
+        start = time.perf_counter()
         try:
             compile_for_hopper(fn, consts, half)
         except (RuntimeError, FileNotFoundError) as err:
@@ -79,7 +84,7 @@ def main() -> int:
                 print(f"SKIP: no CUDA toolchain in this triton ({err})")
                 return 0
             raise
-        print(f"ok {fn.__name__} {consts}")
+        print(f"ok {fn.__name__} {consts} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 
