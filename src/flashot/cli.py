@@ -524,7 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=_HelpFormatter)  # fmt: skip
     t.add_argument("--precision", type=_names, default="fp32,tf32,bf16",
                    help="precision modes, comma-separated")  # fmt: skip
-    t.add_argument("--d", type=_sizes, default="3,64,128,512", help="feature sizes, comma-separated")
+    t.add_argument("--d", type=_sizes, default="3,64,128,512",
+                   help="feature sizes, comma-separated")  # fmt: skip
     t.add_argument("--n", type=_sizes, default="10000,50000",
                    help="cloud sizes n = m, comma-separated")  # fmt: skip
     t.add_argument("--out", help="table to write (default: this user's table for the GPU)")
