@@ -117,3 +117,32 @@ def test_smaller_tiles_shrink_at_every_step_and_end(bm, bn, stages):
         cfg, steps = nxt, steps + 1
         assert steps < 20
     assert max(cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]) <= 32 and cfg.num_stages == 1
+
+
+@pytest.mark.parametrize("bm", [32, 64, 128, 256])
+@pytest.mark.parametrize("bn", [32, 64, 128])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("ratio", [1.1, 1.7, 3.0, 10.0])
+def test_smaller_tiles_skip_only_steps_that_cannot_fit(bm, bn, stages, ratio):
+    """Told that a launch needed ``ratio`` times the GPU's shared memory, the step down
+    lands on the first tiles of the plain chain that fit by the footprint estimate (or
+    on the chain's last), skipping only tiles estimated not to fit."""
+    import triton
+
+    from flashot.backends.triton import _configs
+
+    cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=stages)
+    have = 1000
+    need = int(ratio * have)
+    chain, step = [], _configs.smaller(cfg)
+    while step is not None:
+        chain.append(step)
+        step = _configs.smaller(step)
+    got = _configs.smaller(cfg, need, have)
+    if not chain:
+        assert got is None
+        return
+    tiles = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages)  # noqa: E731
+    fits = [need * _configs._footprint(c) <= have * _configs._footprint(cfg) for c in chain]
+    want = chain[fits.index(True)] if any(fits) else chain[-1]
+    assert tiles(got) == tiles(want)

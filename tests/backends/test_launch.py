@@ -50,7 +50,9 @@ def test_tiles_that_do_not_fit_step_down_and_are_remembered(monkeypatch):
     monkeypatch.setattr(backend, "_tiles", lambda *args: big)
     got = backend.row_attend(*_form(x, y), 0.5)[0]
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
-    assert [a[2] for a in asked] == [4, 3, 2]  # stages stepped down until the tiles loaded
+    # 4 stages asked for twice what the GPU has: 3 stages would still not fit by the
+    # estimate, so the launch goes straight to 2 (each try compiles the kernel)
+    assert [a[2] for a in asked] == [4, 2]
     asked.clear()
     backend.row_attend(*_form(x, y), 0.5)
     assert [a[2] for a in asked] == [2]  # remembered

@@ -182,12 +182,7 @@ def prune(configs, named_args, **kwargs):
     return keep or configs[:1]
 
 
-def smaller(config):
-    """The next tiles to try when ``config`` needs more shared memory than the GPU has.
-
-    Fewer pipeline stages first (each holds a copy of the streamed tiles), then half
-    the larger block, down to 32 × 32 with one stage; None below that.
-    """
+def _step_down(config):
     bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
     stages = config.num_stages
     if stages > 2:
@@ -200,6 +195,33 @@ def smaller(config):
         return None
     return triton.Config({**config.kwargs, "BLOCK_M": bm, "BLOCK_N": bn},
                          num_warps=config.num_warps, num_stages=stages)  # fmt: skip
+
+
+def _footprint(config) -> int:
+    """A rough measure of a tile's shared memory: both blocks, once per stage."""
+    return (config.kwargs["BLOCK_M"] + config.kwargs["BLOCK_N"]) * config.num_stages
+
+
+def smaller(config, need: int | None = None, have: int | None = None):
+    """The next tiles to try when ``config`` needs more shared memory than the GPU has.
+
+    Fewer pipeline stages first (each holds a copy of the streamed tiles), then half
+    the larger block, down to 32 × 32 with one stage; None below that. Given the bytes
+    the launch asked for (``need``) and the GPU's (``have``), steps that would still
+    ask for too much by :func:`_footprint`'s proportion are skipped (each try compiles
+    the kernel: seconds on a first call).
+    """
+
+    def too_big(tiles) -> bool:
+        return bool(need and have) and need * _footprint(tiles) > have * _footprint(config)
+
+    step = _step_down(config)
+    while step is not None and too_big(step):
+        further = _step_down(step)
+        if further is None:
+            break
+        step = further
+    return step
 
 
 #: autotune only when n·m ≥ 2^TUNE_FROM_LOG2 (smaller solves cost less than tuning them)

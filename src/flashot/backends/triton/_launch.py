@@ -158,8 +158,9 @@ class TunedLaunches:
         while True:
             try:
                 return self._run(raw, cfg, plan_for(cfg), device)
-            except OutOfResources:
-                smaller = _configs.smaller(cfg)
+            except OutOfResources as err:
+                memory = "shared" in str(getattr(err, "name", ""))
+                smaller = _configs.smaller(cfg, *((err.required, err.limit) if memory else ()))
                 if smaller is None:
                     raise
                 cfg = _FITTED[slot] = smaller
