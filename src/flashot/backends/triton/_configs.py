@@ -213,7 +213,9 @@ def smaller(config, need: int | None = None, have: int | None = None):
     """
 
     def too_big(tiles) -> bool:
-        return bool(need and have) and need * _footprint(tiles) > have * _footprint(config)
+        if not need or not have:
+            return False
+        return need * _footprint(tiles) > have * _footprint(config)
 
     step = _step_down(config)
     while step is not None and too_big(step):
