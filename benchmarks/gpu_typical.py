@@ -7,6 +7,9 @@ value differs by the p = 2 convention, the ε schedule is the same). do_bench
 medians; the first call of each in this process is printed too. Env: SIZES
 ("10000,50000"), DIMS ("3"), PEER (0 to skip). "fp32x3" is the default precision with
 the scores' operands split per tile by 3xTF32 (``presplit=False``), as before v16.
+"packed" is the same call on a batch of one, ``loss(x[None], y[None])``: the debiased
+divergence's three problems as one packed solve, one launch per pass for all three
+(the host-bound 10k case's lever; same value and gradient to float32 accuracy).
 
     python benchmarks/gpu_typical.py
 """
@@ -34,6 +37,21 @@ CALLS = {
     "flashot tf32": lambda: flashot.SamplesLoss(p=2, blur=0.05, scaling=0.5, debias=True,
                                                 precision="tf32"),  # fmt: skip
 }
+
+
+class PackedCall:
+    """The call on a batch of one (a packed solve of its three problems)."""
+
+    def __init__(self, **options):
+        self.loss = flashot.SamplesLoss(**options)
+
+    def __call__(self, x, y):
+        return self.loss(x[None], y[None])[0]
+
+
+CALLS["flashot default, packed"] = lambda: PackedCall(p=2, blur=0.05, scaling=0.5, debias=True)
+CALLS["flashot tf32, packed"] = lambda: PackedCall(p=2, blur=0.05, scaling=0.5, debias=True,
+                                                   precision="tf32")  # fmt: skip
 if os.environ.get("PEER", "1") == "1":
     try:
         import flash_sinkhorn
