@@ -153,13 +153,16 @@ class TunedLaunches:
         when it loads the kernel, before anything runs; the launch then steps down
         (:func:`._configs.smaller`) and remembers the tiles that ran.
         """
-        slot = (key, str(cfg))
-        cfg = _FITTED.get(slot, cfg)
+        slot = None
+        if _FITTED:  # (the usual launch, with nothing ever refused, pays no lookup)
+            slot = (key, str(cfg))
+            cfg = _FITTED.get(slot, cfg)
         while True:
             try:
                 return self._run(raw, cfg, plan_for(cfg), device)
             except OutOfResources as err:
-                memory = "shared" in str(getattr(err, "name", ""))
+                slot = slot or (key, str(cfg))
+                memory = "shared" in str(err.name)
                 smaller = _configs.smaller(cfg, *((err.required, err.limit) if memory else ()))
                 if smaller is None:
                     raise
