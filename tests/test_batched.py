@@ -211,6 +211,43 @@ def test_samples_loss_batch_is_one_packed_solve_equal_to_the_loop(gen, reach):
         assert torch.allclose(g[1], g_ref[1], atol=1e-12)
 
 
+
+@pytest.mark.parametrize("blur", [0.05, 3.0])
+def test_packed_schedules_take_the_near_path_where_single_solves_do(gen, monkeypatch, blur):
+    """A schedule's warm-up temperatures up to a few times a problem's cost bound take
+    the usual LSE (:func:`flashot.solver.warm_form`); a packed batch decides per problem
+    from its segments' bounds, and took the near path (torch tiles, one problem at a
+    time) at its first temperature, D², which single solves did not (H200: the GeomLoss
+    call as a batch of one ran 40–80× slower). Both now take it at the same temperatures:
+    none at a small blur, the final ε at a blur above the cost's range."""
+    import flashot.backends.base as base
+
+    calls = []
+    real = base.near_attend
+    monkeypatch.setattr(base, "near_attend", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    x = torch.rand(1, 40, 3, generator=gen, dtype=torch.float64)
+    y = torch.rand(1, 30, 3, generator=gen, dtype=torch.float64)
+    loss = flashot.SamplesLoss(blur=blur, scaling=0.5, debias=True, backend="torch")
+    single = loss(x[0], y[0])
+    alone = sorted(set(calls))
+    calls.clear()
+    packed = loss(x, y)
+    assert sorted(set(calls)) == alone
+    assert bool(alone) == (blur > 1)
+    assert float(packed[0]) == pytest.approx(float(single), rel=1e-12, abs=1e-15)
+
+
+def test_scaled_bounds_keep_the_packing_and_its_tables():
+    from flashot.segments import Segments
+
+    seg = Segments((0, 3, 7), (0, 2, 6), (1.0, 2.0))
+    table = seg.blocks(2, torch.device("cpu"))
+    warm = seg.scaled_bounds(4.0)
+    assert (warm.rows, warm.cols, warm.bounds) == (seg.rows, seg.cols, (4.0, 8.0))
+    assert warm.blocks(2, torch.device("cpu")) is table  # shared, not rebuilt
+    assert warm.T.bounds == (4.0, 8.0) and warm.T.rows == seg.cols and warm.T.T is warm
+    assert Segments((0, 1), (0, 1)).scaled_bounds(4.0).bounds is None
+
 @pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
 def test_triton_segmented_kernel_matches_the_torch_backend(gen):
     """One launch over the packed blocks (rows of two problems never share a program)."""

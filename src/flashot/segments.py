@@ -65,6 +65,17 @@ class Segments:
             t._cache["T"] = self
         return t
 
+    def scaled_bounds(self, factor: float) -> Segments:
+        """The same packing with every problem's cost bound times ``factor``.
+
+        Itself when the bounds are unknown; the device tables built so far are shared.
+        """
+        if self.bounds is None:
+            return self
+        out = Segments(self.rows, self.cols, tuple(factor * b for b in self.bounds))
+        out._cache.update((k, v) for k, v in self._cache.items() if k != "T")
+        return out
+
     @property
     def elements(self) -> int:
         """``Σ_s n_s m_s``: the entries of the diagonal blocks (what a pass streams)."""

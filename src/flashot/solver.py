@@ -421,9 +421,13 @@ def warm_form(form: AttentionForm, eps_list: Sequence[float]) -> AttentionForm:
     ``ε log Σ`` it rounds to are a gauge the symmetric update keeps for good, and in
     float32 one of 1e12 swamps the potentials. The final ε keeps the usual rule.
     """
-    if len(eps_list) == 1 or form.cost_bound is None:
+    seg = form.segments
+    if len(eps_list) == 1 or (form.cost_bound is None and (seg is None or seg.bounds is None)):
         return form
-    return replace(form, cost_bound=WARM_NEAR_FROM * form.cost_bound)
+    # a packed form decides per problem, from its segments' bounds
+    bound = None if form.cost_bound is None else WARM_NEAR_FROM * form.cost_bound
+    return replace(form, cost_bound=bound,
+                   segments=None if seg is None else seg.scaled_bounds(WARM_NEAR_FROM))
 
 
 def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_iter, tol,
