@@ -3,6 +3,9 @@
 python benchmarks/profile_call.py --n 10000 --d 64 --precision tf32
 python benchmarks/profile_call.py --call samples_loss   # GeomLoss-style: blur 0.3, scaling 0.9
 python benchmarks/profile_call.py --call hvp --cg-tol 1e-3   # loss, gradient, HVP (double backward)
+python benchmarks/profile_call.py --call geomloss --d 3 --precision fp32 [--packed]
+    # gpu_typical's call (blur 0.05, scaling 0.5, debiased, unit cube, value and gradient);
+    # --packed: on a batch of one (its three problems in one packed solve)
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ def main():
     ap.add_argument("--grad", action="store_true", help="forward and gradient w.r.t. x")
     ap.add_argument("--timeline", action="store_true", help="also every flashot kernel in order")
     ap.add_argument("--host", action="store_true", help="also a Python profile of the host side")
-    ap.add_argument("--call", default="sinkhorn", choices=("sinkhorn", "samples_loss", "hvp"))
+    ap.add_argument("--call", default="sinkhorn", choices=("sinkhorn", "samples_loss", "hvp", "geomloss"))
+    ap.add_argument("--packed", action="store_true", help="--call geomloss on a batch of one")
     ap.add_argument("--cg-tol", type=float, default=None, help="dual CG tolerance (--call hvp)")
     ap.add_argument("--probe", type=int, default=1, help="0: no probe at the second step (A/B)")
     args = ap.parse_args()
@@ -36,8 +40,9 @@ def main():
 
         triton_backend.PROBE_FROM = 2**62
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(args.n, args.d, device="cuda", generator=g)
-    y = torch.randn(args.n, args.d, device="cuda", generator=g)
+    draw = torch.rand if args.call == "geomloss" else torch.randn
+    x = draw(args.n, args.d, device="cuda", generator=g)
+    y = draw(args.n, args.d, device="cuda", generator=g)
     be = TritonBackend(args.precision, graphs=bool(args.graphs))
 
     def call():
@@ -53,10 +58,13 @@ def main():
     def geomloss_call():
         from flashot.autodiff.second_order import dual_solve_options
 
-        loss_fn = flashot.SamplesLoss(blur=0.3, scaling=0.9, debias=False, backend=be)
-        xg = x.detach().requires_grad_(args.call == "hvp" or args.grad)
+        typical = args.call == "geomloss"
+        loss_fn = flashot.SamplesLoss(p=2, blur=0.05 if typical else 0.3,
+                                      scaling=0.5 if typical else 0.9, debias=typical,
+                                      backend=be)  # fmt: skip
+        xg = x.detach().requires_grad_(args.call == "hvp" or args.grad or typical)
         with dual_solve_options(cg_tol=args.cg_tol):  # the loss's pieces keep the options
-            loss = loss_fn(xg, y)
+            loss = loss_fn(xg[None], y[None]).sum() if args.packed else loss_fn(xg, y)
             if not xg.requires_grad:
                 return loss
             (grad,) = torch.autograd.grad(loss, xg, create_graph=args.call == "hvp")
