@@ -30,7 +30,8 @@ def main():
     ap.add_argument("--grad", action="store_true", help="forward and gradient w.r.t. x")
     ap.add_argument("--timeline", action="store_true", help="also every flashot kernel in order")
     ap.add_argument("--host", action="store_true", help="also a Python profile of the host side")
-    ap.add_argument("--call", default="sinkhorn", choices=("sinkhorn", "samples_loss", "hvp", "geomloss"))
+    ap.add_argument("--call", default="sinkhorn",
+                    choices=("sinkhorn", "samples_loss", "hvp", "geomloss"))  # fmt: skip
     ap.add_argument("--packed", action="store_true", help="--call geomloss on a batch of one")
     ap.add_argument("--cg-tol", type=float, default=None, help="dual CG tolerance (--call hvp)")
     ap.add_argument("--probe", type=int, default=1, help="0: no probe at the second step (A/B)")
