@@ -171,6 +171,26 @@ def test_repeated_fixed_iteration_solves_replay_a_cuda_graph(precision, monkeypa
     assert len(cache._graphs) == 2
 
 
+def test_debiased_divergence_replays_its_three_loops_as_cuda_graphs(monkeypatch):
+    """The GeomLoss call (fixed ε schedule, debiased): the problem's loop and both self
+    problems' loops are captured and replayed, with values and gradients as eager."""
+    from flashot import graphs, solver
+
+    cache = graphs.GraphCache()
+    monkeypatch.setattr(solver, "GRAPHS", cache)
+    kw = dict(p=2, blur=0.05, scaling=0.5, debias=True, diameter=2.0)
+    for seed in range(3):
+        x, y = (torch.rand(3000, 3, device="cuda", generator=torch.Generator("cuda").manual_seed(s))
+                for s in (seed, seed + 10))  # fmt: skip
+        outs = []
+        for be in (TritonBackend(), TritonBackend(graphs=False)):
+            xg = x.clone().requires_grad_()
+            value = flashot.SamplesLoss(backend=be, **kw)(xg, y)
+            outs.append((value.detach(), torch.autograd.grad(value, xg)[0]))
+        assert rel(outs[0][0], outs[1][0]) < 1e-6 and rel(outs[0][1], outs[1][1]) < 1e-5
+    assert len(cache._graphs) == 3
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("n", [3000, 20_000])  # replayed as a CUDA graph, and eager
 def test_solves_on_a_gpu_that_is_not_the_current_one(n):

@@ -1,6 +1,7 @@
 """The graph cache's bookkeeping and the solver's use of it, with a stand-in for CUDA
 graph capture (the real capture runs in tests/test_gpu.py)."""
 
+import math
 import typing
 
 import pytest
@@ -107,3 +108,50 @@ def test_a_differentiable_solve_keeps_the_final_step_out_of_the_replay(gen, monk
         grads.append(torch.autograd.grad(cost, xg)[0])
     assert all(rel(g, grads[-1]) < 1e-13 for g in grads[:-1])
     assert grads[-1].abs().max() > 0
+
+
+def test_debiased_divergence_replays_its_self_problems_too(gen, monkeypatch):
+    """A fixed-schedule debiased divergence (the GeomLoss call) runs three loops: the
+    problem and the two self problems. All three replay (the self problems' loops were
+    most of the call's eager launches at 10k); values and gradients are the eager ones."""
+    Replayer.log = []
+    monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=Replayer))
+    loss = flashot.SamplesLoss(blur=0.2, scaling=0.5, debias=True, diameter=4.0,
+                               backend="torch")  # fmt: skip
+    for shift in (0.0, 0.5, 1.0):  # (a fixed diameter: the same temperatures each call)
+        x, y = clouds(gen, 20, 15, 3, shift=shift)
+        outs = []
+        for key in (("torch",), None):  # replayed (from the second call on), then eager
+            monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form, key=key: key)
+            xg = x.clone().requires_grad_()
+            value = loss(xg, y)
+            outs.append((value.detach(), torch.autograd.grad(value, xg)[0]))
+        assert rel(outs[0][0], outs[1][0]) < 1e-13 and rel(outs[0][1], outs[1][1]) < 1e-12
+    # (a capture replays at once: its call's outputs are the replay's)
+    assert Replayer.log == ["capture", "replay"] * 3 + ["replay"] * 3
+
+
+def test_self_problem_replays_are_keyed_by_their_near_steps(gen, monkeypatch):
+    """A replayed loop is keyed by which LSE each step takes: the same shapes and
+    temperatures with a cost bound that sends the final step to the near path are
+    another sequence of launches, so another capture."""
+    Replayer.log = []
+    monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=Replayer))
+    monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form: ("torch",))
+    from flashot.costs import attention_form, get_cost
+
+    x, _ = clouds(gen, 20, 15, 3)
+    log_a = torch.full((20,), -math.log(20), dtype=torch.float64)
+    outs = []
+    for scale in (1.0, 1.0, 1.0, 1e-3, 1e-3):  # the bound shrinks below the final ε
+        form = attention_form(get_cost("sqeuclidean"), x * scale, x * scale)
+        temps = [4.0, 1.0, 0.5]
+        out = solver.solve_self(form, log_a, temps, lambda e: 1.0, None, TorchBackend(),
+                                max_iter=6, tol=None)  # fmt: skip
+        monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form: None)
+        ref = solver.solve_self(form, log_a, temps, lambda e: 1.0, None, TorchBackend(),
+                                max_iter=6, tol=None)  # fmt: skip
+        monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form: ("torch",))
+        assert rel(out.f, ref.f) < 1e-13
+        outs.append(out)
+    assert Replayer.log == ["capture", "replay", "replay", "capture", "replay"]

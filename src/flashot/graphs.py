@@ -102,5 +102,7 @@ class GraphCache:
             table.popitem(last=False)
 
 
-#: the process-wide cache used by the solver
-GRAPHS = GraphCache()
+#: the process-wide cache used by the solver: a debiased divergence holds three loops
+#: (the problem, two self problems), so eight keep two such calls of other shapes
+#: alternating without capturing again
+GRAPHS = GraphCache(capacity=8)

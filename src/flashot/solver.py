@@ -388,11 +388,7 @@ def solve(
     tensors = (form.q, form.k, form.alpha, form.beta, log_a, log_b, *(init or ()))
     bound = form.cost_bound
     key = (
-        backend_key,
-        is_near_uniform(form, eps),  # which LSE the final steps take (warm_form: the others)
-        tuple((t.shape, t.dtype, t.device) for t in tensors),
-        tuple(eps_list),
-        tuple(damping(e) for e in eps_list),
+        *_replay_key(backend_key, form, tensors, eps_list, damping),
         tuple(rho),
         max_iter,
         update,
@@ -518,9 +514,43 @@ def solve_self(
         backend: the streaming primitives.
     """
     _check_iterations(max_iter, len(eps_list), tol, check_every, min_iter)
+    backend_key = backend.graph_key(form) if tol is None and form.segments is None else None
+    if backend_key is None:
+        with backend.operand_scope():
+            return _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol,
+                                    check_every, min_iter)  # fmt: skip
+    # a fixed sequence of launches, replayed as a CUDA graph as :func:`solve`'s loop is
+    # (a debiased divergence's two self problems were most of its eager launches)
+    tensors = (form.q, form.k, form.alpha, form.beta, log_a)
+    key = ("self", *_replay_key(backend_key, form, tensors, eps_list, damping), rho, max_iter)
+    bound = form.cost_bound
+
+    def run(q, k, alpha, beta, la):
+        own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
+        out = _self_iterations(own, la, eps_list, damping, rho, backend, max_iter, None,
+                               check_every, min_iter)  # fmt: skip
+        return (out.f,)
+
     with backend.operand_scope():
-        return _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol,
-                                check_every, min_iter)  # fmt: skip
+        (p,) = GRAPHS(key, run, tensors)
+    return SolverOutput(p, p, max_iter, None, float("nan"))
+
+
+def _replay_key(backend_key, form, tensors, eps_list, damping) -> tuple:
+    """What a replayed loop's launches depend on besides the data and the solver's options.
+
+    The backend's key, which LSE each step takes (the warm-up steps by :func:`warm_form`'s
+    rule, the final ones by the form's), the inputs' shapes, the temperatures and their
+    damping.
+    """
+    warm, last = warm_form(form, eps_list), len(eps_list) - 1
+    return (
+        backend_key,
+        tuple(is_near_uniform(form if i == last else warm, e) for i, e in enumerate(eps_list)),
+        tuple((t.shape, t.dtype, t.device) for t in tensors),
+        tuple(eps_list),
+        tuple(damping(e) for e in eps_list),
+    )
 
 
 def _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol, check_every,
