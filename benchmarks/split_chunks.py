@@ -51,7 +51,8 @@ VARIANTS = ("tf32", "3xtf32", "old (drifts)", "v22 fix", "low chain + fma",
             "low chain + fma, high first", "fix, 2 chunks per add",
             "fix, pre-scaled lows", "one dot/chunk, 4 slots, BD 32",
             "one dot/chunk, 4 slots, BD 64", "as 8, next MMA before the add",
-            "low terms one chained dot, high first", "low terms one chained dot, low first")  # fmt: skip
+            "low terms one chained dot, high first",
+            "low terms one chained dot, low first")  # fmt: skip
 
 
 @triton.jit
@@ -249,7 +250,8 @@ if __name__ == "__main__":
     print(f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu'}, n = m = {N}, d = {D}; "
           f"score error on self scores at d = {small.shape[1]}", flush=True)  # fmt: skip
     ref_lse = None
-    for v in [int(v) for v in os.environ.get("V", ",".join(map(str, range(len(VARIANTS))))).split(",")]:
+    chosen = os.environ.get("V", ",".join(map(str, range(len(VARIANTS)))))
+    for v in [int(v) for v in chosen.split(",")]:
         err, top = score_error(small, v)
         rel = score_error(small, v, outlier=True)[0]
         times = []
