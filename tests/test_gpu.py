@@ -178,11 +178,14 @@ def test_debiased_divergence_replays_its_three_loops_as_cuda_graphs(monkeypatch)
 
     cache = graphs.GraphCache()
     monkeypatch.setattr(solver, "GRAPHS", cache)
-    kw = dict(p=2, blur=0.05, scaling=0.5, debias=True, diameter=2.0)
+    kw = dict(p=2, blur=0.05, scaling=0.5, debias=True, diameter=4.0)
     for seed in range(3):
-        # (sizes differ: the two self problems are then two loops of their own)
+        # sizes differ: the two self problems are then two loops of their own; y is
+        # shifted so that the value is not a cancellation of its three terms (the plan
+        # sums' atomics make replay and eager differ in the last bits)
         gen = torch.Generator("cuda").manual_seed(seed)
         x, y = (torch.rand(size, 3, device="cuda", generator=gen) for size in (3000, 2000))
+        y = y + 1.0
         outs = []
         for be in (TritonBackend(), TritonBackend(graphs=False)):
             xg = x.clone().requires_grad_()
