@@ -24,7 +24,8 @@ self scores that grow chunk after chunk (x ~ 2·U(0, 1), as the GPU test does):
    (a third more MMA work, one wait per chunk instead of three; Triton 3.6 waits for
    every dot whose result the same iteration reads), chunks of 32 features;
 9. as 8 with chunks of 64 features (half the waits, twice the shared memory);
-10. as 8, each chunk's MMA issued before the previous chunk's result is added;
+10. as 8, each chunk's MMA issued before the previous chunk's result is added (Triton
+    3.6 still waits for it at once: the same SASS as 8, so v24 did not time it);
 11. the format of 3 (lo = 2^11 r): the low terms of a chunk as one dot of twice the
     chunk's width, [hi | lo]·[lo'; hi'], chained across chunks in the MMA's accumulator
     (its truncation drift is 2^-11 of the scores'), the high product from a fresh

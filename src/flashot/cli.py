@@ -427,8 +427,10 @@ def _tune(args) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    path = tune(args.precision, args.d, args.n, out=args.out, hvp=not args.no_hvp,
-                device=args.device, log=log)  # fmt: skip
+    # options left out take the tuner's own defaults (its DEFAULT_* sweep)
+    sweep = {name: value for name, value in (("precisions", args.precision), ("dims", args.d),
+                                             ("sizes", args.n)) if value is not None}  # fmt: skip
+    path = tune(**sweep, out=args.out, hvp=not args.no_hvp, device=args.device, log=log)
     print(f"tiles written to {path}")
     return 0
 
@@ -522,12 +524,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="tune the Triton kernels' tiles on this GPU (kept on disk)",
                        formatter_class=_HelpFormatter)  # fmt: skip
-    t.add_argument("--precision", type=_names, default="fp32,tf32,bf16",
-                   help="precision modes, comma-separated")  # fmt: skip
-    t.add_argument("--d", type=_sizes, default="3,64,128,512",
-                   help="feature sizes, comma-separated")  # fmt: skip
-    t.add_argument("--n", type=_sizes, default="10000,50000",
-                   help="cloud sizes n = m, comma-separated")  # fmt: skip
+    t.add_argument("--precision", type=_names,
+                   help="precision modes, comma-separated (default: fp32, tf32, bf16)")
+    t.add_argument("--d", type=_sizes,
+                   help="feature sizes, comma-separated (default: 3, 64, 128, 512: one per "
+                        "regime of the kernels' feature tile)")  # fmt: skip
+    t.add_argument("--n", type=_sizes,
+                   help="cloud sizes n = m, comma-separated (default: 10000, 50000)")
     t.add_argument("--out", help="table to write (default: this user's table for the GPU)")
     t.add_argument("--no-hvp", action="store_true", help="skip the Hessian-vector product")
     t.add_argument("--device", default="cuda", help="the CUDA device")
