@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import flashot
 from flashot.backends import available_backends
 from flashot.batched import sinkhorn_batched, sinkhorn_varlen
-from tests.references import dense_cost, entropic_ot, plan_dense, sinkhorn_dense
+from tests.references import dense_cost, entropic_ot, geomloss_loop, plan_dense, sinkhorn_dense
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -235,6 +235,37 @@ def test_packed_schedules_take_the_near_path_where_single_solves_do(gen, monkeyp
     assert sorted(set(calls)) == alone
     assert bool(alone) == (blur > 1)
     assert float(packed[0]) == pytest.approx(float(single), rel=1e-12, abs=1e-15)
+
+
+@settings(max_examples=8, deadline=None)
+@given(sizes=ragged_sizes(1, 10, most=3), blur=st.sampled_from([0.05, 0.3, 2.0]),
+       scaling=st.sampled_from([0.3, 0.7]), seed=SEEDS)  # fmt: skip
+def test_packed_debiased_schedules_match_the_dense_loop(sizes, blur, scaling, seed):
+    """Property: a batch of debiased GeomLoss calls (ε-scaling from the batch's diameter
+    down to blur², so warm-up temperatures near and above each problem's cost bound, and
+    blur 2 puts the final ε above it) equals, item by item, the dense float64 GeomLoss
+    loop's debiased value: float64 on the torch backend, float32 on the Triton kernels."""
+    gen = torch.Generator().manual_seed(seed)
+    n, m = max(s[0] for s in sizes), max(s[1] for s in sizes)  # a batch: one size
+    x = 0.5 * torch.randn(len(sizes), n, 3, generator=gen, dtype=torch.float64)
+    y = 0.5 * torch.randn(len(sizes), m, 3, generator=gen, dtype=torch.float64) + 0.5
+    loss = flashot.SamplesLoss(blur=blur, scaling=scaling, debias=True, backend="torch")
+    temps = loss._schedule(x, y)
+    a = torch.full((n,), 1 / n, dtype=torch.float64)
+    b = torch.full((m,), 1 / m, dtype=torch.float64)
+    ref = []
+    for xi, yi in zip(x, y, strict=True):
+        f, g = geomloss_loop(xi, yi, a, b, temps)
+        p, _ = geomloss_loop(xi, xi, a, a, temps)
+        _, q = geomloss_loop(yi, yi, b, b, temps)
+        ref.append((a * (f - p)).sum() + (b * (g - q)).sum())
+    ref = torch.stack(ref)
+    assert torch.allclose(loss(x, y), ref, rtol=1e-9, atol=1e-12)
+    if "triton" in available_backends(DEVICE):
+        fast = flashot.SamplesLoss(blur=blur, scaling=scaling, debias=True, backend="triton")
+        got = fast(x.float().to(DEVICE), y.float().to(DEVICE)).double().cpu()
+        scale = max(float(ref.abs().max()), temps[-1] * 1e-2)  # (a value of ~0 is a difference)
+        assert (got - ref).abs().max() <= 2e-5 * scale
 
 
 def test_scaled_bounds_keep_the_packing_and_its_tables():
