@@ -34,6 +34,8 @@ def main():
                     choices=("sinkhorn", "samples_loss", "hvp", "geomloss"))  # fmt: skip
     ap.add_argument("--packed", action="store_true", help="--call geomloss on a batch of one")
     ap.add_argument("--cg-tol", type=float, default=None, help="dual CG tolerance (--call hvp)")
+    ap.add_argument("--eps", type=float, default=0.1, help="--call sinkhorn's ε")
+    ap.add_argument("--update", default=None, help="--call sinkhorn: update")
     ap.add_argument("--probe", type=int, default=1, help="0: no probe at the second step (A/B)")
     args = ap.parse_args()
     if not args.probe:
@@ -46,15 +48,17 @@ def main():
     y = draw(args.n, args.d, device="cuda", generator=g)
     be = TritonBackend(args.precision, graphs=bool(args.graphs))
 
+    kw = dict(eps=args.eps) if args.update is None else dict(eps=args.eps, update=args.update)
+
     def call():
         if args.call != "sinkhorn":
             return geomloss_call()
         if args.grad:
             xg = x.detach().requires_grad_()
-            cost = flashot.sinkhorn(xg, y, eps=0.1, max_iter=10, tol=None, backend=be).cost
+            cost = flashot.sinkhorn(xg, y, max_iter=10, tol=None, backend=be, **kw).cost
             return torch.autograd.grad(cost, xg)[0]
         with torch.no_grad():
-            return flashot.sinkhorn(x, y, eps=0.1, max_iter=10, tol=None, backend=be).cost
+            return flashot.sinkhorn(x, y, max_iter=10, tol=None, backend=be, **kw).cost
 
     def geomloss_call():
         from flashot.autodiff.second_order import dual_solve_options
