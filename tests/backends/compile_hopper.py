@@ -51,9 +51,15 @@ def variants():
         (dict(plain, D_CHUNKS=1, SPLIT=False, REPAIR=True, PRECISION="tf32x3", SEGMENTED=True),
          False),
         (dict(with_v, D_CHUNKS=4, SPLIT=False, SEGMENTED=True), True),
+        (dict(plain, D_CHUNKS=8, SPLIT=True, PRECISION="tf32x3", PRESPLIT=True, COLUMNS=True),
+         True),  # the one-pass step of wide features
+        (dict(plain, D_CHUNKS=8, SPLIT=False, PRECISION="tf32", COLUMNS=True), True),
     ):
         flags = dict(flags, V_PRECISION=flags["PRECISION"])
         flags.setdefault("SEGMENTED", False)
+        flags.setdefault("COLUMNS", False)
+        flags.setdefault("PRESPLIT", False)
+        flags.setdefault("V_SPLIT", False)
         yield K._attend_kernel, {**base, **flags}, half
     # (BLOCK_D, D_CHUNKS, GATED, half operands, packed batch)
     plan_sums = ((64, 1, True, False, False), (64, 1, True, True, True),
@@ -61,7 +67,8 @@ def variants():
                  (64, 8, True, True, False))  # fmt: skip
     for bd, chunks, gated, half, segmented in plan_sums:
         consts = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=bd, D_CHUNKS=chunks, GATED=gated,
-                      PRECISION="tf32", SEGMENTED=segmented)  # fmt: skip
+                      PRECISION="tf32", SEGMENTED=segmented, PRESPLIT=False,
+                      MULTIPLY=False)  # fmt: skip
         yield K._plan_sums_kernel, consts, half
     from flashot.backends.triton import COMBINE_TILE
 

@@ -1,0 +1,89 @@
+"""The one-pass step of wide features against the fused pass + gate (A/B), and the peer.
+
+``ONE_PASS_FROM_D`` (:mod:`flashot.backends.triton`): from this d a step streams its
+score tiles once with two exps per score (row LSE online, column LSE from per-block
+partials) instead of the one-exp fused pass, whose gate sends the first steps of a
+small-ε solve to two exact passes. Forward (10 symmetric iterations, as ``flashot
+bench``: N(0, I) clouds, weights on [0.1, 1.1)) and forward + gradient, do_bench
+medians in ms; the relative error of the cost against float64 at n = 1000. Env: SIZES,
+DIMS, EPS ("0.1,scaled": 0.1 and 0.1·d), PEER (1: flash-sinkhorn in this process).
+
+    python benchmarks/one_pass.py
+"""
+
+import os
+import sys
+import warnings
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+import flashot
+from flashot.backends import triton as backend
+from flashot.bench.providers import Flashot, FlashSinkhorn, make_problem
+
+warnings.simplefilter("ignore")
+SIZES = [int(s) for s in os.environ.get("SIZES", "10000,50000").split(",")]
+DIMS = [int(s) for s in os.environ.get("DIMS", "128,256,512").split(",")]
+EPS = os.environ.get("EPS", "0.1,scaled").split(",")
+PEER = os.environ.get("PEER", "1") == "1"
+dev = torch.device("cuda")
+MODES = {"fused+gate": 10**9, "one pass": 256, "one pass all d": 1}
+
+
+def timed(provider, pb, grad):
+    """The bench's own call of a provider (forward, or forward + gradient)."""
+    return provider.prepare("gradient" if grad else "forward", pb)
+
+
+def rel_error(d, eps, precision="auto"):
+    pb = make_problem(1000, 1000, d, dev, eps=eps, seed=1)
+    kw = dict(eps=eps, tol=None, max_iter=10, update="symmetric")
+    ref = flashot.sinkhorn(pb.x.double().cpu(), pb.y.double().cpu(), pb.a.double().cpu(),
+                           pb.b.double().cpu(), backend="torch", **kw).cost  # fmt: skip
+    got = flashot.sinkhorn(pb.x, pb.y, pb.a, pb.b, precision=precision, **kw).cost
+    return abs(float(got) - float(ref)) / abs(float(ref))
+
+
+rows = []
+for d in DIMS:
+    for e in EPS:
+        eps = 0.1 * d if e == "scaled" else float(e)
+        for n in SIZES:
+            pb = make_problem(n, n, d, dev, eps=eps)
+            for grad in (False, True):
+                if grad and e == "scaled":
+                    continue
+                for mode, thr in MODES.items():
+                    if thr == 1 and d >= 256:
+                        continue
+                    backend.ONE_PASS_FROM_D = thr
+                    err = rel_error(d, eps) if (n == SIZES[0] and not grad) else float("nan")
+                    f = timed(Flashot("triton"), pb, grad)
+                    f()
+                    torch.cuda.synchronize()
+                    ms = do_bench(f, warmup=25, rep=300 if n <= 10000 else 1500)
+                    rows.append((d, e, n, "fwd+grad" if grad else "fwd", mode, ms, err))
+                    print(*rows[-1], flush=True)
+                backend.ONE_PASS_FROM_D = 256
+                if PEER and d == 512 and e != "scaled":
+                    f = timed(FlashSinkhorn(), pb, grad)
+                    f()
+                    torch.cuda.synchronize()
+                    ms = do_bench(f, warmup=25, rep=300 if n <= 10000 else 1500)
+                    rows.append((d, e, n, "fwd+grad" if grad else "fwd", "flash-sinkhorn", ms,
+                                 float("nan")))  # fmt: skip
+                    print(*rows[-1], flush=True)
+
+print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
+print("| d | ε | n | workload | default: fused+gate | one pass (d ≥ 256) | one pass all d |"
+      " flash-sinkhorn | rel. error (n=1000) |")
+print("|---|---|---|---|---|---|---|---|---|")
+keys = sorted({r[:4] for r in rows}, key=lambda k: (k[0], k[1], k[3], k[2]))
+for k in keys:
+    got = {r[4]: r for r in rows if r[:4] == k}
+    cell = lambda m: f"{got[m][5]:.2f}" if m in got else "—"  # noqa: E731
+    err = got.get("one pass", got.get("fused+gate"))[6]
+    print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {cell('fused+gate')} | {cell('one pass')} | "
+          f"{cell('one pass all d')} | {cell('flash-sinkhorn')} | {err:.1e} |")

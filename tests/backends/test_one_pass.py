@@ -1,0 +1,155 @@
+"""The one-pass step of wide features (``ONE_PASS_FROM_D``): row and column LSEs from the
+same score tiles, two exps per score, no gate and no repair. Run in Triton's
+interpreter on CPU (the threshold lowered to these small d) and natively on a GPU."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashot
+from flashot.backends import available_backends
+from flashot.backends.torch_backend import TorchBackend
+from flashot.costs import attention_form, get_cost
+from flashot.dual import log_residual
+from tests.conftest import clouds, rel
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
+
+
+@pytest.fixture
+def one_pass(monkeypatch):
+    """Every step one pass (d ≥ 1); records which steps took it and which fell back."""
+    from flashot.backends import triton as backend
+
+    monkeypatch.setattr(backend, "ONE_PASS_FROM_D", 1)
+    taken = []
+    attend = backend.TritonBackend._attend
+
+    def spy(self, *args, **kw):
+        out = attend(self, *args, **kw)
+        if kw.get("columns") is not None:
+            taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(backend.TritonBackend, "_attend", spy)
+    return taken
+
+
+def _far_step(gen, n=45, m=38, d=5, eps=0.05):
+    """Potentials far from each other's transforms: |ln R| in the hundreds (no fused
+    window holds them), weights spread over two decades, y shifted."""
+    x, y = clouds(gen, n, m, d, dtype=torch.float64)
+    y = y + 0.5
+    la = torch.log(torch.rand(n, generator=gen, dtype=torch.float64) * 10 + 0.1)
+    lb = torch.log(torch.rand(m, generator=gen, dtype=torch.float64) * 10 + 0.1)
+    la, lb = la - la.logsumexp(0), lb - lb.logsumexp(0)
+    f = 4.0 * torch.randn(n, generator=gen, dtype=torch.float64)
+    g = 4.0 * torch.randn(m, generator=gen, dtype=torch.float64)
+    return x, y, f, g, la, lb, eps
+
+
+def _forms(x, y):
+    cost = get_cost("sqeuclidean")
+    return (attention_form(cost, x, y).detach(),
+            attention_form(cost, x.float().to(DEVICE), y.float().to(DEVICE)).detach())  # fmt: skip
+
+
+@pytest.mark.parametrize("splits", [None, 2])
+@pytest.mark.parametrize("rho", [(None, None), (0.5, None)])
+def test_one_pass_step_matches_the_float64_step(gen, one_pass, splits, rho):
+    """A Jacobi step, an extrapolation and the marginals from far potentials (|ln R| up to
+    ~10^3: the fused pass would be gated off) equal float64's to float32 accuracy."""
+    from flashot.backends.triton import TritonBackend
+
+    x, y, f, g, la, lb, eps = _far_step(gen)
+    ref_form, form = _forms(x, y)
+    be, ref = TritonBackend(splits=splits), TorchBackend()
+    args32 = [t.float().to(DEVICE) for t in (f, g, la, lb)]
+    lam = tuple(1.0 if r is None else r / (r + eps) for r in rho)
+    state = be.fast_state(form.q.device)
+    ours = be.jacobi_step(form, *args32, eps, lam, rho, check=True, state=state)
+    want = ref.jacobi_step(ref_form, f, g, la, lb, eps, lam, rho, check=True)
+    # the new potentials move by ε·|ln R| ≈ 50: compare to float32's rounding of that
+    for o, w in zip(ours[:2], want[:2], strict=True):
+        assert (o.double().cpu() - w).abs().max() < 64 * 2.0**-24 * float(w.abs().max() + 50)
+    if float(want[2]) < 1e30:  # (the update's float32 terms a·e^{ln R} overflow past e^88)
+        assert float(ours[2]) == pytest.approx(float(want[2]), rel=1e-4)
+    ours = be.extrapolate(form, *args32, eps, (0.9, 0.8))
+    want = ref.extrapolate(ref_form, f, g, la, lb, eps, (0.9, 0.8))
+    for o, w in zip(ours, want, strict=True):
+        assert (o.double().cpu() - w).abs().max() < 64 * 2.0**-24 * float(w.abs().max() + 50)
+    near = [t.clone() for t in args32]  # close to the fixed point: marginals within range
+    res = flashot.sinkhorn(x, y, la.exp(), lb.exp(), eps=0.3, tol=1e-9, backend="torch")
+    near[0], near[1] = res.f.float().to(DEVICE), res.g.float().to(DEVICE)
+    ours = be.marginals(form, *near, 0.3)
+    want = ref.marginals(ref_form, res.f, res.g, la, lb, 0.3)
+    assert rel(ours[0].double().cpu(), want[0]) < 2e-5
+    assert rel(ours[1].double().cpu(), want[1]) < 2e-5
+    assert one_pass and all(one_pass)
+
+
+def test_one_pass_step_records_its_residual_range_for_the_gate(gen, one_pass):
+    """The update still writes the step's largest ln R and −ln R into the next slot (a
+    later fused step of another width reads it); the slot was cleared first."""
+    from flashot.backends.triton import TritonBackend
+
+    x, y, f, g, la, lb, eps = _far_step(gen)
+    ref_form, form = _forms(x, y)
+    be = TritonBackend()
+    state = be.fast_state(form.q.device)
+    state.slots.fill_(1e30)  # stale values that a missing clear would keep
+    args32 = [t.float().to(DEVICE) for t in (f, g, la, lb)]
+    be.jacobi_step(form, *args32, eps, (1.0, 1.0), (None, None), state=state)
+    lse_r, lse_c = TorchBackend().potential_lse(ref_form, f, g, la, lb, eps)
+    logs = torch.cat([log_residual(f, lse_r, ref_form.alpha, eps),
+                      log_residual(g, lse_c, ref_form.beta, eps)])  # fmt: skip
+    want = [max(0.0, float(logs.max())), max(0.0, float(-logs.min()))]
+    written = state.slots[2 * state.parity : 2 * state.parity + 2].tolist()
+    assert written == pytest.approx(want, rel=1e-5)
+    assert max(want) > 200  # far from any fused window
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    n=st.integers(1, 70),
+    m=st.integers(1, 70),
+    d=st.integers(1, 9),
+    log_eps=st.floats(-3.0, 1.0),
+    update=st.sampled_from(["symmetric", "alternating"]),
+)
+def test_one_pass_solves_equal_float64(n, m, d, log_eps, update):
+    """Fixed-iteration solves (ε from 10^-3 to 10 of clouds ~2d apart) on the one-pass
+    steps equal the float64 torch solve to float32 accuracy on the cost."""
+    from flashot.backends import triton as backend
+
+    gen = torch.Generator().manual_seed(n * 1000 + m * 10 + d)
+    x, y = clouds(gen, n, m, d, dtype=torch.float64)
+    kw = dict(eps=10.0**log_eps, tol=None, max_iter=12, update=update)
+    ref = flashot.sinkhorn(x, y, backend="torch", **kw)
+    old = backend.ONE_PASS_FROM_D
+    backend.ONE_PASS_FROM_D = 1
+    try:
+        res = flashot.sinkhorn(x.float().to(DEVICE), y.float().to(DEVICE), backend="triton", **kw)
+    finally:
+        backend.ONE_PASS_FROM_D = old
+    scale = float((torch.cdist(x, y) ** 2).max() / 2 + ref.cost.abs())
+    assert abs(float(res.cost) - float(ref.cost)) < 2e-6 * scale
+
+
+def test_partials_past_their_budget_take_the_two_pass_step(gen, one_pass, monkeypatch):
+    """Column partials are (n / BLOCK_M)·m pairs: above the budget (here: any) the step
+    falls back to the fused pass and its repair, with the same result."""
+    from flashot.backends import triton as backend
+
+    x, y, f, g, la, lb, eps = _far_step(gen)
+    _, form = _forms(x, y)
+    args32 = [t.float().to(DEVICE) for t in (f, g, la, lb)]
+    be = backend.TritonBackend()
+    one = be.jacobi_step(form, *args32, eps, (1.0, 1.0), (None, None))
+    monkeypatch.setattr(backend, "COLUMN_PARTIALS_FLOOR", 0)
+    monkeypatch.setattr(backend, "_column_partials_budget", lambda n, m, d: 0)
+    two = be.jacobi_step(form, *args32, eps, (1.0, 1.0), (None, None))
+    assert one_pass == [True, False]
+    assert rel(one[0], two[0]) < 1e-5 and rel(one[1], two[1]) < 1e-5
