@@ -29,7 +29,10 @@ DIMS = [int(s) for s in os.environ.get("DIMS", "128,256,512").split(",")]
 EPS = os.environ.get("EPS", "0.1,scaled").split(",")
 PEER = os.environ.get("PEER", "1") == "1"
 dev = torch.device("cuda")
-MODES = {"fused+gate": 10**9, "one pass": 256, "one pass all d": 1}
+MODES = {"fused+gate": (10**9, "plan_sums"), "one pass": (256, "plan_sums"),
+         "one pass (attend)": (256, "attend")}
+PASSES = [tuple(int(v) for v in c.split("x")) for c in
+          os.environ.get("PASSES", "50000x512,10000x512,50000x128").split(",") if c]
 
 
 def timed(provider, pb, grad):
@@ -46,6 +49,41 @@ def rel_error(d, eps, precision="auto"):
     return abs(float(got) - float(ref)) / abs(float(ref))
 
 
+def passes():
+    """One pass of each kernel, in a solve's operand scope (split operands), ms."""
+    from flashot.backends.triton import SPLIT_DOT, TritonBackend, _one_pass
+    from flashot.costs import attention_form, get_cost
+
+    for n, d in PASSES:
+        be = TritonBackend()
+        pb = make_problem(n, n, d, dev, eps=0.1)
+        form = attention_form(get_cost("sqeuclidean"), pb.x, pb.y).detach()
+        f, g = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        la, lb = pb.a.log(), pb.b.log()
+        with be.operand_scope():
+            calls = {
+                "fused plan_sums": lambda: be.plan_sums(form, f, g, la, lb, 0.1, shift=18.0),
+                "attend rows": lambda: be._attend(form.q, form.k, 0.1, (g, form.beta, lb)),
+                "attend rows+columns": lambda: be._attend(form.q, form.k, 0.1,
+                                                          (g, form.beta, lb),
+                                                          columns=(f, form.alpha, la)),
+                "plan_sums exact": lambda: _one_pass.exact_lse(be, form, f, g, la, lb, 0.1,
+                                                               SPLIT_DOT),
+            }  # fmt: skip
+            out = []
+            for name, call in calls.items():
+                call()
+                torch.cuda.synchronize()
+                out.append(f"{name} {do_bench(call, warmup=25, rep=400):.3f}")
+        print(f"pass n={n} d={d}: " + ", ".join(out), flush=True)
+
+
+backend._column_partials_budget = lambda n, m, d: 1 << 40  # measure beyond the budgets
+from flashot.backends.triton import _one_pass  # noqa: E402
+
+_one_pass.partials_budget = lambda n, m, d: 1 << 40
+if PASSES:
+    passes()
 rows = []
 for d in DIMS:
     for e in EPS:
@@ -55,10 +93,8 @@ for d in DIMS:
             for grad in (False, True):
                 if grad and e == "scaled":
                     continue
-                for mode, thr in MODES.items():
-                    if thr == 1 and d >= 256:
-                        continue
-                    backend.ONE_PASS_FROM_D = thr
+                for mode, (thr, kernel) in MODES.items():
+                    backend.ONE_PASS_FROM_D, backend.ONE_PASS_KERNEL = thr, kernel
                     err = rel_error(d, eps) if (n == SIZES[0] and not grad) else float("nan")
                     f = timed(Flashot("triton"), pb, grad)
                     f()
@@ -66,7 +102,7 @@ for d in DIMS:
                     ms = do_bench(f, warmup=25, rep=300 if n <= 10000 else 1500)
                     rows.append((d, e, n, "fwd+grad" if grad else "fwd", mode, ms, err))
                     print(*rows[-1], flush=True)
-                backend.ONE_PASS_FROM_D = 256
+                backend.ONE_PASS_FROM_D, backend.ONE_PASS_KERNEL = 256, "plan_sums"
                 if PEER and d == 512 and e != "scaled":
                     f = timed(FlashSinkhorn(), pb, grad)
                     f()
@@ -77,7 +113,7 @@ for d in DIMS:
                     print(*rows[-1], flush=True)
 
 print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
-print("| d | ε | n | workload | default: fused+gate | one pass (d ≥ 256) | one pass all d |"
+print("| d | ε | n | workload | default: fused+gate | one pass (plan_sums) | one pass (attend) |"
       " flash-sinkhorn | rel. error (n=1000) |")
 print("|---|---|---|---|---|---|---|---|---|")
 keys = sorted({r[:4] for r in rows}, key=lambda k: (k[0], k[1], k[3], k[2]))
@@ -86,4 +122,4 @@ for k in keys:
     cell = lambda m: f"{got[m][5]:.2f}" if m in got else "—"  # noqa: E731
     err = got.get("one pass", got.get("fused+gate"))[6]
     print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {cell('fused+gate')} | {cell('one pass')} | "
-          f"{cell('one pass all d')} | {cell('flash-sinkhorn')} | {err:.1e} |")
+          f"{cell('one pass (attend)')} | {cell('flash-sinkhorn')} | {err:.1e} |")

@@ -68,8 +68,12 @@ def variants():
     for bd, chunks, gated, half, segmented in plan_sums:
         consts = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=bd, D_CHUNKS=chunks, GATED=gated,
                       PRECISION="tf32", SEGMENTED=segmented, PRESPLIT=False,
-                      MULTIPLY=False)  # fmt: skip
+                      MULTIPLY=False, EXACT=False)  # fmt: skip
         yield K._plan_sums_kernel, consts, half
+    exact = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, D_CHUNKS=8, GATED=False, MULTIPLY=False,
+                 SEGMENTED=False, EXACT=True)  # the one-pass step of wide features
+    yield K._plan_sums_kernel, dict(exact, PRECISION="tf32x3", PRESPLIT=True), True
+    yield K._plan_sums_kernel, dict(exact, PRECISION="tf32", PRESPLIT=False), False
     from flashot.backends.triton import COMBINE_TILE
 
     rows, cols = COMBINE_TILE  # the split merge's tiles as launched

@@ -18,22 +18,30 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
 
 
-@pytest.fixture
-def one_pass(monkeypatch):
-    """Every step one pass (d ≥ 1); records which steps took it and which fell back."""
+@pytest.fixture(params=["plan_sums", "attend"])
+def one_pass(monkeypatch, request):
+    """Every step one pass (d ≥ 1), by either kernel; records which steps took it and
+    which fell back (over the partials' budget)."""
     from flashot.backends import triton as backend
 
     monkeypatch.setattr(backend, "ONE_PASS_FROM_D", 1)
+    monkeypatch.setattr(backend, "ONE_PASS_KERNEL", request.param)
     taken = []
-    attend = backend.TritonBackend._attend
+    attend, exact = backend.TritonBackend._attend, backend.exact_lse
 
-    def spy(self, *args, **kw):
+    def spy_attend(self, *args, **kw):
         out = attend(self, *args, **kw)
         if kw.get("columns") is not None:
             taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(backend.TritonBackend, "_attend", spy)
+    def spy_exact(*args, **kw):
+        out = exact(*args, **kw)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(backend.TritonBackend, "_attend", spy_attend)
+    monkeypatch.setattr(backend, "exact_lse", spy_exact)
     return taken
 
 
@@ -148,8 +156,10 @@ def test_partials_past_their_budget_take_the_two_pass_step(gen, one_pass, monkey
     args32 = [t.float().to(DEVICE) for t in (f, g, la, lb)]
     be = backend.TritonBackend()
     one = be.jacobi_step(form, *args32, eps, (1.0, 1.0), (None, None))
-    monkeypatch.setattr(backend, "COLUMN_PARTIALS_FLOOR", 0)
+    from flashot.backends.triton import _one_pass
+
     monkeypatch.setattr(backend, "_column_partials_budget", lambda n, m, d: 0)
+    monkeypatch.setattr(_one_pass, "partials_budget", lambda n, m, d: 0)
     two = be.jacobi_step(form, *args32, eps, (1.0, 1.0), (None, None))
     assert one_pass == [True, False]
     assert rel(one[0], two[0]) < 1e-5 and rel(one[1], two[1]) < 1e-5

@@ -32,6 +32,7 @@ from flashot.backends.triton._kernels import (
     _update_kernel,
 )
 from flashot.backends.triton._launch import _ATTEND, _PLAN_SUMS, TunedLaunches
+from flashot.backends.triton._one_pass import exact_lse
 from flashot.backends.triton._operands import OperandCache, score_operands
 from flashot.backends.triton._vjp import FUSED_UP_TO, fused_plan_vjp
 from flashot.dual import log_residual
@@ -70,6 +71,8 @@ GRAPHS_UP_TO_LOG2 = 28
 #: LSE online, column LSE from per-block partials) instead of the one-exp fused pass and
 #: its gate: the MMAs, not the exps, bound such a pass, and it needs no repair
 ONE_PASS_FROM_D = 256
+#: which kernel streams a one-pass step: "plan_sums" (:mod:`._one_pass`) or "attend"
+ONE_PASS_KERNEL = "plan_sums"
 #: bytes of column partials any one-pass step may take (see _column_partials_budget)
 COLUMN_PARTIALS_FLOOR = 1 << 26
 class TritonBackend(TunedLaunches, OperandCache, Backend):
@@ -332,7 +335,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                     *(mul or (sums, sums)), r_den if mul else sums, c_den if mul else sums, table,
                     n, m, d, LOG2E / eps, shift, limit, int(span), per,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), nb, mb,
-                    *split_args)  # fmt: skip
+                    *split_args, sums, sums, sums, sums)  # fmt: skip
             consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=gate is not None,
                           MULTIPLY=mul is not None, PRECISION=self._dot(),
                           PRESPLIT=presplit, SEGMENTED=seg is not None)  # fmt: skip
@@ -425,7 +428,10 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         dev = f.device
         bias_r, bias_c = (g, form.beta, log_b), (f, form.alpha, log_a)
         if form.segments is None and form.q.shape[1] >= ONE_PASS_FROM_D:
-            both = self._attend(form.q, form.k, eps, bias_r, columns=bias_c)
+            if ONE_PASS_KERNEL == "attend":
+                both = self._attend(form.q, form.k, eps, bias_r, columns=bias_c)
+            else:
+                both = exact_lse(self, form, f, g, log_a, log_b, eps, SPLIT_DOT)
             if both is not None:
                 gate = None
                 if state is not None:  # the update records this step's residual range

@@ -359,9 +359,11 @@ def _plan_sums_kernel(
     Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, MUL_A, MUL_B, R_DEN, C_DEN,
     BLOCKS, n, m, d, scale, shift, gate_limit, gate_span, rows_per_split, stride_qn, stride_qd,
     stride_kn, stride_kd, n_bucket, m_bucket, Q_INV, K_INV, q_lo, k_lo,
+    ROW_MAX, ROW_SUM, COL_MAX, COL_SUM,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, GATED: tl.constexpr, MULTIPLY: tl.constexpr,
     PRECISION: tl.constexpr, PRESPLIT: tl.constexpr, SEGMENTED: tl.constexpr,
+    EXACT: tl.constexpr = False,
 ):
     """``R_i += Σ_j b_j E_ij`` and ``C_j += Σ_i a_i E_ij``, one exp2 per element.
 
@@ -381,6 +383,13 @@ def _plan_sums_kernel(
     ``GATE_OUT``, which the update kernel then fills. Grid: (column blocks, row splits).
     SEGMENTED (a packed batch): program ``pid_n`` reads its columns ``[c0, c1)`` and its
     problem's rows ``[r0, r1)`` from the table ``BLOCKS``.
+    EXACT (not GATED, MULTIPLY nor SEGMENTED; R, C, shift unused): both LSEs with no
+    window, as base-2 (max, sum) partials for ``_combine_kernel``. Each row tile's
+    (max, sum) over the program's columns goes to ``ROW_MAX``/``ROW_SUM[pid_n, i]``
+    (reduced along the cheap axis); the columns keep an elementwise running (max, sum)
+    tile, one exp per update (``2^{−|x − M|}``: the larger side's term is 1), reduced
+    once at the end into ``COL_MAX``/``COL_SUM[pid_s, j]``. Two exps per score and no
+    reduction across warps in the loop.
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -413,6 +422,9 @@ def _plan_sums_kernel(
         b = b * tl.load(MUL_B + offs_n, mask=col_ok, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_den = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if EXACT:  # acc holds the columns' running max (acc_den their sums); v its log2 weights
+        acc = tl.full((BLOCK_M, BLOCK_N), float("-inf"), dtype=tl.float32)
+        v = v + log_b * LOG2E
     first = row_lo + tl.arange(0, BLOCK_M)
     ah_p, ah_o, ah_w = _side_load(F, ALPHA, LOG_A, first, first < row_hi, True)
     for start in range(row_lo, row_hi, BLOCK_M):
@@ -427,15 +439,33 @@ def _plan_sums_kernel(
             q_lo, k_lo, unscale, PRESPLIT,
         )
         u, a = _side_terms(f, alpha, log_a, row_ok, scale)
-        e = tl.exp2(s * scale + (u + shift)[:, None] + v[None, :])
-        if MULTIPLY:
-            tl.atomic_add(R_DEN + offs_m, tl.sum(e * b_den[None, :], 1), mask=row_ok,
-                          sem="relaxed")  # fmt: skip
-            acc_den += e * a[:, None]
-            a = a * tl.load(MUL_A + offs_m, mask=row_ok, other=0.0)
-        tl.atomic_add(R + offs_m, tl.sum(e * b[None, :], 1), mask=row_ok, sem="relaxed")
-        acc += e * a[:, None]
-    if row_hi > row_lo:
+        if EXACT:
+            x = s * scale + v[None, :]
+            r_max = tl.max(x, 1)
+            r_sum = tl.sum(tl.exp2(x - tl.where(r_max == float("-inf"), 0.0, r_max)[:, None]), 1)
+            tl.store(ROW_MAX + pid_n.to(tl.int64) * n + offs_m, r_max, mask=row_ok)
+            tl.store(ROW_SUM + pid_n.to(tl.int64) * n + offs_m, r_sum, mask=row_ok)
+            x = s * scale + (u + log_a * LOG2E)[:, None]
+            top = tl.maximum(x, acc)
+            e = tl.exp2(tl.minimum(x, acc) - tl.where(top == float("-inf"), 0.0, top))
+            acc_den = tl.where(x > acc, acc_den * e + 1.0, acc_den + e)
+            acc = top
+        else:
+            e = tl.exp2(s * scale + (u + shift)[:, None] + v[None, :])
+            if MULTIPLY:
+                tl.atomic_add(R_DEN + offs_m, tl.sum(e * b_den[None, :], 1), mask=row_ok,
+                              sem="relaxed")  # fmt: skip
+                acc_den += e * a[:, None]
+                a = a * tl.load(MUL_A + offs_m, mask=row_ok, other=0.0)
+            tl.atomic_add(R + offs_m, tl.sum(e * b[None, :], 1), mask=row_ok, sem="relaxed")
+            acc += e * a[:, None]
+    if EXACT:
+        top = tl.max(acc, 0)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.sum(acc_den * tl.exp2(acc - top_safe[None, :]), 0)
+        tl.store(COL_MAX + pid_s * m + offs_n, top, mask=col_ok)
+        tl.store(COL_SUM + pid_s * m + offs_n, total, mask=col_ok)
+    elif row_hi > row_lo:
         tl.atomic_add(C + offs_n, tl.sum(acc, 0), mask=col_ok, sem="relaxed")
         if MULTIPLY:
             tl.atomic_add(C_DEN + offs_n, tl.sum(acc_den, 0), mask=col_ok, sem="relaxed")

@@ -1,0 +1,103 @@
+r"""Both LSEs of a Jacobi step from one streaming pass, with no window (wide features).
+
+The fused pass (``_plan_sums_kernel``) shares one exponential per score between the row
+and the column sums, which needs every residual ``ln R`` inside a fixed window; early
+steps of a small-ε solve fall outside it and take two exact passes instead (rows, then
+columns). From ``ONE_PASS_FROM_D`` the score tile's MMAs, not its exponentials, bound a
+pass, so a second exponential per score is cheap and one exact pass serves both sides:
+``_plan_sums_kernel`` with EXACT writes base-2 ``(max, sum)`` partials,
+
+.. math::
+
+    \mathrm{lse}^r_i = ε \ln \sum_j b_j e^{(s_{ij} + g_j − β_j)/ε}, \qquad
+    \mathrm{lse}^c_j = ε \ln \sum_i a_i e^{(s_{ij} + f_i − α_i)/ε},
+
+per (column block, row) and per (row split, column), which ``_combine_kernel`` merges.
+The row partials take ``(m / BLOCK_N)·n`` pairs of floats: at most
+:func:`partials_budget` bytes, else the caller takes the fused path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from flashot.backends import on_device
+from flashot.backends.triton import _configs, _tables
+from flashot.backends.triton._kernels import _combine_kernel, _plan_sums_kernel
+from flashot.backends.triton._operands import score_operands
+
+__all__ = ["exact_lse", "partials_budget"]
+
+LOG2E = 1.4426950408889634
+#: bytes of partials any one-pass step may take (see partials_budget)
+PARTIALS_FLOOR = 1 << 26
+
+
+def partials_budget(n: int, m: int, d: int) -> int:
+    """Bytes of partials a one-pass step may take: the clouds and their split copies.
+
+    At least :data:`PARTIALS_FLOOR`; memory then stays O((n + m)·d).
+    """
+    return max(PARTIALS_FLOOR, 8 * (n + m) * d)
+
+
+def exact_lse(backend, form, f, g, log_a, log_b, eps, split_dot):
+    """``(lse_r (n,), lse_c (m,))`` of potentials f, g (see module); None over budget.
+
+    ``backend``: the :class:`~flashot.backends.triton.TritonBackend` (its operands,
+    tiles and launches); ``split_dot``: the tile tables' name of the split dot.
+    """
+    n, m, d = form.q.shape[0], form.k.shape[0], form.q.shape[1]
+    work = n * m * max(d, 64)
+    q, k, split_args, presplit = score_operands(backend._operand(form.q, work=work),
+                                                backend._operand(form.k, work=work))  # fmt: skip
+    dev = q.device
+    bd, chunks = _configs.block_d(d, q.element_size())
+    nb, mb = _configs.bucket(n), _configs.bucket(m)
+    key = ("plan_sums", d, nb, mb, split_dot if presplit else backend._dot(), q.dtype)
+    cfg = backend._tiles(key, nb + mb, dev) or _tables.choose(key, dev, _configs.fits)
+    if 8 * triton.cdiv(m, cfg.kwargs["BLOCK_N"]) * n > partials_budget(n, m, d):
+        return None
+    lse_r = torch.empty(n, device=dev, dtype=torch.float32)
+    lse_c = torch.empty(m, device=dev, dtype=torch.float32)
+    block_n = cfg.kwargs["BLOCK_N"]
+
+    def build(splits, per, probe=False):
+        """Grid, arguments and constexprs with ``splits`` row splits; partials unless probe."""
+        row_max = row_sum = col_max = col_sum = lse_r
+        if not probe:
+            row_max = torch.empty(triton.cdiv(m, block_n), n, device=dev, dtype=torch.float32)
+            row_sum = torch.empty_like(row_max)
+            col_max = torch.empty(splits, m, device=dev, dtype=torch.float32)
+            col_sum = torch.empty_like(col_max)
+
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_N"]), splits)
+
+        unused = (lse_r,) * 9  # R, C, the gate, the products' weights and sums, BLOCKS
+        args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, *unused, n, m, d,
+                LOG2E / eps, 0.0, 0.0, 0, per, q.stride(0), q.stride(1), k.stride(0),
+                k.stride(1), nb, mb, *split_args, row_max, row_sum, col_max, col_sum)  # fmt: skip
+        consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=False, MULTIPLY=False,
+                      PRECISION=backend._dot(), PRESPLIT=presplit, SEGMENTED=False,
+                      EXACT=True)  # fmt: skip
+        return grid, args, consts
+
+    exact_key = (*key, "exact")  # its own occupancy and fitted tiles
+
+    def plan_for(tiles):
+        nonlocal block_n
+        block_n = tiles.kwargs["BLOCK_N"]
+        return build(*backend._split(_plan_sums_kernel, exact_key, tiles, build, m, n, dev))
+
+    plan = backend._run_fitting(_plan_sums_kernel, exact_key, cfg, plan_for, dev)
+    row_max, row_sum, col_max, col_sum = plan[1][-4:]
+    with on_device(dev):
+        for part_max, part_sum, out, size in ((row_max, row_sum, lse_r, n),
+                                              (col_max, col_sum, lse_c, m)):  # fmt: skip
+            _combine_kernel[(triton.cdiv(size, 128), 1)](
+                part_max, part_sum, part_max, out, out, size, 1, part_max.shape[0], eps, 0, 0,
+                BLOCK=128, BLOCK_P=1, HAS_V=False,
+            )  # fmt: skip
+    return lse_r, lse_c
