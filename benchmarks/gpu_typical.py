@@ -5,8 +5,10 @@ gradient, uniform data in the unit cube, d = 3, float32. flashot at its default
 precision and at tf32; the peer at its defaults (TF32, full squared distance: its
 value differs by the p = 2 convention, the ε schedule is the same). do_bench
 medians; the first call of each in this process is printed too. Env: SIZES
-("10000,50000"), DIMS ("3"), PEER (0 to skip). "fp32x3" is the default precision with
-the scores' operands split per tile by 3xTF32 (``presplit=False``), as before v16.
+("10000,50000"), DIMS ("3"), PEER (0 to skip), WHO (only these calls). "fp32x3" is
+the default precision with
+the scores' operands split per tile by 3xTF32 (``presplit=False``), as before v16;
+"presplit" splits them once per solve at every size (``presplit=True``).
 "packed" is the same call on a batch of one, ``loss(x[None], y[None])``: the debiased
 divergence's three problems as one packed solve, one launch per pass for all three
 (the host-bound 10k case's lever; same value and gradient to float32 accuracy).
@@ -34,6 +36,9 @@ CALLS = {
     "flashot fp32x3": lambda: flashot.SamplesLoss(
         p=2, blur=0.05, scaling=0.5, debias=True, backend=TritonBackend("fp32", presplit=False)
     ),
+    "flashot presplit": lambda: flashot.SamplesLoss(
+        p=2, blur=0.05, scaling=0.5, debias=True, backend=TritonBackend("fp32", presplit=True)
+    ),
     "flashot tf32": lambda: flashot.SamplesLoss(p=2, blur=0.05, scaling=0.5, debias=True,
                                                 precision="tf32"),  # fmt: skip
 }
@@ -60,6 +65,8 @@ if os.environ.get("PEER", "1") == "1":
                                                                      debias=True)  # fmt: skip
     except Exception as exc:  # noqa: BLE001
         print("peer unavailable:", exc)
+if os.environ.get("WHO"):  # only these calls (comma-separated names)
+    CALLS = {k: v for k, v in CALLS.items() if k in os.environ["WHO"].split(",")}
 
 
 def value_and_grad(loss, x, y):

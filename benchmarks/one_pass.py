@@ -29,10 +29,11 @@ DIMS = [int(s) for s in os.environ.get("DIMS", "128,256,512").split(",")]
 EPS = os.environ.get("EPS", "0.1,scaled").split(",")
 PEER = os.environ.get("PEER", "1") == "1"
 dev = torch.device("cuda")
-MODES = {"fused+gate": (10**9, "plan_sums"), "one pass": (256, "plan_sums"),
-         "one pass (attend)": (256, "attend")}
+MODES = {"fused+gate": (10**9, "plan_sums"), "one pass": (256, "plan_sums")}
+if os.environ.get("ATTEND", "0") == "1":  # the row-stationary variant too
+    MODES["one pass (attend)"] = (256, "attend")
 PASSES = [tuple(int(v) for v in c.split("x")) for c in
-          os.environ.get("PASSES", "50000x512,10000x512,50000x128").split(",") if c]
+          os.environ.get("PASSES", "50000x512,10000x512").split(",") if c]
 
 
 def timed(provider, pb, grad):
