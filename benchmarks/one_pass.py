@@ -1,12 +1,14 @@
 """The one-pass step of wide features against the fused pass + gate (A/B), and the peer.
 
-``ONE_PASS_FROM_D`` (:mod:`flashot.backends.triton`): from this d a step streams its
-score tiles once with two exps per score (row LSE online, column LSE from per-block
-partials) instead of the one-exp fused pass, whose gate sends the first steps of a
-small-ε solve to two exact passes. Forward (10 symmetric iterations, as ``flashot
-bench``: N(0, I) clouds, weights on [0.1, 1.1)) and forward + gradient, do_bench
-medians in ms; the relative error of the cost against float64 at n = 1000. Env: SIZES,
-DIMS, EPS ("0.1,scaled": 0.1 and 0.1·d), PEER (1: flash-sinkhorn in this process).
+``ONE_PASS_FROM_D`` (:mod:`flashot.backends.triton`, off by default): from this d a step
+streams its score tiles once with two exps per score (:mod:`._one_pass`: row and column
+(max, sum) partials, no window) instead of the one-exp fused pass, whose gate sends the
+first steps of a small-ε solve to two exact passes. First one pass of each kernel at
+PASSES ("50000x512,10000x512": n x d) in a solve's operand scope; then forward (10
+symmetric iterations, as ``flashot bench``: N(0, I) clouds, weights on [0.1, 1.1)) and
+forward + gradient, do_bench medians in ms, and the relative error of the cost against
+float64 at n = 1000. Env: SIZES, DIMS, EPS ("0.1,scaled": 0.1 and 0.1·d), PEER (1:
+flash-sinkhorn in this process).
 
     python benchmarks/one_pass.py
 """
@@ -29,11 +31,12 @@ DIMS = [int(s) for s in os.environ.get("DIMS", "128,256,512").split(",")]
 EPS = os.environ.get("EPS", "0.1,scaled").split(",")
 PEER = os.environ.get("PEER", "1") == "1"
 dev = torch.device("cuda")
-MODES = {"fused+gate": (10**9, "plan_sums"), "one pass": (256, "plan_sums")}
-if os.environ.get("ATTEND", "0") == "1":  # the row-stationary variant too
-    MODES["one pass (attend)"] = (256, "attend")
-PASSES = [tuple(int(v) for v in c.split("x")) for c in
-          os.environ.get("PASSES", "50000x512,10000x512").split(",") if c]
+MODES = {"fused+gate": None, "one pass": 256}
+PASSES = [
+    tuple(int(v) for v in c.split("x"))
+    for c in os.environ.get("PASSES", "50000x512,10000x512").split(",")
+    if c
+]
 
 
 def timed(provider, pb, grad):
@@ -65,9 +68,6 @@ def passes():
             calls = {
                 "fused plan_sums": lambda: be.plan_sums(form, f, g, la, lb, 0.1, shift=18.0),
                 "attend rows": lambda: be._attend(form.q, form.k, 0.1, (g, form.beta, lb)),
-                "attend rows+columns": lambda: be._attend(form.q, form.k, 0.1,
-                                                          (g, form.beta, lb),
-                                                          columns=(f, form.alpha, la)),
                 "plan_sums exact": lambda: _one_pass.exact_lse(be, form, f, g, la, lb, 0.1,
                                                                SPLIT_DOT),
             }  # fmt: skip
@@ -79,10 +79,9 @@ def passes():
         print(f"pass n={n} d={d}: " + ", ".join(out), flush=True)
 
 
-backend._column_partials_budget = lambda n, m, d: 1 << 40  # measure beyond the budgets
 from flashot.backends.triton import _one_pass  # noqa: E402
 
-_one_pass.partials_budget = lambda n, m, d: 1 << 40
+_one_pass.partials_budget = lambda n, m, d: 1 << 40  # measure beyond the budget
 if PASSES:
     passes()
 rows = []
@@ -94,8 +93,8 @@ for d in DIMS:
             for grad in (False, True):
                 if grad and e == "scaled":
                     continue
-                for mode, (thr, kernel) in MODES.items():
-                    backend.ONE_PASS_FROM_D, backend.ONE_PASS_KERNEL = thr, kernel
+                for mode, thr in MODES.items():
+                    backend.ONE_PASS_FROM_D = thr
                     err = rel_error(d, eps) if (n == SIZES[0] and not grad) else float("nan")
                     f = timed(Flashot("triton"), pb, grad)
                     f()
@@ -103,7 +102,7 @@ for d in DIMS:
                     ms = do_bench(f, warmup=25, rep=300 if n <= 10000 else 1500)
                     rows.append((d, e, n, "fwd+grad" if grad else "fwd", mode, ms, err))
                     print(*rows[-1], flush=True)
-                backend.ONE_PASS_FROM_D, backend.ONE_PASS_KERNEL = 256, "plan_sums"
+                backend.ONE_PASS_FROM_D = None
                 if PEER and d == 512 and e != "scaled":
                     f = timed(FlashSinkhorn(), pb, grad)
                     f()
@@ -114,13 +113,17 @@ for d in DIMS:
                     print(*rows[-1], flush=True)
 
 print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
-print("| d | ε | n | workload | default: fused+gate | one pass (plan_sums) | one pass (attend) |"
-      " flash-sinkhorn | rel. error (n=1000) |")
-print("|---|---|---|---|---|---|---|---|---|")
+print(
+    "| d | ε | n | workload | default: fused+gate | one pass | flash-sinkhorn |"
+    " rel. error (n=1000) |"
+)
+print("|---|---|---|---|---|---|---|---|")
 keys = sorted({r[:4] for r in rows}, key=lambda k: (k[0], k[1], k[3], k[2]))
 for k in keys:
     got = {r[4]: r for r in rows if r[:4] == k}
     cell = lambda m: f"{got[m][5]:.2f}" if m in got else "—"  # noqa: E731
     err = got.get("one pass", got.get("fused+gate"))[6]
-    print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {cell('fused+gate')} | {cell('one pass')} | "
-          f"{cell('one pass (attend)')} | {cell('flash-sinkhorn')} | {err:.1e} |")
+    print(
+        f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {cell('fused+gate')} | {cell('one pass')} | "
+        f"{cell('flash-sinkhorn')} | {err:.1e} |"
+    )

@@ -51,13 +51,9 @@ def variants():
         (dict(plain, D_CHUNKS=1, SPLIT=False, REPAIR=True, PRECISION="tf32x3", SEGMENTED=True),
          False),
         (dict(with_v, D_CHUNKS=4, SPLIT=False, SEGMENTED=True), True),
-        (dict(plain, D_CHUNKS=8, SPLIT=True, PRECISION="tf32x3", PRESPLIT=True, COLUMNS=True),
-         True),  # the one-pass step of wide features
-        (dict(plain, D_CHUNKS=8, SPLIT=False, PRECISION="tf32", COLUMNS=True), True),
     ):
         flags = dict(flags, V_PRECISION=flags["PRECISION"])
         flags.setdefault("SEGMENTED", False)
-        flags.setdefault("COLUMNS", False)
         flags.setdefault("PRESPLIT", False)
         flags.setdefault("V_SPLIT", False)
         yield K._attend_kernel, {**base, **flags}, half

@@ -1,6 +1,7 @@
-"""The one-pass step of wide features (``ONE_PASS_FROM_D``): row and column LSEs from the
-same score tiles, two exps per score, no gate and no repair. Run in Triton's
-interpreter on CPU (the threshold lowered to these small d) and natively on a GPU."""
+"""The one-pass step (``ONE_PASS_FROM_D``, :mod:`flashot.backends.triton._one_pass`): row
+and column LSEs from the same score tiles, two exps per score, no gate and no repair.
+Run in Triton's interpreter on CPU (the threshold lowered to these small d) and natively
+on a GPU."""
 
 import pytest
 import torch
@@ -18,30 +19,22 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
 
 
-@pytest.fixture(params=["plan_sums", "attend"])
-def one_pass(monkeypatch, request):
-    """Every step one pass (d ≥ 1), by either kernel; records which steps took it and
-    which fell back (over the partials' budget)."""
+@pytest.fixture
+def one_pass(monkeypatch):
+    """Every step one pass (d ≥ 1); records which steps took it and which fell back (over
+    the partials' budget)."""
     from flashot.backends import triton as backend
 
     monkeypatch.setattr(backend, "ONE_PASS_FROM_D", 1)
-    monkeypatch.setattr(backend, "ONE_PASS_KERNEL", request.param)
     taken = []
-    attend, exact = backend.TritonBackend._attend, backend.exact_lse
+    exact = backend.exact_lse
 
-    def spy_attend(self, *args, **kw):
-        out = attend(self, *args, **kw)
-        if kw.get("columns") is not None:
-            taken.append(out is not None)
-        return out
-
-    def spy_exact(*args, **kw):
+    def spy(*args, **kw):
         out = exact(*args, **kw)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(backend.TritonBackend, "_attend", spy_attend)
-    monkeypatch.setattr(backend, "exact_lse", spy_exact)
+    monkeypatch.setattr(backend, "exact_lse", spy)
     return taken
 
 
@@ -158,7 +151,6 @@ def test_partials_past_their_budget_take_the_two_pass_step(gen, one_pass, monkey
     one = be.jacobi_step(form, *args32, eps, (1.0, 1.0), (None, None))
     from flashot.backends.triton import _one_pass
 
-    monkeypatch.setattr(backend, "_column_partials_budget", lambda n, m, d: 0)
     monkeypatch.setattr(_one_pass, "partials_budget", lambda n, m, d: 0)
     two = be.jacobi_step(form, *args32, eps, (1.0, 1.0), (None, None))
     assert one_pass == [True, False]

@@ -23,7 +23,7 @@ from flashot.backends import on_device, triton_interpreted
 from flashot.backends.base import Backend
 from flashot.backends.near import NEAR_FROM, is_near_uniform
 from flashot.backends.plan_vjp import ALL
-from flashot.backends.triton import _configs, _tables
+from flashot.backends.triton import _configs
 from flashot.backends.triton._gate import Gate
 from flashot.backends.triton._kernels import (
     _attend_kernel,
@@ -67,14 +67,11 @@ SUM_SHIFT = 18.0
 PROBE_ROWS, PROBE_MARGIN, PROBE_FROM = 256, 1.1, 4096
 #: CUDA graphs pay off while launches cost as much as the work: n·m up to 2^28
 GRAPHS_UP_TO_LOG2 = 28
-#: from this feature width a step streams its score tiles once with two exps each (row
-#: LSE online, column LSE from per-block partials) instead of the one-exp fused pass and
-#: its gate: the MMAs, not the exps, bound such a pass, and it needs no repair
-ONE_PASS_FROM_D = 256
-#: which kernel streams a one-pass step: "plan_sums" (:mod:`._one_pass`) or "attend"
-ONE_PASS_KERNEL = "plan_sums"
-#: bytes of column partials any one-pass step may take (see _column_partials_budget)
-COLUMN_PARTIALS_FLOOR = 1 << 26
+#: from this feature width (None: never) a Jacobi step streams its score tiles once with
+#: two exps each and no window (:mod:`._one_pass`) instead of the one-exp fused pass,
+#: whose gate sends a small-ε solve's first steps to two exact passes. Off until timed on
+#: a GPU (``benchmarks/one_pass.py``; predicted for d = 512, where MMAs bound a pass)
+ONE_PASS_FROM_D: int | None = None
 class TritonBackend(TunedLaunches, OperandCache, Backend):
     """Fused Triton kernels (float32 compute; float16/bfloat16/float32 inputs).
 
@@ -136,8 +133,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
     def _dot(self) -> str:
         return "ieee" if triton_interpreted() else _DOT[self.precision]
 
-    def _attend(self, q, k, eps, bias, v=None, repair=None, keep_q=True, segments=None,
-                columns=None):  # fmt: skip
+    def _attend(self, q, k, eps, bias, v=None, repair=None, keep_q=True, segments=None):
         """Row LSE and softmax average; ``bias`` is ``(h,)`` or ``(g, β, log b)``.
 
         ``repair=(sums, lo, hi)`` computes only the row blocks holding a sum outside
@@ -145,10 +141,6 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         meaningless). ``keep_q``: cache q's half copy (False for a one-off sample).
         ``segments``: a packed batch (:mod:`flashot.segments`); the grid then runs over
         its table of row blocks, each streaming its own problem's columns (no splits).
-        ``columns=(f, α, log a)`` (a potential bias, no v): the column LSE from the same
-        score tiles as well (one pass for both sides of a step), returned in place of
-        the values; None instead when its partials, ``(n / BLOCK_M)·m`` pairs of
-        floats, would exceed :func:`_column_partials_budget`.
         """
         elements = q.shape[0] * k.shape[0] if segments is None else segments.elements
         work = elements * max(q.shape[1], 64)
@@ -181,11 +173,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         def build(splits, per, probe=False):
             """Grid, arguments and constexprs; partials allocated unless ``probe``."""
             split = splits > 1
-            part_max = part_sum = part_acc = col_max = col_sum = lse
-            if columns is not None and not probe:  # one (max, sum) per row block and column
-                col_max = torch.empty(triton.cdiv(n, block_m), m, device=dev,
-                                      dtype=torch.float32)  # fmt: skip
-                col_sum = torch.empty_like(col_max)
+            part_max = part_sum = part_acc = lse
             if split and not probe:
                 part_max = torch.empty(splits, n, device=dev, dtype=torch.float32)
                 part_sum = torch.empty_like(part_max)
@@ -204,13 +192,12 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                     per, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                     vv.stride(0) if has_v else 0, vv.stride(1) if has_v else 0,
                     out.stride(0) if has_v else 0, out.stride(1) if has_v else 0,
-                    nb, mb, *split_args, *v_args, *(columns or (h, h, h)), col_max,
-                    col_sum)  # fmt: skip
+                    nb, mb, *split_args, *v_args)  # fmt: skip
             consts = dict(BLOCK_D=bd, BLOCK_P=bp, D_CHUNKS=chunks, HAS_V=has_v, SPLIT=split,
                           POTENTIAL_BIAS=potential, REPAIR=repair is not None,
                           PRECISION=self._dot(), V_PRECISION=self._dot(),
                           PRESPLIT=presplit, V_SPLIT=v_split,
-                          SEGMENTED=segments is not None, COLUMNS=columns is not None)  # fmt: skip
+                          SEGMENTED=segments is not None)  # fmt: skip
             return grid, args, consts
 
         # tuned apart: forming the bias in the kernel adds loads (16 % slower in tf32 at 50k)
@@ -222,8 +209,6 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         most = max(1, VALUE_PARTIALS // (n * p)) if has_v else None
 
         def plan_for(tiles):
-            nonlocal block_m
-            block_m = tiles.kwargs["BLOCK_M"] if tiles else 128
             return build(*self._split(_attend_kernel, key, tiles, build, n, m, dev, most))
 
         if segments is not None:  # one launch over the table of blocks, no splits
@@ -235,25 +220,10 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
 
             cfg = self._packed_tiles(key, nb, mb, dev)
             plan = self._run_fitting(_attend_kernel, key, cfg, packed, dev)
-        elif columns is not None:  # never tuned: the row pass's tiles (its own splits)
-            cfg = self._tiles(key, nb + mb, dev) or _tables.choose(key, dev, _configs.fits)
-            partials = 8 * triton.cdiv(n, cfg.kwargs["BLOCK_M"]) * m
-            if partials > _column_partials_budget(n, m, d):
-                return None
-            key = (*key, "columns")  # its own occupancy and fitted tiles
-            plan = self._run_fitting(_attend_kernel, key, cfg, plan_for, dev)
         else:
             cfg = self._tiles(key, nb + mb, dev)
             full = {"REPAIR": False}
             plan = self._launch(_ATTEND, _attend_kernel, key, cfg, plan_for, dev, full)
-        if columns is not None:  # merge the row blocks' column statistics
-            col_max, col_sum = plan[1][-2:]
-            lse_c = torch.empty(m, device=dev, dtype=torch.float32)
-            with on_device(dev):
-                _combine_kernel[(triton.cdiv(m, 128), 1)](
-                    col_max, col_sum, col_max, lse_c, lse_c, m, 1, col_max.shape[0], eps, 0, 0,
-                    BLOCK=128, BLOCK_P=1, HAS_V=False,
-                )  # fmt: skip
         if plan[2]["SPLIT"]:
             part_max, part_sum, part_acc = plan[1][8:11]
             splits = part_max.shape[0]
@@ -265,8 +235,6 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                     out.stride(0) if has_v else 0, out.stride(1) if has_v else 0,
                     BLOCK=blk, BLOCK_P=bpc, HAS_V=has_v,
                 )  # fmt: skip
-        if columns is not None:
-            return lse, lse_c
         return lse, (out if has_v else None)
 
     # ---- primitives ----------------------------------------------------------------
@@ -423,15 +391,15 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         initialization that bound is loose, so a solve's second step takes a sampled
         estimate instead (:meth:`_probe`, on clouds of :data:`PROBE_FROM` points or
         more). Relaxed steps compare the last residual itself with :data:`GATE_LIMIT`.
+        From :data:`ONE_PASS_FROM_D` features a step is one exact pass instead
+        (:mod:`._one_pass`), with no gate, when its partials fit their budget.
         """
         n, m = f.shape[0], g.shape[0]
         dev = f.device
         bias_r, bias_c = (g, form.beta, log_b), (f, form.alpha, log_a)
-        if form.segments is None and form.q.shape[1] >= ONE_PASS_FROM_D:
-            if ONE_PASS_KERNEL == "attend":
-                both = self._attend(form.q, form.k, eps, bias_r, columns=bias_c)
-            else:
-                both = exact_lse(self, form, f, g, log_a, log_b, eps, SPLIT_DOT)
+        wide = ONE_PASS_FROM_D is not None and form.q.shape[1] >= ONE_PASS_FROM_D
+        if wide and form.segments is None:
+            both = exact_lse(self, form, f, g, log_a, log_b, eps, SPLIT_DOT)
             if both is not None:
                 gate = None
                 if state is not None:  # the update records this step's residual range
@@ -597,11 +565,3 @@ def _window(n: int, m: int) -> float:
     low = -math.log(_LO_PER_TERM * max(n, m)) + shift
     return min(low, math.log(_HI) - shift) - 1.0
 
-
-def _column_partials_budget(n: int, m: int, d: int) -> int:
-    """Bytes a one-pass step's column partials may take: the float32 clouds' own size.
-
-    At least :data:`COLUMN_PARTIALS_FLOOR`. Memory then stays O((n + m)·d); larger
-    problems take the fused pass and its repair.
-    """
-    return max(COLUMN_PARTIALS_FLOOR, 4 * (n + m) * d)

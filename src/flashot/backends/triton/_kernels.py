@@ -214,12 +214,11 @@ def _attend_kernel(
     eps, LO,
     hi, cols_per_split, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vp,
     stride_on, stride_op, n_bucket, m_bucket, Q_INV, K_INV, q_lo, k_lo, V_INV, v_lo,
-    F_ROW, ALPHA_ROW, LOG_A_ROW, COL_MAX, COL_SUM,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, D_CHUNKS: tl.constexpr, HAS_V: tl.constexpr,
     SPLIT: tl.constexpr, POTENTIAL_BIAS: tl.constexpr, REPAIR: tl.constexpr,
     PRECISION: tl.constexpr, V_PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
-    V_SPLIT: tl.constexpr, SEGMENTED: tl.constexpr, COLUMNS: tl.constexpr = False,
+    V_SPLIT: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
     """Row LSE ``ε ln Σ_j e^{(s_ij + h_j)/ε}`` and softmax average of V over one column split.
 
@@ -232,10 +231,6 @@ def _attend_kernel(
     see ``_attend_tile`` (``V_INV``, ``v_lo``: the values' scale and low parts' offset).
     SEGMENTED (a packed batch, :mod:`flashot.segments`): program ``pid_m`` reads its rows
     ``[r0, r1)`` and its problem's columns ``[c0, c1)`` from the table ``BLOCKS``.
-    COLUMNS (potential bias, no V, no REPAIR, not SEGMENTED): the same score tiles also
-    give the column LSE with the row side's bias ``(f − α)/ε + ln a``: each program
-    writes its row block's (max, sum) of every column it streams to
-    ``COL_MAX``/``COL_SUM[pid_m, j]`` (base 2), which ``_combine_kernel`` merges.
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -267,10 +262,6 @@ def _attend_kernel(
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
-    if COLUMNS:  # the row side's share of the column exponents, base 2 (−inf off the tail)
-        f_r, alpha_r, log_a = _side_load(F_ROW, ALPHA_ROW, LOG_A_ROW, offs_m, row_ok, True)
-        u = (f_r - alpha_r) * scale + log_a * LOG2E
-        col_base = pid_m.to(tl.int64) * m
     for start in range(col_lo, col_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < col_hi
@@ -289,12 +280,6 @@ def _attend_kernel(
             s, h, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, run_max, run_sum, acc,
             scale, v_lo, v_unscale, HAS_V, V_PRECISION, V_SPLIT,
         )
-        if COLUMNS:  # a second exp per score: the tile's own column maxima
-            c = s * scale + u[:, None]
-            c_max = tl.max(c, 0)
-            c_sum = tl.sum(tl.exp2(c - tl.where(c_max == float("-inf"), 0.0, c_max)[None, :]), 0)
-            tl.store(COL_MAX + col_base + offs_n, c_max, mask=col_ok)
-            tl.store(COL_SUM + col_base + offs_n, c_sum, mask=col_ok)
     if SPLIT:
         idx = pid_s * n + offs_m
         if pid_p == 0:
