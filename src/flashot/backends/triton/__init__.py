@@ -564,4 +564,3 @@ def _window(n: int, m: int) -> float:
     shift = SUM_SHIFT * math.log(2.0)
     low = -math.log(_LO_PER_TERM * max(n, m)) + shift
     return min(low, math.log(_HI) - shift) - 1.0
-
