@@ -31,7 +31,7 @@ DIMS = [int(s) for s in os.environ.get("DIMS", "128,256,512").split(",")]
 EPS = os.environ.get("EPS", "0.1,scaled").split(",")
 PEER = os.environ.get("PEER", "1") == "1"
 dev = torch.device("cuda")
-MODES = {"fused+gate": None, "one pass": 256}
+MODES = {"fused+gate": None, "one pass": 1}  # ONE_PASS_FROM_D: none, every d
 PASSES = [
     tuple(int(v) for v in c.split("x"))
     for c in os.environ.get("PASSES", "50000x512,10000x512").split(",")
