@@ -218,7 +218,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                 block_m = tiles.kwargs["BLOCK_M"]
                 return build(1, m)
 
-            cfg = self._packed_tiles(key, nb, mb, dev)
+            cfg = self._table_tiles(key, nb, mb, dev)
             plan = self._run_fitting(_attend_kernel, key, cfg, packed, dev)
         else:
             cfg = self._tiles(key, nb + mb, dev)
@@ -272,11 +272,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             ``(R (n,), C (m,))``; with ``mul``, ``(R, C, R₀, C₀)`` with ``R₀``, ``C₀`` the
             sums without it.
         """
-        seg = form.segments
-        elements = form.q.shape[0] * form.k.shape[0] if seg is None else seg.elements
-        work = elements * max(form.q.shape[1], 64)
-        q, k, split_args, presplit = score_operands(self._operand(form.q, work=work),
-                                                     self._operand(form.k, work=work))  # fmt: skip
+        q, k, split_args, presplit, nb, mb, key = self._sums_operands(form)
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
         bd, chunks = _configs.block_d(d, q.element_size())
@@ -284,11 +280,8 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                            dtype=torch.float32)  # fmt: skip
         r, c, r_den, c_den = sums[:n], sums[n : n + m], sums[n + m : 2 * n + m], sums[2 * n + m :]
         gate_in, gate_out = gate if gate is not None else (sums, sums)
-        nb, mb = _configs.bucket(n), _configs.bucket(m)
         seg = None if form.segments is None else form.segments.T  # column blocks' table
         block_n = 0  # (set once a packed batch's tiles are known)
-        if seg is not None:
-            nb, mb = _configs.largest_bucket(seg.cols), _configs.largest_bucket(seg.rows)
 
         def build(splits, per, probe=False):
             """Grid, arguments and constexprs of a launch with ``splits`` row splits."""
@@ -309,8 +302,6 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                           PRESPLIT=presplit, SEGMENTED=seg is not None)  # fmt: skip
             return grid, args, consts
 
-        key = ("plan_sums", d, nb, mb, SPLIT_DOT if presplit else self._dot(), q.dtype)
-
         def plan_for(tiles):
             return build(*self._split(_plan_sums_kernel, key, tiles, build, m, n, dev))
 
@@ -326,13 +317,31 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                 block_n = tiles.kwargs["BLOCK_N"]
                 return build(1, n)
 
-            cfg = self._packed_tiles(key, nb, mb, dev)
+            cfg = self._table_tiles(key, nb, mb, dev)
             self._run_fitting(_plan_sums_kernel, key, cfg, packed, dev)
         else:
             cfg = self._tiles(key, nb + mb, dev)
             self._launch(_PLAN_SUMS, _plan_sums_kernel, key, cfg, plan_for, dev,
                          {"GATED": False}, reset)  # fmt: skip
         return (r, c) if mul is None else (r, c, r_den, c_den)
+
+    def _sums_operands(self, form):
+        """``(q, k, split_args, presplit, nb, mb, key)`` of a plan-sums launch over ``form``.
+
+        The score operands as the kernel reads them (:func:`score_operands`), the size
+        buckets (a packed batch's largest problem's) and the tile tables' key.
+        """
+        seg = form.segments
+        elements = form.q.shape[0] * form.k.shape[0] if seg is None else seg.elements
+        work = elements * max(form.q.shape[1], 64)
+        q, k, split_args, presplit = score_operands(self._operand(form.q, work=work),
+                                                     self._operand(form.k, work=work))  # fmt: skip
+        if seg is None:
+            nb, mb = _configs.bucket(q.shape[0]), _configs.bucket(k.shape[0])
+        else:
+            nb, mb = _configs.largest_bucket(seg.rows), _configs.largest_bucket(seg.cols)
+        dot = SPLIT_DOT if presplit else self._dot()
+        return q, k, split_args, presplit, nb, mb, ("plan_sums", q.shape[1], nb, mb, dot, q.dtype)
 
     @staticmethod
     def valid_range(size: int, max_weight: float = 1.0) -> tuple[float, float]:
@@ -397,18 +406,15 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         n, m = f.shape[0], g.shape[0]
         dev = f.device
         bias_r, bias_c = (g, form.beta, log_b), (f, form.alpha, log_a)
-        wide = ONE_PASS_FROM_D is not None and form.q.shape[1] >= ONE_PASS_FROM_D
-        if wide and form.segments is None:
-            both = exact_lse(self, form, f, g, log_a, log_b, eps, SPLIT_DOT)
-            if both is not None:
-                gate = None
-                if state is not None:  # the update records this step's residual range
-                    gate = state.swap()
-                    gate[1].zero_()
-                    state.eps, state.steps = eps, state.steps + 1
-                return self._update(form, f, g, log_a, log_b, eps, w_old, w_new, rho, check,
-                                    state, log_sums, gate, *both)  # fmt: skip
         gate = None if state is None else state.swap()
+        wide = ONE_PASS_FROM_D is not None and form.q.shape[1] >= ONE_PASS_FROM_D
+        both = exact_lse(self, form, f, g, log_a, log_b, eps) if wide else None
+        if both is not None:
+            if state is not None:  # the update records this step's residual range
+                gate[1].zero_()
+                state.eps, state.steps = eps, state.steps + 1
+            return self._update(form, f, g, log_a, log_b, eps, w_old, w_new, rho, check,
+                                state, log_sums, gate, *both)  # fmt: skip
         span = rho == (None, None) and w_old == w_new == (0.5, 0.5)
         limit = _window(n, m) if span else GATE_LIMIT
         probe = span and self.fused and state is not None and state.steps == 1

@@ -177,8 +177,11 @@ class TunedLaunches:
             raw[grid(cfg.kwargs)](*args, **consts, **tiles)
         return plan
 
-    def _packed_tiles(self, key, nb, mb, device):
-        """A packed batch's tiles: its largest problem's, from the tables, never tuned."""
+    def _table_tiles(self, key, nb, mb, device):
+        """Tiles from the tables or the heuristic, never tuned here.
+
+        A packed batch takes its largest problem's; a one-pass step the fused pass's.
+        """
         return self._tiles(key, nb + mb, device) or _tables.choose(key, device, _configs.fits)
 
     @staticmethod

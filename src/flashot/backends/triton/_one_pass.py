@@ -23,9 +23,8 @@ import torch
 import triton
 
 from flashot.backends import on_device
-from flashot.backends.triton import _configs, _tables
+from flashot.backends.triton import _configs
 from flashot.backends.triton._kernels import _combine_kernel, _plan_sums_kernel
-from flashot.backends.triton._operands import score_operands
 
 __all__ = ["exact_lse", "partials_budget"]
 
@@ -42,21 +41,20 @@ def partials_budget(n: int, m: int, d: int) -> int:
     return max(PARTIALS_FLOOR, 8 * (n + m) * d)
 
 
-def exact_lse(backend, form, f, g, log_a, log_b, eps, split_dot):
-    """``(lse_r (n,), lse_c (m,))`` of potentials f, g (see module); None over budget.
+def exact_lse(backend, form, f, g, log_a, log_b, eps):
+    """``(lse_r (n,), lse_c (m,))`` of potentials f, g (see module), or None.
 
+    None over the partials' budget or for a packed form (its blocks are the fused pass's).
     ``backend``: the :class:`~flashot.backends.triton.TritonBackend` (its operands,
-    tiles and launches); ``split_dot``: the tile tables' name of the split dot.
+    tiles and launches).
     """
-    n, m, d = form.q.shape[0], form.k.shape[0], form.q.shape[1]
-    work = n * m * max(d, 64)
-    q, k, split_args, presplit = score_operands(backend._operand(form.q, work=work),
-                                                backend._operand(form.k, work=work))  # fmt: skip
+    if form.segments is not None:
+        return None
+    q, k, split_args, presplit, nb, mb, key = backend._sums_operands(form)
+    n, m, d = q.shape[0], k.shape[0], q.shape[1]
     dev = q.device
     bd, chunks = _configs.block_d(d, q.element_size())
-    nb, mb = _configs.bucket(n), _configs.bucket(m)
-    key = ("plan_sums", d, nb, mb, split_dot if presplit else backend._dot(), q.dtype)
-    cfg = backend._tiles(key, nb + mb, dev) or _tables.choose(key, dev, _configs.fits)
+    cfg = backend._table_tiles(key, nb, mb, dev)
     if 8 * triton.cdiv(m, cfg.kwargs["BLOCK_N"]) * n > partials_budget(n, m, d):
         return None
     lse_r = torch.empty(n, device=dev, dtype=torch.float32)
