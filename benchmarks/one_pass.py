@@ -55,7 +55,7 @@ def rel_error(d, eps, precision="auto"):
 
 def passes():
     """One pass of each kernel, in a solve's operand scope (split operands), ms."""
-    from flashot.backends.triton import SPLIT_DOT, TritonBackend, _one_pass
+    from flashot.backends.triton import TritonBackend, _one_pass
     from flashot.costs import attention_form, get_cost
 
     for n, d in PASSES:
@@ -68,9 +68,8 @@ def passes():
             calls = {
                 "fused plan_sums": lambda: be.plan_sums(form, f, g, la, lb, 0.1, shift=18.0),
                 "attend rows": lambda: be._attend(form.q, form.k, 0.1, (g, form.beta, lb)),
-                "plan_sums exact": lambda: _one_pass.exact_lse(be, form, f, g, la, lb, 0.1,
-                                                               SPLIT_DOT),
-            }  # fmt: skip
+                "plan_sums exact": lambda: _one_pass.exact_lse(be, form, f, g, la, lb, 0.1),
+            }
             out = []
             for name, call in calls.items():
                 call()
