@@ -8,7 +8,7 @@ PASSES ("50000x512,10000x512": n x d) in a solve's operand scope; then forward (
 symmetric iterations, as ``flashot bench``: N(0, I) clouds, weights on [0.1, 1.1)) and
 forward + gradient, do_bench medians in ms, and the relative error of the cost against
 float64 at n = 1000. Env: SIZES, DIMS, EPS ("0.1,scaled": 0.1 and 0.1·d), PEER (1:
-flash-sinkhorn in this process).
+flash-sinkhorn in this process), PRECISION (flashot's, "auto").
 
     python benchmarks/one_pass.py
 """
@@ -30,6 +30,7 @@ SIZES = [int(s) for s in os.environ.get("SIZES", "10000,50000").split(",")]
 DIMS = [int(s) for s in os.environ.get("DIMS", "128,256,512").split(",")]
 EPS = os.environ.get("EPS", "0.1,scaled").split(",")
 PEER = os.environ.get("PEER", "1") == "1"
+PRECISION = os.environ.get("PRECISION", "auto")
 dev = torch.device("cuda")
 MODES = {"fused+gate": None, "one pass": 1}  # ONE_PASS_FROM_D: none, every d
 PASSES = [
@@ -94,8 +95,8 @@ for d in DIMS:
                     continue
                 for mode, thr in MODES.items():
                     backend.ONE_PASS_FROM_D = thr
-                    err = rel_error(d, eps) if (n == SIZES[0] and not grad) else float("nan")
-                    f = timed(Flashot("triton"), pb, grad)
+                    err = rel_error(d, eps, PRECISION) if (n == SIZES[0] and not grad) else float("nan")
+                    f = timed(Flashot("triton", PRECISION), pb, grad)
                     f()
                     torch.cuda.synchronize()
                     ms = do_bench(f, warmup=25, rep=300 if n <= 10000 else 1500)

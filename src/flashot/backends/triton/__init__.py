@@ -67,11 +67,13 @@ SUM_SHIFT = 18.0
 PROBE_ROWS, PROBE_MARGIN, PROBE_FROM = 256, 1.1, 4096
 #: CUDA graphs pay off while launches cost as much as the work: n·m up to 2^28
 GRAPHS_UP_TO_LOG2 = 28
-#: from this feature width (None: never) a Jacobi step streams its score tiles once with
-#: two exps each and no window (:mod:`._one_pass`) instead of the one-exp fused pass,
-#: whose gate sends a small-ε solve's first steps to two exact passes. Off until timed on
-#: a GPU (``benchmarks/one_pass.py``; predicted for d = 512, where MMAs bound a pass)
-ONE_PASS_FROM_D: int | None = None
+#: from this feature width (None: never), in "fp32", a Jacobi step streams its score tiles
+#: once with two exps each and no window (:mod:`._one_pass`) instead of the one-exp fused
+#: pass, whose gate sends a small-ε solve's first steps to two exact passes. H200, 50k,
+#: ε = 0.1 (``benchmarks/one_pass.py``): d = 512 340 → 272 ms, d = 256 179 → 162, d = 128
+#: 69 → 116 (exps bound); ε = 0.1·d: d = 512 281 → 272, d = 256 161 → 162; 10k: even.
+#: tf32/bf16 at d = 512: 237 → 250, 116 → 120 (one MMA per score: exps matter again)
+ONE_PASS_FROM_D: int | None = 256
 class TritonBackend(TunedLaunches, OperandCache, Backend):
     """Fused Triton kernels (float32 compute; float16/bfloat16/float32 inputs).
 
@@ -400,14 +402,15 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         initialization that bound is loose, so a solve's second step takes a sampled
         estimate instead (:meth:`_probe`, on clouds of :data:`PROBE_FROM` points or
         more). Relaxed steps compare the last residual itself with :data:`GATE_LIMIT`.
-        From :data:`ONE_PASS_FROM_D` features a step is one exact pass instead
+        In "fp32" from :data:`ONE_PASS_FROM_D` features a step is one exact pass instead
         (:mod:`._one_pass`), with no gate, when its partials fit their budget.
         """
         n, m = f.shape[0], g.shape[0]
         dev = f.device
         bias_r, bias_c = (g, form.beta, log_b), (f, form.alpha, log_a)
         gate = None if state is None else state.swap()
-        wide = ONE_PASS_FROM_D is not None and form.q.shape[1] >= ONE_PASS_FROM_D
+        wide = self.fused and self.precision == "fp32" and ONE_PASS_FROM_D is not None
+        wide = wide and form.q.shape[1] >= ONE_PASS_FROM_D
         both = exact_lse(self, form, f, g, log_a, log_b, eps) if wide else None
         if both is not None:
             if state is not None:  # the update records this step's residual range

@@ -20,10 +20,11 @@ __all__ = ["OperandCache", "score_operands"]
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: ``presplit=None`` splits a launch's operands when n·m·max(d, 64) reaches this: below,
 #: the conversions cost more than the MMAs they save (H200, the GeomLoss call at 10k:
-#: d = 3 10.8 → 7.3 ms, d = 64 23.4 → 16.9 ms without), above they pay (50k d = 3 99 →
-#: 59 ms, 50k d = 64 189 → 96 ms, 10k d = 512 with the gradient 44 → 24 ms); small d
-#: counts as 64, as its tiles cost that much
-PRESPLIT_FROM = 1 << 34
+#: d = 3 10.8 → 7.3 ms without, v18, host-bound then), above they pay (50k d = 3 99 →
+#: 59 ms, 50k d = 64 189 → 96 ms, 10k d = 512 with the gradient 44 → 24 ms, and since the
+#: call's CUDA graphs 10k d = 64 9.82 → 9.49 ms, v26); small d counts as 64, as its tiles
+#: cost that much
+PRESPLIT_FROM = 1 << 32
 
 
 class OperandCache:
