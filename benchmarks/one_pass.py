@@ -1,6 +1,6 @@
 """The one-pass step of wide features against the fused pass + gate (A/B), and the peer.
 
-``ONE_PASS_FROM_D`` (:mod:`flashot.backends.triton`, off by default): from this d a step
+``ONE_PASS_FROM_D`` (:mod:`flashot.backends.triton`, 256 since v26; fp32 only): from this d a step
 streams its score tiles once with two exps per score (:mod:`._one_pass`: row and column
 (max, sum) partials, no window) instead of the one-exp fused pass, whose gate sends the
 first steps of a small-ε solve to two exact passes. First one pass of each kernel at
@@ -95,7 +95,8 @@ for d in DIMS:
                     continue
                 for mode, thr in MODES.items():
                     backend.ONE_PASS_FROM_D = thr
-                    err = rel_error(d, eps, PRECISION) if (n == SIZES[0] and not grad) else float("nan")
+                    first = n == SIZES[0] and not grad
+                    err = rel_error(d, eps, PRECISION) if first else float("nan")
                     f = timed(Flashot("triton", PRECISION), pb, grad)
                     f()
                     torch.cuda.synchronize()

@@ -155,3 +155,23 @@ def test_partials_past_their_budget_take_the_two_pass_step(gen, one_pass, monkey
     two = be.jacobi_step(form, *args32, eps, (1.0, 1.0), (None, None))
     assert one_pass == [True, False]
     assert rel(one[0], two[0]) < 1e-5 and rel(one[1], two[1]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "d, options, expected",
+    [(5, {}, False), (6, {}, True), (6, {"precision": "tf32"}, False),
+     (6, {"fused": False}, False)],
+)  # fmt: skip
+def test_the_default_takes_the_one_pass_from_its_width_in_fp32_only(gen, one_pass, monkeypatch, d,
+                                                                    options, expected):  # fmt: skip
+    """From ``ONE_PASS_FROM_D`` features (here 6), in "fp32" with the fused kernel on, every
+    step is one pass; narrower clouds, one-MMA precisions (tf32, bf16: exps bound there)
+    and ``fused=False`` (two exact passes asked for) keep the fused/two-pass path."""
+    from flashot.backends import triton as backend
+
+    monkeypatch.setattr(backend, "ONE_PASS_FROM_D", 6)
+    x, y = clouds(gen, 40, 33, d, dtype=torch.float32)
+    be = backend.TritonBackend(**options)
+    flashot.sinkhorn(x.to(DEVICE), y.to(DEVICE), eps=0.1, tol=None, max_iter=4, backend=be)
+    assert one_pass == ([True] * len(one_pass) if expected else [])
+    assert len(one_pass) >= (4 if expected else 0)

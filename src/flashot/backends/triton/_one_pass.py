@@ -3,9 +3,10 @@ r"""Both LSEs of a Jacobi step from one streaming pass, with no window (wide fea
 The fused pass (``_plan_sums_kernel``) shares one exponential per score between the row
 and the column sums, which needs every residual ``ln R`` inside a fixed window; early
 steps of a small-ε solve fall outside it and take two exact passes instead (rows, then
-columns). From ``ONE_PASS_FROM_D`` the score tile's MMAs, not its exponentials, bound a
-pass, so a second exponential per score is cheap and one exact pass serves both sides:
-``_plan_sums_kernel`` with EXACT writes base-2 ``(max, sum)`` partials,
+columns). From ``ONE_PASS_FROM_D`` in "fp32" the score tile's three half products, not
+its exponentials, bound a pass, so a second exponential per score is cheap and one
+exact pass serves both sides: ``_plan_sums_kernel`` with EXACT writes base-2
+``(max, sum)`` partials,
 
 .. math::
 
