@@ -125,16 +125,19 @@ def test_split_values_average_like_float64(log_v, eps, seed):
 
 
 def test_default_presplit_follows_the_launch_size():
-    """presplit=None splits launches of n·m·max(d, 64) ≥ PRESPLIT_FROM only; True always,
+    """presplit=None splits launches of split_work ≥ PRESPLIT_FROM only; True always,
     False never."""
     from flashot.backends.triton import TritonBackend
-    from flashot.backends.triton._operands import PRESPLIT_FROM
+    from flashot.backends.triton._operands import PRESPLIT_FROM, split_work
 
     auto, always = TritonBackend(), TritonBackend(presplit=True)
     never = TritonBackend(presplit=False)
     assert not auto._splits(PRESPLIT_FROM - 1) and auto._splits(PRESPLIT_FROM)
     assert always._splits(1) and not never._splits(PRESPLIT_FROM)
     assert not TritonBackend(precision="tf32")._splits(PRESPLIT_FROM)
+    # the measured sides of the rule (H200): 10k d = 3 unsplit, 10k d = 64, 50k d = 3 split
+    assert not auto._splits(split_work(10_000**2, 3))
+    assert auto._splits(split_work(10_000**2, 64)) and auto._splits(split_work(50_000**2, 3))
     gen = torch.Generator().manual_seed(2)
     x, y = torch.randn(30, 4, generator=gen), torch.randn(20, 4, generator=gen)
     seen = []

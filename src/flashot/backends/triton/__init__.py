@@ -33,7 +33,7 @@ from flashot.backends.triton._kernels import (
 )
 from flashot.backends.triton._launch import _ATTEND, _PLAN_SUMS, TunedLaunches
 from flashot.backends.triton._one_pass import exact_lse
-from flashot.backends.triton._operands import OperandCache, score_operands
+from flashot.backends.triton._operands import OperandCache, score_operands, split_work
 from flashot.backends.triton._vjp import FUSED_UP_TO, fused_plan_vjp
 from flashot.dual import log_residual
 
@@ -95,7 +95,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             (:mod:`._split`; a copy of each cloud's size in half precision while a
             solve runs) instead of per tile by 3xTF32. Passes outside a solve
             (gradients, plan products, dual solves) keep 3xTF32. None (default):
-            for launches with n·m·max(d, 64) ≥ 2^34 (:data:`._operands.PRESPLIT_FROM`),
+            for launches with n·m·max(4d, 64) ≥ 2^34 (:data:`._operands.PRESPLIT_FROM`),
             where the split pays for its conversions.
     """
 
@@ -145,7 +145,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         its table of row blocks, each streaming its own problem's columns (no splits).
         """
         elements = q.shape[0] * k.shape[0] if segments is None else segments.elements
-        work = elements * max(q.shape[1], 64)
+        work = split_work(elements, q.shape[1])
         q, k, split_args, presplit = score_operands(self._operand(q, keep_q, work),
                                                     self._operand(k, work=work))  # fmt: skip
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
@@ -335,7 +335,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         """
         seg = form.segments
         elements = form.q.shape[0] * form.k.shape[0] if seg is None else seg.elements
-        work = elements * max(form.q.shape[1], 64)
+        work = split_work(elements, form.q.shape[1])
         q, k, split_args, presplit = score_operands(self._operand(form.q, work=work),
                                                      self._operand(form.k, work=work))  # fmt: skip
         if seg is None:

@@ -18,13 +18,22 @@ from flashot.backends.triton._split import SplitOperand, split_operand
 __all__ = ["OperandCache", "score_operands"]
 
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
-#: ``presplit=None`` splits a launch's operands when n·m·max(d, 64) reaches this: below,
-#: the conversions cost more than the MMAs they save (H200, the GeomLoss call at 10k:
-#: d = 3 10.8 → 7.3 ms without, v18, host-bound then), above they pay (50k d = 3 99 →
-#: 59 ms, 50k d = 64 189 → 96 ms, 10k d = 512 with the gradient 44 → 24 ms, and since the
-#: call's CUDA graphs 10k d = 64 9.82 → 9.49 ms, v26); small d counts as 64, as its tiles
-#: cost that much
-PRESPLIT_FROM = 1 << 32
+#: ``presplit=None`` splits a launch's operands when its :func:`split_work` reaches this:
+#: below, the conversions cost more than the MMAs they save (H200, the GeomLoss call at
+#: 10k d = 3: 10.8 → 7.3 ms without, v18), above they pay (50k d = 3 99 → 59 ms, 50k
+#: d = 64 189 → 96 ms, 10k d = 512 with the gradient 44 → 24 ms; v26, with the call's
+#: CUDA graphs, 10k d = 64 9.82 → 9.49 ms)
+PRESPLIT_FROM = 1 << 34
+
+
+def split_work(elements: int, d: int) -> int:
+    """A launch's size for :data:`PRESPLIT_FROM`: ``elements·max(4d, 64)``.
+
+    ``elements``: its n·m scores. A tile costs at least what d = 16 costs (exps,
+    reductions); from there the MMAs the split saves grow with d while its conversions
+    stay per point, so wide features count four-fold (10k d = 64 splits, 10k d = 3 not).
+    """
+    return elements * max(4 * d, 64)
 
 
 class OperandCache:
@@ -49,7 +58,7 @@ class OperandCache:
     def _splits(self, work: int | None = None) -> bool:
         """Whether score operands are split once per solve (:mod:`._split`).
 
-        ``work``: the launch's n·m·max(d, 64), which decides for ``presplit=None``
+        ``work``: the launch's :func:`split_work`, which decides for ``presplit=None``
         (:data:`PRESPLIT_FROM`); None asks whether this backend ever splits.
         """
         if self.precision != "fp32" or self.presplit is False:
@@ -73,7 +82,7 @@ class OperandCache:
     def _operand(self, t: torch.Tensor, keep: bool = True, work: int | None = None):
         """A feature matrix as the kernels read it: float32, a half copy, or split parts.
 
-        Half copies are cached (``keep``); ``work`` is the launch's n·m·max(d, 64) (see
+        Half copies are cached (``keep``); ``work`` is the launch's :func:`split_work` (see
         :meth:`_splits`). Split parts (``"fp32"``) are made only within
         :meth:`operand_scope` (a solve's many passes share them); a pass outside one
         reads the float32 features with 3xTF32 and needs no copy.
