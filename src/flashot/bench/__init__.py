@@ -23,6 +23,7 @@ also gets the floor of its operation count at ceilings measured in the same run
 
     flashot bench                       # a quick suite on whatever device is present
     flashot bench --full --out results  # the suite behind BENCHMARKS.md
+    flashot bench --merge part1 part2 --out results  # one suite from runs of parts of it
 """
 
 from flashot.bench.harness import Row, run_suite

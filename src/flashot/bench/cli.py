@@ -10,7 +10,7 @@ import torch
 
 from flashot.bench.harness import environment, largest_sizes, run_suite
 from flashot.bench.providers import PROVIDERS, providers
-from flashot.bench.report import plot, table, write
+from flashot.bench.report import merge, plot, read, table, write
 
 __all__ = ["QUICK", "add_arguments", "run"]
 
@@ -57,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--largest", type=float, default=0.0, metavar="SECONDS",
                    help="also find the largest n each provider runs a workload at in one "
                         "call of at most SECONDS (doubling n; 0: skip)")  # fmt: skip
+    p.add_argument("--merge", nargs="+", metavar="DIR",
+                   help="run nothing: merge the results of earlier runs (their --out folders, "
+                        "the same device) into --out, later runs' rows replacing earlier "
+                        "ones: a sweep split over several sessions")  # fmt: skip
     p.add_argument("--largest-cap", type=int, default=None, metavar="N",
                    help="the largest n tried by --largest (default 4M on a GPU, 64k on a "
                         "CPU)")  # fmt: skip
@@ -66,6 +70,12 @@ def run(args: argparse.Namespace) -> int:
     """Run the suite; print the table; write the files. Returns the exit code."""
     from flashot.cli import CliError
 
+    if args.merge:
+        try:
+            rows, env = merge([read(Path(path)) for path in args.merge])
+        except ValueError as exc:
+            raise CliError(f"--merge: {exc}") from None
+        return _report(rows, env, Path(args.out))
     device = torch.device(args.device)
     bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad:
@@ -104,8 +114,11 @@ def run(args: argparse.Namespace) -> int:
         rows += largest_sizes(args.workloads, dims, chosen, device, args.largest,
                               start=min(sizes), cap=cap, eps=args.eps, iters=args.iters,
                               tol=args.tol, progress=say)  # fmt: skip
-    env = environment(device, getattr(args, "command_line", None))
-    out = Path(args.out)
+    return _report(rows, environment(device, getattr(args, "command_line", None)), Path(args.out))
+
+
+def _report(rows, env: dict, out: Path) -> int:
+    """Print the table, write the files; the exit code."""
     files = write(rows, env, out) + plot(rows, out)
     print(f"{env['device']}; " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
     print(table(rows))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from flashot.bench.harness import Row
 
-__all__ = ["plot", "table", "write"]
+__all__ = ["merge", "plot", "read", "table", "write"]
 
 
 def _fmt(v, digits=3) -> str:
@@ -57,6 +57,52 @@ def write(rows: list[Row], env: dict, out: Path, name: str = "bench") -> list[Pa
                "rows": [{**dataclasses.asdict(r), "x_floor": r.x_floor} for r in rows]}  # fmt: skip
     json_path.write_text(json.dumps(payload, indent=1))
     return [csv_path, json_path]
+
+
+def read(path: Path) -> tuple[list[Row], dict]:
+    """The rows and environment a suite wrote (:func:`write`).
+
+    ``path``: its ``bench.json`` or the folder holding it. Raises ValueError naming the
+    file when it is missing or not a suite's.
+    """
+    path = Path(path)
+    file = path / "bench.json" if path.is_dir() else path
+    try:
+        payload = json.loads(file.read_text())
+        fields = {f.name for f in dataclasses.fields(Row)}
+        rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in payload["rows"]]
+        return rows, payload["environment"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{file}: not a flashot bench result ({exc})") from None
+
+
+def merge(runs: list[tuple[list[Row], dict]]) -> tuple[list[Row], dict]:
+    """One suite from several runs of it on the same device (a sweep split over calls).
+
+    Rows are keyed by (workload, provider, n, d): a later run's timed row replaces an
+    earlier one, a later skip replaces only a skip. Raises ValueError when the runs' devices
+    or the versions they share differ (their numbers would not compare).
+    """
+    rows: dict[tuple, Row] = {}
+    first_env = runs[0][1]
+    versions = dict(first_env["versions"])
+    for run_rows, env in runs:
+        if env["device"] != first_env["device"]:
+            raise ValueError(f"runs on different devices: {first_env['device']!r} and "
+                             f"{env['device']!r}")  # fmt: skip
+        clash = {k for k, v in env["versions"].items() if versions.get(k, v) != v}
+        if clash:
+            raise ValueError(f"runs with different versions of {', '.join(sorted(clash))}")
+        versions.update(env["versions"])
+        for r in run_rows:
+            key = (r.workload, r.provider, r.n, r.d)
+            if key not in rows or not r.skipped or rows[key].skipped:
+                rows[key] = r
+    dates = [env["date"] for _, env in runs]
+    env = dict(device=first_env["device"], versions=versions,
+               command=" ; ".join(env["command"] for _, env in runs),
+               date=min(dates) if len(set(dates)) == 1 else f"{min(dates)} … {max(dates)}")
+    return list(rows.values()), env
 
 
 def plot(rows: list[Row], out: Path, name: str = "bench") -> list[Path]:

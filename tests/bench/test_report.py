@@ -1,0 +1,74 @@
+"""flashot.bench.report: results read back as written, and runs merged into one suite."""
+
+import json
+
+import pytest
+
+from flashot.bench.harness import Row
+from flashot.bench.report import merge, read, write
+from flashot.cli import main
+
+ENV = dict(device="NVIDIA H200", versions={"flashot": "0.1", "torch": "2.11"},
+           command="flashot bench --sizes 10000", date="2026-12-02 10:00")  # fmt: skip
+
+
+def _row(n, provider="flashot-triton", ms=1.0, skipped=None):
+    return Row("forward", provider, n, 64, ms=None if skipped else ms, skipped=skipped,
+               floor_ms=0.5, rel_error=1e-7, value=3.0)  # fmt: skip
+
+
+def test_rows_read_back_as_written(tmp_path):
+    rows = [_row(1000), _row(2000, "flash-sinkhorn", skipped="not installed")]
+    write(rows, ENV, tmp_path)
+    got, env = read(tmp_path)
+    assert got == rows and env == ENV and got[0].x_floor == 2.0
+
+
+def test_later_timed_rows_replace_earlier_ones_and_skips_never_replace_times():
+    first = [_row(1000, ms=5.0), _row(1000, "peer", ms=7.0), _row(2000, "peer", skipped="x")]
+    later = [_row(1000, ms=4.0), _row(1000, "peer", skipped="not installed"),
+             _row(2000, "peer", ms=9.0), _row(4000, ms=20.0)]  # fmt: skip
+    env2 = {**ENV, "date": "2026-12-03 09:00", "command": "flashot bench --sizes 4000",
+            "versions": {"torch": "2.11", "flash_sinkhorn": "0.4.1"}}  # fmt: skip
+    rows, env = merge([(first, ENV), (later, env2)])
+    got = {(r.provider, r.n): (r.ms, r.skipped) for r in rows}
+    assert got == {("flashot-triton", 1000): (4.0, None), ("peer", 1000): (7.0, None),
+                   ("peer", 2000): (9.0, None), ("flashot-triton", 4000): (20.0, None)}  # fmt: skip
+    assert env["versions"] == {"flashot": "0.1", "torch": "2.11", "flash_sinkhorn": "0.4.1"}
+    assert env["date"] == "2026-12-02 10:00 … 2026-12-03 09:00"
+    assert env["command"] == "flashot bench --sizes 10000 ; flashot bench --sizes 4000"
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [({"device": "NVIDIA A100"}, "different devices"),
+     ({"versions": {"torch": "2.13"}}, "versions of torch")],
+)  # fmt: skip
+def test_runs_that_do_not_compare_are_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        merge([([_row(1000)], ENV), ([_row(2000)], {**ENV, **change})])
+
+
+def test_cli_merges_two_runs_of_a_split_sweep(tmp_path, capsys):
+    """Two real CPU runs (one size each) merge into one table, CSV, JSON and plot."""
+    for n in (40, 60):
+        assert main(["bench", "--sizes", str(n), "--dims", "2", "--workloads", "forward",
+                     "--providers", "flashot-torch", "--out", str(tmp_path / f"run{n}"),
+                     "--quiet"]) == 0  # fmt: skip
+    capsys.readouterr()
+    out = tmp_path / "merged"
+    assert main(["bench", "--merge", str(tmp_path / "run40"), str(tmp_path / "run60"),
+                 "--out", str(out)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "| forward | 40 | 2 | flashot-torch |" in text
+    assert "| forward | 60 | 2 | flashot-torch |" in text
+    payload = json.loads((out / "bench.json").read_text())
+    assert sorted(r["n"] for r in payload["rows"]) == [40, 60]
+    assert payload["environment"]["command"].count("flashot bench --sizes") == 2
+    assert (out / "bench_forward.png").stat().st_size > 1000
+
+
+def test_cli_merge_names_a_folder_without_results(tmp_path, capsys):
+    assert main(["bench", "--merge", str(tmp_path / "nowhere"), "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "--merge" in err and "nowhere" in err
