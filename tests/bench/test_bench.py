@@ -223,3 +223,16 @@ def test_row_budget_skips_sizes_predicted_too_slow_and_slow_calls_run_twice(monk
     assert 160 not in prov.calls
     # the accuracy check (n=40 is ACCURACY_N's min) + first call + two timed calls
     assert prov.calls.count(40) == 4
+
+
+def test_cli_runs_a_named_triton_provider_on_any_device(tmp_path, capsys):
+    """--providers names any known provider on any device: the default CPU suite leaves the
+    Triton rows out, but a named one runs or says why (it was a KeyError)."""
+    code = main(["bench", "--sizes", "40", "--dims", "2", "--workloads", "forward", "--providers",
+                 "flashot-triton-tf32,flashot-torch", "--device", "cpu", "--out", str(tmp_path),
+                 "--quiet", "--no-floor"])  # fmt: skip
+    assert code == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["provider"] for r in rows] == ["flashot-triton-tf32", "flashot-torch"]
+    assert "needs the triton backend on a GPU" in rows[0]["skipped"]
+    assert rows[1]["ms"] > 0

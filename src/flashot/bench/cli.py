@@ -97,10 +97,7 @@ def run(args: argparse.Namespace) -> int:
     sizes, dims = args.sizes or sizes, args.dims or dims
     if min(sizes) < 2 or min(dims) < 1:
         raise CliError("--sizes must be ≥ 2 and --dims ≥ 1")
-    chosen = providers(device)
-    if args.providers is not None:  # in the order given (e.g. KeOps before Triton compiles)
-        by_name = {p.name: p for p in chosen}
-        chosen = [by_name[name] for name in dict.fromkeys(args.providers)]
+    chosen = providers(device, args.providers)  # in the order given (KeOps before Triton)
 
     def say(text: str) -> None:
         if not args.quiet:

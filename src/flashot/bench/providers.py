@@ -527,14 +527,20 @@ def _ott_jax_compat():
         batching.is_vmappable = lambda leaf: False
 
 
-def providers(device: torch.device) -> list[Provider]:
-    """Every provider, in the table's order (those unavailable say why when run)."""
-    out: list[Provider] = [Flashot("torch")]
-    if device.type == "cuda":
-        out += [Flashot("triton"), Flashot("triton", "tf32"), Flashot("triton", "bf16")]
-    out += [DenseTorch(), GeomLoss("tensorized"), GeomLoss("online"), POT(), POTLazy(),
-            FlashSinkhorn(), OTT("dense"), OTT("online")]
-    return out
+def providers(device: torch.device, names=None) -> list[Provider]:
+    """The providers to run; those unavailable say why when run.
+
+    ``names``: these (of :data:`PROVIDERS`), in their order; None: every one in the
+    table's order, the Triton rows on a GPU only.
+    """
+    out: list[Provider] = [Flashot("torch"), Flashot("triton"), Flashot("triton", "tf32"),
+                           Flashot("triton", "bf16"), DenseTorch(), GeomLoss("tensorized"),
+                           GeomLoss("online"), POT(), POTLazy(), FlashSinkhorn(), OTT("dense"),
+                           OTT("online")]  # fmt: skip
+    if names is not None:
+        by_name = {p.name: p for p in out}
+        return [by_name[name] for name in dict.fromkeys(names)]
+    return [p for p in out if device.type == "cuda" or not p.name.startswith("flashot-triton")]
 
 
 #: provider names accepted by ``--providers`` (flashot's precision rows included)

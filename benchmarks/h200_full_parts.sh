@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The --full suite of BENCHMARKS.md in parts that each fit one 10-minute device call;
+# `flashot bench --merge OUT/a OUT/b ... --out OUT/full` assembles them (one table, CSV,
+# JSON, plots). Usage: bash benchmarks/h200_full_parts.sh PART OUT   (PART: a … f)
+# a, b: every peer at n ≤ 50k (d 3/64, then 512/1024); c: n 200k, 1M for flashot and the
+# peer that streams; d: HVP and time-to-tolerance; e: the largest n per provider in 60 s;
+# f: the fast modes beside the default at n ≤ 50k. Not yet timed as parts: give each call
+# timeout 590; --row-budget (30 s) skips sizes a provider's previous size predicts too slow.
+set -u
+part=$1 out=$2
+gpu_peers=flashot-triton,flash-sinkhorn,ott-online,ott-dense,geomloss-tensorized,dense-torch,pot
+case $part in
+  a) args=(--sizes 1000,10000,50000 --dims 3,64 --providers $gpu_peers) ;;
+  b) args=(--sizes 1000,10000,50000 --dims 512,1024 --providers $gpu_peers) ;;
+  c) args=(--sizes 200000,1000000 --dims 3,64,512 --providers flashot-triton,flash-sinkhorn) ;;
+  d) args=(--workloads hvp,converge --sizes 10000,50000 --dims 64
+           --providers flashot-triton,flash-sinkhorn,ott-online) ;;
+  e) args=(--sizes 10000 --dims 64 --largest 60 --no-floor
+           --providers flashot-triton,flash-sinkhorn,ott-online,geomloss-tensorized) ;;
+  f) args=(--sizes 10000,50000 --dims 64,512
+           --providers flashot-triton,flashot-triton-tf32,flashot-triton-bf16) ;;
+  *) echo "PART: one of a b c d e f" >&2; exit 2 ;;
+esac
+exec bash "$(dirname "$0")/h200_bench.sh" "$out/$part" "${args[@]}"
