@@ -151,9 +151,13 @@ def test_cli_bench_writes_rows_with_versions_and_plots(tmp_path, capsys):
     assert (tmp_path / "bench_forward.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("args,match", [(["--providers", "keops"], "--providers"),
-                                        (["--workloads", "heat"], "--workloads")])  # fmt: skip
-def test_cli_bench_refuses_unknown_names(args, match, capsys, tmp_path):
+@pytest.mark.parametrize(
+    "args,match",
+    [(["--providers", "keops"], "--providers"), (["--workloads", "heat"], "--workloads"),
+     (["--eps", "-1"], "--eps"), (["--eps", "nan"], "--eps"), (["--tol", "0"], "--tol"),
+     (["--tol", "inf"], "--tol"), (["--iters", "0"], "--iters")],
+)  # fmt: skip
+def test_cli_bench_refuses_unknown_names_and_bad_numbers(args, match, capsys, tmp_path):
     assert main(["bench", "--out", str(tmp_path), *args]) == 1
     assert match in capsys.readouterr().err
 
@@ -227,8 +231,9 @@ def test_row_budget_skips_sizes_predicted_too_slow_and_slow_calls_run_twice(monk
 
 def test_cli_runs_a_named_triton_provider_on_any_device(tmp_path, capsys):
     """--providers names any known provider on any device: the default CPU suite leaves the
-    Triton rows out, but a named one runs or says why (it was a KeyError)."""
-    code = main(["bench", "--sizes", "40", "--dims", "2", "--workloads", "forward", "--providers",
+    Triton rows out, but a named one runs or says why (it was a KeyError). A size given
+    twice runs once."""
+    code = main(["bench", "--sizes", "40,40", "--dims", "2", "--workloads", "forward", "--providers",
                  "flashot-triton-tf32,flashot-torch", "--device", "cpu", "--out", str(tmp_path),
                  "--quiet", "--no-floor"])  # fmt: skip
     assert code == 0

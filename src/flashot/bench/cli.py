@@ -87,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(
             f"--providers: unknown {', '.join(unknown)} (choose from {', '.join(PROVIDERS)})"
         )
+    for flag, value in (("--eps", args.eps), ("--tol", args.tol)):
+        if not 0 < value < float("inf"):
+            raise CliError(f"{flag} must be finite and > 0, got {value}")
+    if args.iters < 1:
+        raise CliError(f"--iters must be ≥ 1, got {args.iters}")
     if not args.row_budget > 0:
         raise CliError(f"--row-budget must be > 0 seconds, got {args.row_budget}")
     if not args.largest >= 0:
@@ -94,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CliError("--device cuda: no CUDA device is available")
     sizes, dims = (FULL if args.full else QUICK)["cuda" if device.type == "cuda" else "cpu"]
-    sizes, dims = args.sizes or sizes, args.dims or dims
+    sizes, dims = tuple(dict.fromkeys(args.sizes or sizes)), tuple(dict.fromkeys(args.dims or dims))
     if min(sizes) < 2 or min(dims) < 1:
         raise CliError("--sizes must be ≥ 2 and --dims ≥ 1")
     chosen = providers(device, args.providers)  # in the order given (KeOps before Triton)
