@@ -8,16 +8,19 @@ PASSES ("50000x512,10000x512": n x d) in a solve's operand scope; then forward (
 symmetric iterations, as ``flashot bench``: N(0, I) clouds, weights on [0.1, 1.1)) and
 forward + gradient, do_bench medians in ms, and the relative error of the cost against
 float64 at n = 1000. Env: SIZES, DIMS, EPS ("0.1,scaled": 0.1 and 0.1·d), PEER (1:
-flash-sinkhorn in this process), PRECISION (flashot's, "auto").
+flash-sinkhorn in this process), PRECISION (flashot's, "auto"), EXACT_TILES (the exact
+pass also at these tiles, e.g. "128x32x8x3,64x128x8x3").
 
     python benchmarks/one_pass.py
 """
 
+import functools
 import os
 import sys
 import warnings
 
 import torch
+import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
@@ -33,6 +36,10 @@ PEER = os.environ.get("PEER", "1") == "1"
 PRECISION = os.environ.get("PRECISION", "auto")
 dev = torch.device("cuda")
 MODES = {"fused+gate": None, "one pass": 1}  # ONE_PASS_FROM_D: none, every d
+#: the exact pass also at these tiles (BLOCK_M x BLOCK_N x warps x stages), for its spill
+EXACT_TILES = [
+    tuple(int(v) for v in c.split("x")) for c in os.environ.get("EXACT_TILES", "").split(",") if c
+]
 PASSES = [
     tuple(int(v) for v in c.split("x"))
     for c in os.environ.get("PASSES", "50000x512,10000x512").split(",")
@@ -54,6 +61,17 @@ def rel_error(d, eps, precision="auto"):
     return abs(float(got) - float(ref)) / abs(float(ref))
 
 
+def exact_at(be, tiles, form, f, g, la, lb):
+    """The exact pass with the tile lookup answering ``tiles``."""
+    from flashot.backends.triton import _one_pass
+
+    be._table_tiles = lambda *args: tiles
+    try:
+        return _one_pass.exact_lse(be, form, f, g, la, lb, 0.1)
+    finally:
+        del be._table_tiles
+
+
 def passes():
     """One pass of each kernel, in a solve's operand scope (split operands), ms."""
     from flashot.backends.triton import TritonBackend, _one_pass
@@ -71,6 +89,11 @@ def passes():
                 "attend rows": lambda: be._attend(form.q, form.k, 0.1, (g, form.beta, lb)),
                 "plan_sums exact": lambda: _one_pass.exact_lse(be, form, f, g, la, lb, 0.1),
             }
+            for bm, bn, w, st in EXACT_TILES:  # the table's lookup answers these tiles
+                tiles = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+                calls[f"exact {bm}x{bn}x{w}x{st}"] = functools.partial(
+                    exact_at, be, tiles, form, f, g, la, lb
+                )
             out = []
             for name, call in calls.items():
                 call()
