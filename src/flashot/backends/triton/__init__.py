@@ -67,13 +67,15 @@ SUM_SHIFT = 18.0
 PROBE_ROWS, PROBE_MARGIN, PROBE_FROM = 256, 1.1, 4096
 #: CUDA graphs pay off while launches cost as much as the work: n·m up to 2^28
 GRAPHS_UP_TO_LOG2 = 28
-#: from this feature width (None: never), in "fp32", a Jacobi step streams its score tiles
-#: once with two exps each and no window (:mod:`._one_pass`) instead of the one-exp fused
-#: pass, whose gate sends a small-ε solve's first steps to two exact passes. H200, 50k,
-#: ε = 0.1 (``benchmarks/one_pass.py``): d = 512 340 → 272 ms, d = 256 179 → 162, d = 128
-#: 69 → 116 (exps bound); ε = 0.1·d: d = 512 281 → 272, d = 256 161 → 162; 10k: even.
-#: tf32/bf16 at d = 512: 237 → 250, 116 → 120 (one MMA per score: exps matter again)
+#: from this feature width (None: never), in "fp32" with ``fused``, a Jacobi step streams
+#: its score tiles once with two exps each and no window (:mod:`._one_pass`) instead of the
+#: one-exp fused pass, whose gate sends a small-ε solve's first steps to two exact passes.
+#: H200, 50k, ε = 0.1 (``benchmarks/one_pass.py``): d = 512 340 → 272 ms, d = 256 179 →
+#: 162, d = 128 69 → 116 (exps bound); ε = 0.1·d: d = 512 281 → 272, d = 256 161 → 162;
+#: 10k: even. tf32/bf16 at d = 512: 237 → 250, 116 → 120 (one MMA per score: exps bound)
 ONE_PASS_FROM_D: int | None = 256
+
+
 class TritonBackend(TunedLaunches, OperandCache, Backend):
     """Fused Triton kernels (float32 compute; float16/bfloat16/float32 inputs).
 
