@@ -268,6 +268,16 @@ def test_packed_debiased_schedules_match_the_dense_loop(sizes, blur, scaling, se
         assert (got - ref).abs().max() <= 2e-5 * scale
 
 
+def test_sampled_rows_take_every_problems_first_row_and_each_step_after():
+    from flashot.segments import Segments
+
+    seg = Segments((0, 3, 3, 10, 11), (0, 2, 4, 6, 9), (1.0, 2.0, 3.0, 4.0))
+    index, sub = seg.sample_rows(3, torch.device("cpu"))
+    assert index.tolist() == [0, 3, 6, 9, 10]  # problem 1 is empty
+    assert sub.rows == (0, 1, 1, 4, 5) and sub.cols == seg.cols and sub.bounds == seg.bounds
+    assert seg.sample_rows(3, torch.device("cpu"))[1] is sub  # cached
+
+
 def test_scaled_bounds_keep_the_packing_and_its_tables():
     from flashot.segments import Segments
 

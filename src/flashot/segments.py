@@ -128,6 +128,21 @@ class Segments:
             self._cache[key] = table.to(torch.int32).to(device)
         return self._cache[key]
 
+    def sample_rows(self, step: int, device: torch.device) -> tuple[torch.Tensor, Segments]:
+        """Every ``step``-th row of each problem, from its first: ``(index, packing)``.
+
+        ``index``: (k,) int64 packed row numbers on ``device``; ``packing``: the sampled
+        rows' offsets with these columns. Cached per step and device (a CUDA graph's
+        capture then finds them made).
+        """
+        key = ("sample", step, str(device))
+        if key not in self._cache:
+            picks = [range(a, b, step) for a, b in itertools.pairwise(self.rows)]
+            index = torch.tensor([i for rows in picks for i in rows], dtype=torch.int64)
+            rows = tuple(itertools.accumulate((len(r) for r in picks), initial=0))
+            self._cache[key] = (index.to(device), Segments(rows, self.cols, self.bounds))
+        return self._cache[key]
+
     def near(self, eps: float, near_from: float) -> bool:
         """Whether any problem takes the near-uniform LSE at ``eps``."""
         return self.bounds is not None and eps >= near_from * min(self.bounds, default=0.0)

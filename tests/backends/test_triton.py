@@ -1,6 +1,7 @@
 """Triton-specific paths (column splits, feature chunks, the one-exp fast path), run in
 Triton's interpreter on CPU and natively on a GPU."""
 
+import itertools
 import math
 
 import pytest
@@ -268,6 +269,73 @@ def test_probe_writes_the_sampled_residual_extremes(gen, monkeypatch):
     want = [max(0.0, float(logs.max())) * margin, max(0.0, float(-logs.min())) * margin]
     assert slot.tolist() == pytest.approx(want, rel=1e-4, abs=1e-5)
     assert want[1] > 1.0  # the shift made the residuals negative: a real check
+
+
+def test_packed_probe_samples_each_problem_against_its_own_columns(gen, monkeypatch):
+    """A packed batch's probe: every problem's sampled rows (and columns) against its own
+    block only, as the float64 block-diagonal residuals of those rows say."""
+    from flashot.backends import triton as backend
+    from flashot.batched import sinkhorn_varlen
+
+    monkeypatch.setattr(backend, "PROBE_ROWS", 8)
+    monkeypatch.setattr(backend, "PROBE_FROM", 16)
+    seen = []
+    probe = backend.TritonBackend._probe
+
+    def spy(self, form, f, g, la, lb, eps, slot):
+        probe(self, form, f, g, la, lb, eps, slot)
+        seen.append((form, f.clone(), g.clone(), la, lb, eps, slot.clone()))
+
+    monkeypatch.setattr(backend.TritonBackend, "_probe", spy)
+    sizes = [(30, 20), (5, 19), (27, 24)]  # rows 0, 7, …; a small problem; blocks cut mid
+    xs = [torch.randn(n, 4, generator=gen) for n, _ in sizes]
+    ys = [torch.randn(m, 4, generator=gen) + 2.0 * s for s, (_, m) in enumerate(sizes)]
+    offsets = [torch.tensor([0, *itertools.accumulate(len(t) for t in ts)]) for ts in (xs, ys)]
+    sinkhorn_varlen(torch.cat(xs).to(DEVICE), torch.cat(ys).to(DEVICE), *offsets, eps=0.05,
+                    tol=None, max_iter=3, backend=backend.TritonBackend(graphs=False))  # fmt: skip
+    assert len(seen) == 1
+    form, f, g, la, lb, eps, slot = seen[0]
+    z = (f.double()[:, None] + g.double()[None, :] - form.dense().double()) / eps
+    ln_r = (z + lb.double()).logsumexp(1)
+    ln_c = (z + la.double()[:, None]).logsumexp(0)
+    rows = torch.cat([torch.arange(a, b, 62 // 8) for a, b in itertools.pairwise(offsets[0])])
+    cols = torch.cat([torch.arange(a, b, 63 // 8) for a, b in itertools.pairwise(offsets[1])])
+    logs = torch.cat([ln_r[rows], ln_c[cols]])
+    margin = backend.PROBE_MARGIN
+    want = [max(0.0, float(logs.max())) * margin, max(0.0, float(-logs.min())) * margin]
+    assert slot.tolist() == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert max(want) > 1.0  # far from the window: a real check
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_packed_second_step_runs_fused_when_the_probe_finds_the_window(gen, monkeypatch, probe):
+    """As for one problem (below): a packed batch's second step runs fused once its probe
+    finds the window (it stayed exact before packed forms had a probe), same answers."""
+    from flashot.backends import triton as backend
+    from flashot.batched import sinkhorn_varlen
+
+    monkeypatch.setattr(backend, "PROBE_ROWS", 8)
+    monkeypatch.setattr(backend, "PROBE_FROM", 16 if probe else 10**9)
+    ran = []
+    plan_sums = backend.TritonBackend.plan_sums
+
+    def spy(self, *args, **kw):
+        r, c = plan_sums(self, *args, **kw)
+        ran.append(bool((r != 0).any()))
+        return r, c
+
+    monkeypatch.setattr(backend.TritonBackend, "plan_sums", spy)
+    sizes = [(40, 30), (25, 33)]
+    xs = [torch.randn(n, 3, generator=gen) for n, _ in sizes]
+    ys = [torch.randn(m, 3, generator=gen) + 1.0 for _, m in sizes]
+    offsets = [torch.tensor([0, *itertools.accumulate(len(t) for t in ts)]) for ts in (xs, ys)]
+    x, y = torch.cat(xs), torch.cat(ys)
+    kw = dict(eps=0.01, max_iter=6, tol=None, update="symmetric")
+    ref = sinkhorn_varlen(x.double(), y.double(), *offsets, backend="torch", **kw)
+    res = sinkhorn_varlen(x.to(DEVICE), y.to(DEVICE), *offsets,
+                          backend=backend.TritonBackend(graphs=False), **kw)  # fmt: skip
+    assert ran[:3] == [False, probe, True]
+    assert torch.allclose(res.cost.cpu().double(), ref.cost, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("probe", [True, False])

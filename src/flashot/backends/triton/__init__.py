@@ -423,7 +423,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         span = rho == (None, None) and w_old == w_new == (0.5, 0.5)
         limit = _window(n, m) if span else GATE_LIMIT
         probe = span and self.fused and state is not None and state.steps == 1
-        probe = probe and min(n, m) >= PROBE_FROM and form.segments is None
+        probe = probe and min(n, m) >= PROBE_FROM
         if probe:  # an estimate at this ε replaces the bound
             self._probe(form, f, g, log_a, log_b, eps, gate[0])
         elif state is not None:  # |ln R| scales as 1/ε: after an ε-scaling step, predict it
@@ -478,18 +478,23 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
     def _probe(self, form, f, g, log_a, log_b, eps, slot):
         """Write an estimate of this step's largest ``ln R`` and ``−ln R`` into ``slot``.
 
-        The exact residuals of :data:`PROBE_ROWS` strided rows and as many columns,
+        The exact residuals of :data:`PROBE_ROWS` strided rows and as many columns
+        (of a packed batch: every problem's first row and each step-th after it),
         times :data:`PROBE_MARGIN`: a sample, not a bound. Where it is wrong the fused
         pass's out-of-range sums are repaired exactly, at the cost of that pass.
         """
         logs = []
-        for q, k, p, offset, bias in (
-            (form.q, form.k, f, form.alpha, (g, form.beta, log_b)),
-            (form.k, form.q, g, form.beta, (f, form.alpha, log_a)),
+        seg = form.segments
+        for q, k, p, offset, bias, sides in (
+            (form.q, form.k, f, form.alpha, (g, form.beta, log_b), seg),
+            (form.k, form.q, g, form.beta, (f, form.alpha, log_a), None if seg is None else seg.T),
         ):
             step = max(1, len(p) // PROBE_ROWS)
-            lse = self._attend(q[::step], k, eps, bias, keep_q=False)[0]
-            logs.append(log_residual(p[::step], lse, offset[::step], eps))
+            pick, sub = slice(None, None, step), None
+            if sides is not None:  # a packed batch: each problem's rows, its own columns
+                pick, sub = sides.sample_rows(step, p.device)
+            lse = self._attend(q[pick], k, eps, bias, keep_q=False, segments=sub)[0]
+            logs.append(log_residual(p[pick], lse, offset[pick], eps))
         ln = torch.cat(logs)
         slot.copy_(torch.stack([ln.max(), -ln.min()]).clamp_min(0.0) * PROBE_MARGIN)
 
