@@ -132,8 +132,7 @@ class Segments:
         """Every ``step``-th row of each problem, from its first: ``(index, packing)``.
 
         ``index``: (k,) int64 packed row numbers on ``device``; ``packing``: the sampled
-        rows' offsets with these columns. Cached per step and device (a CUDA graph's
-        capture then finds them made).
+        rows' offsets with these columns. Cached per step and device.
         """
         key = ("sample", step, str(device))
         if key not in self._cache:
