@@ -307,12 +307,10 @@ def test_packed_probe_samples_each_problem_against_its_own_columns(gen, monkeypa
     assert max(want) > 1.0  # far from the window: a real check
 
 
-@pytest.mark.parametrize("probe", [True, False])
-def test_packed_second_step_runs_fused_when_the_probe_finds_the_window(gen, monkeypatch, probe):
-    """As for one problem (below): a packed batch's second step runs fused once its probe
-    finds the window (it stayed exact before packed forms had a probe), same answers."""
+def _fused_steps(monkeypatch, probe):
+    """Probes on (on 16+ points, 8 rows) or off; the list that records, per plan-sums
+    pass, whether its sums ran fused (any nonzero)."""
     from flashot.backends import triton as backend
-    from flashot.batched import sinkhorn_varlen
 
     monkeypatch.setattr(backend, "PROBE_ROWS", 8)
     monkeypatch.setattr(backend, "PROBE_FROM", 16 if probe else 10**9)
@@ -325,6 +323,17 @@ def test_packed_second_step_runs_fused_when_the_probe_finds_the_window(gen, monk
         return r, c
 
     monkeypatch.setattr(backend.TritonBackend, "plan_sums", spy)
+    return ran
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_packed_second_step_runs_fused_when_the_probe_finds_the_window(gen, monkeypatch, probe):
+    """As for one problem (below): a packed batch's second step runs fused once its probe
+    finds the window (it stayed exact before packed forms had a probe), same answers."""
+    from flashot.backends import triton as backend
+    from flashot.batched import sinkhorn_varlen
+
+    ran = _fused_steps(monkeypatch, probe)
     sizes = [(40, 30), (25, 33)]
     xs = [torch.randn(n, 3, generator=gen) for n, _ in sizes]
     ys = [torch.randn(m, 3, generator=gen) + 1.0 for _, m in sizes]
@@ -345,17 +354,7 @@ def test_second_step_runs_fused_when_the_probe_finds_the_window(gen, monkeypatch
     inside it and the second step runs fused, with the same answer."""
     from flashot.backends import triton as backend
 
-    monkeypatch.setattr(backend, "PROBE_ROWS", 8)
-    monkeypatch.setattr(backend, "PROBE_FROM", 16 if probe else 10**9)
-    ran = []
-    plan_sums = backend.TritonBackend.plan_sums
-
-    def spy(self, *args, **kw):
-        r, c = plan_sums(self, *args, **kw)
-        ran.append(bool((r != 0).any()))
-        return r, c
-
-    monkeypatch.setattr(backend.TritonBackend, "plan_sums", spy)
+    ran = _fused_steps(monkeypatch, probe)
     x, y = clouds(gen, 40, 30, 3, dtype=torch.float32)
     y = y + 1.0
     kw = dict(eps=0.02, max_iter=6, tol=None)
