@@ -6,8 +6,8 @@ precision and at tf32; the peer at its defaults (TF32, full squared distance: it
 value differs by the p = 2 convention, the ε schedule is the same). do_bench
 medians; the first call of each in this process is printed too. Env: SIZES
 ("10000,50000"), DIMS ("3"), PEER (0 to skip), WHO (only these calls). "fp32x3" is
-the default precision with
-the scores' operands split per tile by 3xTF32 (``presplit=False``), as before v16;
+the default precision with the scores' operands split per tile by 3xTF32
+(``presplit=False``), as before v16;
 "presplit" splits them once per solve at every size (``presplit=True``).
 "packed" is the same call on a batch of one, ``loss(x[None], y[None])``: the debiased
 divergence's three problems as one packed solve, one launch per pass for all three
