@@ -4,7 +4,8 @@ The bench's forward and forward + gradient (10 symmetric iterations, N(0, I) clo
 weights on [0.1, 1.1), ε = 0.1) at the default precision with the rule as shipped,
 with every launch split once per solve, and with none, beside flash-sinkhorn in this
 process. Each is timed twice, interleaved (do_bench medians, ms), so the table shows
-the run-to-run spread next to the difference. Env: CASES ("10000x64,50000x64": n x d).
+the run-to-run spread next to the difference. Env: CASES ("10000x64,50000x64": n x d),
+PEER (0: without the peer).
 
     python benchmarks/presplit_ab.py
 """
@@ -26,6 +27,7 @@ CASES = [tuple(int(v) for v in c.split("x"))
 dev = torch.device("cuda")
 SHIPPED = _operands.PRESPLIT_FROM
 RULES = {"default": SHIPPED, "split": 0, "unsplit": 1 << 62}
+WHO = [*RULES.items(), *([("flash-sinkhorn", None)] if os.environ.get("PEER", "1") == "1" else [])]
 
 
 def timed(call, n):
@@ -39,7 +41,7 @@ for n, d in CASES:
     pb = make_problem(n, n, d, dev, eps=0.1)
     for work in ("forward", "gradient"):
         for _ in range(2):
-            for who, rule in [*RULES.items(), ("flash-sinkhorn", None)]:
+            for who, rule in WHO:
                 provider = FlashSinkhorn() if rule is None else Flashot("triton")
                 _operands.PRESPLIT_FROM = SHIPPED if rule is None else rule
                 ms = timed(provider.prepare(work, pb), n)
@@ -48,10 +50,9 @@ for n, d in CASES:
         _operands.PRESPLIT_FROM = SHIPPED
 
 print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
-print("| n | d | workload | " + " | ".join([*RULES, "flash-sinkhorn"]) + " |")
-print("|---|---|---|" + "---|" * (len(RULES) + 1))
+print("| n | d | workload | " + " | ".join(w for w, _ in WHO) + " |")
+print("|---|---|---|" + "---|" * len(WHO))
 for n, d in CASES:
     for work in ("forward", "gradient"):
-        cells = [" / ".join(f"{v:.2f}" for v in rows[(n, d, work, w)])
-                 for w in [*RULES, "flash-sinkhorn"]]  # fmt: skip
+        cells = [" / ".join(f"{v:.2f}" for v in rows[(n, d, work, w)]) for w, _ in WHO]
         print(f"| {n} | {d} | {work} | " + " | ".join(cells) + " |")

@@ -1,5 +1,7 @@
 """The accurate mode's split operands (flashot.backends.triton._split)."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -33,6 +35,41 @@ def test_split_parts_rebuild_the_features(log_scale, n, d, seed, zeros):
     assert top == 0.0 or 2.0**13 < top <= 2.0**14
     err = (hi + lo * 2.0**-11 - x.double() * scale).abs().max()
     assert err <= 2.0**-22 * max(top, 1e-300) * 1.01
+
+
+def reference_split(x: torch.Tensor):
+    """The module's definition in float64: the exponent by frexp, parts by rounding."""
+    top = float(x.abs().max()) if x.numel() else 0.0
+    mantissa, exponent = math.frexp(top)  # top = mantissa·2^exponent, mantissa ∈ [0.5, 1)
+    e = 0 if top == 0 else min(max(14 - (exponent - (mantissa == 0.5)), -120), 120)
+    scaled = x.double() * 2.0**e
+    hi = scaled.to(torch.float16)
+    lo = ((scaled - hi.double()) * 2.0**11).to(torch.float16)
+    return torch.stack([hi, lo]), 2.0**-e
+
+
+@settings(max_examples=80, deadline=None)
+@given(k=st.integers(-140, 120), ulps=st.sampled_from([-1, 0, 1, 2**20]), n=st.integers(1, 9),
+       d=st.integers(1, 5), seed=st.integers(0, 2**31 - 1), transposed=st.booleans())  # fmt: skip
+def test_split_kernel_matches_the_definition_bit_for_bit(k, ulps, n, d, seed, transposed):
+    """Largest entries at, one ulp below and above a power of two (where a rounded log2
+    picks the wrong exponent), subnormal to huge, any layout: the parts and the scale
+    equal the float64 definition exactly."""
+    from flashot.backends.triton._split import split_operand
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(d, n, generator=gen).T if transposed else torch.randn(n, d, generator=gen)
+    peak = torch.tensor(2.0**k, dtype=torch.float64)
+    if ulps:  # the float32 neighbours of 2^k
+        peak = torch.nextafter(peak.float(), torch.tensor(math.copysign(math.inf, ulps)))
+        peak = peak.double() * (1 + (ulps == 2**20) * 2.0**-3)
+    x = x / x.abs().max() * peak.float() if float(peak) > 0 else x * 0
+    if not torch.isfinite(x).all():
+        return
+    s = split_operand(x)
+    parts, inv = reference_split(x)
+    assert torch.equal(s.parts.view(torch.int16), parts.view(torch.int16))
+    assert float(s.inv) == inv
 
 
 def test_split_of_zeros_is_zero():
@@ -82,6 +119,26 @@ def test_split_operands_live_only_while_a_solve_runs():
         first = backend._operand(form.q)
         assert isinstance(first, SplitOperand) and backend._operand(form.q) is first
     assert backend._halves == []
+
+
+def test_the_differentiated_step_splits_q_and_k_once():
+    """With a gradient, the final step's row and column transforms share one split of
+    q and of k (the solve's own are of its detached copies): 4 splits in all, not 6."""
+    from flashot.backends.triton import TritonBackend
+
+    backend = TritonBackend(presplit=True)
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randn(30, 4, generator=gen).requires_grad_(), torch.randn(20, 4, generator=gen)
+    seen = []
+    real = backend._split_parts
+    backend._split_parts = lambda t: seen.append(t) or real(t)
+    cost = flashot.sinkhorn(x, y, eps=0.5, max_iter=30, tol=None, backend=backend).cost
+    (grad,) = torch.autograd.grad(cost, x)
+    assert len(seen) == 4 and backend._halves == []
+    ref_x = x.detach().double().requires_grad_()
+    ref = flashot.sinkhorn(ref_x, y.double(), eps=0.5, max_iter=30, tol=None, backend="torch")
+    (ref_grad,) = torch.autograd.grad(ref.cost, ref_x)
+    assert rel(grad.double(), ref_grad) < 1e-5
 
 
 @settings(max_examples=8, deadline=None)

@@ -50,8 +50,10 @@ class SoftCTransform(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, alpha, k, h, log_w, eps, lam, backend, bound, segments=None):
         """Forward: one streaming pass; also ``Σ_j w_ij k_j`` when q needs a gradient."""
-        form = AttentionForm(q.detach(), k.detach(), alpha.detach(), torch.zeros_like(h),
-                             cost_bound=bound, segments=segments)  # fmt: skip
+        # q and k themselves (forward runs without autograd): the backend keys its operand
+        # conversions by identity, so the column transform reuses this one's
+        form = AttentionForm(q, k, alpha.detach(), torch.zeros_like(h), cost_bound=bound,
+                             segments=segments)  # fmt: skip
         need_q = ctx.needs_input_grad[0]
         lse, wk = backend.row_attend(form, h.detach(), eps, form.k if need_q else None, log_w)
         ctx.save_for_backward(wk if need_q else None)

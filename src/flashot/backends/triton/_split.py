@@ -31,6 +31,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 
 __all__ = ["SplitOperand", "split_operand"]
 
@@ -38,8 +40,8 @@ __all__ = ["SplitOperand", "split_operand"]
 HEADROOM = 14
 #: lo is the remainder scaled by 2^LO_BITS (the kernels multiply lo products by 2^-11)
 LO_BITS = 11
-#: rows converted at a time (a float32 temporary of ROWS × d)
-ROWS = 8192
+#: elements a program of the split kernel converts
+BLOCK = 1024
 
 
 class SplitOperand(NamedTuple):
@@ -62,19 +64,44 @@ class SplitOperand(NamedTuple):
 def split_operand(t: torch.Tensor, interpreted: bool = False) -> SplitOperand:
     """Split float32 features ``t`` (n, d) into scaled half parts (see the module).
 
-    Float32 temporaries of :data:`ROWS` rows; no wait for the device.
+    Two launches (the extremes of ``t``, then :func:`_split_kernel`), no temporaries of
+    t's size, no wait for the device: a solve split outside a CUDA graph (the final,
+    differentiated step) pays two launches per operand on the host, not one per op.
     """
+    t = t.contiguous()
     parts = torch.empty((2, *t.shape), dtype=torch.float16, device=t.device)
-    # max |t| with no temporary of t's size
-    amax = torch.maximum(t.amax(), -t.amin()) if t.numel() else torch.zeros((), device=t.device)
-    # e = HEADROOM − ⌈log2 max|t|⌉, so that 2^e max|t| ≤ 2^HEADROOM (e = 0 for zeros)
-    e = torch.where(amax > 0, HEADROOM - torch.ceil(torch.log2(amax)), 0.0).clamp(-120.0, 120.0)
-    scale = torch.exp2(e)
-    for start in range(0, t.shape[0], ROWS):  # blocks of rows: float32 temporaries stay small
-        scaled = t[start : start + ROWS] * scale
-        parts[0, start : start + ROWS].copy_(scaled)
-        scaled.sub_(parts[0, start : start + ROWS]).mul_(2.0**LO_BITS)
-        parts[1, start : start + ROWS].copy_(scaled)
+    inv = torch.ones(1, dtype=torch.float32, device=t.device)
+    if t.numel():
+        low, high = torch.aminmax(t)
+        grid = (triton.cdiv(t.numel(), BLOCK),)
+        _split_kernel[grid](t, low, high, parts, inv, t.numel(), HEADROOM=HEADROOM,
+                            LO_BITS=LO_BITS, BLOCK=BLOCK)  # fmt: skip
     if interpreted:
         parts = parts.float()
-    return SplitOperand(parts, torch.exp2(-e).reshape(1).float())
+    return SplitOperand(parts, inv)
+
+
+@triton.jit
+def _split_kernel(T, LOW, HIGH, PARTS, INV, numel, HEADROOM: tl.constexpr, LO_BITS: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    """``hi``, ``lo`` of BLOCK elements, and (program 0) ``2^-e``.
+
+    ``e = HEADROOM − ⌈log2 max|t|⌉`` from the exponent bits of max|t| (exact, unlike a
+    rounded log2 just above a power of two), 0 for zeros, clamped to ±120 so that
+    ``2^e`` and ``2^-e`` are built exactly from their exponent fields.
+    """
+    top = tl.maximum(tl.load(HIGH), -tl.load(LOW))
+    bits = top.to(tl.int32, bitcast=True)
+    ceil_log2 = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    e = tl.minimum(tl.maximum(tl.where(top > 0, HEADROOM - ceil_log2, 0), -120), 120)
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    inside = offs < numel
+    x = tl.load(T + offs, mask=inside, other=0.0) * scale
+    hi = x.to(tl.float16)
+    lo = ((x - hi.to(tl.float32)) * (2.0**LO_BITS)).to(tl.float16)
+    tl.store(PARTS + offs, hi, mask=inside)
+    tl.store(PARTS + numel + offs, lo, mask=inside)
+    if start == 0:
+        tl.store(INV, ((127 - e) << 23).to(tl.float32, bitcast=True))
