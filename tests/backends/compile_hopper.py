@@ -29,6 +29,8 @@ def compile_for_hopper(fn, consts, half=False):
             sig[a] = "fp32"
         elif a == "BLOCKS":  # a packed batch's table of blocks
             sig[a] = "*i32"
+        elif a == "PARTS":  # the split operand's float16 parts
+            sig[a] = "*fp16"
         elif a[0].isupper():
             sig[a] = "*bf16" if half and a in ("Q", "K") else "*fp32"
         else:
@@ -79,6 +81,10 @@ def variants():
         dict(BLOCK=1024, RELAXED_X=True, RELAXED_Y=False, CHECK=True, GATED=True, LOG_SUMS=False),
         False,
     )
+    from flashot.backends.triton import _split
+
+    yield _split._split_kernel, dict(HEADROOM=_split.HEADROOM, LO_BITS=_split.LO_BITS,
+                                     BLOCK=_split.BLOCK), False  # fmt: skip
 
 
 def main() -> int:
