@@ -4,8 +4,10 @@
 # JSON, plots). Usage: bash benchmarks/h200_full_parts.sh PART OUT   (PART: a … f)
 # a, b: every peer at n ≤ 50k (d 3/64, then 512/1024); c: n 200k, 1M for flashot and the
 # peer that streams; d: HVP and time-to-tolerance; e: the largest n per provider in 60 s;
-# f: the fast modes beside the default at n ≤ 50k. Not yet timed as parts: give each call
-# timeout 590; --row-budget (30 s) skips sizes a provider's previous size predicts too slow.
+# f: the fast modes beside the default at n ≤ 50k. Each row is written as it finishes and a
+# part runs with --resume: a call cut by its timeout keeps its rows, and the same command
+# in the next call runs only the missing ones (part a took over 520 s in v27; cut at its
+# last rows). --row-budget (30 s) skips sizes a provider's previous size predicts too slow.
 set -u
 part=$1 out=$2
 gpu_peers=flashot-triton,flash-sinkhorn,ott-online,ott-dense,geomloss-tensorized,dense-torch,pot
@@ -21,4 +23,4 @@ case $part in
            --providers flashot-triton,flashot-triton-tf32,flashot-triton-bf16) ;;
   *) echo "PART: one of a b c d e f" >&2; exit 2 ;;
 esac
-exec bash "$(dirname "$0")/h200_bench.sh" "$out/$part" "${args[@]}"
+exec bash "$(dirname "$0")/h200_bench.sh" "$out/$part" --resume "${args[@]}"

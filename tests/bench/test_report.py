@@ -72,3 +72,42 @@ def test_cli_merge_names_a_folder_without_results(tmp_path, capsys):
     assert main(["bench", "--merge", str(tmp_path / "nowhere"), "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "--merge" in err and "nowhere" in err
+
+
+def test_runs_with_other_settings_are_refused():
+    with pytest.raises(ValueError, match="different settings"):
+        merge([([_row(1000)], {**ENV, "settings": "eps 0.1, iters 10, tol 0.001"}),
+               ([_row(2000)], {**ENV, "settings": "eps 0.5, iters 10, tol 0.001"})])  # fmt: skip
+
+
+BENCH = ["bench", "--dims", "2", "--workloads", "forward", "--providers", "flashot-torch",
+         "--quiet", "--no-floor"]  # fmt: skip
+
+
+def test_a_run_cut_short_keeps_its_rows_and_resume_runs_only_the_rest(tmp_path, monkeypatch,
+                                                                      capsys):  # fmt: skip
+    """Rows are written as they finish: a run stopped at its second size leaves the first,
+    marked partial; --resume runs only the missing size and writes the whole suite."""
+    from flashot.bench import harness
+
+    real, ran = harness._row, []
+
+    def cut_at_60(prov, workload, pb, *args):
+        if pb.n == 60:
+            raise KeyboardInterrupt  # the device call's timeout
+        ran.append(pb.n)
+        return real(prov, workload, pb, *args)
+
+    monkeypatch.setattr(harness, "_row", cut_at_60)
+    with pytest.raises(KeyboardInterrupt):
+        main([*BENCH, "--sizes", "40,60", "--out", str(tmp_path)])
+    rows, env = read(tmp_path)
+    assert [r.n for r in rows] == [40] and rows[0].ms > 0 and env["partial"]
+    monkeypatch.setattr(harness, "_row", lambda *a: ran.append(a[2].n) or real(*a))
+    assert main([*BENCH, "--sizes", "40,60", "--out", str(tmp_path), "--resume"]) == 0
+    rows, env = read(tmp_path)
+    assert ran == [40, 60] and sorted(r.n for r in rows) == [40, 60] and "partial" not in env
+    assert all(r.ms > 0 and r.rel_error < 1e-5 for r in rows)
+    capsys.readouterr()
+    assert main([*BENCH, "--sizes", "40", "--eps", "0.5", "--out", str(tmp_path), "--resume"]) == 1
+    assert "--resume" in capsys.readouterr().err

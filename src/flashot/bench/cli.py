@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from flashot.bench.harness import environment, largest_sizes, run_suite
+from flashot.bench.harness import Row, environment, largest_sizes, run_suite
 from flashot.bench.providers import PROVIDERS, providers
 from flashot.bench.report import merge, plot, read, table, write
 
@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run nothing: merge the results of earlier runs (their --out folders, "
                         "the same device) into --out, later runs' rows replacing earlier "
                         "ones: a sweep split over several sessions")  # fmt: skip
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows --out already holds (a run cut short writes them as "
+                        "it goes) and run only the missing ones; --largest reruns")  # fmt: skip
     p.add_argument("--largest-cap", type=int, default=None, metavar="N",
                    help="the largest n tried by --largest (default 4M on a GPU, 64k on a "
                         "CPU)")  # fmt: skip
@@ -108,21 +111,51 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"bench: {text}", file=sys.stderr, flush=True)
 
+    out, env = Path(args.out), environment(device, getattr(args, "command_line", None))
+    env["settings"] = f"eps {args.eps:g}, iters {args.iters}, tol {args.tol:g}"
+    earlier = _earlier(out, env) if args.resume else []
+
+    def with_earlier(rows: list[Row]) -> list[Row]:
+        return merge([(earlier, env), (rows, env)])[0] if earlier else rows
+
+    def saved(rows: list[Row]) -> None:  # after every row: a run cut short keeps them
+        write(with_earlier(rows), {**env, "partial": True}, out)
+
     rows = run_suite(args.workloads, sizes, dims, chosen, device, eps=args.eps, iters=args.iters,
-                     tol=args.tol, floors=not args.no_floor,
-                     row_budget_s=args.row_budget, progress=say)  # fmt: skip
+                     tol=args.tol, floors=not args.no_floor, row_budget_s=args.row_budget,
+                     progress=say, saved=saved,
+                     done={(r.workload, r.provider, r.n, r.d): r for r in earlier})  # fmt: skip
     if args.largest > 0:
         cap = args.largest_cap or (1 << 22 if device.type == "cuda" else 1 << 16)
         rows += largest_sizes(args.workloads, dims, chosen, device, args.largest,
                               start=min(sizes), cap=cap, eps=args.eps, iters=args.iters,
                               tol=args.tol, progress=say)  # fmt: skip
-    return _report(rows, environment(device, getattr(args, "command_line", None)), Path(args.out))
+    return _report(with_earlier(rows), env, out)
+
+
+def _earlier(out: Path, env: dict) -> list[Row]:
+    """The rows --out holds for --resume (none without a result there).
+
+    A result from another device, other versions or other settings is refused.
+    """
+    from flashot.cli import CliError
+
+    if not (out / "bench.json").exists():
+        return []
+    try:
+        rows, before = read(out)
+        merge([(rows, before), ([], env)])  # the same device and versions, or ValueError
+    except ValueError as exc:
+        raise CliError(f"--resume: {exc}") from None
+    return rows
 
 
 def _report(rows, env: dict, out: Path) -> int:
     """Print the table, write the files; the exit code."""
     files = write(rows, env, out) + plot(rows, out)
     print(f"{env['device']}; " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
+    if env.get("partial"):
+        print("(merged from a run cut short: its missing rows are not in the table)")
     print(table(rows))
     print("\nwrote " + ", ".join(str(f) for f in files))
     return 0

@@ -8,7 +8,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -146,13 +146,19 @@ def run_suite(workloads: Iterable[str], sizes: Iterable[int], dims: Iterable[int
               chosen: list[Provider], device: torch.device, *, eps: float = 0.1,
               iters: int = 10, tol: float = 1e-3, floors: bool = True,
               row_budget_s: float = 30.0,
-              progress: Callable[[str], None] | None = None) -> list[Row]:  # fmt: skip
+              progress: Callable[[str], None] | None = None,
+              done: Mapping[tuple, Row] | None = None,
+              saved: Callable[[list[Row]], None] | None = None) -> list[Row]:  # fmt: skip
     """Every (workload, d, n, provider) row; providers that cannot run give a skip row.
 
     Sizes run in increasing order; a provider whose call at the previous size predicts
     (time × (n / n_prev)², the n·m work) more than ``row_budget_s`` seconds per call is
-    skipped at the larger size, with the prediction as the reason.
+    skipped at the larger size, with the prediction as the reason. ``done``: rows of an
+    earlier run keyed by ``(workload, provider, n, d)``, taken as they are (a resumed
+    run); ``saved`` is called with the rows so far after each one (a run cut short
+    keeps them).
     """
+    done = done or {}
     ceilings: Ceilings | None = None
     if floors and device.type == "cuda":
         ceilings = measure_ceilings(device)
@@ -168,6 +174,10 @@ def run_suite(workloads: Iterable[str], sizes: Iterable[int], dims: Iterable[int
             for n in sizes:
                 pb = make_problem(n, n, d, device, eps=e, iters=iters, tol=tol)
                 for prov in chosen:
+                    if (workload, prov.name, n, d) in done:
+                        rows.append(done[(workload, prov.name, n, d)])
+                        last[prov.name] = rows[-1]
+                        continue
                     if progress is not None:
                         progress(f"{workload} n={n} d={d} {prov.name}")
                     prev = last.get(prov.name)
@@ -184,6 +194,8 @@ def run_suite(workloads: Iterable[str], sizes: Iterable[int], dims: Iterable[int
                     last[prov.name] = row
                     if progress is not None:
                         progress(f"  {_summary(row)}")
+                    if saved is not None:
+                        saved(rows)
     return rows
 
 

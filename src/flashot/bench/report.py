@@ -80,12 +80,13 @@ def merge(runs: list[tuple[list[Row], dict]]) -> tuple[list[Row], dict]:
     """One suite from several runs of it on the same device (a sweep split over calls).
 
     Rows are keyed by (workload, provider, n, d): a later run's timed row replaces an
-    earlier one, a later skip replaces only a skip. Raises ValueError when the runs' devices
-    or the versions they share differ (their numbers would not compare).
+    earlier one, a later skip replaces only a skip; ``partial`` (a run cut short) carries
+    over. Raises ValueError when the runs' devices, the versions they share or their
+    problem settings (ε, iterations, tolerance) differ: their numbers would not compare.
     """
     rows: dict[tuple, Row] = {}
     first_env = runs[0][1]
-    versions = dict(first_env["versions"])
+    versions, settings = dict(first_env["versions"]), first_env.get("settings")
     for run_rows, env in runs:
         if env["device"] != first_env["device"]:
             raise ValueError(f"runs on different devices: {first_env['device']!r} and "
@@ -93,6 +94,9 @@ def merge(runs: list[tuple[list[Row], dict]]) -> tuple[list[Row], dict]:
         clash = {k for k, v in env["versions"].items() if versions.get(k, v) != v}
         if clash:
             raise ValueError(f"runs with different versions of {', '.join(sorted(clash))}")
+        if None not in (settings, env.get("settings")) and env["settings"] != settings:
+            raise ValueError(f"runs with different settings: {settings} and {env['settings']}")
+        settings = settings or env.get("settings")
         versions.update(env["versions"])
         for r in run_rows:
             key = (r.workload, r.provider, r.n, r.d)
@@ -102,6 +106,10 @@ def merge(runs: list[tuple[list[Row], dict]]) -> tuple[list[Row], dict]:
     env = dict(device=first_env["device"], versions=versions,
                command=" ; ".join(env["command"] for _, env in runs),
                date=min(dates) if len(set(dates)) == 1 else f"{min(dates)} … {max(dates)}")
+    if settings:
+        env["settings"] = settings
+    if any(run_env.get("partial") for _, run_env in runs):  # cut short: rows may be missing
+        env["partial"] = True
     return list(rows.values()), env
 
 
