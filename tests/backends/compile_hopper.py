@@ -76,6 +76,7 @@ def variants():
 
     rows, cols = COMBINE_TILE  # the split merge's tiles as launched
     yield K._combine_kernel, dict(BLOCK=rows, BLOCK_P=cols, HAS_V=True), False
+    yield K._combine_kernel, dict(BLOCK=128, BLOCK_P=1, HAS_V=False, UNIT_SUMS=True), False
     yield (
         K._update_kernel,
         dict(BLOCK=1024, RELAXED_X=True, RELAXED_Y=False, CHECK=True, GATED=True, LOG_SUMS=False),

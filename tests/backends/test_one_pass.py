@@ -175,3 +175,23 @@ def test_the_default_takes_the_one_pass_from_its_width_in_fp32_only(gen, one_pas
     flashot.sinkhorn(x.to(DEVICE), y.to(DEVICE), eps=0.1, tol=None, max_iter=4, backend=be)
     assert one_pass == ([True] * len(one_pass) if expected else [])
     assert len(one_pass) >= (4 if expected else 0)
+
+
+@pytest.mark.parametrize("spare", [0, -1])
+def test_row_partials_take_one_float_per_row_and_column_block(gen, one_pass, monkeypatch, spare):
+    """A row partial is the block's base-2 LSE, one float (a (max, sum) pair took twice the
+    memory, so 50k d256 and 100k d512 exceeded the budget): a budget of exactly
+    4·⌈m / BLOCK_N⌉·n bytes takes the one pass, one byte less falls back."""
+    from flashot.backends import triton as backend
+    from flashot.backends.triton import _one_pass
+
+    x, y, f, g, la, lb, eps = _far_step(gen)
+    _, form = _forms(x, y)
+    be = backend.TritonBackend()
+    q, k, *_, nb, mb, key = be._sums_operands(form)
+    block_n = be._table_tiles(key, nb, mb, q.device).kwargs["BLOCK_N"]
+    need = 4 * -(-k.shape[0] // block_n) * q.shape[0]
+    monkeypatch.setattr(_one_pass, "partials_budget", lambda n, m, d: need + spare)
+    args32 = [t.float().to(DEVICE) for t in (f, g, la, lb)]
+    be.jacobi_step(form, *args32, eps, (1.0, 1.0), (None, None))
+    assert one_pass == [spare == 0]

@@ -71,7 +71,8 @@ GRAPHS_UP_TO_LOG2 = 28
 #: its score tiles once with two exps each and no window (:mod:`._one_pass`) instead of the
 #: one-exp fused pass, whose gate sends a small-ε solve's first steps to two exact passes.
 #: H200, 50k, ε = 0.1 (``benchmarks/one_pass.py``): d = 512 340 → 272 ms, d = 256 179 →
-#: 162 (over the partials' budget by default: fused), d = 128 69 → 116 (exps bound); ε =
+#: 162 (timed with v26's (max, sum) row partials over the budget; v27's one-float partials
+#: fit it, not yet timed), d = 128 69 → 116 (exps bound); ε =
 #: 0.1·d: d = 512 281 → 272, d = 256 161 → 162; 10k: even. tf32/bf16 at d = 512: 237 →
 #: 250, 116 → 120 (one MMA per score: exps bound)
 ONE_PASS_FROM_D: int | None = 256

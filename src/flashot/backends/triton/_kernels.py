@@ -301,12 +301,14 @@ def _attend_kernel(
 def _combine_kernel(
     PART_MAX, PART_SUM, PART_ACC, LSE, OUT, n, p, splits, eps, stride_on, stride_op,
     BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, HAS_V: tl.constexpr,
+    UNIT_SUMS: tl.constexpr = False,
 ):
     """Merge column-split partials: ``M = max_s m_s``, ``L = Σ_s l_s 2^{m_s − M}``, same for acc.
 
     Grid: (row blocks of BLOCK, value chunks of BLOCK_P); every chunk's program merges
     the (cheap) row statistics again and the first writes LSE. A bounded chunk keeps the
     program small: one (128, 1024) tile for p = 784 took Triton 3.6 72 s to compile.
+    UNIT_SUMS: the partials are base-2 LSEs (every ``l_s`` is 1; PART_SUM unused).
     """
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -319,7 +321,10 @@ def _combine_kernel(
     acc = tl.zeros((BLOCK, BLOCK_P), dtype=tl.float32)
     for s in range(splits):
         w = tl.exp2(tl.load(PART_MAX + s * n + offs, mask=ok, other=float("-inf")) - top)
-        total += w * tl.load(PART_SUM + s * n + offs, mask=ok, other=0.0)
+        if UNIT_SUMS:
+            total += w
+        else:
+            total += w * tl.load(PART_SUM + s * n + offs, mask=ok, other=0.0)
         if HAS_V:
             part = tl.load(
                 PART_ACC + (s * n + offs)[:, None] * p + offs_p[None, :],
@@ -369,9 +374,10 @@ def _plan_sums_kernel(
     SEGMENTED (a packed batch): program ``pid_n`` reads its columns ``[c0, c1)`` and its
     problem's rows ``[r0, r1)`` from the table ``BLOCKS``.
     EXACT (not GATED, MULTIPLY nor SEGMENTED; R, C, shift unused): both LSEs with no
-    window, as base-2 (max, sum) partials for ``_combine_kernel``. Each row tile's
-    (max, sum) over the program's columns goes to ``ROW_MAX``/``ROW_SUM[pid_n, i]``
-    (reduced along the cheap axis); the columns keep an elementwise running (max, sum)
+    window, as base-2 partials for ``_combine_kernel``. Each row tile's base-2 LSE over
+    the program's columns goes to ``ROW_MAX[pid_n, i]`` (reduced along the cheap axis;
+    one float, so the row partials take half the memory of a (max, sum) pair; ROW_SUM
+    unused); the columns keep an elementwise running (max, sum)
     tile, one exp per update (``2^{−|x − M|}``: the larger side's term is 1), reduced
     once at the end into ``COL_MAX``/``COL_SUM[pid_s, j]``. Two exps per score and no
     reduction across warps in the loop.
@@ -428,8 +434,8 @@ def _plan_sums_kernel(
             x = s * scale + v[None, :]
             r_max = tl.max(x, 1)
             r_sum = tl.sum(tl.exp2(x - tl.where(r_max == float("-inf"), 0.0, r_max)[:, None]), 1)
-            tl.store(ROW_MAX + pid_n.to(tl.int64) * n + offs_m, r_max, mask=row_ok)
-            tl.store(ROW_SUM + pid_n.to(tl.int64) * n + offs_m, r_sum, mask=row_ok)
+            r_lse = r_max + tl.log2(r_sum)  # -inf when every term is (r_sum 0)
+            tl.store(ROW_MAX + pid_n.to(tl.int64) * n + offs_m, r_lse, mask=row_ok)
             x = s * scale + (u + log_a * LOG2E)[:, None]
             top = tl.maximum(x, acc)
             e = tl.exp2(tl.minimum(x, acc) - tl.where(top == float("-inf"), 0.0, top))

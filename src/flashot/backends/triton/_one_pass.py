@@ -14,8 +14,10 @@ exact pass serves both sides: ``_plan_sums_kernel`` with EXACT writes base-2
     \mathrm{lse}^c_j = ε \ln \sum_i a_i e^{(s_{ij} + f_i − α_i)/ε},
 
 per (column block, row) and per (row split, column), which ``_combine_kernel`` merges.
-The row partials take ``(m / BLOCK_N)·n`` pairs of floats: at most
-:func:`partials_budget` bytes, else the caller takes the fused path.
+The row partials are one float each, the block's base-2 LSE (a (max, sum) pair would
+take twice the memory): ``4·⌈m / BLOCK_N⌉·n`` bytes, at most :func:`partials_budget`,
+else the caller takes the fused path (156 MB at n = m = 50k, within the budget from
+d = 256; 625 MB at 100k, within it at d = 512).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def exact_lse(backend, form, f, g, log_a, log_b, eps):
     dev = q.device
     bd, chunks = _configs.block_d(d, q.element_size())
     cfg = backend._table_tiles(key, nb, mb, dev)
-    if 8 * triton.cdiv(m, cfg.kwargs["BLOCK_N"]) * n > partials_budget(n, m, d):
+    if 4 * triton.cdiv(m, cfg.kwargs["BLOCK_N"]) * n > partials_budget(n, m, d):
         return None
     lse_r = torch.empty(n, device=dev, dtype=torch.float32)
     lse_c = torch.empty(m, device=dev, dtype=torch.float32)
@@ -64,10 +66,9 @@ def exact_lse(backend, form, f, g, log_a, log_b, eps):
 
     def build(splits, per, probe=False):
         """Grid, arguments and constexprs with ``splits`` row splits; partials unless probe."""
-        row_max = row_sum = col_max = col_sum = lse_r
+        row_lse = col_max = col_sum = lse_r
         if not probe:
-            row_max = torch.empty(triton.cdiv(m, block_n), n, device=dev, dtype=torch.float32)
-            row_sum = torch.empty_like(row_max)
+            row_lse = torch.empty(triton.cdiv(m, block_n), n, device=dev, dtype=torch.float32)
             col_max = torch.empty(splits, m, device=dev, dtype=torch.float32)
             col_sum = torch.empty_like(col_max)
 
@@ -77,7 +78,7 @@ def exact_lse(backend, form, f, g, log_a, log_b, eps):
         unused = (lse_r,) * 9  # R, C, the gate, the products' weights and sums, BLOCKS
         args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, *unused, n, m, d,
                 LOG2E / eps, 0.0, 0.0, 0, per, q.stride(0), q.stride(1), k.stride(0),
-                k.stride(1), nb, mb, *split_args, row_max, row_sum, col_max, col_sum)  # fmt: skip
+                k.stride(1), nb, mb, *split_args, row_lse, row_lse, col_max, col_sum)  # fmt: skip
         consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=False, MULTIPLY=False,
                       PRECISION=backend._dot(), PRESPLIT=presplit, SEGMENTED=False,
                       EXACT=True)  # fmt: skip
@@ -91,12 +92,13 @@ def exact_lse(backend, form, f, g, log_a, log_b, eps):
         return build(*backend._split(_plan_sums_kernel, exact_key, tiles, build, m, n, dev))
 
     plan = backend._run_fitting(_plan_sums_kernel, exact_key, cfg, plan_for, dev)
-    row_max, row_sum, col_max, col_sum = plan[1][-4:]
+    row_lse, _, col_max, col_sum = plan[1][-4:]
     with on_device(dev):
-        for part_max, part_sum, out, size in ((row_max, row_sum, lse_r, n),
+        for part_max, part_sum, out, size in ((row_lse, None, lse_r, n),
                                               (col_max, col_sum, lse_c, m)):  # fmt: skip
             _combine_kernel[(triton.cdiv(size, 128), 1)](
-                part_max, part_sum, part_max, out, out, size, 1, part_max.shape[0], eps, 0, 0,
-                BLOCK=128, BLOCK_P=1, HAS_V=False,
+                part_max, part_max if part_sum is None else part_sum, part_max, out, out, size,
+                1, part_max.shape[0], eps, 0, 0, BLOCK=128, BLOCK_P=1, HAS_V=False,
+                UNIT_SUMS=part_sum is None,
             )  # fmt: skip
     return lse_r, lse_c
