@@ -2,7 +2,7 @@
 
 ``ONE_PASS_FROM_D`` (:mod:`flashot.backends.triton`, 256 since v26; fp32 only): from this
 d a step streams its score tiles once with two exps per score (:mod:`._one_pass`: row
-and column (max, sum) partials, no window; their budget is lifted here, so "one pass"
+LSE and column (max, sum) partials, no window; their budget is lifted here, so "one pass"
 is also timed where the default keeps the fused path) instead of the one-exp fused
 pass, whose gate sends the first steps of a small-ε solve to two exact passes. First
 one pass of each kernel at PASSES ("50000x512,10000x512": n x d) in a solve's operand

@@ -6,7 +6,7 @@ steps of a small-ε solve fall outside it and take two exact passes instead (row
 columns). From ``ONE_PASS_FROM_D`` in "fp32" the score tile's three half products, not
 its exponentials, bound a pass, so a second exponential per score is cheap and one
 exact pass serves both sides: ``_plan_sums_kernel`` with EXACT writes base-2
-``(max, sum)`` partials,
+partials (row LSEs, column ``(max, sum)`` pairs) of
 
 .. math::
 
