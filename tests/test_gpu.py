@@ -382,3 +382,28 @@ def test_split_scores_are_as_accurate_as_3xtf32_on_large_scores(d):
         errors[presplit] = float((got - ref).abs().max())
     scale = float(ref.abs().max())
     assert errors[True] <= 2.0 * errors[False] + 2.0**-22 * scale, (errors, scale)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_split_kernel_matches_the_definition_bit_for_bit(device):
+    """The split kernel compiled for this GPU (the interpreter's test runs the same code
+    on numpy): largest entries at and one ulp above powers of two, tiny to huge, on the
+    current GPU and on another one."""
+    from flashot.backends.triton._split import split_operand
+    from tests.backends.test_split import reference_split
+
+    if torch.device(device).index == 1 and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    gen = torch.Generator().manual_seed(0)
+    for k in (-130, -20, 0, 4, 14, 20, 100):
+        for n, d in ((1, 1), (10_000, 64), (777, 3)):
+            for above in (False, True):
+                x = torch.randn(n, d, generator=gen)
+                x = x / x.abs().max() * 2.0**k
+                if above:
+                    x.view(-1)[0] = torch.nextafter(torch.tensor(2.0**k), torch.tensor(1e38))
+                s = split_operand(x.to(device))
+                parts, inv = reference_split(x)
+                assert s.parts.device == torch.device(device)
+                assert torch.equal(s.parts.cpu().view(torch.int16), parts.view(torch.int16))
+                assert float(s.inv) == inv

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashot.backends import on_device
+
 __all__ = ["SplitOperand", "split_operand"]
 
 #: the largest scaled entry is at most 2^HEADROOM (float16's largest finite is 65504)
@@ -73,9 +75,11 @@ def split_operand(t: torch.Tensor, interpreted: bool = False) -> SplitOperand:
     inv = torch.ones(1, dtype=torch.float32, device=t.device)
     if t.numel():
         low, high = torch.aminmax(t)
-        grid = (triton.cdiv(t.numel(), BLOCK),)
-        _split_kernel[grid](t, low, high, parts, inv, t.numel(), HEADROOM=HEADROOM,
-                            LO_BITS=LO_BITS, BLOCK=BLOCK)  # fmt: skip
+        with on_device(t.device):  # Triton launches on the current device
+            _split_kernel[(triton.cdiv(t.numel(), BLOCK),)](
+                t, low, high, parts, inv, t.numel(), HEADROOM=HEADROOM, LO_BITS=LO_BITS,
+                BLOCK=BLOCK,
+            )  # fmt: skip
     if interpreted:
         parts = parts.float()
     return SplitOperand(parts, inv)
