@@ -5,7 +5,8 @@ weights on [0.1, 1.1), ε = 0.1) at the default precision with the rule as shipp
 with every launch split once per solve, and with none, beside flash-sinkhorn in this
 process. Each is timed twice, interleaved (do_bench medians, ms), so the table shows
 the run-to-run spread next to the difference. Env: CASES ("10000x64,50000x64": n x d),
-PEER (0: without the peer).
+PEER (0: without the peer), WHO (only these columns, e.g. "default,flash-sinkhorn":
+issue 14's default-precision table with CASES=10000x64,50000x64,10000x512,50000x512).
 
     python benchmarks/presplit_ab.py
 """
@@ -28,6 +29,8 @@ dev = torch.device("cuda")
 SHIPPED = _operands.PRESPLIT_FROM
 RULES = {"default": SHIPPED, "split": 0, "unsplit": 1 << 62}
 WHO = [*RULES.items(), *([("flash-sinkhorn", None)] if os.environ.get("PEER", "1") == "1" else [])]
+if os.environ.get("WHO"):
+    WHO = [(w, r) for w, r in WHO if w in os.environ["WHO"].split(",")]
 
 
 def timed(call, n):
