@@ -86,6 +86,11 @@ class Segments:
             self._cache[key] = sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in sizes)
         return self._cache[key]
 
+    @property
+    def widest_cols(self) -> int:
+        """The most columns of any problem (what a split of a packed launch cuts)."""
+        return max(b - a for a, b in itertools.pairwise(self.cols))
+
     def row_slice(self, s: int) -> slice:
         """Problem ``s``'s rows."""
         return slice(self.rows[s], self.rows[s + 1])

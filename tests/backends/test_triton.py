@@ -307,6 +307,42 @@ def test_packed_probe_samples_each_problem_against_its_own_columns(gen, monkeypa
     assert max(want) > 1.0  # far from the window: a real check
 
 
+def test_packed_launches_split_like_one_problems_launches(gen, monkeypatch):
+    """A packed batch's attend (columns) and plan-sums (rows) launches split their moving
+    side as a single problem's do, cut by the widest problem (a narrower problem's
+    programs past its end stream nothing): the same potentials and costs as the float64
+    solve, with both kernels launched split. Forward and gradient."""
+    from flashot.backends import triton as backend
+    from flashot.batched import sinkhorn_varlen
+
+    made = []
+    split = backend.TritonBackend._split
+
+    def spy(self, raw, *args, **kw):
+        out = split(self, raw, *args, **kw)
+        made.append((raw.fn.__name__ if hasattr(raw, "fn") else raw.__name__, out[0]))
+        return out
+
+    monkeypatch.setattr(backend.TritonBackend, "_split", spy)
+    sizes = [(290, 300), (40, 150), (140, 20)]  # the widest and the tallest: 3 splits
+    xs = [torch.randn(n, 3, generator=gen) for n, _ in sizes]
+    ys = [torch.randn(m, 3, generator=gen) + 0.5 for _, m in sizes]
+    offsets = [torch.tensor([0, *itertools.accumulate(len(t) for t in ts)]) for ts in (xs, ys)]
+    x, y = torch.cat(xs), torch.cat(ys)
+    kw = dict(eps=0.1, max_iter=8, tol=None, update="symmetric")
+    x64 = x.double().requires_grad_()
+    ref = sinkhorn_varlen(x64, y.double(), *offsets, backend="torch", **kw)
+    (ref_grad,) = torch.autograd.grad(ref.cost.sum(), x64)
+    x32 = x.to(DEVICE).requires_grad_()
+    res = sinkhorn_varlen(x32, y.to(DEVICE), *offsets,
+                          backend=backend.TritonBackend(splits=3, graphs=False), **kw)  # fmt: skip
+    (grad,) = torch.autograd.grad(res.cost.sum(), x32)
+    assert ("_attend_kernel", 3) in made and ("_plan_sums_kernel", 3) in made
+    assert torch.allclose(res.cost.cpu().double(), ref.cost.detach(), rtol=1e-5, atol=1e-6)
+    assert rel(res.f.cpu().double(), ref.f.detach()) < 1e-5
+    assert rel(grad.cpu().double(), ref_grad) < 1e-4
+
+
 def _fused_steps(monkeypatch, probe):
     """Probes on (on 16+ points, 8 rows) or off; the list that records, per plan-sums
     pass, whether its sums ran fused (any nonzero)."""

@@ -146,7 +146,9 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         ``(lo[0], hi)`` (``lo`` a 1-element tensor; other rows' outputs are then
         meaningless). ``keep_q``: cache q's half copy (False for a one-off sample).
         ``segments``: a packed batch (:mod:`flashot.segments`); the grid then runs over
-        its table of row blocks, each streaming its own problem's columns (no splits).
+        its table of row blocks, each streaming its own problem's columns, split as one
+        problem's are (the widest problem's columns set the splits; a narrower problem's
+        programs past its columns stream nothing).
         """
         elements = q.shape[0] * k.shape[0] if segments is None else segments.elements
         work = split_work(elements, q.shape[1])
@@ -217,12 +219,14 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         def plan_for(tiles):
             return build(*self._split(_attend_kernel, key, tiles, build, n, m, dev, most))
 
-        if segments is not None:  # one launch over the table of blocks, no splits
+        if segments is not None:  # one launch over the table of blocks
 
             def packed(tiles):  # the table of row blocks follows the tiles
                 nonlocal block_m
                 block_m = tiles.kwargs["BLOCK_M"]
-                return build(1, m)
+                units = len(segments.blocks(block_m, dev)) * block_m
+                return build(*self._split(_attend_kernel, key, tiles, build, units,
+                                          segments.widest_cols, dev, most))  # fmt: skip
 
             cfg = self._table_tiles(key, nb, mb, dev)
             plan = self._run_fitting(_attend_kernel, key, cfg, packed, dev)
@@ -316,12 +320,14 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             if gate is not None:
                 gate_out.zero_()
 
-        if seg is not None:  # one launch over the table of blocks, no row splits
+        if seg is not None:  # one launch over the table of blocks, rows split as above
 
             def packed(tiles):  # the table of column blocks follows the tiles
                 nonlocal block_n
                 block_n = tiles.kwargs["BLOCK_N"]
-                return build(1, n)
+                units = len(seg.blocks(block_n, dev)) * block_n
+                return build(*self._split(_plan_sums_kernel, key, tiles, build, units,
+                                          seg.widest_cols, dev))  # fmt: skip
 
             cfg = self._table_tiles(key, nb, mb, dev)
             self._run_fitting(_plan_sums_kernel, key, cfg, packed, dev)
