@@ -54,8 +54,8 @@ class PackedCall:
         return self.loss(x[None], y[None])[0]
 
 
-CALLS["flashot default, packed"] = lambda: PackedCall(p=2, blur=0.05, scaling=0.5, debias=True)
-CALLS["flashot tf32, packed"] = lambda: PackedCall(p=2, blur=0.05, scaling=0.5, debias=True,
+CALLS["flashot default packed"] = lambda: PackedCall(p=2, blur=0.05, scaling=0.5, debias=True)
+CALLS["flashot tf32 packed"] = lambda: PackedCall(p=2, blur=0.05, scaling=0.5, debias=True,
                                                    precision="tf32")  # fmt: skip
 if os.environ.get("PEER", "1") == "1":
     try:
