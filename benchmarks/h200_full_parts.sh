@@ -8,6 +8,8 @@
 # part runs with --resume: a call cut by its timeout keeps its rows, and the same command
 # in the next call runs only the missing ones (part a took over 520 s in v27; cut at its
 # last rows). --row-budget (30 s) skips sizes a provider's previous size predicts too slow.
+# On the lent machine use OUT=.bench_out (ignored): pass it in the call's carry so a fresh
+# machine resumes too, and copy it to $OUT at the end of each call to bring it back.
 set -u
 part=$1 out=$2
 gpu_peers=flashot-triton,flash-sinkhorn,ott-online,ott-dense,geomloss-tensorized,dense-torch,pot
