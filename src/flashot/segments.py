@@ -89,7 +89,9 @@ class Segments:
     @property
     def widest_cols(self) -> int:
         """The most columns of any problem (what a split of a packed launch cuts)."""
-        return max(b - a for a, b in itertools.pairwise(self.cols))
+        if "widest_cols" not in self._cache:
+            self._cache["widest_cols"] = max(b - a for a, b in itertools.pairwise(self.cols))
+        return self._cache["widest_cols"]
 
     def row_slice(self, s: int) -> slice:
         """Problem ``s``'s rows."""

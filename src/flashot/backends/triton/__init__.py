@@ -306,7 +306,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                     *(mul or (sums, sums)), r_den if mul else sums, c_den if mul else sums, table,
                     n, m, d, LOG2E / eps, shift, limit, int(span), per,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), nb, mb,
-                    *split_args, sums, sums, sums, sums)  # fmt: skip
+                    *split_args, sums, sums, sums)  # fmt: skip
             consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=gate is not None,
                           MULTIPLY=mul is not None, PRECISION=self._dot(),
                           PRESPLIT=presplit, SEGMENTED=seg is not None)  # fmt: skip

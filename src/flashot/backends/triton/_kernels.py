@@ -349,7 +349,7 @@ def _plan_sums_kernel(
     Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, MUL_A, MUL_B, R_DEN, C_DEN,
     BLOCKS, n, m, d, scale, shift, gate_limit, gate_span, rows_per_split, stride_qn, stride_qd,
     stride_kn, stride_kd, n_bucket, m_bucket, Q_INV, K_INV, q_lo, k_lo,
-    ROW_MAX, ROW_SUM, COL_MAX, COL_SUM,
+    ROW_LSE, COL_MAX, COL_SUM,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, GATED: tl.constexpr, MULTIPLY: tl.constexpr,
     PRECISION: tl.constexpr, PRESPLIT: tl.constexpr, SEGMENTED: tl.constexpr,
@@ -375,9 +375,9 @@ def _plan_sums_kernel(
     problem's rows ``[r0, r1)`` from the table ``BLOCKS``.
     EXACT (not GATED, MULTIPLY nor SEGMENTED; R, C, shift unused): both LSEs with no
     window, as base-2 partials for ``_combine_kernel``. Each row tile's base-2 LSE over
-    the program's columns goes to ``ROW_MAX[pid_n, i]`` (reduced along the cheap axis;
-    one float, so the row partials take half the memory of a (max, sum) pair; ROW_SUM
-    unused); the columns keep an elementwise running (max, sum)
+    the program's columns goes to ``ROW_LSE[pid_n, i]`` (reduced along the cheap axis;
+    one float, so the row partials take half the memory of a (max, sum) pair); the
+    columns keep an elementwise running (max, sum)
     tile, one exp per update (``2^{−|x − M|}``: the larger side's term is 1), reduced
     once at the end into ``COL_MAX``/``COL_SUM[pid_s, j]``. Two exps per score and no
     reduction across warps in the loop.
@@ -435,7 +435,7 @@ def _plan_sums_kernel(
             r_max = tl.max(x, 1)
             r_sum = tl.sum(tl.exp2(x - tl.where(r_max == float("-inf"), 0.0, r_max)[:, None]), 1)
             r_lse = r_max + tl.log2(r_sum)  # -inf when every term is (r_sum 0)
-            tl.store(ROW_MAX + pid_n.to(tl.int64) * n + offs_m, r_lse, mask=row_ok)
+            tl.store(ROW_LSE + pid_n.to(tl.int64) * n + offs_m, r_lse, mask=row_ok)
             x = s * scale + (u + log_a * LOG2E)[:, None]
             top = tl.maximum(x, acc)
             e = tl.exp2(tl.minimum(x, acc) - tl.where(top == float("-inf"), 0.0, top))

@@ -78,7 +78,7 @@ def exact_lse(backend, form, f, g, log_a, log_b, eps):
         unused = (lse_r,) * 9  # R, C, the gate, the products' weights and sums, BLOCKS
         args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, *unused, n, m, d,
                 LOG2E / eps, 0.0, 0.0, 0, per, q.stride(0), q.stride(1), k.stride(0),
-                k.stride(1), nb, mb, *split_args, row_lse, row_lse, col_max, col_sum)  # fmt: skip
+                k.stride(1), nb, mb, *split_args, row_lse, col_max, col_sum)  # fmt: skip
         consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=False, MULTIPLY=False,
                       PRECISION=backend._dot(), PRESPLIT=presplit, SEGMENTED=False,
                       EXACT=True)  # fmt: skip
@@ -92,13 +92,12 @@ def exact_lse(backend, form, f, g, log_a, log_b, eps):
         return build(*backend._split(_plan_sums_kernel, exact_key, tiles, build, m, n, dev))
 
     plan = backend._run_fitting(_plan_sums_kernel, exact_key, cfg, plan_for, dev)
-    row_lse, _, col_max, col_sum = plan[1][-4:]
-    with on_device(dev):
-        for part_max, part_sum, out, size in ((row_lse, None, lse_r, n),
+    row_lse, col_max, col_sum = plan[1][-3:]
+    with on_device(dev):  # rows: LSE partials (unit sums); columns: (max, sum) pairs
+        for part_max, part_sum, out, size in ((row_lse, row_lse, lse_r, n),
                                               (col_max, col_sum, lse_c, m)):  # fmt: skip
             _combine_kernel[(triton.cdiv(size, 128), 1)](
-                part_max, part_max if part_sum is None else part_sum, part_max, out, out, size,
-                1, part_max.shape[0], eps, 0, 0, BLOCK=128, BLOCK_P=1, HAS_V=False,
-                UNIT_SUMS=part_sum is None,
+                part_max, part_sum, part_max, out, out, size, 1, part_max.shape[0], eps, 0, 0,
+                BLOCK=128, BLOCK_P=1, HAS_V=False, UNIT_SUMS=part_sum is part_max,
             )  # fmt: skip
     return lse_r, lse_c
