@@ -33,7 +33,7 @@ from flashot.backends.triton._kernels import (
 )
 from flashot.backends.triton._launch import _ATTEND, _PLAN_SUMS, TunedLaunches
 from flashot.backends.triton._one_pass import exact_lse
-from flashot.backends.triton._operands import OperandCache, score_operands, split_work
+from flashot.backends.triton._operands import OperandCache, split_work
 from flashot.backends.triton._vjp import FUSED_UP_TO, fused_plan_vjp
 from flashot.dual import log_residual
 
@@ -71,8 +71,8 @@ GRAPHS_UP_TO_LOG2 = 28
 #: its score tiles once with two exps each and no window (:mod:`._one_pass`) instead of the
 #: one-exp fused pass, whose gate sends a small-ε solve's first steps to two exact passes.
 #: H200, 50k, ε = 0.1 (``benchmarks/one_pass.py``): d = 512 340 → 272 ms, d = 256 179 →
-#: 162 (timed with v26's (max, sum) row partials over the budget; v27's one-float partials
-#: fit it, not yet timed), d = 128 69 → 116 (exps bound); ε =
+#: 162 (v28 with v27's one-float row partials, which fit the budget: 177 → 161; 100k
+#: d = 512 1 370 → 1 086), d = 128 69 → 116 (exps bound); ε =
 #: 0.1·d: d = 512 281 → 272, d = 256 161 → 162; 10k: even. tf32/bf16 at d = 512: 237 →
 #: 250, 116 → 120 (one MMA per score: exps bound)
 ONE_PASS_FROM_D: int | None = 256
@@ -100,7 +100,9 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             solve runs) instead of per tile by 3xTF32. Passes outside a solve
             (gradients, plan products, dual solves) keep 3xTF32. None (default):
             for launches with n·m·max(4d, 64) ≥ 2^34 (:data:`._operands.PRESPLIT_FROM`),
-            where the split pays for its conversions.
+            where the split pays for its conversions; and up to 5 features every score
+            launch, solve or not, reads TF32 triples (:func:`._operands.triple_operand`:
+            3xTF32's three terms in one TF32 MMA of 16 features) instead.
     """
 
     name = "triton"
@@ -136,8 +138,11 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         self._scopes = 0
 
     # ---- helpers -------------------------------------------------------------------
-    def _dot(self) -> str:
-        return "ieee" if triton_interpreted() else _DOT[self.precision]
+    def _dot(self, triples: bool = False) -> str:
+        """The score MMAs' ``input_precision`` (``triples``: one TF32 product of triples)."""
+        if triton_interpreted():
+            return "ieee"
+        return "tf32" if triples else _DOT[self.precision]
 
     def _attend(self, q, k, eps, bias, v=None, repair=None, keep_q=True, segments=None):
         """Row LSE and softmax average; ``bias`` is ``(h,)`` or ``(g, β, log b)``.
@@ -151,9 +156,9 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         programs past its columns stream nothing).
         """
         elements = q.shape[0] * k.shape[0] if segments is None else segments.elements
-        work = split_work(elements, q.shape[1])
-        q, k, split_args, presplit = score_operands(self._operand(q, keep_q, work),
-                                                    self._operand(k, work=work))  # fmt: skip
+        features = q.shape[1]  # (the tile key's: triples take a d = 3 TF32 launch's tiles)
+        work = split_work(elements, features)
+        q, k, split_args, presplit, triples = self.score_pair(q, k, keep_q, work)
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
         potential = len(bias) == 3
@@ -203,14 +208,14 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                     nb, mb, *split_args, *v_args)  # fmt: skip
             consts = dict(BLOCK_D=bd, BLOCK_P=bp, D_CHUNKS=chunks, HAS_V=has_v, SPLIT=split,
                           POTENTIAL_BIAS=potential, REPAIR=repair is not None,
-                          PRECISION=self._dot(), V_PRECISION=self._dot(),
+                          PRECISION=self._dot(triples), V_PRECISION=self._dot(),
                           PRESPLIT=presplit, V_SPLIT=v_split,
                           SEGMENTED=segments is not None)  # fmt: skip
             return grid, args, consts
 
         # tuned apart: forming the bias in the kernel adds loads (16 % slower in tf32 at 50k)
-        dot = SPLIT_DOT if presplit else self._dot()
-        key = ("attend", d, p, nb, mb, has_v, dot, q.dtype, potential)
+        dot = SPLIT_DOT if presplit else self._dot(triples)
+        key = ("attend", features, p, nb, mb, has_v, dot, q.dtype, potential)
         # value partials hold splits·n·p floats: at most VALUE_PARTIALS of them, so that
         # wide values at large n take no split (a flow's 60k × 794 barycenters would
         # hold two more copies of the output); narrow ones (a CG's matvec) split freely
@@ -308,7 +313,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), nb, mb,
                     *split_args, sums, sums, sums)  # fmt: skip
             consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=gate is not None,
-                          MULTIPLY=mul is not None, PRECISION=self._dot(),
+                          MULTIPLY=mul is not None, PRECISION=self._dot() if presplit else key[4],
                           PRESPLIT=presplit, SEGMENTED=seg is not None)  # fmt: skip
             return grid, args, consts
 
@@ -340,20 +345,20 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
     def _sums_operands(self, form):
         """``(q, k, split_args, presplit, nb, mb, key)`` of a plan-sums launch over ``form``.
 
-        The score operands as the kernel reads them (:func:`score_operands`), the size
+        The score operands as the kernel reads them (:meth:`score_pair`), the size
         buckets (a packed batch's largest problem's) and the tile tables' key.
         """
         seg = form.segments
         elements = form.q.shape[0] * form.k.shape[0] if seg is None else seg.elements
         work = split_work(elements, form.q.shape[1])
-        q, k, split_args, presplit = score_operands(self._operand(form.q, work=work),
-                                                     self._operand(form.k, work=work))  # fmt: skip
+        q, k, split_args, presplit, triples = self.score_pair(form.q, form.k, work=work)
         if seg is None:
             nb, mb = _configs.bucket(q.shape[0]), _configs.bucket(k.shape[0])
         else:
             nb, mb = _configs.largest_bucket(seg.rows), _configs.largest_bucket(seg.cols)
-        dot = SPLIT_DOT if presplit else self._dot()
-        return q, k, split_args, presplit, nb, mb, ("plan_sums", q.shape[1], nb, mb, dot, q.dtype)
+        dot = SPLIT_DOT if presplit else self._dot(triples)
+        key = ("plan_sums", form.q.shape[1], nb, mb, dot, q.dtype)
+        return q, k, split_args, presplit, nb, mb, key
 
     @staticmethod
     def valid_range(size: int, max_weight: float = 1.0) -> tuple[float, float]:
