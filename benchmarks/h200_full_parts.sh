@@ -9,7 +9,8 @@
 # in the next call runs only the missing ones (part a took over 520 s in v27; cut at its
 # last rows). --row-budget (30 s) skips sizes a provider's previous size predicts too slow.
 # On the lent machine use OUT=.bench_out (ignored): pass it in the call's carry so a fresh
-# machine resumes too, and copy it to $OUT at the end of each call to bring it back.
+# machine resumes too, and copy it to $OUT at the end of each call to bring it back
+# (then commit the rows to results/h200_full/PART, which seeds an OUT without them).
 set -u
 part=$1 out=$2
 gpu_peers=flashot-triton,flash-sinkhorn,ott-online,ott-dense,geomloss-tensorized,dense-torch,pot
@@ -25,4 +26,9 @@ case $part in
            --providers flashot-triton,flashot-triton-tf32,flashot-triton-bf16) ;;
   *) echo "PART: one of a b c d e f" >&2; exit 2 ;;
 esac
+# rows committed from an earlier session (results/h200_full/PART) seed a fresh OUT
+saved="$(dirname "$0")/results/h200_full/$part"
+if [ ! -e "$out/$part/bench.csv" ] && [ -e "$saved/bench.csv" ]; then
+  mkdir -p "$out" && cp -r "$saved" "$out/" && chmod -R u+w "$out/$part"
+fi
 exec bash "$(dirname "$0")/h200_bench.sh" "$out/$part" --resume "${args[@]}"
