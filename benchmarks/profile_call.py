@@ -37,6 +37,8 @@ def main():
     ap.add_argument("--eps", type=float, default=0.1, help="--call sinkhorn's ε")
     ap.add_argument("--update", default=None, help="--call sinkhorn: update")
     ap.add_argument("--probe", type=int, default=1, help="0: no probe at the second step (A/B)")
+    ap.add_argument("--presplit", choices=("auto", "0", "1"), default="auto",
+                    help="the backend's presplit (0: 3xTF32 per tile, no triples at d ≤ 5)")  # fmt: skip
     args = ap.parse_args()
     if not args.probe:
         from flashot.backends import triton as triton_backend
@@ -46,7 +48,8 @@ def main():
     draw = torch.rand if args.call == "geomloss" else torch.randn
     x = draw(args.n, args.d, device="cuda", generator=g)
     y = draw(args.n, args.d, device="cuda", generator=g)
-    be = TritonBackend(args.precision, graphs=bool(args.graphs))
+    presplit = {"auto": None, "0": False, "1": True}[args.presplit]
+    be = TritonBackend(args.precision, graphs=bool(args.graphs), presplit=presplit)
 
     kw = dict(eps=args.eps) if args.update is None else dict(eps=args.eps, update=args.update)
 
