@@ -38,7 +38,7 @@ def main():
     ap.add_argument("--update", default=None, help="--call sinkhorn: update")
     ap.add_argument("--probe", type=int, default=1, help="0: no probe at the second step (A/B)")
     ap.add_argument("--presplit", choices=("auto", "0", "1"), default="auto",
-                    help="the backend's presplit (0: 3xTF32 per tile, no triples at d ≤ 5)")  # fmt: skip
+                    help="backend presplit (0: 3xTF32 per tile, no triples at d ≤ 5)")  # fmt: skip
     args = ap.parse_args()
     if not args.probe:
         from flashot.backends import triton as triton_backend
