@@ -86,6 +86,20 @@ def test_triples_give_three_tf32_terms_of_every_product(n, d, scale, seed):
     assert torch.allclose(got, (hx * hy + hx * ly + lx * hy).sum(1), rtol=0, atol=0)
 
 
+def test_tf32_round_keeps_nan_and_infinities():
+    """A NaN's bits plus the rounding carry can read as a finite number (0x7FFFFFFF
+    becomes -0.0): non-finite entries must come back as they are, so a triple of a
+    cloud holding NaN yields NaN scores, not finite ones."""
+    t = torch.tensor([math.nan, math.inf, -math.inf, 3.4028235e38]).view(torch.int32)
+    t[0] = 0x7FFFFFFF  # the NaN whose carry reaches the sign bit
+    got = tf32_round(t.view(torch.float32))
+    assert math.isnan(got[0]) and got[1] == math.inf and got[2] == -math.inf
+    assert got[3] == math.inf  # the largest binade's top values round up to inf
+    x = torch.tensor([[1.0, math.nan, 2.0]])
+    prod = (triple_operand(x, "q").double() * triple_operand(x, "k").double()).sum()
+    assert math.isnan(prod)
+
+
 def test_triple_role_is_checked():
     with pytest.raises(ValueError, match="role"):
         triple_operand(torch.zeros(2, 2), "v")

@@ -39,10 +39,12 @@ def tf32_round(t: torch.Tensor) -> torch.Tensor:
 
     TF32 MMAs drop the low 13 bits of their inputs; rounded inputs lose nothing there.
     Finite entries within 2^-11 of float32's largest round to inf (such clouds overflow
-    their squared distances anyway).
+    their squared distances anyway); NaN and ±inf stay themselves (the carry would turn
+    a NaN's bits into a finite value).
     """
-    bits = t.contiguous().view(torch.int32)
-    return ((bits + 0x1000) & -0x2000).view(torch.float32)
+    t = t.contiguous()
+    rounded = ((t.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+    return torch.where(torch.isfinite(t), rounded, t)
 
 
 def triple_operand(t: torch.Tensor, role: str) -> torch.Tensor:
