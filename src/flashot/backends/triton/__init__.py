@@ -144,6 +144,10 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             return "ieee"
         return "tf32" if triples else _DOT[self.precision]
 
+    def _kernel_dot(self, dot: str) -> str:
+        """The kernels' ``PRECISION`` for a tile key's dot (split parts do not read it)."""
+        return self._dot() if dot == SPLIT_DOT else dot
+
     def _attend(self, q, k, eps, bias, v=None, repair=None, keep_q=True, segments=None):
         """Row LSE and softmax average; ``bias`` is ``(h,)`` or ``(g, β, log b)``.
 
@@ -313,7 +317,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), nb, mb,
                     *split_args, sums, sums, sums)  # fmt: skip
             consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=gate is not None,
-                          MULTIPLY=mul is not None, PRECISION=self._dot() if presplit else key[4],
+                          MULTIPLY=mul is not None, PRECISION=self._kernel_dot(key[4]),
                           PRESPLIT=presplit, SEGMENTED=seg is not None)  # fmt: skip
             return grid, args, consts
 

@@ -80,7 +80,7 @@ def exact_lse(backend, form, f, g, log_a, log_b, eps):
                 LOG2E / eps, 0.0, 0.0, 0, per, q.stride(0), q.stride(1), k.stride(0),
                 k.stride(1), nb, mb, *split_args, row_lse, col_max, col_sum)  # fmt: skip
         consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=False, MULTIPLY=False,
-                      PRECISION=backend._dot() if presplit else key[4], PRESPLIT=presplit,
+                      PRECISION=backend._kernel_dot(key[4]), PRESPLIT=presplit,
                       SEGMENTED=False, EXACT=True)  # fmt: skip
         return grid, args, consts
 

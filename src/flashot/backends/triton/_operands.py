@@ -151,16 +151,17 @@ class OperandCache:
         """
         if t.dtype != torch.float32:
             raise TypeError(f"the triton backend computes in float32, got {t.dtype}")
-        split = role is None and self._splits(work)
-        if role is None and self.precision not in _HALF and not split:
-            return t
-        if split and self._scopes == 0:  # a one-off pass: 3xTF32 per tile, no copy
-            return t
         convert: Callable[[torch.Tensor], torch.Tensor | SplitOperand]
         if role is not None:
             convert = functools.partial(triple_operand, role=role)
+        elif self._splits(work):
+            if self._scopes == 0:  # a one-off pass: 3xTF32 per tile, no copy
+                return t
+            convert = self._split_parts
+        elif self.precision in _HALF:
+            convert = self._half
         else:
-            convert = self._split_parts if split else self._half
+            return t
         if not keep:  # a one-off sample
             return convert(t)
         # the solver reuses q and k: convert each once. Entries hold a weak reference to
