@@ -86,6 +86,10 @@ def variants():
 
     yield _split._split_kernel, dict(HEADROOM=_split.HEADROOM, LO_BITS=_split.LO_BITS,
                                      BLOCK=_split.BLOCK), False  # fmt: skip
+    from flashot.backends.triton import _triples
+
+    yield _triples._triple_kernel, dict(WIDTH=_triples.TRIPLE_WIDTH,
+                                        BLOCK_N=_triples.BLOCK_N), False  # fmt: skip
 
 
 def main() -> int:

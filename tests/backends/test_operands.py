@@ -1,5 +1,6 @@
-"""The score operands' forms (:mod:`flashot.backends.triton._operands`): TF32 rounding,
-triples, and which form a launch takes; in Triton's interpreter on CPU, natively on a GPU."""
+"""The score operands' forms (:mod:`flashot.backends.triton._operands`, ``._triples``):
+TF32 rounding, triples, and which form a launch takes; in Triton's interpreter on CPU,
+natively on a GPU."""
 
 import math
 
@@ -9,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashot.backends import available_backends
-from flashot.backends.triton._operands import (
+from flashot.backends.triton._triples import (
     TRIPLE_UP_TO,
     TRIPLE_WIDTH,
-    tf32_round,
     triple_operand,
+    triple_pair,
 )
 from tests.backends.test_contract import dense_attend, problem
 from tests.conftest import rel
@@ -38,16 +39,24 @@ def reference_tf32(v: float) -> float:
     return math.copysign(rounded * 2.0 ** (exp - 11), v)
 
 
+def tf32_round(t: torch.Tensor) -> torch.Tensor:
+    """The kernel's TF32 rounding of 1-D ``t``: the hi part of its one-feature triples."""
+    return triple_pair(t.reshape(-1, 1).to(DEVICE))[0, :, 0].cpu()
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(finite, min_size=1, max_size=40))
 def test_tf32_round_is_nearest_with_ties_away_from_zero(values):
     """Against the float64 definition, normal and subnormal, at and between ties; the low
-    13 bits of every result are zero (what a TF32 MMA reads is exactly the value)."""
+    13 bits of every result are zero (what a TF32 MMA reads is exactly the value); lo is
+    the rounded remainder (t − hi is exact in float32: hi is within 2^-11 of t)."""
     t = torch.tensor(values, dtype=torch.float32)
-    got = tf32_round(t)
-    assert int((got.view(torch.int32) & 0x1FFF).abs().max()) == 0
-    for v, r in zip(t.tolist(), got.tolist(), strict=True):
+    pair = triple_pair(t.reshape(-1, 1).to(DEVICE)).cpu()
+    got, lo = pair[0, :, 0], pair[0, :, 2]
+    assert int((pair.view(torch.int32) & 0x1FFF).abs().max()) == 0
+    for v, r, low in zip(t.tolist(), got.tolist(), lo.tolist(), strict=True):
         assert r == reference_tf32(v), (v, r)
+        assert low == reference_tf32(v - r), (v, r, low)
 
 
 def test_tf32_round_ties_and_sign():
@@ -72,7 +81,7 @@ def test_triples_give_three_tf32_terms_of_every_product(n, d, scale, seed):
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(n, d, generator=gen) * scale).float()
     y = (torch.randn(n, d, generator=gen) * scale).float()
-    qt, kt = triple_operand(x, "q"), triple_operand(y, "k")
+    qt, kt = triple_operand(x.to(DEVICE), "q").cpu(), triple_operand(y.to(DEVICE), "k").cpu()
     assert qt.shape == kt.shape == (n, TRIPLE_WIDTH) and qt.dtype == torch.float32
     assert torch.equal(qt[:, 3 * d :], torch.zeros(n, TRIPLE_WIDTH - 3 * d))
     assert int((qt.view(torch.int32) & 0x1FFF).abs().max()) == 0
@@ -95,14 +104,34 @@ def test_tf32_round_keeps_nan_and_infinities():
     got = tf32_round(t.view(torch.float32))
     assert math.isnan(got[0]) and got[1] == math.inf and got[2] == -math.inf
     assert got[3] == math.inf  # the largest binade's top values round up to inf
-    x = torch.tensor([[1.0, math.nan, 2.0]])
+    x = torch.tensor([[1.0, math.nan, 2.0]], device=DEVICE)
     prod = (triple_operand(x, "q").double() * triple_operand(x, "k").double()).sum()
     assert math.isnan(prod)
 
 
-def test_triple_role_is_checked():
+def test_triple_role_and_input_are_checked():
     with pytest.raises(ValueError, match="role"):
         triple_operand(torch.zeros(2, 2), "v")
+    with pytest.raises(ValueError, match="at most 5 columns"):
+        triple_pair(torch.zeros(2, TRIPLE_UP_TO + 1))
+    with pytest.raises(ValueError, match="float32"):
+        triple_pair(torch.zeros(2, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (4, 0)])
+def test_empty_clouds_give_empty_triples(shape):
+    pair = triple_pair(torch.zeros(shape, device=DEVICE))
+    assert pair.shape == (2, shape[0], TRIPLE_WIDTH) and not bool(pair.any())
+
+
+def test_strided_input_and_rows_past_one_program():
+    """A transposed (non-contiguous) cloud and more rows than one program converts: the
+    same triples as its contiguous copy, and as the per-element definition."""
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(1), device="cpu").T
+    got = triple_pair(x.to(DEVICE).T.contiguous().T)
+    assert torch.equal(got.cpu(), triple_pair(x.contiguous().to(DEVICE)).cpu())
+    hi = torch.tensor([[reference_tf32(v) for v in row] for row in x.tolist()])
+    assert torch.equal(got[0, :, :3].cpu(), hi) and torch.equal(got[1, :, 6:9].cpu(), hi)
 
 
 triton_only = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
@@ -148,4 +177,5 @@ def test_a_cloud_serves_both_sides_as_its_own_triple(gen):
         qt, kt, *_ = be.score_pair(x, x)
         again = be.score_pair(x, x)
     assert torch.equal(qt, triple_operand(x, "q")) and torch.equal(kt, triple_operand(x, "k"))
-    assert again[0] is qt and again[1] is kt and not torch.equal(qt, kt)
+    assert not torch.equal(qt, kt)  # one conversion serves both sides, kept for the next:
+    assert again[0].data_ptr() == qt.data_ptr() and again[1].data_ptr() == kt.data_ptr()

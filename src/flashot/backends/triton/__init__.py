@@ -101,7 +101,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             (gradients, plan products, dual solves) keep 3xTF32. None (default):
             for launches with n·m·max(4d, 64) ≥ 2^34 (:data:`._operands.PRESPLIT_FROM`),
             where the split pays for its conversions; and up to 5 features every score
-            launch, solve or not, reads TF32 triples (:func:`._operands.triple_operand`:
+            launch, solve or not, reads TF32 triples (:mod:`._triples`:
             3xTF32's three terms in one TF32 MMA of 16 features) instead.
     """
 

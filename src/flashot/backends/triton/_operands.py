@@ -8,7 +8,6 @@ once and shared by the launches that reuse it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Callable
 
@@ -16,8 +15,9 @@ import torch
 
 from flashot.backends import triton_interpreted
 from flashot.backends.triton._split import SplitOperand, split_operand
+from flashot.backends.triton._triples import TRIPLE_UP_TO, triple_pair
 
-__all__ = ["OperandCache", "score_operands", "split_work", "tf32_round", "triple_operand"]
+__all__ = ["OperandCache", "score_operands", "split_work"]
 
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: ``presplit=None`` splits a launch's operands when its :func:`split_work` reaches this:
@@ -26,42 +26,6 @@ _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: d = 64 189 → 96 ms, 10k d = 512 with the gradient 44 → 24 ms; v26, with the call's
 #: CUDA graphs, 10k d = 64 9.82 → 9.49 ms)
 PRESPLIT_FROM = 1 << 34
-
-
-#: up to this many features "fp32" scores are one TF32 MMA of K = TRIPLE_WIDTH on
-#: triples (:func:`triple_operand`): 3xTF32 pads d to 16 for each of its three MMAs
-TRIPLE_UP_TO = 5
-TRIPLE_WIDTH = 16
-
-
-def tf32_round(t: torch.Tensor) -> torch.Tensor:
-    """float32 ``t`` rounded to TF32 (10 mantissa bits, ties away from zero), as float32.
-
-    TF32 MMAs drop the low 13 bits of their inputs; rounded inputs lose nothing there.
-    Finite entries within 2^-11 of float32's largest round to inf (such clouds overflow
-    their squared distances anyway); NaN and ±inf stay themselves (the carry would turn
-    a NaN's bits into a finite value).
-    """
-    t = t.contiguous()
-    rounded = ((t.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
-    return torch.where(torch.isfinite(t), rounded, t)
-
-
-def triple_operand(t: torch.Tensor, role: str) -> torch.Tensor:
-    """``(n, TRIPLE_WIDTH)`` float32: t's TF32 parts laid out for one TF32 MMA.
-
-    ``t = hi + lo + r`` with ``hi = tf32(t)``, ``lo = tf32(t − hi)`` (``|r| ≤ 2^-23 |t|``);
-    q-side rows are ``[hi, hi, lo, 0…]``, k-side rows ``[hi, lo, hi, 0…]``, so one
-    product gives ``hi·hi' + hi·lo' + lo·hi'``: 3xTF32's terms, about 22 bits, in one MMA
-    of K = 16 instead of three (for d ≤ :data:`TRIPLE_UP_TO`).
-    """
-    if role not in ("q", "k"):
-        raise ValueError(f"role must be 'q' or 'k', got {role!r}")
-    n, d = t.shape
-    hi = tf32_round(t)
-    lo = tf32_round(t - hi)
-    parts = (hi, hi, lo) if role == "q" else (hi, lo, hi)
-    return torch.cat([*parts, t.new_zeros(n, TRIPLE_WIDTH - 3 * d)], dim=1)
 
 
 def split_work(elements: int, d: int) -> int:
@@ -94,7 +58,7 @@ class OperandCache:
         self.__dict__.update(state, _halves=[], _scopes=0)
 
     def _triples(self, d: int) -> bool:
-        """Whether score operands of d features are triples (:func:`triple_operand`).
+        """Whether score operands of d features are triples (:mod:`._triples`).
 
         In "fp32" with ``presplit=None`` (``False`` asks for 3xTF32 per tile, ``True``
         for split parts), up to :data:`TRIPLE_UP_TO` features.
@@ -105,12 +69,12 @@ class OperandCache:
                    work: int | None = None):  # fmt: skip
         """``(Q, K, split_args, presplit, triples)``: a launch's score operands.
 
-        As :func:`score_operands`, or triples (then ``triples`` is True and the kernels
-        read plain float32 operands of :data:`TRIPLE_WIDTH` features with one TF32 MMA).
+        As :func:`score_operands`, or triples (:mod:`._triples`; then ``triples`` is True
+        and the kernels read plain float32 operands of 16 features with one TF32 MMA).
         ``keep_q``: cache q's copy; ``work``: the launch's :func:`split_work`.
         """
         if self._triples(q.shape[1]):
-            qt, kt = self._operand(q, keep_q, role="q"), self._operand(k, role="k")
+            qt, kt = self._operand(q, keep_q, triples=True)[0], self._operand(k, triples=True)[1]
             return qt, kt, (qt, kt, 0, 0), False, True
         return (*score_operands(self._operand(q, keep_q, work), self._operand(k, work=work)),
                 False)  # fmt: skip
@@ -140,10 +104,10 @@ class OperandCache:
                 self._halves = []
 
     def _operand(self, t: torch.Tensor, keep: bool = True, work: int | None = None,
-                 role: str | None = None):  # fmt: skip
-        """A feature matrix as the kernels read it: float32, a half copy, parts or a triple.
+                 triples: bool = False):  # fmt: skip
+        """A feature matrix as the kernels read it: float32, a half copy, parts or triples.
 
-        ``role``: a triple's side, "q" or "k" (:func:`triple_operand`). Copies are cached
+        ``triples``: both sides' triples (:func:`._triples.triple_pair`). Copies are cached
         (``keep``); ``work`` is the launch's :func:`split_work` (see :meth:`_splits`).
         Split parts (``"fp32"``) are made only within
         :meth:`operand_scope` (a solve's many passes share them); a pass outside one
@@ -152,8 +116,8 @@ class OperandCache:
         if t.dtype != torch.float32:
             raise TypeError(f"the triton backend computes in float32, got {t.dtype}")
         convert: Callable[[torch.Tensor], torch.Tensor | SplitOperand]
-        if role is not None:
-            convert = functools.partial(triple_operand, role=role)
+        if triples:
+            convert = triple_pair
         elif self._splits(work):
             if self._scopes == 0:  # a one-off pass: 3xTF32 per tile, no copy
                 return t
@@ -171,11 +135,11 @@ class OperandCache:
         # stale on replay).
         capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
         self._halves = [e for e in self._halves if e[0]() is not None]
-        for ref, version, inside, side, half in self._halves:
-            if ref() is t and version == t._version and inside == capturing and side == role:
+        for ref, version, inside, kind, half in self._halves:
+            if ref() is t and version == t._version and inside == capturing and kind == triples:
                 return half
         half = convert(t)
-        entry = (weakref.ref(t), t._version, capturing, role, half)
+        entry = (weakref.ref(t), t._version, capturing, triples, half)
         self._halves = [*self._halves[-3:], entry]
         return half
 
