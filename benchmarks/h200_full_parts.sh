@@ -4,7 +4,8 @@
 # JSON, plots). Usage: bash benchmarks/h200_full_parts.sh PART OUT   (PART: a … f)
 # a, b: every peer at n ≤ 50k (d 3/64, then 512/1024); c: n 200k, 1M for flashot and the
 # peer that streams; d: HVP and time-to-tolerance; e: the largest n per provider in 60 s;
-# f: the fast modes beside the default at n ≤ 50k. Each row is written as it finishes and a
+# f: the fast modes beside the default at n ≤ 50k; g: time to a marginal error of 1e-5 (its
+# own settings: --merge keeps it apart from d's 1e-3). Each row is written as it finishes and a
 # part runs with --resume: a call cut by its timeout keeps its rows, and the same command
 # in the next call runs only the missing ones (part a took over 520 s in v27; cut at its
 # last rows). --row-budget (30 s) skips sizes a provider's previous size predicts too slow.
@@ -24,7 +25,9 @@ case $part in
            --providers flashot-triton,flash-sinkhorn,ott-online,geomloss-tensorized) ;;
   f) args=(--sizes 10000,50000 --dims 64,512
            --providers flashot-triton,flashot-triton-tf32,flashot-triton-bf16) ;;
-  *) echo "PART: one of a b c d e f" >&2; exit 2 ;;
+  g) args=(--workloads converge --tol 1e-5 --sizes 10000,50000 --dims 64
+           --providers flashot-triton,ott-online,pot) ;;
+  *) echo "PART: one of a b c d e f g" >&2; exit 2 ;;
 esac
 # rows committed from an earlier session (results/h200_full/PART) seed a fresh OUT
 saved="$(dirname "$0")/results/h200_full/$part"
