@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The --full suite of BENCHMARKS.md in parts that each fit one 10-minute device call;
 # `flashot bench --merge OUT/a OUT/b ... --out OUT/full` assembles them (one table, CSV,
-# JSON, plots). Usage: bash benchmarks/h200_full_parts.sh PART OUT   (PART: a … f)
+# JSON, plots). Usage: bash benchmarks/h200_full_parts.sh PART OUT   (PART: a … g)
 # a, b: every peer at n ≤ 50k (d 3/64, then 512/1024); c: n 200k, 1M for flashot and the
 # peer that streams; d: HVP and time-to-tolerance; e: the largest n per provider in 60 s;
 # f: the fast modes beside the default at n ≤ 50k; g: time to a marginal error of 1e-5 (its
