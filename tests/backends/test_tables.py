@@ -129,3 +129,27 @@ def test_launches_take_table_tiles_unless_tuning_is_opted_in(tables, monkeypatch
     assert tiles(tuning._tiles(ATTEND, big - 1, gpu)) == (64, 32, 4, 2)  # too small to tune
     _tables.record(ATTEND, config(128, 128, 8, 3), "sm_90")  # an earlier run's tuning
     assert tiles(tuning._tiles(ATTEND, big, gpu)) == (128, 128, 8, 3)
+
+
+def test_provenance_names_each_chosen_keys_source(tables, monkeypatch):
+    """Exact shipped entries, nearest stand-ins (with the fields that differ), entries that
+    do not fit and missing ones (the heuristic) are told apart."""
+    monkeypatch.setattr(_tables, "_CHOSEN", {})
+    monkeypatch.setattr(_tables, "_SOURCE", {})
+    monkeypatch.setattr(_tables, "arch", lambda index: "sm_90")
+    gpu = torch.device("cuda", 0)
+    _tables.record(ATTEND, config(128, 64, 8, 2), "sm_90", path=tables / "shipped" / "sm_90.json")
+    near = ("attend", 32, 1, 14, 13, False, "tf32x3", torch.float32, True)
+    for key in (ATTEND, near, PLAN):
+        _tables.choose(key, gpu, _configs.fits)
+    _tables.choose(ATTEND, torch.device("cuda", 1), lambda cfg, d: False)
+    got = _tables.provenance()
+    assert got[("cuda", 0, ATTEND)] == "the shipped sm_90 table"
+    assert got[("cuda", 0, near)] == "nearest entry (d=64, nb=13)"
+    assert got[("cuda", 0, PLAN)].startswith("heuristic: no sm_90 entry")
+    assert got[("cuda", 1, ATTEND)] == "heuristic: the shipped sm_90 table does not fit d=64"
+    _tables.record(PLAN, config(64, 64, 4, 3), "sm_90")  # the user's: first, exact only
+    monkeypatch.setattr(_tables, "_CHOSEN", {})
+    _tables._tables.cache_clear()
+    _tables.choose(PLAN, gpu, _configs.fits)
+    assert _tables.provenance()[("cuda", 0, PLAN)] == "the user's table"

@@ -34,6 +34,7 @@ __all__ = [
     "heuristic",
     "keep",
     "lookup",
+    "provenance",
     "record",
     "user_table_path",
 ]
@@ -116,19 +117,28 @@ def lookup(key: tuple, arch_name: str | None, exact_only: bool = False) -> trito
     ``exact_only``: only the user's table and only its exact key (autotuning is on and
     tunes whatever is missing).
     """
+    return _find(key, arch_name, exact_only)[0]
+
+
+def _find(key: tuple, arch_name: str | None, exact_only: bool = False):
+    """``(tiles or None, where from)``: :func:`lookup` and a few words on its source."""
     if arch_name is None:
-        return None
+        return None, "no table off CUDA"
     want = _as_entry(key)
     user, shipped = _tables(arch_name)
     for entry in user:
         if all(entry.get(f) == want[f] for f in want):
-            return _config(entry)
+            return _config(entry), "the user's table"
     if exact_only:
-        return None
+        return None, "not in the user's table"
     close = [e for e in (*user, *shipped) if all(e.get(f) == want.get(f) for f in _SAME)]
     if not close:
-        return None
-    return _config(min(close, key=lambda e: _distance(e, want)))
+        return None, f"no {arch_name} entry of this kernel variant"
+    best = min(close, key=lambda e: _distance(e, want))
+    if _distance(best, want) == 0:
+        return _config(best), f"the shipped {arch_name} table"
+    stand_in = ", ".join(f"{f}={best[f]}" for f in FIELDS[key[0]][1:] if best.get(f) != want[f])
+    return _config(best), f"nearest entry ({stand_in})"
 
 
 def heuristic(key: tuple) -> triton.Config:
@@ -144,6 +154,8 @@ def heuristic(key: tuple) -> triton.Config:
 
 #: tiles of untuned launches per (device, key): the tables are read once
 _CHOSEN: dict = {}
+#: where each of them came from (:func:`provenance`)
+_SOURCE: dict = {}
 
 
 def choose(key: tuple, device, fits) -> triton.Config:
@@ -153,9 +165,22 @@ def choose(key: tuple, device, fits) -> triton.Config:
     """
     slot = (device.type, device.index, key)
     if slot not in _CHOSEN:
-        cfg = lookup(key, arch_of(device))
-        _CHOSEN[slot] = cfg if cfg is not None and fits(cfg, key[1]) else heuristic(key)
+        cfg, source = _find(key, arch_of(device))
+        if cfg is not None and not fits(cfg, key[1]):
+            cfg, source = None, f"{source} does not fit d={key[1]}"
+        _CHOSEN[slot] = cfg if cfg is not None else heuristic(key)
+        _SOURCE[slot] = source if cfg is not None else f"heuristic: {source}"
     return _CHOSEN[slot]
+
+
+def provenance() -> dict[tuple, str]:
+    """``{(device type, index, launch key): source}`` of this process's untuned launches.
+
+    The source is the user's table, the shipped table (an exact entry), the nearest entry
+    (naming the fields it differs in) or the heuristic (and why): which launches of a
+    workload would gain from ``flashot tune``.
+    """
+    return dict(_SOURCE)
 
 
 def announce(tuned, key: tuple, device) -> None:
