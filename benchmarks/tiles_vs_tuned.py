@@ -69,7 +69,7 @@ def child(cases: list[str]) -> None:
         print(json.dumps({"case": case, "ms": ms, "stand_ins": stand_ins}), flush=True)
 
 
-def in_process(cases: list[str], tuned: bool) -> dict:
+def in_fresh_process(cases: list[str], tuned: bool) -> dict:
     cache = Path(tempfile.mkdtemp(prefix="flashot_tiles_"))
     env = {**os.environ, "FLASHOT_CACHE_DIR": str(cache), "FLASHOT_AUTOTUNE": "1" if tuned else "0",
            "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
@@ -89,8 +89,8 @@ def in_process(cases: list[str], tuned: bool) -> dict:
 def main() -> None:
     only = [s for s in os.environ.get("ONLY", "").split(",") if s]
     cases = [c for c in CASES if not only or any(s in c for s in only)]
-    tables = in_process(cases, tuned=False)
-    tuned = in_process(cases, tuned=True)
+    tables = in_fresh_process(cases, tuned=False)
+    tuned = in_fresh_process(cases, tuned=True)
     print("| case | tables (ms) | autotuned (ms) | tables / tuned | keys without an exact entry |")
     print("|---|---|---|---|---|")
     for case in cases:

@@ -212,7 +212,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                     nb, mb, *split_args, *v_args)  # fmt: skip
             consts = dict(BLOCK_D=bd, BLOCK_P=bp, D_CHUNKS=chunks, HAS_V=has_v, SPLIT=split,
                           POTENTIAL_BIAS=potential, REPAIR=repair is not None,
-                          PRECISION=self._dot(triples), V_PRECISION=self._dot(),
+                          PRECISION=self._kernel_dot(dot), V_PRECISION=self._dot(),
                           PRESPLIT=presplit, V_SPLIT=v_split,
                           SEGMENTED=segments is not None)  # fmt: skip
             return grid, args, consts
