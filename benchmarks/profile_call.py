@@ -6,6 +6,8 @@ python benchmarks/profile_call.py --call hvp --cg-tol 1e-3   # loss, gradient, H
 python benchmarks/profile_call.py --call geomloss --d 3 --precision fp32 [--packed]
     # gpu_typical's call (blur 0.05, scaling 0.5, debiased, unit cube, value and gradient);
     # --packed: on a batch of one (its three problems in one packed solve)
+python benchmarks/profile_call.py --call bench --workload converge --d 64 --precision auto
+    # exactly the call `flashot bench` times for flashot-triton (its problem, ε and options)
 """
 
 from __future__ import annotations
@@ -31,8 +33,12 @@ def main():
     ap.add_argument("--timeline", action="store_true", help="also every flashot kernel in order")
     ap.add_argument("--host", action="store_true", help="also a Python profile of the host side")
     ap.add_argument("--call", default="sinkhorn",
-                    choices=("sinkhorn", "samples_loss", "hvp", "geomloss"))  # fmt: skip
+                    choices=("sinkhorn", "samples_loss", "hvp", "geomloss", "bench"))  # fmt: skip
     ap.add_argument("--packed", action="store_true", help="--call geomloss on a batch of one")
+    ap.add_argument("--workload", default="gradient",
+                    help="--call bench: its workload (forward, gradient, converge, hvp, plan)")
+    ap.add_argument("--trace", type=int, default=0,
+                    help="also the wall time of each of the first N calls (warm-up pattern)")
     ap.add_argument("--cg-tol", type=float, default=None, help="dual CG tolerance (--call hvp)")
     ap.add_argument("--eps", type=float, default=0.1, help="--call sinkhorn's ε")
     ap.add_argument("--update", default=None, help="--call sinkhorn: update")
@@ -51,9 +57,20 @@ def main():
     presplit = {"auto": None, "0": False, "1": True}[args.presplit]
     be = TritonBackend(args.precision, graphs=bool(args.graphs), presplit=presplit)
 
+    bench_call = None
+    if args.call == "bench":  # the suite's problem (N(0, I), random weights) and call
+        from flashot.bench.harness import SCALED_EPS
+        from flashot.bench.providers import Flashot, make_problem
+
+        eps = args.eps * (args.d if args.workload in SCALED_EPS else 1)
+        pb = make_problem(args.n, args.n, args.d, torch.device("cuda"), eps=eps)
+        bench_call = Flashot("triton", args.precision).prepare(args.workload, pb)
+
     kw = dict(eps=args.eps) if args.update is None else dict(eps=args.eps, update=args.update)
 
     def call():
+        if bench_call is not None:
+            return bench_call()
         if args.call != "sinkhorn":
             return geomloss_call()
         if args.grad:
@@ -80,11 +97,14 @@ def main():
                 return torch.autograd.grad((grad * y).sum(), xg)[0]
         return grad
 
-    for _ in range(5 if args.call == "sinkhorn" else 2):
+    for i in range(max(args.trace, 5 if args.call in ("sinkhorn", "bench") else 2)):
+        t0 = time.perf_counter()
         call()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        if i < args.trace:
+            print(f"  call {i + 1}: {(time.perf_counter() - t0) * 1e3:.3f} ms", flush=True)
     t0 = time.perf_counter()
-    reps = 20 if args.call == "sinkhorn" else 3
+    reps = 20 if args.call in ("sinkhorn", "bench") else 3
     for _ in range(reps):
         call()
     torch.cuda.synchronize()
