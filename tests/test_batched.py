@@ -289,6 +289,37 @@ def test_scaled_bounds_keep_the_packing_and_its_tables():
     assert warm.T.bounds == (4.0, 8.0) and warm.T.rows == seg.cols and warm.T.T is warm
     assert Segments((0, 1), (0, 1)).scaled_bounds(4.0).bounds is None
 
+
+def test_packings_of_the_same_offsets_share_their_device_tables(gen, monkeypatch):
+    """A new packing of the same offsets (each call of a training loop) takes the tables
+    built before instead of copying them from the host again; other offsets, sizes or
+    bounds get their own, the shared store keeps the latest SHARED_TABLES, and a packed
+    loss reads the same with shared tables as with new ones."""
+    from flashot import segments
+    from flashot.segments import Segments
+
+    monkeypatch.setattr(segments, "_SHARED", type(segments._SHARED)())
+    cpu = torch.device("cpu")
+    one, two = Segments((0, 3, 7), (0, 2, 6)), Segments((0, 3, 7), (0, 2, 6), (1.0, 2.0))
+    assert two.blocks(2, cpu) is one.blocks(2, cpu) and two.row_ids(cpu) is one.row_ids(cpu)
+    assert one.blocks(4, cpu) is not one.blocks(2, cpu)
+    other = Segments((0, 4, 7), (0, 2, 6))
+    assert other.blocks(2, cpu) is not one.blocks(2, cpu)
+    assert other.blocks(2, cpu).tolist() == [[0, 2, 0, 2], [2, 4, 0, 2], [4, 6, 2, 6],
+                                             [6, 7, 2, 6]]  # fmt: skip
+    # sampled packings carry the bounds: shared only between equal bounds
+    assert one.sample_rows(2, cpu)[1].bounds is None
+    assert two.sample_rows(2, cpu)[1].bounds == (1.0, 2.0)
+    monkeypatch.setattr(segments, "SHARED_TABLES", 2)
+    for k in range(5):
+        Segments((0, k + 1), (0, 1)).row_ids(cpu)
+    assert len(segments._SHARED) == 2
+    x, y = torch.rand(2, 5, 3, generator=gen), torch.rand(2, 6, 3, generator=gen)
+    loss = flashot.SamplesLoss(p=2, blur=0.3, backend="torch")
+    first, again = loss(x, y), loss(x, y)
+    segments._SHARED.clear()
+    assert torch.equal(first, again) and torch.equal(first, loss(x, y))
+
 @pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
 def test_triton_segmented_kernel_matches_the_torch_backend(gen):
     """One launch over the packed blocks (rows of two problems never share a program)."""

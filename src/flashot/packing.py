@@ -71,10 +71,14 @@ def _weights(w, n: int, like, seg: Segments, name: str, checks: DeviceChecks,
              normalize: bool = True) -> torch.Tensor:  # fmt: skip
     """(n,) packed weights, normalized within each problem (if told); uniform when None."""
     if w is None:
-        sizes = torch.tensor([b - a for a, b in zip(seg.rows, seg.rows[1:], strict=False)],
-                             dtype=torch.float64)  # fmt: skip
-        w = (1.0 / sizes).to(like.device)[seg.row_ids(like.device)]
-        return w.to(compute_dtype(like.dtype))
+        dtype = compute_dtype(like.dtype)
+
+        def uniform():
+            sizes = torch.tensor([b - a for a, b in itertools.pairwise(seg.rows)],
+                                 dtype=torch.float64)  # fmt: skip
+            return (1.0 / sizes).to(like.device)[seg.row_ids(like.device)].to(dtype)
+
+        return seg.device_table(("uniform", str(like.device), dtype), uniform).clone()
     w = check_weights(w, n, like, name, checks)  # (one problem's checks, on the packing)
     mass = seg.sum(w.detach())
     checks.add((mass > 0).all(),
@@ -104,8 +108,9 @@ def _packed_form(cost: Cost, x, y, seg: Segments, dtype, rounding, shrink: torch
     rid, cid = seg.row_ids(u.device), seg.T.row_ids(u.device)
     with torch.no_grad():
         total = seg.sum(u.detach()) + seg.T.sum(v.detach())
-        sizes = torch.tensor([seg.rows[s + 1] - seg.rows[s] + seg.cols[s + 1] - seg.cols[s]
-                              for s in range(seg.count)], dtype=dtype, device=u.device)  # fmt: skip
+        sizes = seg.device_table(("points", str(u.device), dtype), lambda: torch.tensor(
+            [seg.rows[s + 1] - seg.rows[s] + seg.cols[s + 1] - seg.cols[s]
+             for s in range(seg.count)], dtype=dtype, device=u.device))  # fmt: skip
         center = total / sizes[:, None]
         scaled = bool((shrink != 1).any())
         r = shrink.to(device=u.device, dtype=dtype)

@@ -20,11 +20,18 @@ the packed vectors (the marginal error, the value) are split back per problem wi
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 __all__ = ["Segments"]
+
+#: device tables shared by packings of the same offsets (a training loop packs its batch
+#: anew each call: without this, every call copied its tables from the host again)
+SHARED_TABLES = 32
+_SHARED: OrderedDict = OrderedDict()
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,14 +108,31 @@ class Segments:
         """Problem ``s``'s columns."""
         return slice(self.cols[s], self.cols[s + 1])
 
+    def device_table(self, key: tuple, build: Callable[[], object]):
+        """``build()``, cached on this packing and shared with packings of its offsets.
+
+        For tables that depend on the offsets and ``key`` alone (the key names the
+        device and dtype); callers must not write to what it returns.
+        """
+        if key not in self._cache:
+            shared = (self.rows, self.cols, *key)
+            if shared in _SHARED:
+                _SHARED.move_to_end(shared)
+            else:
+                _SHARED[shared] = build()
+                while len(_SHARED) > SHARED_TABLES:
+                    _SHARED.popitem(last=False)
+            self._cache[key] = _SHARED[shared]
+        return self._cache[key]
+
     def row_ids(self, device: torch.device) -> torch.Tensor:
         """(n,) int64: the problem of every packed row (cached per device)."""
-        key = ("row_ids", str(device))
-        if key not in self._cache:
+
+        def build():
             sizes = torch.tensor([b - a for a, b in zip(self.rows, self.rows[1:], strict=False)])
-            ids = torch.repeat_interleave(torch.arange(self.count), sizes)
-            self._cache[key] = ids.to(device)
-        return self._cache[key]
+            return torch.repeat_interleave(torch.arange(self.count), sizes).to(device)
+
+        return self.device_table(("row_ids", str(device)), build)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """Per-problem sums (B, ...) of a packed row vector ``t`` (n, ...); differentiable."""
@@ -121,8 +145,8 @@ class Segments:
         Each problem's rows are cut into blocks of ``block`` rows, so that a program never
         holds rows of two problems; the columns are its problem's. Cached per size.
         """
-        key = ("blocks", block, str(device))
-        if key not in self._cache:  # (vectorized: a batch has thousands of blocks)
+
+        def build():  # (vectorized: a batch has thousands of blocks)
             rows, cols = torch.tensor(self.rows), torch.tensor(self.cols)
             count = (rows[1:] - rows[:-1] + block - 1) // block  # blocks per problem
             owner = torch.repeat_interleave(torch.arange(self.count), count)
@@ -132,8 +156,9 @@ class Segments:
             table = torch.stack([lo, hi, cols[owner], cols[owner + 1]], 1)
             if len(table) == 0:
                 table = torch.zeros(1, 4, dtype=torch.int64)
-            self._cache[key] = table.to(torch.int32).to(device)
-        return self._cache[key]
+            return table.to(torch.int32).to(device)
+
+        return self.device_table(("blocks", block, str(device)), build)
 
     def sample_rows(self, step: int, device: torch.device) -> tuple[torch.Tensor, Segments]:
         """Every ``step``-th row of each problem, from its first: ``(index, packing)``.
@@ -141,13 +166,14 @@ class Segments:
         ``index``: (k,) int64 packed row numbers on ``device``; ``packing``: the sampled
         rows' offsets with these columns. Cached per step and device.
         """
-        key = ("sample", step, str(device))
-        if key not in self._cache:
+
+        def build():
             picks = [range(a, b, step) for a, b in itertools.pairwise(self.rows)]
             index = torch.tensor([i for rows in picks for i in rows], dtype=torch.int64)
             rows = tuple(itertools.accumulate((len(r) for r in picks), initial=0))
-            self._cache[key] = (index.to(device), Segments(rows, self.cols, self.bounds))
-        return self._cache[key]
+            return index.to(device), Segments(rows, self.cols, self.bounds)
+
+        return self.device_table(("sample", step, str(device), self.bounds), build)
 
     def near(self, eps: float, near_from: float) -> bool:
         """Whether any problem takes the near-uniform LSE at ``eps``."""

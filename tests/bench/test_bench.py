@@ -241,3 +241,29 @@ def test_cli_runs_a_named_triton_provider_on_any_device(tmp_path, capsys):
     assert [r["provider"] for r in rows] == ["flashot-triton-tf32", "flashot-torch"]
     assert "needs the triton backend on a GPU" in rows[0]["skipped"]
     assert rows[1]["ms"] > 0
+
+
+@pytest.mark.parametrize("call_ms, window", [(0.5, 50), (4.0, 50), (22.0, 154), (300.0, 1000),
+                                             (5000.0, 1000)])  # fmt: skip
+def test_gpu_medians_take_enough_calls_within_a_second(call_ms, window, monkeypatch):
+    """On a GPU do_bench's window holds at least MIN_SAMPLES calls of the measured call
+    (a fixed 50 ms took the median of two 22 ms calls), at least 50 ms, at most 1 s."""
+    import triton.testing
+
+    from flashot.bench import harness
+
+    clock = iter([0.0, call_ms / 1e3])
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(harness, "_sync", lambda device: None)
+    seen = {}
+
+    def fake_bench(fn, warmup, rep, return_mode):
+        seen.update(rep=rep, mode=return_mode)
+        return 1.25
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    calls = []
+    assert harness.median_ms(lambda: calls.append(1), torch.device("cuda")) == 1.25
+    assert calls == [1] and seen["mode"] == "median"
+    assert seen["rep"] == pytest.approx(window)
+    assert seen["rep"] >= harness.MIN_SAMPLES * call_ms or seen["rep"] == 1000.0
