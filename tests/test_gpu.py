@@ -1,6 +1,8 @@
 """GPU suite (``pytest -m gpu``): the Triton kernels on CUDA against the float64 torch
 backend on the same GPU, at sizes the interpreter cannot reach."""
 
+import math
+
 import pytest
 import torch
 
@@ -408,3 +410,31 @@ def test_split_kernel_matches_the_definition_bit_for_bit(device):
                 assert s.parts.device == xd.device  # "cuda" resolves to the current index
                 assert torch.equal(s.parts.cpu().view(torch.int16), parts.view(torch.int16))
                 assert float(s.inv) == inv
+
+
+def test_gate_views_at_any_offset_share_one_compiled_kernel():
+    """A fused pass's gates are views of a small state buffer at various offsets; the
+    kernel is not compiled again per offset (CONTROL_POINTERS: the GeomLoss call's first
+    call built one set of constexprs three times)."""
+    from flashot.backends.triton import _kernels
+    from flashot.costs import attention_form, get_cost
+
+    be = TritonBackend("fp32", autotune=False)
+    x, y = data(512, 384, 8)
+    form = attention_form(get_cost("sqeuclidean"), x, y)
+    f, g = torch.zeros(512, device="cuda"), torch.zeros(384, device="cuda")
+    la, lb = torch.full_like(f, -math.log(512)), torch.full_like(g, -math.log(384))
+    buf = torch.zeros(16, device="cuda")
+
+    def builds():
+        return sum(len(cache[0]) for cache in _kernels._plan_sums_kernel.device_caches.values())
+
+    sums = [be.plan_sums(form, f, g, la, lb, 1.0, gate=(buf[0:2], buf[2:4]))]
+    before = builds()
+    for off in (2, 4, 6, 1, 3):  # 8-, 16- and 4-byte aligned views
+        buf.zero_()
+        sums.append(be.plan_sums(form, f, g, la, lb, 1.0, gate=(buf[off:off + 2],
+                                                                 buf[off + 8:off + 10])))
+    assert builds() == before
+    for r, c in sums[1:]:  # and the sums are the same
+        assert torch.equal(r, sums[0][0]) and torch.equal(c, sums[0][1])

@@ -27,3 +27,26 @@ def test_every_kernel_variant_compiles_for_sm90():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     if proc.stdout.startswith("SKIP"):
         pytest.skip(proc.stdout.strip())
+
+
+def test_control_pointers_are_not_specialized_on_alignment():
+    """Gates, the error sum and repair bounds are views at any offset of small buffers:
+    each kernel names them (real parameters, no typo: Triton ignores unknown names) and
+    only them, so a view at another offset reuses the compiled kernel."""
+    import os
+
+    code = (
+        "from flashot.backends.triton import _kernels as k\n"
+        "for name, names in k.CONTROL_POINTERS.items():\n"
+        "    params = {p.name: p for p in getattr(k, name).params}\n"
+        "    assert set(names) <= set(params), (name, sorted(set(names) - set(params)))\n"
+        "    flagged = {p.name for p in params.values() if p.do_not_specialize_on_alignment}\n"
+        "    assert flagged == set(names), (name, flagged)\n"
+        "print('ok')\n"
+    )
+    root = Path(__file__).parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real JIT objects
+    env["PYTHONPATH"] = str(root / "src")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=root, timeout=300, env=env)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
