@@ -30,9 +30,10 @@ def test_every_kernel_variant_compiles_for_sm90():
 
 
 def test_control_pointers_are_not_specialized_on_alignment():
-    """Gates, the error sum and repair bounds are views at any offset of small buffers:
-    each kernel names them (real parameters, no typo: Triton ignores unknown names) and
-    only them, so a view at another offset reuses the compiled kernel."""
+    """Gates, the error sum and repair bounds are views at any offset of small buffers,
+    and a few integers (a 0/1 flag, a split count) change between launches: each kernel
+    names them (real parameters, no typo: Triton ignores unknown names) and only them,
+    so another offset or value reuses the compiled kernel."""
     import os
 
     code = (
@@ -41,6 +42,11 @@ def test_control_pointers_are_not_specialized_on_alignment():
         "    params = {p.name: p for p in getattr(k, name).params}\n"
         "    assert set(names) <= set(params), (name, sorted(set(names) - set(params)))\n"
         "    flagged = {p.name for p in params.values() if p.do_not_specialize_on_alignment}\n"
+        "    assert flagged == set(names), (name, flagged)\n"
+        "for name, names in k.RUNTIME_INTS.items():\n"
+        "    params = {p.name: p for p in getattr(k, name).params}\n"
+        "    assert set(names) <= set(params), (name, sorted(set(names) - set(params)))\n"
+        "    flagged = {p.name for p in params.values() if p.do_not_specialize}\n"
         "    assert flagged == set(names), (name, flagged)\n"
         "print('ok')\n"
     )

@@ -39,6 +39,9 @@ CONTROL_POINTERS = {
     "_plan_sums_kernel": ["GATE_IN", "GATE_OUT"],
     "_update_kernel": ["ERR", "GATE", "LO"],
 }
+#: integer arguments that change between launches of one set of constexprs: Triton
+#: compiles an int again when it is 1 or a multiple of 16 (a flag 0/1, a split count)
+RUNTIME_INTS = {"_combine_kernel": ["splits"], "_plan_sums_kernel": ["gate_span"]}
 
 
 @triton.jit
@@ -306,7 +309,7 @@ def _attend_kernel(
             tl.store(ptrs, out, mask=row_ok[:, None] & (offs_p[None, :] < p))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_INTS["_combine_kernel"])
 def _combine_kernel(
     PART_MAX, PART_SUM, PART_ACC, LSE, OUT, n, p, splits, eps, stride_on, stride_op,
     BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, HAS_V: tl.constexpr,
@@ -353,7 +356,10 @@ def _side_terms(p, offset, log_w, ok, scale):
     return tl.where(ok, (p - offset) * scale, float("-inf")), tl.exp(log_w)
 
 
-@triton.jit(do_not_specialize_on_alignment=CONTROL_POINTERS["_plan_sums_kernel"])
+@triton.jit(
+    do_not_specialize=RUNTIME_INTS["_plan_sums_kernel"],
+    do_not_specialize_on_alignment=CONTROL_POINTERS["_plan_sums_kernel"],
+)
 def _plan_sums_kernel(
     Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, MUL_A, MUL_B, R_DEN, C_DEN,
     BLOCKS, n, m, d, scale, shift, gate_limit, gate_span, rows_per_split, stride_qn, stride_qd,
