@@ -3,7 +3,7 @@
 Each call's time from the first (warm-up, graph capture) and do_bench medians with the
 harness's old 50 ms window and a 300 ms one, to compare two source trees:
 
-    mkdir -p .ab/v28 && git archive e8f0cd5 src | tar -x -C .ab/v28
+    mkdir -p .ab/v28 && git archive 4359992 src | tar -x -C .ab/v28
     for v in .ab/v28/src src; do PYTHONPATH=$PWD/$v python benchmarks/ab_sources.py; done
 """
 
