@@ -438,3 +438,22 @@ def test_gate_views_at_any_offset_share_one_compiled_kernel():
     assert builds() == before
     for r, c in sums[1:]:  # and the sums are the same
         assert torch.equal(r, sums[0][0]) and torch.equal(c, sums[0][1])
+
+
+@pytest.mark.parametrize("splits", [None, 4])
+def test_looped_value_chunks_match_float64_on_the_gpu(monkeypatch, splits):
+    """Running products kept in the output across tiles (VALUE_LOOP_FROM): what the
+    interpreter cannot check, the GPU's ordering of one program's stores and loads."""
+    from flashot.backends.triton import _configs
+
+    x, y = data(3000, 2600, 1024)
+    v = torch.randn(2600, 700, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    be = TritonBackend("fp32", autotune=False, splits=splits)
+    res = flashot.sinkhorn(x, y, eps=200.0, max_iter=5, tol=None, backend=be)
+    chunked = res.plan @ v
+    monkeypatch.setattr(_configs, "VALUE_LOOP_FROM", 256)
+    looped = res.plan @ v
+    ref = flashot.sinkhorn(x.double(), y.double(), eps=200.0, max_iter=5, tol=None,
+                           backend="torch").plan @ v.double()  # fmt: skip
+    assert rel(looped.double(), ref) < 1e-5 and rel(chunked.double(), ref) < 1e-5
+    assert rel(looped, chunked) < 1e-6

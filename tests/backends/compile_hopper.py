@@ -53,11 +53,17 @@ def variants():
         (dict(plain, D_CHUNKS=1, SPLIT=False, REPAIR=True, PRECISION="tf32x3", SEGMENTED=True),
          False),
         (dict(with_v, D_CHUNKS=4, SPLIT=False, SEGMENTED=True), True),
+        # the value chunks looped in one program (P_LOOP), split parts as the default reads
+        (dict(with_v, BLOCK_M=64, BLOCK_P=128, D_CHUNKS=16, SPLIT=False, P_LOOP=8,
+              PRESPLIT=True, V_SPLIT=True), True),
+        (dict(with_v, BLOCK_M=64, BLOCK_D=32, BLOCK_P=128, D_CHUNKS=16, SPLIT=True, P_LOOP=4),
+         False),
     ):
         flags = dict(flags, V_PRECISION=flags["PRECISION"])
         flags.setdefault("SEGMENTED", False)
         flags.setdefault("PRESPLIT", False)
         flags.setdefault("V_SPLIT", False)
+        flags.setdefault("P_LOOP", 1)
         yield K._attend_kernel, {**base, **flags}, half
     # (BLOCK_D, D_CHUNKS, GATED, half operands, packed batch)
     plan_sums = ((64, 1, True, False, False), (64, 1, True, True, True),

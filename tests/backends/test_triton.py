@@ -51,6 +51,26 @@ def test_row_attend_splits_chunks_and_value_tiles(gen, splits, n, m, d, p):
     assert rel(lse.cpu(), ref_lse.cpu()) < 2e-5 and rel(out.cpu(), ref_out.cpu()) < 2e-5
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("n,m,d,p", [(40, 300, 5, 40), (9, 520, 37, 33), (70, 40, 3, 130)])
+def test_looped_value_chunks_match_a_program_per_chunk(gen, monkeypatch, splits, n, m, d, p):
+    """VALUE_LOOP_FROM: one program loops over every value chunk with its running products
+    in the output (or its split's partials), each tile's weights computed once; the LSE
+    and the average agree with the dense reference and with a program per chunk."""
+    from flashot.backends.triton import _configs
+
+    form, h = problem(gen, n, m, d, torch.float32, DEVICE)
+    form = nan_padded(form)
+    v = torch.randn(m, p, generator=gen).to(DEVICE)
+    chunked = triton_backend(splits=splits).row_attend(form, h, 0.4, v)
+    monkeypatch.setattr(_configs, "VALUE_LOOP_FROM", 1)
+    assert _configs.value_loop(p) == math.ceil(p / _configs.block_p(p)) > 1
+    lse, out = triton_backend(splits=splits).row_attend(form, h, 0.4, v)
+    ref_lse, ref_out = dense_attend(form, h, 0.4, v)
+    assert rel(lse.cpu(), ref_lse.cpu()) < 2e-5 and rel(out.cpu(), ref_out.cpu()) < 2e-5
+    assert torch.allclose(out, chunked[1], rtol=1e-5, atol=1e-6) and torch.equal(lse, chunked[0])
+
+
 def test_split_merge_of_wide_values_runs_in_bounded_tiles(gen, monkeypatch):
     """The merge of column-split partials takes its values in chunks of COMBINE_TILE:
     one program over all 784 columns of a flow's barycenters (a (128, 1024) tile) took

@@ -181,7 +181,8 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             v_args = (h, 0)
         lse = torch.empty(n, device=dev, dtype=torch.float32)
         out = torch.empty(n, p, device=dev, dtype=torch.float32) if has_v else lse
-        p_chunks = triton.cdiv(p, bp) if has_v else 1
+        p_loop = _configs.value_loop(p) if has_v else 1
+        p_chunks = triton.cdiv(p, bp * p_loop) if has_v else 1  # (programs on grid axis 2)
         nb, mb = _configs.bucket(n), _configs.bucket(m)
         block_m = 0  # (a packed batch's table: set once its tiles are known)
         if segments is not None:  # tiles for the batch's largest problem
@@ -214,7 +215,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                           POTENTIAL_BIAS=potential, REPAIR=repair is not None,
                           PRECISION=self._kernel_dot(dot), V_PRECISION=self._dot(),
                           PRESPLIT=presplit, V_SPLIT=v_split,
-                          SEGMENTED=segments is not None)  # fmt: skip
+                          SEGMENTED=segments is not None, P_LOOP=p_loop)  # fmt: skip
             return grid, args, consts
 
         # tuned apart: forming the bias in the kernel adds loads (16 % slower in tf32 at 50k)

@@ -72,9 +72,24 @@ VALUE_TILE_CAP = 128
 
 
 def block_p(p: int) -> int:
-    """Value columns per program (more are split over the grid's third axis)."""
+    """Value columns per chunk (more chunks: programs on the grid's third axis, or looped)."""
     cap = 16 if triton_interpreted() else VALUE_TILE_CAP
     return min(max(16, triton.next_power_of_2(p)), cap)
+
+
+#: from this many value columns (None: never) one attend program loops over all value
+#: chunks with its running products in the output (``P_LOOP``), so that each tile's
+#: weights are computed once, instead of a program per chunk that recomputes the scores
+#: (8 score passes for p = 1 024: +434 ms on a 512 ms forward at 50k, d = 1 024, v30).
+#: Predicted: a chunk's load and store of (64, 128) floats per tile (L2) against a
+#: 1 024-deep score recomputation, ~3× less time for the value pass; not yet measured.
+VALUE_LOOP_FROM: int | None = None
+
+
+def value_loop(p: int) -> int:
+    """``P_LOOP``: the value chunks one program loops over (1: a program per chunk)."""
+    chunks = triton.cdiv(p, block_p(p))
+    return chunks if VALUE_LOOP_FROM is not None and p >= VALUE_LOOP_FROM and chunks > 1 else 1
 
 
 @functools.cache

@@ -186,11 +186,26 @@ def _side_ahead(P, OFFSET, LOG_W, offs, hi, ahead_p, ahead_o, ahead_w):
 
 
 @triton.jit
-def _attend_tile(
-    s, h, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, run_max, run_sum, acc, scale,
-    v_lo, v_unscale, HAS_V: tl.constexpr, V_PRECISION: tl.constexpr, V_SPLIT: tl.constexpr,
+def _attend_weights(s, h, run_max, run_sum, scale):
+    """Online max and sum of one column tile (``h`` in base 2): ``(max, sum, e, decay)``.
+
+    ``e = 2^{t − max}`` are the tile's weights against the new running max, ``decay``
+    rescales what was accumulated against the old one.
+    """
+    t = s * scale + h[None, :]
+    new_max = tl.maximum(run_max, tl.max(t, 1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    decay = tl.exp2(run_max - shift)
+    e = tl.exp2(t - shift[:, None])
+    return new_max, run_sum * decay + tl.sum(e, 1), e, decay
+
+
+@triton.jit
+def _value_product(
+    e, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, v_lo, v_unscale,
+    V_PRECISION: tl.constexpr, V_SPLIT: tl.constexpr,
 ):
-    """One column tile of ``_attend_kernel``: online max, sum and values (``h`` in base 2).
+    """``e @ V[offs_n, offs_p]`` for one tile's weights and one chunk of value columns.
 
     V_SPLIT: the values come split once per solve like the score operands (``V`` the
     high parts, ``v_lo`` elements to the low ones, ``v_unscale`` their ``2^-e``); the
@@ -198,26 +213,16 @@ def _attend_tile(
     2^-36 per weight): three half MMAs with float32 accumulation, the accuracy of
     3xTF32 at half its tensor-core work and with no split of the values per tile.
     """
-    t = s * scale + h[None, :]
-    new_max = tl.maximum(run_max, tl.max(t, 1))
-    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-    decay = tl.exp2(run_max - shift)
-    e = tl.exp2(t - shift[:, None])
-    run_sum = run_sum * decay + tl.sum(e, 1)
-    if HAS_V:
-        v_ok = col_ok[:, None] & (offs_p[None, :] < p)
-        v_ptrs = V + offs_n[:, None] * stride_vn + offs_p[None, :] * stride_vp
-        v = tl.load(v_ptrs, mask=v_ok, other=0.0)
-        if V_SPLIT:
-            # .to(v.dtype): a no-op on the GPU; float32 parts under the interpreter
-            e_hi = e.to(tl.float16).to(v.dtype)
-            e_lo = ((e - e_hi.to(tl.float32)) * 2048.0).to(tl.float16).to(v.dtype)
-            pv = _split_dot(e_hi, e_lo, v, tl.load(v_ptrs + v_lo, mask=v_ok, other=0.0))
-            pv = pv * v_unscale
-        else:
-            pv = tl.dot(e.to(v.dtype), v, input_precision=V_PRECISION)
-        acc = acc * decay[:, None] + pv
-    return new_max, run_sum, acc
+    v_ok = col_ok[:, None] & (offs_p[None, :] < p)
+    v_ptrs = V + offs_n[:, None] * stride_vn + offs_p[None, :] * stride_vp
+    v = tl.load(v_ptrs, mask=v_ok, other=0.0)
+    if V_SPLIT:
+        # .to(v.dtype): a no-op on the GPU; float32 parts under the interpreter
+        e_hi = e.to(tl.float16).to(v.dtype)
+        e_lo = ((e - e_hi.to(tl.float32)) * 2048.0).to(tl.float16).to(v.dtype)
+        pv = _split_dot(e_hi, e_lo, v, tl.load(v_ptrs + v_lo, mask=v_ok, other=0.0))
+        return pv * v_unscale
+    return tl.dot(e.to(v.dtype), v, input_precision=V_PRECISION)
 
 
 @triton.jit(do_not_specialize_on_alignment=CONTROL_POINTERS["_attend_kernel"])
@@ -230,7 +235,7 @@ def _attend_kernel(
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, D_CHUNKS: tl.constexpr, HAS_V: tl.constexpr,
     SPLIT: tl.constexpr, POTENTIAL_BIAS: tl.constexpr, REPAIR: tl.constexpr,
     PRECISION: tl.constexpr, V_PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
-    V_SPLIT: tl.constexpr, SEGMENTED: tl.constexpr,
+    V_SPLIT: tl.constexpr, SEGMENTED: tl.constexpr, P_LOOP: tl.constexpr = 1,
 ):
     """Row LSE ``ε ln Σ_j e^{(s_ij + h_j)/ε}`` and softmax average of V over one column split.
 
@@ -240,7 +245,11 @@ def _attend_kernel(
     ``(LO[0], hi)`` (the fused pass was valid there) streams nothing and its outputs are
     meaningless. ``n_bucket``/``m_bucket`` only key the autotuner. PRESPLIT: see
     ``_score_tile`` (``Q_INV``, ``K_INV``: the parts' inverse scales ``2^-e``); V_SPLIT:
-    see ``_attend_tile`` (``V_INV``, ``v_lo``: the values' scale and low parts' offset).
+    see ``_value_product`` (``V_INV``, ``v_lo``: the values' scale and low parts' offset).
+    P_LOOP > 1: one program takes all P_LOOP chunks of BLOCK_P value columns (grid axis
+    2 is 1), each tile's weights computed once, and keeps the running products in OUT
+    (or its split's PART_ACC) instead of registers: a chunk costs a load and a store of
+    (BLOCK_M, BLOCK_P) floats per tile, where a program per chunk recomputes the scores.
     SEGMENTED (a packed batch, :mod:`flashot.segments`): program ``pid_m`` reads its rows
     ``[r0, r1)`` and its problem's columns ``[c0, c1)`` from the table ``BLOCKS``.
     """
@@ -274,6 +283,9 @@ def _attend_kernel(
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    acc_base, acc_sn, acc_sp = OUT, stride_on, stride_op  # (P_LOOP > 1: the running products)
+    if SPLIT:
+        acc_base, acc_sn, acc_sp = PART_ACC + pid_s * n * p, p, 1
     for start in range(col_lo, col_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < col_hi
@@ -288,22 +300,44 @@ def _attend_kernel(
             h = (g - beta) * scale + log_w * LOG2E
         else:
             h = g * scale
-        run_max, run_sum, acc = _attend_tile(
-            s, h, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, run_max, run_sum, acc,
-            scale, v_lo, v_unscale, HAS_V, V_PRECISION, V_SPLIT,
-        )
+        run_max, run_sum, e, decay = _attend_weights(s, h, run_max, run_sum, scale)
+        if HAS_V:
+            if P_LOOP == 1:
+                pv = _value_product(e, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, v_lo,
+                                    v_unscale, V_PRECISION, V_SPLIT)  # fmt: skip
+                acc = acc * decay[:, None] + pv
+            else:
+                tl.debug_barrier()  # the last tile's stores (other threads') land first
+                for c in range(P_LOOP):
+                    offs_c = c * BLOCK_P + tl.arange(0, BLOCK_P)
+                    ok_c = row_ok[:, None] & (offs_c[None, :] < p)
+                    ptrs = acc_base + offs_m[:, None] * acc_sn + offs_c[None, :] * acc_sp
+                    prior = tl.load(ptrs, mask=ok_c & (start > col_lo), other=0.0)
+                    pv = _value_product(e, V, offs_n, col_ok, offs_c, p, stride_vn, stride_vp,
+                                        v_lo, v_unscale, V_PRECISION, V_SPLIT)  # fmt: skip
+                    tl.store(ptrs, prior * decay[:, None] + pv, mask=ok_c)
+    if HAS_V and P_LOOP > 1:  # zeros where no column was streamed; OUT divided by the sum
+        tl.debug_barrier()
+        for c in range(P_LOOP):
+            offs_c = c * BLOCK_P + tl.arange(0, BLOCK_P)
+            ok_c = row_ok[:, None] & (offs_c[None, :] < p)
+            ptrs = acc_base + offs_m[:, None] * acc_sn + offs_c[None, :] * acc_sp
+            total = tl.load(ptrs, mask=ok_c & (col_hi > col_lo), other=0.0)
+            if not SPLIT:
+                total = total / run_sum[:, None]
+            tl.store(ptrs, total, mask=ok_c)
     if SPLIT:
         idx = pid_s * n + offs_m
         if pid_p == 0:
             tl.store(PART_MAX + idx, run_max, mask=row_ok)
             tl.store(PART_SUM + idx, run_sum, mask=row_ok)
-        if HAS_V:
+        if HAS_V and P_LOOP == 1:
             ptrs = PART_ACC + idx[:, None] * p + offs_p[None, :]
             tl.store(ptrs, acc, mask=row_ok[:, None] & (offs_p[None, :] < p))
     else:
         if pid_p == 0:
             tl.store(LSE + offs_m, eps * (run_max + tl.log2(run_sum)) / LOG2E, mask=row_ok)
-        if HAS_V:
+        if HAS_V and P_LOOP == 1:
             out = acc / run_sum[:, None]
             ptrs = OUT + offs_m[:, None] * stride_on + offs_p[None, :] * stride_op
             tl.store(ptrs, out, mask=row_ok[:, None] & (offs_p[None, :] < p))
