@@ -92,7 +92,11 @@ def variants():
 
     yield _split._split_kernel, dict(HEADROOM=_split.HEADROOM, LO_BITS=_split.LO_BITS,
                                      BLOCK=_split.BLOCK), False  # fmt: skip
-    from flashot.backends.triton import _triples
+    from flashot.backends.triton import _triples, _vjp
+
+    yield _vjp._plan_vjp_kernel, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=64, BLOCK_P=32, P_CHUNKS=2,
+                                      SPLIT=True, WITH_K=True, PRECISION="tf32x3",
+                                      EXTRA_SIDE=1), False  # fmt: skip
 
     yield _triples._triple_kernel, dict(WIDTH=_triples.TRIPLE_WIDTH,
                                         BLOCK_N=_triples.BLOCK_N), False  # fmt: skip

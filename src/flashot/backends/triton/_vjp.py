@@ -10,7 +10,8 @@ score tiles once and never storing one:
 
 and ``Pᵀ D`` is one value pass (:func:`~flashot.dual.plan_times` on the transposed
 form). Each launch and pass runs only when one of its outputs is asked for, and the
-product with the keys only for ``row_k`` / ``col_q``. The kernel holds the features in one chunk and streams values wider than
+product with the keys only for ``row_k`` / ``col_q``. The kernel
+(``_plan_vjp_kernel``) holds the features in one chunk and streams values wider than
 :data:`P_CHUNK` in chunks: ``d, p ≤ 128`` (the backend falls back to PyTorch tiles
 beyond, where cuBLAS products are as fast as recomputed score chunks).
 """
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from flashot.backends import on_device, triton_interpreted
 from flashot.backends.plan_vjp import ALL, PlanVJP
 from flashot.backends.triton import _configs
-from flashot.backends.triton._kernels import _plan_vjp_kernel
+from flashot.backends.triton._kernels import _load_tile, _score_tile
 from flashot.dual import plan_times
 
 __all__ = ["FUSED_UP_TO", "fused_plan_vjp"]
@@ -109,3 +111,67 @@ def fused_plan_vjp(
         pt_d = plan_times(backend, form.T, g, f, torch.log(b), torch.log(a), eps, d)
     return PlanVJP(None if per_a is None else a * per_a, row_k,
                    None if per_b is None else b * per_b, col_q, pt_d, per_a, per_b)  # fmt: skip
+
+
+@triton.jit
+def _plan_vjp_kernel(
+    Q, K, ROW_B, COL_B, DR, VC, EXTRA, OUT_W, OUT_K, n, m, d, p, scale, cols_per_split,
+    stride_qn, stride_qd, stride_kn, stride_kd, stride_dn, stride_dp, stride_vn, stride_vp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    P_CHUNKS: tl.constexpr, SPLIT: tl.constexpr, WITH_K: tl.constexpr, PRECISION: tl.constexpr,
+    EXTRA_SIDE: tl.constexpr,
+):
+    """Row reductions of ``T_ij = E_ij ⟨dr_i, vc_j⟩`` (the backward of a plan product).
+
+    EXTRA_SIDE 1 (2) adds ``EXTRA_i`` (``EXTRA_j``) to ``⟨dr_i, vc_j⟩``: a ones column
+    of the values (the cotangent of the plan's row sums) without a widened copy.
+
+    ``E_ij = 2^{s_ij·scale + ROW_B_i + COL_B_j}`` (the column weights folded into
+    ``COL_B``): ``OUT_W_i += Σ_j T_ij`` and, with WITH_K, ``OUT_K_i += Σ_j T_ij k_j``,
+    added atomically (zeroed outputs) over the column splits of grid axis 1 with SPLIT,
+    else stored. One feature chunk (d ≤ BLOCK_D), hoisted, each key tile loaded once;
+    the values in P_CHUNKS chunks of BLOCK_P (hoisted when one).
+    """
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < n
+    col_lo = pid_s * cols_per_split
+    col_hi = tl.minimum(m, col_lo + cols_per_split)
+    q_tile = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
+    dr_tile = _load_tile(DR, offs_m, n, p, stride_dn, stride_dp, BLOCK_P, P_CHUNKS, False)
+    rb = tl.load(ROW_B + offs_m, mask=row_ok, other=0.0)
+    if EXTRA_SIDE == 1:
+        row_extra = tl.load(EXTRA + offs_m, mask=row_ok, other=0.0)
+    acc_w = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc_k = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for start in range(col_lo, col_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < col_hi
+        cb = tl.load(COL_B + offs_n, mask=col_ok, other=float("-inf"))
+        k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=col_ok[:, None] & (offs_d[None, :] < d), other=0.0)  # fmt: skip
+        s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION)
+        u = _score_tile(DR, VC, dr_tile, dr_tile, offs_m, offs_n, n, col_hi, p, stride_dn,
+                        stride_dp, stride_vn, stride_vp, BLOCK_P, P_CHUNKS, False, PRECISION,
+                        dr_tile, dr_tile, 0, 0, 1.0, False)  # fmt: skip
+        if EXTRA_SIDE == 1:
+            u += row_extra[:, None]
+        if EXTRA_SIDE == 2:
+            u += tl.load(EXTRA + offs_n, mask=col_ok, other=0.0)[None, :]
+        t = tl.exp2(s * scale + rb[:, None] + cb[None, :]) * u
+        acc_w += tl.sum(t, 1)
+        if WITH_K:
+            acc_k = tl.dot(t, k, acc_k, input_precision=PRECISION)
+    ptrs = OUT_K + offs_m[:, None] * d + offs_d[None, :]
+    k_ok = row_ok[:, None] & (offs_d[None, :] < d)
+    if SPLIT:
+        if col_hi > col_lo:
+            tl.atomic_add(OUT_W + offs_m, acc_w, mask=row_ok, sem="relaxed")
+            if WITH_K:
+                tl.atomic_add(ptrs, acc_k, mask=k_ok, sem="relaxed")
+    else:
+        tl.store(OUT_W + offs_m, acc_w, mask=row_ok)
+        if WITH_K:
+            tl.store(ptrs, acc_k, mask=k_ok)
