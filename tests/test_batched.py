@@ -320,6 +320,43 @@ def test_packings_of_the_same_offsets_share_their_device_tables(gen, monkeypatch
     segments._SHARED.clear()
     assert torch.equal(first, again) and torch.equal(first, loss(x, y))
 
+
+def test_shared_tables_hold_under_threads_and_evictions(monkeypatch):
+    """Packings in several threads, with a store of two entries evicting all the time:
+    every table is its own offsets' (built ones nest: uniform weights read row ids)."""
+    import threading
+    import time
+
+    from flashot import segments
+    from flashot.segments import Segments
+
+    monkeypatch.setattr(segments, "_SHARED", type(segments._SHARED)())
+    monkeypatch.setattr(segments, "SHARED_TABLES", 2)
+    offsets = [(0, 3, 7), (0, 5, 6), (0, 1, 9), (0, 4, 8)]
+    errors = []
+
+    def work(seed):
+        try:
+            for i in range(200):
+                rows = offsets[(seed + i) % len(offsets)]
+                seg, cpu = Segments(rows, (0, 2, 4)), torch.device("cpu")
+                want = [s for s in range(2) for _ in range(rows[s + 1] - rows[s])]
+                # a build that builds (row ids) first: the store's lock is taken twice
+                twice = seg.device_table(("twice",), lambda: 2 * seg.row_ids(cpu))  # noqa: B023
+                assert twice.tolist() == [2 * s for s in want]
+                assert seg.row_ids(cpu).tolist() == want
+                assert seg.blocks(2, cpu)[0, :2].tolist() == [0, min(2, rows[1])]
+        except Exception as err:  # (reported by the main thread)
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30  # (a deadlock fails here, not by hanging the run)
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not errors and not any(t.is_alive() for t in threads)
+
 @pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
 def test_triton_segmented_kernel_matches_the_torch_backend(gen):
     """One launch over the packed blocks (rows of two problems never share a program)."""

@@ -20,6 +20,7 @@ the packed vectors (the marginal error, the value) are split back per problem wi
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ __all__ = ["Segments"]
 #: anew each call: without this, every call copied its tables from the host again)
 SHARED_TABLES = 32
 _SHARED: OrderedDict = OrderedDict()
+_SHARED_LOCK = threading.RLock()  # (solves may run in several threads; builds nest)
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,13 +118,14 @@ class Segments:
         """
         if key not in self._cache:
             shared = (self.rows, self.cols, *key)
-            if shared in _SHARED:
+            with _SHARED_LOCK:
+                table = _SHARED.get(shared)
+                if table is None:
+                    table = _SHARED[shared] = build()
                 _SHARED.move_to_end(shared)
-            else:
-                _SHARED[shared] = build()
                 while len(_SHARED) > SHARED_TABLES:
                     _SHARED.popitem(last=False)
-            self._cache[key] = _SHARED[shared]
+            self._cache[key] = table
         return self._cache[key]
 
     def row_ids(self, device: torch.device) -> torch.Tensor:
