@@ -74,8 +74,7 @@ def _weights(w, n: int, like, seg: Segments, name: str, checks: DeviceChecks,
         dtype = compute_dtype(like.dtype)
 
         def uniform():
-            sizes = torch.tensor([b - a for a, b in itertools.pairwise(seg.rows)],
-                                 dtype=torch.float64)  # fmt: skip
+            sizes = torch.tensor(seg.row_counts, dtype=torch.float64)
             return (1.0 / sizes).to(like.device)[seg.row_ids(like.device)].to(dtype)
 
         return seg.device_table(("uniform", str(like.device), dtype), uniform).clone()
@@ -108,9 +107,9 @@ def _packed_form(cost: Cost, x, y, seg: Segments, dtype, rounding, shrink: torch
     rid, cid = seg.row_ids(u.device), seg.T.row_ids(u.device)
     with torch.no_grad():
         total = seg.sum(u.detach()) + seg.T.sum(v.detach())
-        sizes = seg.device_table(("points", str(u.device), dtype), lambda: torch.tensor(
-            [seg.rows[s + 1] - seg.rows[s] + seg.cols[s + 1] - seg.cols[s]
-             for s in range(seg.count)], dtype=dtype, device=u.device))  # fmt: skip
+        points = [r + c for r, c in zip(seg.row_counts, seg.T.row_counts, strict=True)]
+        sizes = seg.device_table(("points", str(u.device), dtype),
+                                 lambda: torch.tensor(points, dtype=dtype, device=u.device))
         center = total / sizes[:, None]
         scaled = bool((shrink != 1).any())
         r = shrink.to(device=u.device, dtype=dtype)

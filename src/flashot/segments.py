@@ -102,6 +102,11 @@ class Segments:
             self._cache["widest_cols"] = max(b - a for a, b in itertools.pairwise(self.cols))
         return self._cache["widest_cols"]
 
+    @property
+    def row_counts(self) -> tuple[int, ...]:
+        """Each problem's number of rows (host integers)."""
+        return tuple(b - a for a, b in itertools.pairwise(self.rows))
+
     def row_slice(self, s: int) -> slice:
         """Problem ``s``'s rows."""
         return slice(self.rows[s], self.rows[s + 1])
@@ -132,7 +137,7 @@ class Segments:
         """(n,) int64: the problem of every packed row (cached per device)."""
 
         def build():
-            sizes = torch.tensor([b - a for a, b in zip(self.rows, self.rows[1:], strict=False)])
+            sizes = torch.tensor(self.row_counts)
             return torch.repeat_interleave(torch.arange(self.count), sizes).to(device)
 
         return self.device_table(("row_ids", str(device)), build)

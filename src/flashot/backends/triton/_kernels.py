@@ -225,6 +225,14 @@ def _value_product(
     return tl.dot(e.to(v.dtype), v, input_precision=V_PRECISION)
 
 
+@triton.jit
+def _value_chunk(base, stride_n, stride_p, offs_m, row_ok, c, p, BLOCK_P: tl.constexpr):
+    """``(pointers, mask)`` of value chunk ``c`` of rows ``offs_m`` in a (rows, p) buffer."""
+    offs_c = c * BLOCK_P + tl.arange(0, BLOCK_P)
+    ok = row_ok[:, None] & (offs_c[None, :] < p)
+    return base + offs_m[:, None] * stride_n + offs_c[None, :] * stride_p, ok, offs_c
+
+
 @triton.jit(do_not_specialize_on_alignment=CONTROL_POINTERS["_attend_kernel"])
 def _attend_kernel(
     Q, K, H, BETA, LOG_W, V, LSE, OUT, PART_MAX, PART_SUM, PART_ACC, BLOCKS, S, n, m, d, p, scale,
@@ -309,9 +317,8 @@ def _attend_kernel(
             else:
                 tl.debug_barrier()  # the last tile's stores (other threads') land first
                 for c in range(P_LOOP):
-                    offs_c = c * BLOCK_P + tl.arange(0, BLOCK_P)
-                    ok_c = row_ok[:, None] & (offs_c[None, :] < p)
-                    ptrs = acc_base + offs_m[:, None] * acc_sn + offs_c[None, :] * acc_sp
+                    ptrs, ok_c, offs_c = _value_chunk(acc_base, acc_sn, acc_sp, offs_m, row_ok, c,
+                                                      p, BLOCK_P)  # fmt: skip
                     prior = tl.load(ptrs, mask=ok_c & (start > col_lo), other=0.0)
                     pv = _value_product(e, V, offs_n, col_ok, offs_c, p, stride_vn, stride_vp,
                                         v_lo, v_unscale, V_PRECISION, V_SPLIT)  # fmt: skip
@@ -319,9 +326,7 @@ def _attend_kernel(
     if HAS_V and P_LOOP > 1:  # zeros where no column was streamed; OUT divided by the sum
         tl.debug_barrier()
         for c in range(P_LOOP):
-            offs_c = c * BLOCK_P + tl.arange(0, BLOCK_P)
-            ok_c = row_ok[:, None] & (offs_c[None, :] < p)
-            ptrs = acc_base + offs_m[:, None] * acc_sn + offs_c[None, :] * acc_sp
+            ptrs, ok_c, _ = _value_chunk(acc_base, acc_sn, acc_sp, offs_m, row_ok, c, p, BLOCK_P)
             total = tl.load(ptrs, mask=ok_c & (col_hi > col_lo), other=0.0)
             if not SPLIT:
                 total = total / run_sum[:, None]
