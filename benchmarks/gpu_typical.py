@@ -12,6 +12,9 @@ the default precision with the scores' operands split per tile by 3xTF32
 "packed" is the same call on a batch of one, ``loss(x[None], y[None])``: the debiased
 divergence's three problems as one packed solve, one launch per pass for all three
 (the host-bound 10k case's lever; same value and gradient to float32 accuracy).
+MOVING=1 also times each call with x moved by fresh noise (1e-3) every call, as in a
+training loop: the bounding diameter, so the ε schedule, changes every call, and no
+captured solve replays (rows "... moving").
 
     python benchmarks/gpu_typical.py
 """
@@ -90,6 +93,11 @@ for n, dim in [(n, dim) for dim in DIMS for n in SIZES]:
         ms = do_bench(lambda: value_and_grad(loss, x, y), warmup=5, rep=50, return_mode="median")
         rows.append((f"{n} d{dim}", who, ms, first, float(val)))
         print(rows[-1], flush=True)
+        if os.environ.get("MOVING", "0") == "1":
+            moved = lambda: value_and_grad(loss, x + 1e-3 * torch.randn_like(x), y)  # noqa: E731
+            ms = do_bench(moved, warmup=5, rep=50, return_mode="median")
+            rows.append((f"{n} d{dim}", who + " moving", ms, first, float(val)))
+            print(rows[-1], flush=True)
 
 print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
 print("case        who                   ms (value+grad)   first call s   value")

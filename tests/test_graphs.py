@@ -5,6 +5,8 @@ import math
 import typing
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import flashot
@@ -66,13 +68,68 @@ def test_solver_replays_fixed_iteration_solves_with_new_data(gen, monkeypatch, u
     assert Replayer.log == ["capture", "replay", "replay"]
 
 
-def test_solves_with_a_tolerance_are_never_captured(gen, monkeypatch):
+@settings(max_examples=25, deadline=None)
+@given(
+    temps=st.sampled_from([[0.3], [3.0, 1.0, 0.3], [8.0, 4.0, 2.0, 1.0, 0.5, 0.25]]),
+    every=st.integers(1, 7),
+    min_iter=st.integers(0, 30),
+    max_iter=st.integers(6, 60),
+    tol=st.sampled_from([1e-2, 1e-5, 1e-9, 0.0]),
+    rho=st.sampled_from([None, 2.0]),
+    warm=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_solves_to_a_tolerance_replay_blocks_with_the_eager_iterates(
+    temps, every, min_iter, max_iter, tol, rho, warm, dtype
+):
+    """A solve with ``tol`` (alternating) runs as blocks of iterations ending at a check,
+    each a graph key: eager on its first use, captured the next, replayed after. Every
+    field of the result is the eager loop's, bit for bit (the same launches), whether a
+    block is run, captured or replayed, including misses and their causes."""
+    from hypothesis import assume
+
+    assume(min_iter <= max_iter)
+    gen = torch.Generator().manual_seed(len(temps) + every + max_iter)
+    x, y = clouds(gen, 20, 15, 3, dtype=dtype)
+    prob = flashot.problem.make_problem(x, y, eps=temps[-1], rho=rho)
+    form, la, lb = prob.form.detach(), prob.log_a, prob.log_b
+    init = (0.5 * form.alpha, 0.5 * form.beta) if warm else None
+    args = (form, la, lb, temps, prob.damping, (rho, rho), prob.engine)
+    kw = dict(max_iter=max(max_iter, len(temps)), tol=tol, check_every=every, min_iter=min_iter,
+              update="alternating", init=init)  # fmt: skip
+    cache = graphs.GraphCache(capture=Replayer)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TorchBackend, "graph_key", lambda self, form: None)
+        ref = solver.solve(*args, **kw)
+        mp.setattr(solver, "GRAPHS", cache)
+        mp.setattr(TorchBackend, "graph_key", lambda self, form: ("torch",))
+        Replayer.log = []
+        for _ in range(3):  # each block: eager, captured, replayed
+            out = solver.solve(*args, **kw)
+            assert torch.equal(out.f, ref.f) and torch.equal(out.g, ref.g)
+            assert (out.n_iter, out.converged, out.cause) == (ref.n_iter, ref.converged, ref.cause)
+            same = out.error == ref.error or (math.isnan(out.error) and math.isnan(ref.error))
+            assert same and out.floor == ref.floor
+    assert "replay" in Replayer.log
+
+
+def test_a_long_solve_replays_one_graph_for_its_blocks_at_the_final_eps(gen, monkeypatch):
+    """Blocks at the final ε differ only in their data: a solve that runs to max_iter
+    captures its warm-up block and one block of ``check_every`` iterations, then
+    replays; the unbalanced ρ and a symmetric update (its fast state lives across
+    blocks) or momentum stay eager."""
     Replayer.log = []
     monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=Replayer))
     monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form: ("torch",))
     x, y = clouds(gen, 20, 15, 3)
-    for _ in range(3):
-        flashot.sinkhorn(x, y, eps=0.3, tol=1e-6)
+    with pytest.warns(flashot.ConvergenceWarning):
+        res = flashot.sinkhorn(x, y, eps=0.05, tol=0.0, max_iter=200, eps_schedule="geomloss")
+    assert res.n_iter == 200
+    assert Replayer.log.count("capture") == 1 and Replayer.log.count("replay") >= 15
+    Replayer.log = []
+    for options in (dict(update="symmetric"), dict(momentum=1.3)):
+        flashot.sinkhorn(x, y, eps=0.3, tol=1e-6, max_iter=200, **options)
+        flashot.sinkhorn(x, y, eps=0.3, tol=1e-6, max_iter=200, **options)
     assert Replayer.log == []
 
 

@@ -372,7 +372,7 @@ def test_default_tol_accepts_float32s_floor_and_nothing_looser():
     """tol='auto' (the default) converges where float32 stalls at its precision floor near
     1e-6; the same solve with an explicit tol=1e-6 misses and says why; ε far too small
     for float32 still warns (eps_too_small)."""
-    from flashot.solver import FloorTolerance, precision_floor  # noqa: F401
+    from flashot.stopping import FloorTolerance, precision_floor  # noqa: F401
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(300, 3, generator=gen)

@@ -154,7 +154,7 @@ def test_never_a_converged_wrong_answer_on_the_kernels(problem):
     ],
 )
 def test_a_miss_at_max_iter_is_named_from_the_last_errors(errors, cause):
-    from flashot.solver import _Stopping
+    from flashot.stopping import _Stopping
 
     stop = _Stopping(1e-6, floor=lambda: 1e-12)
     for it, e in enumerate([1.0] + errors):
@@ -194,7 +194,7 @@ def test_only_the_final_eps_takes_the_near_path(monkeypatch, update):
 def test_an_oscillation_miss_still_suggests_more_iterations():
     # seen: n = 100, eps = 0.05 with a schedule needed 2057 alternating iterations, and
     # the miss at 1000 read as an oscillation whose advice left max_iter out
-    from flashot.solver import describe_miss
+    from flashot.stopping import describe_miss
 
     text = describe_miss("oscillation", 1e-6, 7e-5, None, 1000, torch.float32, "alternating")
     assert "oscillates" in text and "increase max_iter" in text and "update='symmetric'" in text
@@ -206,7 +206,7 @@ def test_a_self_problem_is_recognized_a_block_of_rows_at_a_time(monkeypatch):
     entry in the last block, other weights or another ρ: not one."""
     import flashot.costs
     from flashot.problem import make_problem
-    from flashot.solver import _is_self_problem
+    from flashot.stopping import _is_self_problem
 
     monkeypatch.setattr(flashot.costs, "_BLOCK", 12)  # 4 rows of 3 per block
     g = torch.Generator().manual_seed(0)

@@ -39,13 +39,8 @@ from flashot.problem import (
 )
 from flashot.result import TransportPlan
 from flashot.segments import Segments
-from flashot.solver import (
-    EpsilonScaling,
-    FloorTolerance,
-    precision_floor,
-    resolve_stopping,
-    temperatures,
-)
+from flashot.solver import EpsilonScaling, temperatures
+from flashot.stopping import FloorTolerance, precision_floor, resolve_stopping
 
 __all__ = [
     "BatchedPlan",

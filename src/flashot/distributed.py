@@ -43,7 +43,8 @@ from flashot.costs import (
 )
 from flashot.dual import row_mass
 from flashot.problem import check_positive, compute_dtype
-from flashot.solver import FloorTolerance, resolve_stopping, temperatures
+from flashot.solver import temperatures
+from flashot.stopping import FloorTolerance, resolve_stopping
 
 __all__ = ["GATHER_SHARE", "DistributedPlan", "DistributedSinkhornResult", "free_bytes",
            "sinkhorn"]
@@ -416,7 +417,7 @@ def _final(comm, engine, side: _Side, other: _Side, pot_other, eps: float) -> to
 def _local_check(rows: _Side, cols: _Side, f, g, lse_r, lse_c, eps: float):
     """This rank's shares of the L1 marginal error at (f, g) and of the precision floor.
 
-    The floor's share is its sum term (:func:`flashot.solver.precision_floor`, without
+    The floor's share is its sum term (:func:`flashot.stopping.precision_floor`, without
     the log terms).
     """
     r = row_mass(f, lse_r, rows.offset, rows.log_w, eps)

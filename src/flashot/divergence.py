@@ -37,7 +37,8 @@ from flashot.problem import (
     parse_rho,
     weights_tensor,
 )
-from flashot.solver import describe_miss, resolve_stopping, solve, solve_self
+from flashot.solver import solve, solve_self
+from flashot.stopping import describe_miss, resolve_stopping
 
 __all__ = ["DebiasedPotentials", "debiased_potentials", "sinkhorn_divergence"]
 

@@ -19,14 +19,13 @@ from flashot.costs import attention_form, bounding_diameter
 from flashot.dual import phi_sum
 from flashot.problem import Problem, cloud_tensor, make_problem
 from flashot.result import SinkhornResult, SolveHistory, TransportPlan
-from flashot.solver import (
+from flashot.solver import solve, temperatures
+from flashot.stopping import (
     FLOOR_FACTOR,
     FloorTolerance,
     describe_miss,
     precision_floor,
     resolve_stopping,
-    solve,
-    temperatures,
 )
 
 __all__ = ["ConvergenceWarning", "resolve_schedule", "sinkhorn"]
@@ -144,7 +143,7 @@ def sinkhorn(
         tol: stop once the L1 marginal error is ≤ tol, checked every
             ``check_every`` iterations; None runs exactly ``max_iter`` iterations.
             ``"auto"``: 1e-6, or the dtype's precision floor when that is within 10×
-            of it (:class:`~flashot.solver.FloorTolerance`); a number is strict.
+            of it (:class:`~flashot.stopping.FloorTolerance`); a number is strict.
         check_every: iterations between two checks (a check is free: it reuses the
             iteration's reductions).
         update: ``"symmetric"`` (averaged Jacobi updates, GeomLoss) or

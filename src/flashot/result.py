@@ -445,7 +445,7 @@ class SinkhornResult:
         measured_error: the marginal error if the solve measured it (it does when it
             had a ``tol`` or a relaxed side), else None: :attr:`marginal_error` then
             measures it on first access.
-        cause: why ``tol`` was missed, one of ``flashot.solver.CAUSES``
+        cause: why ``tol`` was missed, one of ``flashot.stopping.CAUSES``
             (``"max_iter"``, ``"no_progress"``, ``"oscillation"``, ``"precision_floor"``,
             ``"eps_too_small"``, ``"final_step"``); None when converged or without tol.
             The :class:`ConvergenceWarning` says the same in words.

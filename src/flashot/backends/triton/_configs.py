@@ -79,11 +79,12 @@ def block_p(p: int) -> int:
 
 #: from this many value columns (None: never) one attend program loops over all value
 #: chunks with its running products in the output (``P_LOOP``), so that each tile's
-#: weights are computed once, instead of a program per chunk that recomputes the scores
-#: (8 score passes for p = 1 024: +434 ms on a 512 ms forward at 50k, d = 1 024, v30).
-#: Predicted: a chunk's load and store of (64, 128) floats per tile (L2) against a
-#: 1 024-deep score recomputation, ~3× less time for the value pass; not yet measured.
-VALUE_LOOP_FROM: int | None = None
+#: weights are computed once, instead of a program per chunk that recomputes the scores.
+#: P @ y after a 10-iteration solve on the H200 (v31, ``benchmarks/value_chunks.py``), a
+#: program per 128-wide chunk against the loop: 10k d512 10.9 → 8.1 ms, 50k d512 248 →
+#: 184 ms, 50k d1024 850 → 357 ms (bitwise the same products). Two chunks (p ≤ 256) are
+#: not measured, so they keep a program each.
+VALUE_LOOP_FROM: int | None = 256
 
 
 def value_loop(p: int) -> int:

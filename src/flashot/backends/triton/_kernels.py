@@ -41,7 +41,8 @@ CONTROL_POINTERS = {
 }
 #: integer arguments that change between launches of one set of constexprs: Triton
 #: compiles an int again when it is 1 or a multiple of 16 (a flag 0/1, a split count)
-RUNTIME_INTS = {"_combine_kernel": ["splits"], "_plan_sums_kernel": ["gate_span"]}
+#: (the combine's row count too: a 2 µs merge, rebuilt for a count not a multiple of 16)
+RUNTIME_INTS = {"_combine_kernel": ["n", "splits"], "_plan_sums_kernel": ["gate_span"]}
 
 
 @triton.jit
