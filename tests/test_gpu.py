@@ -190,7 +190,11 @@ def test_solves_to_a_tolerance_replay_their_blocks_as_cuda_graphs(monkeypatch):
         ref = flashot.sinkhorn(x, y, backend=TritonBackend(graphs=False), **kw)
         assert res.converged and ref.converged and abs(res.n_iter - ref.n_iter) <= 10
         assert rel(res.f, ref.f) < 1e-5 and rel(res.cost, ref.cost) < 1e-6
-    assert len(cache._graphs) >= 1
+        # the debiased divergence: its self problems' loops (symmetric) in blocks too
+        div = flashot.sinkhorn_divergence(x, y, backend=TritonBackend(), **kw)
+        div_ref = flashot.sinkhorn_divergence(x, y, backend=TritonBackend(graphs=False), **kw)
+        assert rel(div, div_ref) < 1e-5
+    assert len(cache._graphs) >= 3
 
 
 def test_debiased_divergence_replays_its_three_loops_as_cuda_graphs(monkeypatch):

@@ -113,6 +113,48 @@ def test_solves_to_a_tolerance_replay_blocks_with_the_eager_iterates(
     assert "replay" in Replayer.log
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    temps=st.sampled_from([[0.3], [3.0, 1.0, 0.3], [8.0, 4.0, 2.0, 1.0, 0.5, 0.25]]),
+    every=st.integers(1, 7),
+    min_iter=st.integers(0, 30),
+    max_iter=st.integers(6, 60),
+    tol=st.sampled_from([1e-2, 1e-6, 0.0]),
+    rho=st.sampled_from([None, 2.0]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_self_problems_to_a_tolerance_replay_blocks_with_the_eager_iterates(
+    temps, every, min_iter, max_iter, tol, rho, dtype
+):
+    """The debiased divergence's self problems (symmetric updates, one potential) in
+    replayed blocks: the eager loop's potential, iterations, error and cause, bit for bit."""
+    from hypothesis import assume
+
+    from flashot.costs import attention_form, get_cost
+
+    assume(min_iter <= max_iter)
+    gen = torch.Generator().manual_seed(len(temps) + every + max_iter)
+    x, _ = clouds(gen, 20, 15, 3, dtype=dtype)
+    form = attention_form(get_cost("sqeuclidean"), x, x)
+    log_a = torch.full((20,), -math.log(20), dtype=dtype)
+    damping = (lambda e: 1.0) if rho is None else (lambda e: rho / (rho + e))  # noqa: E731
+    args = (form, log_a, temps, damping, rho, TorchBackend())
+    kw = dict(max_iter=max(max_iter, len(temps)), tol=tol, check_every=every, min_iter=min_iter)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TorchBackend, "graph_key", lambda self, form: None)
+        ref = solver.solve_self(*args, **kw)
+        mp.setattr(solver, "GRAPHS", graphs.GraphCache(capture=Replayer))
+        mp.setattr(TorchBackend, "graph_key", lambda self, form: ("torch",))
+        Replayer.log = []
+        for _ in range(3):
+            out = solver.solve_self(*args, **kw)
+            assert torch.equal(out.f, ref.f)
+            assert (out.n_iter, out.converged, out.cause) == (ref.n_iter, ref.converged, ref.cause)
+            same = out.error == ref.error or (math.isnan(out.error) and math.isnan(ref.error))
+            assert same and out.floor == ref.floor
+    assert "replay" in Replayer.log
+
+
 def test_a_long_solve_replays_one_graph_for_its_blocks_at_the_final_eps(gen, monkeypatch):
     """Blocks at the final ε differ only in their data: a solve that runs to max_iter
     captures its warm-up block and one block of ``check_every`` iterations, then

@@ -17,6 +17,7 @@ final step only (envelope theorem).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -144,7 +145,7 @@ def solve(
     backend_key = None if progress or record else backend.graph_key(form)
     if backend_key is not None and tol is not None and update == "alternating" and momentum is None:
         with backend.operand_scope():  # (the symmetric update's gate lives across blocks)
-            out = _in_blocks(form, log_a, log_b, init, backend_key, options)
+            out = _solve_in_blocks(form, log_a, log_b, init, backend_key, options)
             return replace(out, final=final(form, out, log_a, log_b))
     if backend_key is None or tol is not None:
         with backend.operand_scope():
@@ -174,7 +175,31 @@ def solve(
     return SolverOutput(f, g, max_iter, None, float("nan"), final=final_pair)
 
 
-def _in_blocks(form, log_a, log_b, init, backend_key, options) -> SolverOutput:
+def _solve_in_blocks(form, log_a, log_b, init, backend_key, options) -> SolverOutput:
+    """:func:`solve`'s loop to a tolerance, in replayed blocks (:func:`_in_blocks`)."""
+    eps_list, bound = options["eps_list"], form.cost_bound
+    tensors = (form.q, form.k, form.alpha, form.beta, log_a, log_b)
+    key = (*_replay_key(backend_key, form, tensors, eps_list, options["damping"]),
+           tuple(options["rho"]), options["update"])  # fmt: skip
+    block_options = {**options, "tol": None}
+
+    def block(span, checks, q, k, alpha, beta, la, lb, *fg):
+        own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
+        out = _iterate(own, la, lb, tuple(fg) or None, **block_options, span=span,
+                       check_end=checks)  # fmt: skip
+        return out.f, out.g, *((out.pending,) if checks else ())
+
+    def floor(f, g):
+        return precision_floor(form, f, g, log_a, log_b, eps_list[-1])
+
+    names = ("eps_list", "max_iter", "check_every", "min_iter", "tol")
+    (f, g), it, error, stop = _in_blocks(key, tensors, init or (), block, 2, floor=floor,
+                                         **{n: options[n] for n in names})  # fmt: skip
+    return SolverOutput(f, g, it, stop.converged, error, stop.cause, stop.floor)
+
+
+def _in_blocks(key, tensors, start, block, count, *, eps_list, max_iter, check_every, min_iter,
+               tol, floor):  # fmt: skip
     """A solve to a tolerance in blocks of iterations that each end at a check, replayed.
 
     Such a solve waits for the device only at its checks (every ``check_every``
@@ -184,39 +209,42 @@ def _in_blocks(form, log_a, log_b, init, backend_key, options) -> SolverOutput:
     schedule, its length and whether it checks, so a long solve's blocks at the final ε
     share one graph, and a solve that repeats (a training loop, a benchmark) replays
     all of its blocks. The iterates, checks and stopping are the eager loop's.
+
+    Args:
+        key: what the launches depend on besides the data and the block (see
+            :func:`_replay_key`).
+        tensors: the data (the form's tensors and log weights).
+        start: the ``count`` potentials to start from, or ``()`` (the loop initializes).
+        block: ``block((first, last), checks, *tensors, *potentials)`` runs iterations
+            ``first…last`` and returns the potentials, then, if it checks, the error
+            (0-dim, on the device).
+        floor: ``floor(*potentials)``, the precision floor (:func:`precision_floor`).
+
+    Returns:
+        ``(potentials, iterations, error, stopping)`` (a :class:`_Stopping`, finished).
     """
-    eps_list, max_iter, every = options["eps_list"], options["max_iter"], options["check_every"]
     last = len(eps_list) - 1
-    checks = [it for it in range(last + every, max_iter + 1, every) if it >= options["min_iter"]]
+    checks = [it for it in range(last + check_every, max_iter + 1, check_every) if it >= min_iter]
     ends = checks if checks and checks[-1] == max_iter else [*checks, max_iter]
     checked_at = set(checks)
-    tensors = (form.q, form.k, form.alpha, form.beta, log_a, log_b)
-    base = (*_replay_key(backend_key, form, tensors, eps_list, options["damping"]),
-            tuple(options["rho"]), options["update"])  # fmt: skip
-    f, g = init if init is not None else (None, None)
-    stop = _Stopping(options["tol"], lambda: precision_floor(form, f, g, log_a, log_b,
-                                                             eps_list[-1]))  # fmt: skip
-    block_options, bound = {**options, "tol": None}, form.cost_bound
-    error, start, it = float("nan"), 1, 0
+    pots = tuple(start)
+    stop = _Stopping(tol, lambda: floor(*pots))
+    error, first, it = float("nan"), 1, 0
     for it in ends:
         checked = it in checked_at
         # a block within the warm-up differs by where it starts; later ones only by length
-        key = (*base, start if start <= last else None, it - start, checked, f is None)
-
-        def run(q, k, alpha, beta, la, lb, *fg, span=(start, it), checked=checked):
-            own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
-            out = _iterate(own, la, lb, tuple(fg) or None, **block_options, span=span,
-                           check_end=checked)  # fmt: skip
-            return out.f, out.g, *((out.pending,) if checked else ())
-
-        f, g, *pending = GRAPHS(key, run, (*tensors, *(() if f is None else (f, g))))
+        block_key = (*key, first if first <= last else None, it - first, checked, not pots)
+        run = functools.partial(block, (first, it), checked)
+        *pots, err = GRAPHS(block_key, run, (*tensors, *pots)) + ((None,) if not checked else ())
+        pots = tuple(pots)
         if checked:
-            error = float(pending[0])
+            error = float(err)
             if stop.done(error, it):
                 break
-        start = it + 1
+        first = it + 1
     stop.finish()
-    return SolverOutput(f, g, it, stop.converged, error, stop.cause, stop.floor)
+    assert len(pots) == count
+    return pots, it, error, stop
 
 
 def warm_form(form: AttentionForm, eps_list: Sequence[float]) -> AttentionForm:
@@ -337,7 +365,7 @@ def solve_self(
         backend: the streaming primitives.
     """
     _check_iterations(max_iter, len(eps_list), tol, check_every, min_iter)
-    backend_key = backend.graph_key(form) if tol is None and form.segments is None else None
+    backend_key = backend.graph_key(form) if form.segments is None else None
     if backend_key is None:
         with backend.operand_scope():
             return _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol,
@@ -347,6 +375,24 @@ def solve_self(
     tensors = (form.q, form.k, form.alpha, form.beta, log_a)
     key = ("self", *_replay_key(backend_key, form, tensors, eps_list, damping), rho, max_iter)
     bound = form.cost_bound
+    if tol is not None:  # in blocks that end at a check (:func:`_in_blocks`)
+
+        def block(span, checks, q, k, alpha, beta, la, *start):
+            own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
+            out = _self_iterations(own, la, eps_list, damping, rho, backend, max_iter, None,
+                                   check_every, min_iter, start[0] if start else None, span,
+                                   checks)  # fmt: skip
+            return (out.f, *((out.pending,) if checks else ()))
+
+        def floor(p):
+            return precision_floor(form, p, p, log_a, log_a, eps_list[-1])
+
+        with backend.operand_scope():
+            (p,), it, error, stop = _in_blocks(
+                key[:-1], tensors, (), block, 1, eps_list=eps_list, max_iter=max_iter,
+                check_every=check_every, min_iter=min_iter, tol=tol, floor=floor,
+            )  # fmt: skip
+        return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor)
 
     def run(q, k, alpha, beta, la):
         own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
@@ -377,25 +423,31 @@ def _replay_key(backend_key, form, tensors, eps_list, damping) -> tuple:
 
 
 def _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol, check_every,
-                     min_iter) -> SolverOutput:  # fmt: skip
-    """The loop of :func:`solve_self`."""
+                     min_iter, init=None, span=None, check_end=False) -> SolverOutput:  # fmt: skip
+    """The loop of :func:`solve_self`; ``init``, ``span``, ``check_end`` as in :func:`_iterate`."""
     alpha = form.alpha
-    eps = eps_list[0]
-    warm = warm_form(form, eps_list)
-    lse, _ = backend.row_attend(warm, -alpha, eps, log_w=log_a)
-    p = damping(eps) * (alpha - lse)
+    first, final_it = span or (1, max_iter)
     last = len(eps_list) - 1
+    warm = warm_form(form, eps_list)
+    if init is None:
+        assert first == 1, "a block after the first starts from the previous one's potential"
+        lse, _ = backend.row_attend(warm, -alpha, eps_list[0], log_w=log_a)
+        p = damping(eps_list[0]) * (alpha - lse)
+    else:
+        p = init
     stop = _Stopping(tol, lambda: precision_floor(form, p, p, log_a, log_a, eps_list[-1]))
-    error, it = float("nan"), 0
-    for it in range(1, max_iter + 1):
+    error, it, pending = float("nan"), 0, None
+    for it in range(first, final_it + 1):
         eps = eps_list[min(it - 1, last)]
         lse, _ = backend.row_attend(form if it - 1 >= last else warm, p - alpha, eps, log_w=log_a)
         check = tol is not None and it - 1 >= last and (it - last) % check_every == 0
         check = check and it >= min_iter
-        if check:
-            error = 2.0 * float(marginal_error(p, row_mass(p, lse, alpha, log_a, eps), log_a, rho))
+        if check or (check_end and it == final_it):
+            err = 2.0 * marginal_error(p, row_mass(p, lse, alpha, log_a, eps), log_a, rho)
+            pending = err if check_end and it == final_it else None
+            error = error if pending is not None else float(err)
         p = 0.5 * (p + damping(eps) * (alpha - lse))
         if check and stop.done(error, it):
             break
     stop.finish()
-    return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor)
+    return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor, pending=pending)
