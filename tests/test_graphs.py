@@ -168,6 +168,13 @@ def test_a_long_solve_replays_one_graph_for_its_blocks_at_the_final_eps(gen, mon
         res = flashot.sinkhorn(x, y, eps=0.05, tol=0.0, max_iter=200, eps_schedule="geomloss")
     assert res.n_iter == 200
     assert Replayer.log.count("capture") == 1 and Replayer.log.count("replay") >= 15
+    # moved data (a training step): another diameter, so other warm-up temperatures,
+    # the same final ε: the blocks at the final ε replay the same graph (only the
+    # short last block, met a second time, may be captured now)
+    Replayer.log = []
+    with pytest.warns(flashot.ConvergenceWarning):
+        flashot.sinkhorn(1.3 * x, y, eps=0.05, tol=0.0, max_iter=200, eps_schedule="geomloss")
+    assert Replayer.log[:17] == ["replay"] * 17 and Replayer.log.count("capture") <= 1
     Replayer.log = []
     for options in (dict(update="symmetric"), dict(momentum=1.3)):
         flashot.sinkhorn(x, y, eps=0.3, tol=1e-6, max_iter=200, **options)

@@ -179,8 +179,7 @@ def _solve_in_blocks(form, log_a, log_b, init, backend_key, options) -> SolverOu
     """:func:`solve`'s loop to a tolerance, in replayed blocks (:func:`_in_blocks`)."""
     eps_list, bound = options["eps_list"], form.cost_bound
     tensors = (form.q, form.k, form.alpha, form.beta, log_a, log_b)
-    key = (*_replay_key(backend_key, form, tensors, eps_list, options["damping"]),
-           tuple(options["rho"]), options["update"])  # fmt: skip
+    key = (backend_key, _shapes(tensors), tuple(options["rho"]), options["update"])
     block_options = {**options, "tol": None}
 
     def block(span, checks, q, k, alpha, beta, la, lb, *fg):
@@ -192,27 +191,31 @@ def _solve_in_blocks(form, log_a, log_b, init, backend_key, options) -> SolverOu
     def floor(f, g):
         return precision_floor(form, f, g, log_a, log_b, eps_list[-1])
 
-    names = ("eps_list", "max_iter", "check_every", "min_iter", "tol")
-    (f, g), it, error, stop = _in_blocks(key, tensors, init or (), block, 2, floor=floor,
-                                         **{n: options[n] for n in names})  # fmt: skip
+    names = ("eps_list", "damping", "max_iter", "check_every", "min_iter", "tol")
+    (f, g), it, error, stop = _in_blocks(key, tensors, init or (), block, 2, form=form,
+                                         floor=floor, **{n: options[n] for n in names})  # fmt: skip
     return SolverOutput(f, g, it, stop.converged, error, stop.cause, stop.floor)
 
 
-def _in_blocks(key, tensors, start, block, count, *, eps_list, max_iter, check_every, min_iter,
-               tol, floor):  # fmt: skip
+def _in_blocks(key, tensors, start, block, count, *, form, eps_list, damping, max_iter,
+               check_every, min_iter, tol, floor):  # fmt: skip
     """A solve to a tolerance in blocks of iterations that each end at a check, replayed.
 
     Such a solve waits for the device only at its checks (every ``check_every``
     iterations at the final ε): the iterations up to a check are a fixed sequence of
     launches. Each block is a key of :data:`GRAPHS`, run eagerly when first met,
-    captured the second time, replayed after that. A block's key is its place in the ε
-    schedule, its length and whether it checks, so a long solve's blocks at the final ε
-    share one graph, and a solve that repeats (a training loop, a benchmark) replays
-    all of its blocks. The iterates, checks and stopping are the eager loop's.
+    captured the second time, replayed after that. The warm-up temperatures are a block
+    of their own, and a block's key holds only its own steps' temperatures
+    (:func:`_steps_key`) and whether it checks: a long solve's blocks at the final ε
+    share one graph, and so do solves whose ε schedules differ in the warm-up only (a
+    GeomLoss schedule starts from the data's diameter, which a training loop moves
+    every step). The iterates, checks and stopping are the eager loop's.
 
     Args:
-        key: what the launches depend on besides the data and the block (see
-            :func:`_replay_key`).
+        key: what the launches depend on besides the data, the temperatures and the
+            block (the backend's key, the inputs' shapes, the options).
+        form: the cost (for the near-uniform rule of each step; :func:`warm_form`).
+        eps_list, damping, max_iter, check_every, min_iter, tol: as in :func:`solve`.
         tensors: the data (the form's tensors and log weights).
         start: the ``count`` potentials to start from, or ``()`` (the loop initializes).
         block: ``block((first, last), checks, *tensors, *potentials)`` runs iterations
@@ -225,15 +228,15 @@ def _in_blocks(key, tensors, start, block, count, *, eps_list, max_iter, check_e
     """
     last = len(eps_list) - 1
     checks = [it for it in range(last + check_every, max_iter + 1, check_every) if it >= min_iter]
-    ends = checks if checks and checks[-1] == max_iter else [*checks, max_iter]
     checked_at = set(checks)
+    ends = sorted(checked_at | {max_iter} | ({last} if last > 0 else set()))
     pots = tuple(start)
     stop = _Stopping(tol, lambda: floor(*pots))
     error, first, it = float("nan"), 1, 0
     for it in ends:
         checked = it in checked_at
-        # a block within the warm-up differs by where it starts; later ones only by length
-        block_key = (*key, first if first <= last else None, it - first, checked, not pots)
+        steps = _steps_key(form, eps_list, damping, first, it)
+        block_key = (*key, steps, checked, not pots)
         run = functools.partial(block, (first, it), checked)
         *pots, err = GRAPHS(block_key, run, (*tensors, *pots)) + ((None,) if not checked else ())
         pots = tuple(pots)
@@ -376,6 +379,7 @@ def solve_self(
     key = ("self", *_replay_key(backend_key, form, tensors, eps_list, damping), rho, max_iter)
     bound = form.cost_bound
     if tol is not None:  # in blocks that end at a check (:func:`_in_blocks`)
+        key = ("self", backend_key, _shapes(tensors), rho)
 
         def block(span, checks, q, k, alpha, beta, la, *start):
             own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
@@ -389,8 +393,9 @@ def solve_self(
 
         with backend.operand_scope():
             (p,), it, error, stop = _in_blocks(
-                key[:-1], tensors, (), block, 1, eps_list=eps_list, max_iter=max_iter,
-                check_every=check_every, min_iter=min_iter, tol=tol, floor=floor,
+                key, tensors, (), block, 1, form=form, eps_list=eps_list, damping=damping,
+                max_iter=max_iter, check_every=check_every, min_iter=min_iter, tol=tol,
+                floor=floor,
             )  # fmt: skip
         return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor)
 
@@ -416,10 +421,29 @@ def _replay_key(backend_key, form, tensors, eps_list, damping) -> tuple:
     return (
         backend_key,
         tuple(is_near_uniform(form if i == last else warm, e) for i, e in enumerate(eps_list)),
-        tuple((t.shape, t.dtype, t.device) for t in tensors),
+        _shapes(tensors),
         tuple(eps_list),
         tuple(damping(e) for e in eps_list),
     )
+
+
+def _shapes(tensors) -> tuple:
+    return tuple((t.shape, t.dtype, t.device) for t in tensors)
+
+
+def _steps_key(form, eps_list, damping, first: int, last_it: int) -> tuple:
+    """What iterations ``first…last_it`` of a schedule launch.
+
+    Per step: its temperature, whether it is the final one, its LSE (the near-uniform
+    rule of :func:`_replay_key`) and its damping.
+    """
+    warm, last = warm_form(form, eps_list), len(eps_list) - 1
+    steps = []
+    for it in range(first, last_it + 1):
+        i = min(it - 1, last)
+        e = eps_list[i]
+        steps.append((e, i == last, is_near_uniform(form if i == last else warm, e), damping(e)))
+    return tuple(steps)
 
 
 def _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol, check_every,
