@@ -68,17 +68,20 @@ def test_solver_replays_fixed_iteration_solves_with_new_data(gen, monkeypatch, u
     assert Replayer.log == ["capture", "replay", "replay"]
 
 
-@settings(max_examples=25, deadline=None)
-@given(
+#: a solve to a tolerance: schedules, check grids, budgets, tolerances met and missed
+TOLERANCE_SOLVES = dict(
     temps=st.sampled_from([[0.3], [3.0, 1.0, 0.3], [8.0, 4.0, 2.0, 1.0, 0.5, 0.25]]),
     every=st.integers(1, 7),
     min_iter=st.integers(0, 30),
     max_iter=st.integers(6, 60),
     tol=st.sampled_from([1e-2, 1e-5, 1e-9, 0.0]),
     rho=st.sampled_from([None, 2.0]),
-    warm=st.booleans(),
     dtype=st.sampled_from([torch.float32, torch.float64]),
 )
+
+
+@settings(max_examples=25, deadline=None)
+@given(**TOLERANCE_SOLVES, warm=st.booleans())
 def test_solves_to_a_tolerance_replay_blocks_with_the_eager_iterates(
     temps, every, min_iter, max_iter, tol, rho, warm, dtype
 ):
@@ -114,15 +117,7 @@ def test_solves_to_a_tolerance_replay_blocks_with_the_eager_iterates(
 
 
 @settings(max_examples=20, deadline=None)
-@given(
-    temps=st.sampled_from([[0.3], [3.0, 1.0, 0.3], [8.0, 4.0, 2.0, 1.0, 0.5, 0.25]]),
-    every=st.integers(1, 7),
-    min_iter=st.integers(0, 30),
-    max_iter=st.integers(6, 60),
-    tol=st.sampled_from([1e-2, 1e-6, 0.0]),
-    rho=st.sampled_from([None, 2.0]),
-    dtype=st.sampled_from([torch.float32, torch.float64]),
-)
+@given(**TOLERANCE_SOLVES)
 def test_self_problems_to_a_tolerance_replay_blocks_with_the_eager_iterates(
     temps, every, min_iter, max_iter, tol, rho, dtype
 ):
