@@ -1,5 +1,6 @@
 """The graph cache's bookkeeping and the solver's use of it, with a stand-in for CUDA
-graph capture (the real capture runs in tests/test_gpu.py)."""
+graph capture that replays the recorded ops (:mod:`tests.recorded_graphs`; the real
+capture runs in tests/test_gpu.py)."""
 
 import math
 import typing
@@ -13,25 +14,30 @@ import flashot
 from flashot import graphs, solver
 from flashot.backends.torch_backend import TorchBackend
 from tests.conftest import clouds, rel
+from tests.recorded_graphs import RecordedGraph
 
 
-class Replayer:
-    """Stands in for a CUDA graph: static inputs and outputs, re-running ``fn`` on replay."""
+# replays the recorded aten ops with their recorded scalars, as a CUDA graph would
+Replayer = RecordedGraph
 
-    log: typing.ClassVar[list] = []
 
-    def __init__(self, fn, inputs):
-        self.fn, self.inputs = fn, [t.clone() for t in inputs]
-        self.outputs = fn(*self.inputs)
-        Replayer.log.append("capture")
-
-    def __call__(self, inputs):
-        for static, t in zip(self.inputs, inputs, strict=True):
-            static.copy_(t)
-        for static, new in zip(self.outputs, self.fn(*self.inputs), strict=True):
-            static.copy_(new)
-        Replayer.log.append("replay")
-        return tuple(t.clone() for t in self.outputs)
+def test_the_stand_in_replays_recorded_scalars_as_a_cuda_graph_does():
+    """What these tests lean on: a replay repeats the recorded ops with their recorded
+    Python scalars on the new data (a key that misses a temperature gives the old one's
+    result), and a host read whose value changes at replay raises."""
+    cache = graphs.GraphCache(capture=RecordedGraph)
+    x = torch.arange(4.0)
+    for scale in (2.0, 2.0, 3.0):  # eager, captured at 2.0, replayed "at 3.0"
+        (out,) = cache("k", lambda t, s=scale: (t * s + 1.0,), [x + 1.0])
+    assert torch.equal(out, (x + 1.0) * 2.0 + 1.0)
+    branchy = graphs.GraphCache(capture=RecordedGraph)
+    for t in (x, x, -x - 1.0):
+        run = lambda u: (u * 2.0 if bool((u >= 0).all()) else -u,)  # noqa: E731
+        if t[0] < 0:
+            with pytest.raises(RuntimeError, match="host read changed"):
+                branchy("b", run, [t])
+        else:
+            branchy("b", run, [t])
 
 
 def test_first_call_eager_second_captures_then_replays_and_lru_drops():
@@ -167,9 +173,16 @@ def test_a_long_solve_replays_one_graph_for_its_blocks_at_the_final_eps(gen, mon
     # the same final ε: the blocks at the final ε replay the same graph (only the
     # short last block, met a second time, may be captured now)
     Replayer.log = []
+    kw = dict(eps=0.05, tol=0.0, max_iter=200, eps_schedule="geomloss")
     with pytest.warns(flashot.ConvergenceWarning):
-        flashot.sinkhorn(1.3 * x, y, eps=0.05, tol=0.0, max_iter=200, eps_schedule="geomloss")
+        moved = flashot.sinkhorn(1.3 * x, y, **kw)
     assert Replayer.log[:17] == ["replay"] * 17 and Replayer.log.count("capture") <= 1
+    # the replays (recorded ops, recorded scalars) give the eager solve's potentials
+    monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form: None)
+    with pytest.warns(flashot.ConvergenceWarning):
+        eager = flashot.sinkhorn(1.3 * x, y, **kw)
+    assert torch.equal(moved.f, eager.f) and torch.equal(moved.g, eager.g)
+    monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form: ("torch",))
     Replayer.log = []
     for options in (dict(update="symmetric"), dict(momentum=1.3)):
         flashot.sinkhorn(x, y, eps=0.3, tol=1e-6, max_iter=200, **options)
