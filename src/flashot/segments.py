@@ -99,7 +99,7 @@ class Segments:
     def widest_cols(self) -> int:
         """The most columns of any problem (what a split of a packed launch cuts)."""
         if "widest_cols" not in self._cache:
-            self._cache["widest_cols"] = max(b - a for a, b in itertools.pairwise(self.cols))
+            self._cache["widest_cols"] = max(self.T.row_counts)
         return self._cache["widest_cols"]
 
     @property

@@ -143,8 +143,9 @@ def solve(
         return extrapolate(form, out.f, out.g, la, lb, eps, lam, backend, update)
 
     backend_key = None if progress or record else backend.graph_key(form)
+    # (blocks only for alternating steps: the symmetric one's gate lives across them)
     if backend_key is not None and tol is not None and update == "alternating" and momentum is None:
-        with backend.operand_scope():  # (the symmetric update's gate lives across blocks)
+        with backend.operand_scope():
             out = _solve_in_blocks(form, log_a, log_b, init, backend_key, options)
             return replace(out, final=final(form, out, log_a, log_b))
     if backend_key is None or tol is not None:
@@ -192,13 +193,13 @@ def _solve_in_blocks(form, log_a, log_b, init, backend_key, options) -> SolverOu
         return precision_floor(form, f, g, log_a, log_b, eps_list[-1])
 
     names = ("eps_list", "damping", "max_iter", "check_every", "min_iter", "tol")
-    (f, g), it, error, stop = _in_blocks(key, tensors, init or (), block, 2, form=form,
-                                         floor=floor, **{n: options[n] for n in names})  # fmt: skip
+    (f, g), it, error, stop = _in_blocks(key, tensors, init or (), block, form=form, floor=floor,
+                                         **{n: options[n] for n in names})  # fmt: skip
     return SolverOutput(f, g, it, stop.converged, error, stop.cause, stop.floor)
 
 
-def _in_blocks(key, tensors, start, block, count, *, form, eps_list, damping, max_iter,
-               check_every, min_iter, tol, floor):  # fmt: skip
+def _in_blocks(key, tensors, start, block, *, form, eps_list, damping, max_iter, check_every,
+               min_iter, tol, floor):  # fmt: skip
     """A solve to a tolerance in blocks of iterations that each end at a check, replayed.
 
     Such a solve waits for the device only at its checks (every ``check_every``
@@ -217,7 +218,7 @@ def _in_blocks(key, tensors, start, block, count, *, form, eps_list, damping, ma
         form: the cost (for the near-uniform rule of each step; :func:`warm_form`).
         eps_list, damping, max_iter, check_every, min_iter, tol: as in :func:`solve`.
         tensors: the data (the form's tensors and log weights).
-        start: the ``count`` potentials to start from, or ``()`` (the loop initializes).
+        start: the potentials to start from, or ``()`` (the loop initializes).
         block: ``block((first, last), checks, *tensors, *potentials)`` runs iterations
             ``first…last`` and returns the potentials, then, if it checks, the error
             (0-dim, on the device).
@@ -237,16 +238,14 @@ def _in_blocks(key, tensors, start, block, count, *, form, eps_list, damping, ma
         checked = it in checked_at
         steps = _steps_key(form, eps_list, damping, first, it)
         block_key = (*key, steps, checked, not pots)
-        run = functools.partial(block, (first, it), checked)
-        *pots, err = GRAPHS(block_key, run, (*tensors, *pots)) + ((None,) if not checked else ())
-        pots = tuple(pots)
+        out = GRAPHS(block_key, functools.partial(block, (first, it), checked), (*tensors, *pots))
+        pots = out[:-1] if checked else out
         if checked:
-            error = float(err)
+            error = float(out[-1])
             if stop.done(error, it):
                 break
         first = it + 1
     stop.finish()
-    assert len(pots) == count
     return pots, it, error, stop
 
 
@@ -307,7 +306,8 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
         stopping = tol is not None and on_grid and it >= min_iter
         # a record also checks the warm-up, every check_every iterations
         check = stopping or (record and (on_grid or (it - 1 < last and it % check_every == 0)))
-        check = check or (check_end and it == final_it)
+        closing = check_end and it == final_it
+        check = check or closing
         step_form = form if it - 1 >= last else warm
         if update == "symmetric":
             f, g, err = backend.jacobi_step(
@@ -325,7 +325,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
             # plain before a check: exact columns, so the row error is the whole error
             before_check = it >= last and (it + 1 - last) % check_every == 0
             g = g_new if omega == 1.0 or before_check else torch.lerp(g, g_new, omega)
-        if check and check_end and it == final_it:
+        if closing:
             pending = err  # (read by the caller, after the block: no wait in a capture)
         elif check:
             error = float(err)
@@ -376,7 +376,6 @@ def solve_self(
     # a fixed sequence of launches, replayed as a CUDA graph as :func:`solve`'s loop is
     # (a debiased divergence's two self problems were most of its eager launches)
     tensors = (form.q, form.k, form.alpha, form.beta, log_a)
-    key = ("self", *_replay_key(backend_key, form, tensors, eps_list, damping), rho, max_iter)
     bound = form.cost_bound
     if tol is not None:  # in blocks that end at a check (:func:`_in_blocks`)
         key = ("self", backend_key, _shapes(tensors), rho)
@@ -393,11 +392,13 @@ def solve_self(
 
         with backend.operand_scope():
             (p,), it, error, stop = _in_blocks(
-                key, tensors, (), block, 1, form=form, eps_list=eps_list, damping=damping,
+                key, tensors, (), block, form=form, eps_list=eps_list, damping=damping,
                 max_iter=max_iter, check_every=check_every, min_iter=min_iter, tol=tol,
                 floor=floor,
             )  # fmt: skip
         return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor)
+
+    key = ("self", *_replay_key(backend_key, form, tensors, eps_list, damping), rho, max_iter)
 
     def run(q, k, alpha, beta, la):
         own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
@@ -413,18 +414,10 @@ def solve_self(
 def _replay_key(backend_key, form, tensors, eps_list, damping) -> tuple:
     """What a replayed loop's launches depend on besides the data and the solver's options.
 
-    The backend's key, which LSE each step takes (the warm-up steps by :func:`warm_form`'s
-    rule, the final ones by the form's), the inputs' shapes, the temperatures and their
-    damping.
+    The backend's key, the inputs' shapes and every temperature's step
+    (:func:`_steps_key`).
     """
-    warm, last = warm_form(form, eps_list), len(eps_list) - 1
-    return (
-        backend_key,
-        tuple(is_near_uniform(form if i == last else warm, e) for i, e in enumerate(eps_list)),
-        _shapes(tensors),
-        tuple(eps_list),
-        tuple(damping(e) for e in eps_list),
-    )
+    return backend_key, _shapes(tensors), _steps_key(form, eps_list, damping, 1, len(eps_list))
 
 
 def _shapes(tensors) -> tuple:
@@ -434,8 +427,9 @@ def _shapes(tensors) -> tuple:
 def _steps_key(form, eps_list, damping, first: int, last_it: int) -> tuple:
     """What iterations ``first…last_it`` of a schedule launch.
 
-    Per step: its temperature, whether it is the final one, its LSE (the near-uniform
-    rule of :func:`_replay_key`) and its damping.
+    Per step: its temperature, whether it is the final one, which LSE it takes (the
+    warm-up steps by :func:`warm_form`'s near-uniform rule, the final ones by the
+    form's) and its damping.
     """
     warm, last = warm_form(form, eps_list), len(eps_list) - 1
     steps = []
@@ -466,10 +460,13 @@ def _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol
         lse, _ = backend.row_attend(form if it - 1 >= last else warm, p - alpha, eps, log_w=log_a)
         check = tol is not None and it - 1 >= last and (it - last) % check_every == 0
         check = check and it >= min_iter
-        if check or (check_end and it == final_it):
+        closing = check_end and it == final_it
+        if check or closing:
             err = 2.0 * marginal_error(p, row_mass(p, lse, alpha, log_a, eps), log_a, rho)
-            pending = err if check_end and it == final_it else None
-            error = error if pending is not None else float(err)
+            if closing:
+                pending = err  # (read by the caller, after the block)
+            else:
+                error = float(err)
         p = 0.5 * (p + damping(eps) * (alpha - lse))
         if check and stop.done(error, it):
             break

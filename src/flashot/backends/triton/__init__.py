@@ -90,13 +90,10 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             shipped tables' tiles, so a first call only compiles. None (default): True
             when the environment variable ``FLASHOT_AUTOTUNE`` is ``1``.
         splits: force the number of column splits (tests); None chooses from the GPU.
-        graphs: replay repeated fixed-iteration solves of launch-bound size
-            (n·m ≤ 2^28) as CUDA graphs (:mod:`flashot.graphs`), and solves to a
-            tolerance in blocks of iterations between two checks (the alternating
-            update, self problems); each capture keeps a copy of its inputs and its
-            memory pool. The process keeps the 8 most recently used loops or blocks (a
-            debiased divergence holds three loops); ``flashot.graphs.GRAPHS.clear()``
-            frees them.
+        graphs: replay repeated solves of launch-bound size (n·m ≤ 2^28) as CUDA
+            graphs (:mod:`flashot.graphs`; to a tolerance, in blocks between checks);
+            each capture keeps a copy of its inputs and its memory pool. The process
+            keeps the 8 most recent; ``flashot.graphs.GRAPHS.clear()`` frees them.
         presplit: in ``"fp32"``, split the score operands once per solve
             (:mod:`._split`; a copy of each cloud's size in half precision while a
             solve runs) instead of per tile by 3xTF32. Passes outside a solve
