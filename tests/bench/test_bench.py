@@ -229,6 +229,19 @@ def test_row_budget_skips_sizes_predicted_too_slow_and_slow_calls_run_twice(monk
     assert prov.calls.count(40) == 4
 
 
+def test_largest_does_not_run_a_size_predicted_far_over_the_budget():
+    """--largest stops doubling where 4× the last call passes PREDICTED_OVER × the budget:
+    n=80 (~0.13 s) predicts 0.5 s at n=160 against a 0.3 s budget, so 160 is not called
+    and the row says why; n=80 is the largest. A lower rate reaches the next size."""
+    from flashot.bench import harness
+
+    fast, slow = _Sleeper(2e-6), _Sleeper(2e-5)
+    rows = harness.largest_sizes(["forward"], [2], [slow, fast], CPU, 0.3, start=20, cap=160)
+    assert 160 not in slow.calls and rows[0].n == 80
+    assert "n=160 not run: predicted" in rows[0].computes
+    assert rows[1].n == 160 and "not run" not in rows[1].computes
+
+
 def test_cli_runs_a_named_triton_provider_on_any_device(tmp_path, capsys):
     """--providers names any known provider on any device: the default CPU suite leaves the
     Triton rows out, but a named one runs or says why (it was a KeyError). A size given

@@ -25,6 +25,8 @@ SLOW_CALL_S = 1.0
 #: workloads whose ε is ``eps × d`` (a fixed fraction of the cost's scale, 2d for N(0, I)
 #: clouds, so that every d is as hard as the others: ε = 0.1 at d = 64 is near ε = 0)
 SCALED_EPS = ("converge", "hvp")
+#: --largest does not run a size predicted over this multiple of its budget
+PREDICTED_OVER = 1.5
 
 
 @dataclasses.dataclass
@@ -270,7 +272,9 @@ def largest_sizes(workloads: Iterable[str], dims: Iterable[int], chosen: list[Pr
     """The largest n = m each provider computes a workload at in one call of ``budget_s``.
 
     n doubles from ``start`` up to ``cap``; a call at ``start`` first compiles and warms
-    up, untimed. A row per (workload, d, provider), workload ``"<name>:largest"``: its
+    up, untimed. A size whose call the previous one predicts over
+    :data:`PREDICTED_OVER` × ``budget_s`` (4× its time: the workloads are quadratic) is
+    not run, and the row says so. A row per (workload, d, provider), workload ``"<name>:largest"``: its
     ``n`` and the call's time, or why not (over budget at ``start``, failing,
     unavailable). Out-of-memory ends the doubling.
     """
@@ -312,6 +316,11 @@ def largest_sizes(workloads: Iterable[str], dims: Iterable[int], chosen: list[Pr
                     if seconds > budget_s:
                         break
                     best, n = (n, seconds), 2 * n
+                    # a quadratic workload takes ~4× at 2n: far over, it is not run
+                    if n <= cap and 4 * seconds > PREDICTED_OVER * budget_s:
+                        row.computes += (f"; n={n} not run: predicted {4 * seconds:.0f} s "
+                                         f"(4× the time at n={n // 2})")  # fmt: skip
+                        break
                 if best is None:
                     row.skipped = failure or f"n={start} takes over {budget_s:g} s"
                 else:
