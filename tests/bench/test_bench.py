@@ -242,6 +242,37 @@ def test_largest_does_not_run_a_size_predicted_far_over_the_budget():
     assert rows[1].n == 160 and "not run" not in rows[1].computes
 
 
+class _Tuner(_Sleeper):
+    """A sleeper whose first call at each n also sleeps ``tune`` seconds (autotuning)."""
+
+    def __init__(self, seconds_per_point2, tune):
+        super().__init__(seconds_per_point2)
+        self.tune = tune
+
+    def prepare(self, workload, pb):
+        run = super().prepare(workload, pb)
+
+        def first_slow():
+            if self.calls.count(pb.n) == 0:
+                import time
+
+                time.sleep(self.tune)
+            return run()
+
+        return first_slow
+
+
+def test_largest_repeats_a_first_call_over_the_budget():
+    """A library that tunes at each new n (the peer) is judged on its repeated call: the
+    first call at every size is over the budget, the repeat is not, so n reaches the cap."""
+    from flashot.bench import harness
+
+    tuner = _Tuner(1e-7, tune=0.25)
+    (row,) = harness.largest_sizes(["forward"], [2], [tuner], CPU, 0.2, start=20, cap=80)
+    assert row.n == 80 and row.ms < 200
+    assert tuner.calls.count(80) == 2 and tuner.calls.count(40) == 2
+
+
 def test_cli_runs_a_named_triton_provider_on_any_device(tmp_path, capsys):
     """--providers names any known provider on any device: the default CPU suite leaves the
     Triton rows out, but a named one runs or says why (it was a KeyError). A size given
