@@ -221,6 +221,29 @@ def test_debiased_divergence_replays_its_three_loops_as_cuda_graphs(monkeypatch)
     assert len(cache._graphs) == 3
 
 
+def test_the_geomloss_call_on_moving_data_replays_its_loops(monkeypatch):
+    """The GeomLoss call with the data's diameter, on clouds that move each call (a
+    training loop): other warm-up temperatures, the same schedule length. The three loops
+    read their temperatures from the device, so their graphs replay from the second call
+    on; values and gradients are the eager ones."""
+    from flashot import graphs, solver
+
+    cache = graphs.GraphCache()
+    monkeypatch.setattr(solver, "GRAPHS", cache)
+    kw = dict(p=2, blur=0.05, scaling=0.5, debias=True)
+    gen = torch.Generator("cuda").manual_seed(5)
+    x0, y0 = (torch.rand(size, 3, device="cuda", generator=gen) for size in (3000, 2000))
+    for scale in (1.0, 0.96, 1.03, 0.98):  # diameters 3.3-3.6: 7 temperatures each
+        x, y = x0 * scale, y0 * scale + 1.0
+        outs = []
+        for be in (TritonBackend(), TritonBackend(graphs=False)):
+            xg = x.clone().requires_grad_()
+            value = flashot.SamplesLoss(backend=be, **kw)(xg, y)
+            outs.append((value.detach(), torch.autograd.grad(value, xg)[0]))
+        assert rel(outs[0][0], outs[1][0]) < 1e-6 and rel(outs[0][1], outs[1][1]) < 1e-5
+    assert len(cache._graphs) == 3
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("n", [3000, 20_000])  # replayed as a CUDA graph, and eager
 def test_solves_on_a_gpu_that_is_not_the_current_one(n):

@@ -33,6 +33,7 @@ from flashot.momentum import Relaxation, check_momentum
 from flashot.progress import Progress
 from flashot.schedule import EpsilonScaling, geomloss_schedule, temperatures
 from flashot.stopping import _check_iterations, _Stopping, precision_floor
+from flashot.temperature import schedule_table, temperatures_on
 
 __all__ = [
     "EpsilonScaling",
@@ -143,21 +144,25 @@ def solve(
         return extrapolate(form, out.f, out.g, la, lb, eps, lam, backend, update)
 
     backend_key = None if progress or record else backend.graph_key(form)
+    # the temperatures on the device too (one table, a graph's input) where every launch
+    # of a step reads them there: a replay then serves any schedule of the same structure
+    table = _table(backend, form, eps_list)
     # (blocks only for alternating steps: the symmetric one's gate lives across them)
     if backend_key is not None and tol is not None and update == "alternating" and momentum is None:
         with backend.operand_scope():
-            out = _solve_in_blocks(form, log_a, log_b, init, backend_key, options)
+            out = _solve_in_blocks(form, log_a, log_b, init, backend_key, table, options)
             return replace(out, final=final(form, out, log_a, log_b))
     if backend_key is None or tol is not None:
         with backend.operand_scope():
-            out = _iterate(form, log_a, log_b, init, progress=progress, record=record, **options)
+            out = _iterate(form, log_a, log_b, init, progress=progress, record=record,
+                           **_on(options, table))  # fmt: skip
             return replace(out, final=final(form, out, log_a, log_b))
     # a fixed sequence of launches with no host round trip: replayed as a CUDA graph
     # once it repeats; the key pins everything the launches depend on besides the data
-    tensors = (form.q, form.k, form.alpha, form.beta, log_a, log_b, *(init or ()))
+    tensors = (form.q, form.k, form.alpha, form.beta, log_a, log_b, *_given(table), *(init or ()))
     bound = form.cost_bound
     key = (
-        *_replay_key(backend_key, form, tensors, eps_list, damping),
+        *_replay_key(backend_key, form, tensors, eps_list, damping, table is not None),
         tuple(rho),
         max_iter,
         update,
@@ -165,9 +170,10 @@ def solve(
         momentum,
     )
 
-    def run(q, k, alpha, beta, la, lb, *start):
+    def run(q, k, alpha, beta, la, lb, *rest):
         form = AttentionForm(q, k, alpha, beta, cost_bound=bound)
-        out = _iterate(form, la, lb, start or None, **options)
+        own, start = (rest[0], rest[1:]) if table is not None else (None, rest)
+        out = _iterate(form, la, lb, start or None, **_on(options, own))
         return out.f, out.g, *(final(form, out, la, lb) or ())
 
     with backend.operand_scope():
@@ -176,16 +182,17 @@ def solve(
     return SolverOutput(f, g, max_iter, None, float("nan"), final=final_pair)
 
 
-def _solve_in_blocks(form, log_a, log_b, init, backend_key, options) -> SolverOutput:
+def _solve_in_blocks(form, log_a, log_b, init, backend_key, table, options) -> SolverOutput:
     """:func:`solve`'s loop to a tolerance, in replayed blocks (:func:`_in_blocks`)."""
     eps_list, bound = options["eps_list"], form.cost_bound
-    tensors = (form.q, form.k, form.alpha, form.beta, log_a, log_b)
+    tensors = (form.q, form.k, form.alpha, form.beta, log_a, log_b, *_given(table))
     key = (backend_key, _shapes(tensors), tuple(options["rho"]), options["update"])
     block_options = {**options, "tol": None}
 
-    def block(span, checks, q, k, alpha, beta, la, lb, *fg):
+    def block(span, checks, q, k, alpha, beta, la, lb, *rest):
         own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
-        out = _iterate(own, la, lb, tuple(fg) or None, **block_options, span=span,
+        cells, fg = (rest[0], rest[1:]) if table is not None else (None, rest)
+        out = _iterate(own, la, lb, tuple(fg) or None, **_on(block_options, cells), span=span,
                        check_end=checks)  # fmt: skip
         return out.f, out.g, *((out.pending,) if checks else ())
 
@@ -194,12 +201,13 @@ def _solve_in_blocks(form, log_a, log_b, init, backend_key, options) -> SolverOu
 
     names = ("eps_list", "damping", "max_iter", "check_every", "min_iter", "tol")
     (f, g), it, error, stop = _in_blocks(key, tensors, init or (), block, form=form, floor=floor,
+                                         cells=table is not None,
                                          **{n: options[n] for n in names})  # fmt: skip
     return SolverOutput(f, g, it, stop.converged, error, stop.cause, stop.floor)
 
 
 def _in_blocks(key, tensors, start, block, *, form, eps_list, damping, max_iter, check_every,
-               min_iter, tol, floor):  # fmt: skip
+               min_iter, tol, floor, cells=False):  # fmt: skip
     """A solve to a tolerance in blocks of iterations that each end at a check, replayed.
 
     Such a solve waits for the device only at its checks (every ``check_every``
@@ -223,6 +231,8 @@ def _in_blocks(key, tensors, start, block, *, form, eps_list, damping, max_iter,
             ``first…last`` and returns the potentials, then, if it checks, the error
             (0-dim, on the device).
         floor: ``floor(*potentials)``, the precision floor (:func:`precision_floor`).
+        cells: the blocks read their temperatures from a device table among ``tensors``
+            (keys then hold the warm-up's structure, not its values; :func:`_steps_key`).
 
     Returns:
         ``(potentials, iterations, error, stopping)`` (a :class:`_Stopping`, finished).
@@ -236,7 +246,7 @@ def _in_blocks(key, tensors, start, block, *, form, eps_list, damping, max_iter,
     error, first, it = float("nan"), 1, 0
     for it in ends:
         checked = it in checked_at
-        steps = _steps_key(form, eps_list, damping, first, it)
+        steps = _steps_key(form, eps_list, damping, first, it, cells)
         block_key = (*key, steps, checked, not pots)
         out = GRAPHS(block_key, functools.partial(block, (first, it), checked), (*tensors, *pots))
         pots = out[:-1] if checked else out
@@ -369,20 +379,29 @@ def solve_self(
     """
     _check_iterations(max_iter, len(eps_list), tol, check_every, min_iter)
     backend_key = backend.graph_key(form) if form.segments is None else None
+    table = _table(backend, form, eps_list)  # (as in :func:`solve`)
     if backend_key is None:
         with backend.operand_scope():
-            return _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol,
-                                    check_every, min_iter)  # fmt: skip
+            return _self_iterations(form, log_a, _on({"eps_list": eps_list}, table)["eps_list"],
+                                    damping, rho, backend, max_iter, tol, check_every,
+                                    min_iter)  # fmt: skip
     # a fixed sequence of launches, replayed as a CUDA graph as :func:`solve`'s loop is
     # (a debiased divergence's two self problems were most of its eager launches)
-    tensors = (form.q, form.k, form.alpha, form.beta, log_a)
+    tensors = (form.q, form.k, form.alpha, form.beta, log_a, *_given(table))
     bound = form.cost_bound
+
+    def temps(rest):  # (the table, when there is one, leads the other inputs)
+        if table is None:
+            return eps_list, rest
+        return temperatures_on(eps_list, rest[0]), rest[1:]
+
     if tol is not None:  # in blocks that end at a check (:func:`_in_blocks`)
         key = ("self", backend_key, _shapes(tensors), rho)
 
-        def block(span, checks, q, k, alpha, beta, la, *start):
+        def block(span, checks, q, k, alpha, beta, la, *rest):
             own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
-            out = _self_iterations(own, la, eps_list, damping, rho, backend, max_iter, None,
+            own_eps, start = temps(rest)
+            out = _self_iterations(own, la, own_eps, damping, rho, backend, max_iter, None,
                                    check_every, min_iter, start[0] if start else None, span,
                                    checks)  # fmt: skip
             return (out.f, *((out.pending,) if checks else ()))
@@ -394,15 +413,16 @@ def solve_self(
             (p,), it, error, stop = _in_blocks(
                 key, tensors, (), block, form=form, eps_list=eps_list, damping=damping,
                 max_iter=max_iter, check_every=check_every, min_iter=min_iter, tol=tol,
-                floor=floor,
+                floor=floor, cells=table is not None,
             )  # fmt: skip
         return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor)
 
-    key = ("self", *_replay_key(backend_key, form, tensors, eps_list, damping), rho, max_iter)
+    key = ("self", *_replay_key(backend_key, form, tensors, eps_list, damping, table is not None),
+           rho, max_iter)  # fmt: skip
 
-    def run(q, k, alpha, beta, la):
+    def run(q, k, alpha, beta, la, *rest):
         own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
-        out = _self_iterations(own, la, eps_list, damping, rho, backend, max_iter, None,
+        out = _self_iterations(own, la, temps(rest)[0], damping, rho, backend, max_iter, None,
                                check_every, min_iter)  # fmt: skip
         return (out.f,)
 
@@ -411,32 +431,53 @@ def solve_self(
     return SolverOutput(p, p, max_iter, None, float("nan"))
 
 
-def _replay_key(backend_key, form, tensors, eps_list, damping) -> tuple:
+def _replay_key(backend_key, form, tensors, eps_list, damping, cells) -> tuple:
     """What a replayed loop's launches depend on besides the data and the solver's options.
 
     The backend's key, the inputs' shapes and every temperature's step
     (:func:`_steps_key`).
     """
-    return backend_key, _shapes(tensors), _steps_key(form, eps_list, damping, 1, len(eps_list))
+    steps = _steps_key(form, eps_list, damping, 1, len(eps_list), cells)
+    return backend_key, _shapes(tensors), steps
+
+
+def _table(backend, form, eps_list):
+    """The schedule's device table (:mod:`flashot.temperature`) where ``backend`` reads it."""
+    return schedule_table(eps_list, form.q.device) if backend.reads_temperatures(form) else None
+
+
+def _on(options: dict, table) -> dict:
+    """``options`` whose ``eps_list`` reads ``table``'s rows (unchanged without a table)."""
+    if table is None:
+        return options
+    return {**options, "eps_list": temperatures_on(options["eps_list"], table)}
+
+
+def _given(table) -> tuple:
+    return () if table is None else (table,)
 
 
 def _shapes(tensors) -> tuple:
     return tuple((t.shape, t.dtype, t.device) for t in tensors)
 
 
-def _steps_key(form, eps_list, damping, first: int, last_it: int) -> tuple:
+def _steps_key(form, eps_list, damping, first: int, last_it: int, cells: bool = False) -> tuple:
     """What iterations ``first…last_it`` of a schedule launch.
 
     Per step: its temperature, whether it is the final one, which LSE it takes (the
     warm-up steps by :func:`warm_form`'s near-uniform rule, the final ones by the
-    form's) and its damping.
+    form's) and its damping. With ``cells`` (the launches read the temperatures from a
+    device table) a warm-up step's temperature is left out unless it takes the
+    near-uniform LSE (torch ops with their scalars); the final one is kept, which the
+    extrapolation and the checks take as a scalar.
     """
     warm, last = warm_form(form, eps_list), len(eps_list) - 1
     steps = []
     for it in range(first, last_it + 1):
         i = min(it - 1, last)
         e = eps_list[i]
-        steps.append((e, i == last, is_near_uniform(form if i == last else warm, e), damping(e)))
+        near = is_near_uniform(form if i == last else warm, e)
+        steps.append((None if cells and i < last and not near else e, i == last, near, damping(e)))
     return tuple(steps)
 
 

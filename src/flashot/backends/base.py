@@ -33,6 +33,7 @@ from flashot.costs import AttentionForm
 from flashot.backends.near import NEAR_FROM, is_near_uniform, near_attend
 from flashot.backends.plan_vjp import ALL, PlanVJP, plan_vjp_tiles
 from flashot.dual import marginal_error, row_mass
+from flashot.temperature import device_value
 
 __all__ = ["PRECISIONS", "Backend"]
 
@@ -119,7 +120,8 @@ class Backend:
             return self._per_segment(form, h, eps, v, log_w)
         if seg is None and is_near_uniform(form, eps):
             return near_attend(form, h, eps, v, log_w)
-        return self._row_attend(form, h if log_w is None else h + eps * log_w, eps, v)
+        return self._row_attend(form, h if log_w is None else h + device_value(eps) * log_w, eps,
+                                v)  # fmt: skip
 
     def _per_segment(self, form, h, eps, v, log_w):
         """:meth:`row_attend` of a packed form, one problem at a time (a launch each)."""
@@ -242,6 +244,17 @@ class Backend:
         for the other.
         """
         return (type(self).__qualname__, self.precision)
+
+    def reads_temperatures(self, form: AttentionForm) -> bool:
+        """Whether every launch of a solver step on ``form`` reads its temperature from a
+        :class:`~flashot.temperature.Temperature`'s device cell when given one.
+
+        Then a replayed solve (:mod:`flashot.graphs`) keys its warm-up by structure,
+        not by value, and serves every schedule of that structure (the data's diameter
+        moves a GeomLoss schedule). Steps on the near-uniform path are still keyed by
+        value. The default, False, keys every temperature by value.
+        """
+        return False
 
     def graph_key(self, form: AttentionForm):
         """A key if fixed-iteration solves on ``form`` should replay as CUDA graphs, or None.

@@ -31,11 +31,12 @@ from flashot.backends.triton._kernels import (
     _plan_sums_kernel,
     _update_kernel,
 )
-from flashot.backends.triton._launch import _ATTEND, _PLAN_SUMS, TunedLaunches
+from flashot.backends.triton._launch import _ATTEND, _PLAN_SUMS, TunedLaunches, temp_args
 from flashot.backends.triton._one_pass import exact_lse
 from flashot.backends.triton._operands import OperandCache, split_work
 from flashot.backends.triton._vjp import FUSED_UP_TO, fused_plan_vjp
 from flashot.dual import log_residual
+from flashot.temperature import Temperature, device_value
 
 __all__ = ["TritonBackend"]
 
@@ -205,7 +206,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             table = lse if segments is None else segments.blocks(block_m, dev)
             args = (q, k, h, beta, log_w, vv, lse, out, part_max, part_sum, part_acc, table,
                     h if repair is None else repair[0], n, m, d, p, LOG2E / eps, eps,
-                    h if repair is None else repair[1], 0.0 if repair is None else repair[2],
+                    *temp_args(eps, lse), h if repair is None else repair[1], 0.0 if repair is None else repair[2],
                     per, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                     vv.stride(0) if has_v else 0, vv.stride(1) if has_v else 0,
                     out.stride(0) if has_v else 0, out.stride(1) if has_v else 0,
@@ -251,7 +252,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             with on_device(dev):
                 _combine_kernel[(triton.cdiv(n, blk), triton.cdiv(p, bpc))](
                     part_max, part_sum, part_acc, lse, out, n, p, splits, eps,
-                    out.stride(0) if has_v else 0, out.stride(1) if has_v else 0,
+                    *temp_args(eps, lse), out.stride(0) if has_v else 0, out.stride(1) if has_v else 0,
                     BLOCK=blk, BLOCK_P=bpc, HAS_V=has_v,
                 )  # fmt: skip
         return lse, (out if has_v else None)
@@ -263,7 +264,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                             segments=form.segments)  # fmt: skip
 
     def plan_sums(self, form, f, g, log_a, log_b, eps, gate=None, limit=GATE_LIMIT, span=False,
-                  shift=0.0, mul=None):  # fmt: skip
+                  shift=0.0, mul=None, ratio=False):  # fmt: skip
         r"""Weighted row and column sums of ``E_ij = exp((f_i + g_j − C_ij)/ε)``.
 
         .. math::
@@ -286,6 +287,8 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             shift: ``s``, in base 2.
             mul: optional ``(u (n,), w (m,))``: weights ``a ⊙ u`` and ``b ⊙ w`` instead
                 (then ``a ⊙ R = P w`` and ``b ⊙ C = Pᵀ u``).
+            ratio: ``limit`` is scaled on the device by ``eps``'s ratio to the schedule's
+                previous temperature (a :class:`~flashot.temperature.Temperature`).
 
         Returns:
             ``(R (n,), C (m,))``; with ``mul``, ``(R, C, R₀, C₀)`` with ``R₀``, ``C₀`` the
@@ -313,7 +316,8 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             table = sums if seg is None else seg.blocks(block_n, dev)
             args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, r, c, gate_in, gate_out,
                     *(mul or (sums, sums)), r_den if mul else sums, c_den if mul else sums, table,
-                    n, m, d, LOG2E / eps, shift, limit, int(span), per,
+                    n, m, d, LOG2E / eps, shift, limit, int(span),
+                    *temp_args(eps, sums, ratio), per,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), nb, mb,
                     *split_args, sums, sums, sums)  # fmt: skip
             consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=gate is not None,
@@ -390,6 +394,10 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             state.ranges = ranges
         return ranges
 
+    def reads_temperatures(self, form):
+        """See :meth:`flashot.backends.base.Backend.reads_temperatures`: single problems."""
+        return form.segments is None
+
     def graph_key(self, form):
         """See :meth:`flashot.backends.base.Backend.graph_key`: small problems on CUDA."""
         n, m = form.shape
@@ -438,18 +446,21 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             return self._update(form, f, g, log_a, log_b, eps, w_old, w_new, rho, check,
                                 state, log_sums, gate, *both)  # fmt: skip
         span = rho == (None, None) and w_old == w_new == (0.5, 0.5)
+        ratio = False
         limit = _window(n, m) if span else GATE_LIMIT
         probe = span and self.fused and state is not None and state.steps == 1
         probe = probe and min(n, m) >= PROBE_FROM
         if probe:  # an estimate at this ε replaces the bound
             self._probe(form, f, g, log_a, log_b, eps, gate[0])
         elif state is not None:  # |ln R| scales as 1/ε: after an ε-scaling step, predict it
-            limit *= min(1.0, eps / (state.eps or eps))
+            ratio = _next_temperature(eps, state.eps)
+            if not ratio:  # (else on the device: a replayed schedule's ratio)
+                limit *= min(1.0, eps / (state.eps or eps))
         if state is not None:
             state.eps, state.steps = eps, state.steps + 1
         if self.fused:
             r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate, limit, span and not probe,
-                                  SUM_SHIFT)  # fmt: skip
+                                  SUM_SHIFT, ratio=not probe and ratio)  # fmt: skip
         else:
             r, c = torch.zeros(n, device=dev), torch.zeros(m, device=dev)
         lo, hi = self._ranges(log_a, log_b, state)
@@ -479,8 +490,8 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         with on_device(dev):
             _update_kernel[(triton.cdiv(n, blk) + triton.cdiv(m, blk),)](
                 f, r, lse_r, form.alpha, log_a, f_out, g, c, lse_c, form.beta, log_b, g_out, err,
-                f_out if gate is None else gate[1], n, m, eps, SUM_SHIFT, lo, hi, w_old[0],
-                w_new[0], w_old[1], w_new[1],
+                f_out if gate is None else gate[1], n, m, eps, *temp_args(eps, f_out), SUM_SHIFT,
+                lo, hi, w_old[0], w_new[0], w_old[1], w_new[1],
                 0.0 if rho[0] is None else 1.0 / rho[0],
                 0.0 if rho[1] is None else 1.0 / rho[1],
                 BLOCK=blk,
@@ -511,7 +522,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             if sides is not None:  # a packed batch: each problem's rows, its own columns
                 pick, sub = sides.sample_rows(step, p.device)
             lse = self._attend(q[pick], k, eps, bias, keep_q=False, segments=sub)[0]
-            logs.append(log_residual(p[pick], lse, offset[pick], eps))
+            logs.append(log_residual(p[pick], lse, offset[pick], device_value(eps)))
         ln = torch.cat(logs)
         slot.copy_(torch.stack([ln.max(), -ln.min()]).clamp_min(0.0) * PROBE_MARGIN)
 
@@ -570,6 +581,14 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         ln_r, ln_c, _ = self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), (0.0, 0.0),
                                    log_sums=True)  # fmt: skip
         return torch.exp(log_a + ln_r), torch.exp(log_b + ln_c)
+
+
+def _next_temperature(eps: float, last: float | None) -> bool:
+    """Whether ``eps`` follows ``last`` in one device table (the gate's ratio is read there)."""
+    if not (isinstance(eps, Temperature) and isinstance(last, Temperature)):
+        return False
+    one_table = eps.cell.untyped_storage().data_ptr() == last.cell.untyped_storage().data_ptr()
+    return one_table and eps.index == last.index + 1
 
 
 def _near(form, eps: float) -> bool:

@@ -35,14 +35,18 @@ LOG2E = tl.constexpr(1.4426950408889634)
 #: again per offset (the GeomLoss call's first call on the H200: 3 plan-sums, 2 attend
 #: and 2 update builds of one set, 0.3–0.65 s each)
 CONTROL_POINTERS = {
-    "_attend_kernel": ["LO"],
-    "_plan_sums_kernel": ["GATE_IN", "GATE_OUT"],
-    "_update_kernel": ["ERR", "GATE", "LO"],
+    "_attend_kernel": ["LO", "TEMP"],
+    "_combine_kernel": ["TEMP"],
+    "_plan_sums_kernel": ["GATE_IN", "GATE_OUT", "TEMP"],
+    "_update_kernel": ["ERR", "GATE", "LO", "TEMP"],
 }
 #: integer arguments that change between launches of one set of constexprs: Triton
 #: compiles an int again when it is 1 or a multiple of 16 (a flag 0/1, a split count)
 #: (the combine's row count too: a 2 µs merge, rebuilt for a count not a multiple of 16)
-RUNTIME_INTS = {"_combine_kernel": ["n", "splits"], "_plan_sums_kernel": ["gate_span"]}
+#: (``temp_at``: whether a launch reads its temperature from ``TEMP``, a row of a replayed
+#: schedule's device table, :mod:`flashot.temperature`; 0 takes the scalar arguments)
+RUNTIME_INTS = {"_attend_kernel": ["temp_at"], "_combine_kernel": ["n", "splits", "temp_at"],
+                "_plan_sums_kernel": ["gate_span", "temp_at"], "_update_kernel": ["temp_at"]}
 
 
 @triton.jit
@@ -187,6 +191,16 @@ def _side_ahead(P, OFFSET, LOG_W, offs, hi, ahead_p, ahead_o, ahead_w):
 
 
 @triton.jit
+def _temperature(TEMP, temp_at, eps, scale):
+    """``(ε, log2(e)/ε)``: the scalars, or with ``temp_at`` ≠ 0 the row ``TEMP`` of a
+    replayed schedule's table (the same float32 values, :mod:`flashot.temperature`)."""
+    if temp_at != 0:
+        eps = tl.load(TEMP)
+        scale = tl.load(TEMP + 1)
+    return eps, scale
+
+
+@triton.jit
 def _attend_weights(s, h, run_max, run_sum, scale):
     """Online max and sum of one column tile (``h`` in base 2): ``(max, sum, e, decay)``.
 
@@ -234,10 +248,13 @@ def _value_chunk(base, stride_n, stride_p, offs_m, row_ok, c, p, BLOCK_P: tl.con
     return base + offs_m[:, None] * stride_n + offs_c[None, :] * stride_p, ok, offs_c
 
 
-@triton.jit(do_not_specialize_on_alignment=CONTROL_POINTERS["_attend_kernel"])
+@triton.jit(
+    do_not_specialize=RUNTIME_INTS["_attend_kernel"],
+    do_not_specialize_on_alignment=CONTROL_POINTERS["_attend_kernel"],
+)
 def _attend_kernel(
     Q, K, H, BETA, LOG_W, V, LSE, OUT, PART_MAX, PART_SUM, PART_ACC, BLOCKS, S, n, m, d, p, scale,
-    eps, LO,
+    eps, TEMP, temp_at, LO,
     hi, cols_per_split, stride_qn, stride_qd, stride_kn, stride_kd, stride_vn, stride_vp,
     stride_on, stride_op, n_bucket, m_bucket, Q_INV, K_INV, q_lo, k_lo, V_INV, v_lo,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -261,7 +278,9 @@ def _attend_kernel(
     (BLOCK_M, BLOCK_P) floats per tile, where a program per chunk recomputes the scores.
     SEGMENTED (a packed batch, :mod:`flashot.segments`): program ``pid_m`` reads its rows
     ``[r0, r1)`` and its problem's columns ``[c0, c1)`` from the table ``BLOCKS``.
+    ``temp_at`` ≠ 0: ε and ``scale`` are read from ``TEMP`` (``_temperature``).
     """
+    eps, scale = _temperature(TEMP, temp_at, eps, scale)
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_p = tl.program_id(2)
@@ -349,9 +368,12 @@ def _attend_kernel(
             tl.store(ptrs, out, mask=row_ok[:, None] & (offs_p[None, :] < p))
 
 
-@triton.jit(do_not_specialize=RUNTIME_INTS["_combine_kernel"])
+@triton.jit(
+    do_not_specialize=RUNTIME_INTS["_combine_kernel"],
+    do_not_specialize_on_alignment=CONTROL_POINTERS["_combine_kernel"],
+)
 def _combine_kernel(
-    PART_MAX, PART_SUM, PART_ACC, LSE, OUT, n, p, splits, eps, stride_on, stride_op,
+    PART_MAX, PART_SUM, PART_ACC, LSE, OUT, n, p, splits, eps, TEMP, temp_at, stride_on, stride_op,
     BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, HAS_V: tl.constexpr,
     UNIT_SUMS: tl.constexpr = False,
 ):
@@ -361,7 +383,9 @@ def _combine_kernel(
     the (cheap) row statistics again and the first writes LSE. A bounded chunk keeps the
     program small: one (128, 1024) tile for p = 784 took Triton 3.6 72 s to compile.
     UNIT_SUMS: the partials are base-2 LSEs (every ``l_s`` is 1; PART_SUM unused).
+    ``temp_at`` ≠ 0: ε is read from ``TEMP``.
     """
+    eps, _ = _temperature(TEMP, temp_at, eps, eps)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     ok = offs < n
@@ -402,7 +426,8 @@ def _side_terms(p, offset, log_w, ok, scale):
 )
 def _plan_sums_kernel(
     Q, K, F, ALPHA, G, BETA, LOG_A, LOG_B, R, C, GATE_IN, GATE_OUT, MUL_A, MUL_B, R_DEN, C_DEN,
-    BLOCKS, n, m, d, scale, shift, gate_limit, gate_span, rows_per_split, stride_qn, stride_qd,
+    BLOCKS, n, m, d, scale, shift, gate_limit, gate_span, TEMP, temp_at, rows_per_split,
+    stride_qn, stride_qd,
     stride_kn, stride_kd, n_bucket, m_bucket, Q_INV, K_INV, q_lo, k_lo,
     ROW_LSE, COL_MAX, COL_SUM,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -436,7 +461,12 @@ def _plan_sums_kernel(
     tile, one exp per update (``2^{−|x − M|}``: the larger side's term is 1), reduced
     once at the end into ``COL_MAX``/``COL_SUM[pid_s, j]``. Two exps per score and no
     reduction across warps in the loop.
+    ``temp_at`` ≠ 0: ``scale`` is read from ``TEMP``; with bit 2 also the ratio of this
+    temperature to the last, which scales ``gate_limit``.
     """
+    _, scale = _temperature(TEMP, temp_at, scale, scale)
+    if (temp_at & 2) != 0:
+        gate_limit = gate_limit * tl.load(TEMP + 2)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     col_lo, col_end, seg_lo, seg_hi = pid_n * BLOCK_N, m, 0, n
@@ -551,10 +581,13 @@ def _update_side(
         tl.atomic_add(ERR, err, sem="relaxed")
 
 
-@triton.jit(do_not_specialize_on_alignment=CONTROL_POINTERS["_update_kernel"])
+@triton.jit(
+    do_not_specialize=RUNTIME_INTS["_update_kernel"],
+    do_not_specialize_on_alignment=CONTROL_POINTERS["_update_kernel"],
+)
 def _update_kernel(
     F, R, LSE_R, ALPHA, LOG_A, F_OUT, G, C, LSE_C, BETA, LOG_B, G_OUT, ERR, GATE, n, m, eps,
-    shift, LO, hi, w_old_x, w_new_x, w_old_y, w_new_y, inv_rho_x, inv_rho_y, BLOCK: tl.constexpr,
+    TEMP, temp_at, shift, LO, hi, w_old_x, w_new_x, w_old_y, w_new_y, inv_rho_x, inv_rho_y, BLOCK: tl.constexpr,
     RELAXED_X: tl.constexpr, RELAXED_Y: tl.constexpr, CHECK: tl.constexpr, GATED: tl.constexpr,
     LOG_SUMS: tl.constexpr,
 ):
@@ -567,8 +600,10 @@ def _update_kernel(
     With CHECK, adds the L1 marginal error ``Σ |a R − target|`` (target a, or
     ``a e^{−f/ρ}`` when relaxed) to ERR; with GATED, the largest ``ln R``, ``ln C`` goes
     to ``GATE[0]`` and the largest ``−ln R``, ``−ln C`` to ``GATE[1]``, for the next
-    fused launch. Programs ``[0, cdiv(n, BLOCK))`` do f, the rest g.
+    fused launch. Programs ``[0, cdiv(n, BLOCK))`` do f, the rest g. ``temp_at`` ≠ 0: ε is
+    read from ``TEMP``.
     """
+    eps, _ = _temperature(TEMP, temp_at, eps, eps)
     pid = tl.program_id(0)
     blocks_f = tl.cdiv(n, BLOCK)
     if pid < blocks_f:

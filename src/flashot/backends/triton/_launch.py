@@ -18,8 +18,18 @@ from triton.runtime.errors import OutOfResources
 from flashot.backends import on_device, triton_interpreted
 from flashot.backends.triton import _configs, _tables
 from flashot.backends.triton._kernels import _attend_kernel, _plan_sums_kernel
+from flashot.temperature import Temperature
 
-__all__ = ["FINALISTS", "TunedLaunches"]
+__all__ = ["FINALISTS", "TunedLaunches", "temp_args"]
+
+
+def temp_args(eps: float, unused: torch.Tensor, ratio: bool = False) -> tuple:
+    """A launch's ``(TEMP, temp_at)``: a :class:`~flashot.temperature.Temperature`'s row
+    (``ratio``: its ratio to the last temperature scales the gate's limit too), or
+    ``(unused, 0)``: the kernel takes the scalar arguments."""
+    if isinstance(eps, Temperature):
+        return eps.cell, 3 if ratio else 1
+    return unused, 0
 
 
 def _tuned(kernel, configs, key):

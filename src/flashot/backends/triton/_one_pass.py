@@ -28,6 +28,7 @@ import triton
 from flashot.backends import on_device
 from flashot.backends.triton import _configs
 from flashot.backends.triton._kernels import _combine_kernel, _plan_sums_kernel
+from flashot.backends.triton._launch import temp_args
 
 __all__ = ["exact_lse", "partials_budget"]
 
@@ -77,7 +78,7 @@ def exact_lse(backend, form, f, g, log_a, log_b, eps):
 
         unused = (lse_r,) * 9  # R, C, the gate, the products' weights and sums, BLOCKS
         args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, *unused, n, m, d,
-                LOG2E / eps, 0.0, 0.0, 0, per, q.stride(0), q.stride(1), k.stride(0),
+                LOG2E / eps, 0.0, 0.0, 0, *temp_args(eps, lse_r), per, q.stride(0), q.stride(1), k.stride(0),
                 k.stride(1), nb, mb, *split_args, row_lse, col_max, col_sum)  # fmt: skip
         consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=False, MULTIPLY=False,
                       PRECISION=backend._kernel_dot(key[4]), PRESPLIT=presplit,
@@ -97,7 +98,8 @@ def exact_lse(backend, form, f, g, log_a, log_b, eps):
         for part_max, part_sum, out, size in ((row_lse, row_lse, lse_r, n),
                                               (col_max, col_sum, lse_c, m)):  # fmt: skip
             _combine_kernel[(triton.cdiv(size, 128), 1)](
-                part_max, part_sum, part_max, out, out, size, 1, part_max.shape[0], eps, 0, 0,
+                part_max, part_sum, part_max, out, out, size, 1, part_max.shape[0], eps,
+                *temp_args(eps, out), 0, 0,
                 BLOCK=128, BLOCK_P=1, HAS_V=False, UNIT_SUMS=part_sum is part_max,
             )  # fmt: skip
     return lse_r, lse_c

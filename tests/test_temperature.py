@@ -1,0 +1,138 @@
+"""Temperatures on the device: the table's rows, and replays that serve any schedule of one
+structure (:mod:`flashot.temperature`), under the stand-in capture that replays recorded
+ops with their recorded scalars (:mod:`tests.recorded_graphs`)."""
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import pytest
+import torch
+
+import flashot
+from flashot import graphs, solver
+from flashot.backends.torch_backend import TorchBackend
+from flashot.schedule import geomloss_schedule
+from flashot.temperature import (
+    LOG2E,
+    Temperature,
+    device_value,
+    schedule_table,
+    temperatures_on,
+)
+from tests.conftest import clouds, rel
+from tests.recorded_graphs import RecordedGraph
+
+
+class CellBackend(TorchBackend):
+    """The torch backend with a row LSE that reads a temperature's device cell (dense)."""
+
+    def reads_temperatures(self, form):
+        return form.segments is None
+
+    def _row_attend(self, form, h, eps, v=None):
+        e = device_value(eps)
+        s = (form.q @ form.k.T + h) / e
+        lse = e * torch.logsumexp(s, 1)
+        return lse, None if v is None else torch.softmax(s, 1) @ v
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(1e-6, 1e6), min_size=1, max_size=12))
+def test_table_rows_are_the_scalars_a_kernel_would_take(eps_list):
+    """Row i is (ε_i, log2(e)/ε_i, min(1, ε_i/ε_{i−1})) rounded from float64 to float32,
+    the rounding of a scalar kernel argument; each temperature is its float with its row."""
+    table = schedule_table(eps_list, torch.device("cpu"))
+    temps = temperatures_on(eps_list, table)
+    for i, (e, t) in enumerate(zip(eps_list, temps, strict=True)):
+        ratio = 1.0 if i == 0 else min(1.0, e / eps_list[i - 1])
+        want = torch.tensor([e, LOG2E / e, ratio], dtype=torch.float64).float()
+        assert torch.equal(table[i], want) and torch.equal(t.cell, want)
+        assert float(t) == e and t.index == i and isinstance(t, float)
+        assert torch.equal(device_value(t), want[0]) and device_value(e) == e
+
+
+def _moving(gen, scales):
+    """Clouds scaled so that the diameter (and every warm-up temperature) moves, and
+    weights that are not uniform (a baked ``ε log w`` would then show)."""
+    x, y = clouds(gen, 24, 17, 3)
+    a = torch.rand(24, generator=gen, dtype=x.dtype) + 0.2
+    b = torch.rand(17, generator=gen, dtype=x.dtype) + 0.2
+    return [(a / a.sum(), x * s, b / b.sum(), y * s + 0.5) for s in scales]
+
+
+@pytest.mark.parametrize("debias", [False, True])
+def test_replays_serve_schedules_that_move_with_the_data(gen, monkeypatch, debias):
+    """SamplesLoss with the data's diameter (GeomLoss' call in a training loop): each call
+    has other warm-up temperatures, the same schedule length. A backend that reads the
+    temperatures from the table replays one graph per loop from the second call on, and
+    the values and gradients are the eager ones; the final ε keys by value."""
+    loss = flashot.SamplesLoss(blur=0.1, scaling=0.5, debias=debias, backend=CellBackend())
+    cache = graphs.GraphCache(capture=RecordedGraph)
+    monkeypatch.setattr(solver, "GRAPHS", cache)
+    RecordedGraph.log = []
+    pairs = _moving(gen, (1.0, 0.97, 1.04, 0.99))
+    lengths = set()
+    for a, x, b, y in pairs:
+        lengths.add(len(geomloss_schedule(_diameter(x, y), 0.01, 0.5)))
+        outs = []
+        for key in (("cells",), None):  # replayed where the key repeats, then eager
+            monkeypatch.setattr(CellBackend, "graph_key", lambda self, form, key=key: key)
+            xg = x.clone().requires_grad_()
+            value = loss(a, xg, b, y)
+            outs.append((value.detach(), torch.autograd.grad(value, xg)[0]))
+        assert rel(outs[0][0], outs[1][0]) < 1e-13 and rel(outs[0][1], outs[1][1]) < 1e-12
+    loops = 3 if debias else 1
+    assert len(lengths) == 1
+    assert RecordedGraph.log == ["capture", "replay"] * loops + ["replay"] * (2 * loops)
+
+
+def _diameter(x, y):
+    both = torch.cat([x, y])
+    return float((both.amax(0) - both.amin(0)).norm())
+
+
+def test_a_backend_without_cells_keys_every_temperature(gen, monkeypatch):
+    """The torch backend's LSE bakes ε: its moving schedules are other keys (no replay of
+    another diameter's graph), and each call is its eager solve."""
+    loss = flashot.SamplesLoss(blur=0.1, scaling=0.5, debias=False, backend="torch")
+    monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=RecordedGraph))
+    monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form: ("torch",))
+    RecordedGraph.log = []
+    for a, x, b, y in _moving(gen, (1.0, 0.97, 1.04)):
+        loss(a, x, b, y)
+    assert RecordedGraph.log == []
+
+
+def test_a_near_warm_up_step_keys_its_temperature(gen, monkeypatch):
+    """A warm-up step on the near-uniform path (torch ops with ε as a scalar) keeps its
+    temperature in the key even where the backend reads cells: a schedule that differs
+    there is another capture, and each replay equals its eager solve."""
+    monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=RecordedGraph))
+    from flashot.costs import attention_form, get_cost
+
+    x, y = clouds(gen, 20, 15, 3)
+    form = attention_form(get_cost("sqeuclidean"), x, y)
+    log_a = torch.full((20,), -math.log(20), dtype=torch.float64)
+    log_b = torch.full((15,), -math.log(15), dtype=torch.float64)
+    bound = form.cost_bound
+    RecordedGraph.log = []
+    for first in (50 * bound, 50 * bound, 60 * bound, 60 * bound):  # near: keyed by value
+        temps = [first, 0.3 * bound, 0.1 * bound]
+        kw = dict(max_iter=5, tol=None, update="symmetric")
+        outs = []
+        for key in (("cells",), None):
+            monkeypatch.setattr(CellBackend, "graph_key", lambda self, form, key=key: key)
+            outs.append(solver.solve(form, log_a, log_b, temps, lambda e: (1.0, 1.0),
+                                     (None, None), CellBackend(), **kw))  # fmt: skip
+        assert torch.equal(outs[0].f, outs[1].f) and torch.equal(outs[0].g, outs[1].g)
+    assert RecordedGraph.log == ["capture", "replay", "capture", "replay"]
+
+
+def test_a_temperature_pickles_as_its_value():
+    import pickle
+
+    t = temperatures_on([0.5], schedule_table([0.5], torch.device("cpu")))[0]
+    assert isinstance(t, Temperature)
+    back = pickle.loads(pickle.dumps(t))
+    assert back == 0.5 and type(back) is float
