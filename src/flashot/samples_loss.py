@@ -41,10 +41,11 @@ class SamplesLoss(torch.nn.Module):
         p: only 2 (the cost is ``|x − y|²/2``).
         blur: ε = blur² (> 0).
         reach: None (balanced) or the KL relaxation scale, ρ = reach².
-        diameter: the data diameter for the ε schedule, or None to measure it. A fixed
-            value keeps the schedule the same from call to call: on CUDA the solves of
-            a repeated call (a training loop) then replay as CUDA graphs although the
-            data moves; a measured one changes with the data, and so does the key.
+        diameter: the data diameter for the ε schedule, or None to measure it (a
+            host read per call). On CUDA the solves of a repeated call (a training
+            loop) replay as CUDA graphs while the schedule keeps its length: a measured
+            diameter moves its warm-up temperatures, which the kernels read from the
+            device (:mod:`flashot.temperature`); a fixed one also keeps the length.
         scaling: ratio of successive blurs in the ε schedule, in (0, 1).
         truncate: accepted for GeomLoss compatibility (None or > 0) and without
             effect: it truncates kernels in GeomLoss' multiscale mode, and flashot
