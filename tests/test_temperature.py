@@ -4,10 +4,10 @@ ops with their recorded scalars (:mod:`tests.recorded_graphs`)."""
 
 import math
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flashot
 from flashot import graphs, solver

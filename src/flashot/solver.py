@@ -382,18 +382,15 @@ def solve_self(
     table = _table(backend, form, eps_list)  # (as in :func:`solve`)
     if backend_key is None:
         with backend.operand_scope():
-            return _self_iterations(form, log_a, _on({"eps_list": eps_list}, table)["eps_list"],
-                                    damping, rho, backend, max_iter, tol, check_every,
-                                    min_iter)  # fmt: skip
+            return _self_iterations(form, log_a, _temperatures(eps_list, table), damping, rho,
+                                    backend, max_iter, tol, check_every, min_iter)  # fmt: skip
     # a fixed sequence of launches, replayed as a CUDA graph as :func:`solve`'s loop is
     # (a debiased divergence's two self problems were most of its eager launches)
     tensors = (form.q, form.k, form.alpha, form.beta, log_a, *_given(table))
     bound = form.cost_bound
 
     def temps(rest):  # (the table, when there is one, leads the other inputs)
-        if table is None:
-            return eps_list, rest
-        return temperatures_on(eps_list, rest[0]), rest[1:]
+        return (eps_list, rest) if table is None else (temperatures_on(eps_list, rest[0]), rest[1:])
 
     if tol is not None:  # in blocks that end at a check (:func:`_in_blocks`)
         key = ("self", backend_key, _shapes(tensors), rho)
@@ -446,11 +443,14 @@ def _table(backend, form, eps_list):
     return schedule_table(eps_list, form.q.device) if backend.reads_temperatures(form) else None
 
 
+def _temperatures(eps_list, table):
+    """The schedule reading ``table``'s rows (:mod:`flashot.temperature`), or as given."""
+    return eps_list if table is None else temperatures_on(eps_list, table)
+
+
 def _on(options: dict, table) -> dict:
     """``options`` whose ``eps_list`` reads ``table``'s rows (unchanged without a table)."""
-    if table is None:
-        return options
-    return {**options, "eps_list": temperatures_on(options["eps_list"], table)}
+    return {**options, "eps_list": _temperatures(options["eps_list"], table)}
 
 
 def _given(table) -> tuple:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Temperature", "device_value", "schedule_table", "temperatures_on"]
+__all__ = ["Temperature", "device_value", "follows", "schedule_table", "temperatures_on"]
 
 LOG2E = 1.0 / math.log(2.0)
 #: the table's columns: ε, log2(e)/ε, and the ratio to the previous row's ε (at most 1)
@@ -44,7 +44,7 @@ class Temperature(float):
     cell: torch.Tensor
     index: int
 
-    def __new__(cls, value: float, cell: torch.Tensor, index: int):
+    def __new__(cls, value: float, cell: torch.Tensor, index: int):  # noqa: D102
         self = super().__new__(cls, value)
         self.cell, self.index = cell, index
         return self
@@ -72,3 +72,11 @@ def device_value(eps: float) -> float | torch.Tensor:
     first); a division may differ from the scalar one by an ulp.
     """
     return eps.cell[EPS] if isinstance(eps, Temperature) else eps
+
+
+def follows(eps: float, last: float | None) -> bool:
+    """Whether ``eps`` is the row after ``last`` in one table (its ratio is then theirs)."""
+    if not (isinstance(eps, Temperature) and isinstance(last, Temperature)):
+        return False
+    one_table = eps.cell.untyped_storage().data_ptr() == last.cell.untyped_storage().data_ptr()
+    return one_table and eps.index == last.index + 1

@@ -90,5 +90,6 @@ def test_a_solve_with_its_table_equals_the_solve_with_scalars(gen, monkeypatch, 
     for reads in (True, False):
         monkeypatch.setattr(TritonBackend, "reads_temperatures", lambda self, form, r=reads: r)
         outs.append(solver.solve(form, la, lb, temps, lambda e: (1.0, 1.0), (None, None),
-                                 triton_backend(), max_iter=8, tol=None, update=update))  # fmt: skip
+                                 triton_backend(), max_iter=8, tol=None,
+                                 update=update))  # fmt: skip
     assert torch.equal(outs[0].f, outs[1].f) and torch.equal(outs[0].g, outs[1].g)

@@ -29,9 +29,9 @@ from dataclasses import fields
 
 import torch
 
-from flashot.costs import AttentionForm
 from flashot.backends.near import NEAR_FROM, is_near_uniform, near_attend
 from flashot.backends.plan_vjp import ALL, PlanVJP, plan_vjp_tiles
+from flashot.costs import AttentionForm
 from flashot.dual import marginal_error, row_mass
 from flashot.temperature import device_value
 
@@ -246,13 +246,14 @@ class Backend:
         return (type(self).__qualname__, self.precision)
 
     def reads_temperatures(self, form: AttentionForm) -> bool:
-        """Whether every launch of a solver step on ``form`` reads its temperature from a
-        :class:`~flashot.temperature.Temperature`'s device cell when given one.
+        """Whether a solver step's launches on ``form`` read a temperature's device row.
 
-        Then a replayed solve (:mod:`flashot.graphs`) keys its warm-up by structure,
-        not by value, and serves every schedule of that structure (the data's diameter
-        moves a GeomLoss schedule). Steps on the near-uniform path are still keyed by
-        value. The default, False, keys every temperature by value.
+        That is, every launch of a step given a :class:`~flashot.temperature.Temperature`
+        reads ε from its cell, none from its float value. Then a replayed solve
+        (:mod:`flashot.graphs`) keys its warm-up by structure, not by value, and serves
+        every schedule of that structure (the data's diameter moves a GeomLoss
+        schedule). Steps on the near-uniform path are still keyed by value. The
+        default, False, keys every temperature by value.
         """
         return False
 

@@ -276,8 +276,8 @@ def largest_sizes(workloads: Iterable[str], dims: Iterable[int], chosen: list[Pr
     autotune at a new size, and the repeat decides. A size whose call the previous one
     predicts over :data:`PREDICTED_OVER` × ``budget_s`` (4× its time: the workloads are
     quadratic) is not run, and the row says so. A row per (workload, d, provider),
-    workload ``"<name>:largest"``: its ``n`` and the call's time, or why not (over budget at ``start``, failing,
-    unavailable). Out-of-memory ends the doubling.
+    workload ``"<name>:largest"``: its ``n`` and the call's time, or why not (over
+    budget at ``start``, failing, unavailable). Out-of-memory ends the doubling.
     """
     rows = []
     for workload in workloads:

@@ -36,7 +36,7 @@ from flashot.backends.triton._one_pass import exact_lse
 from flashot.backends.triton._operands import OperandCache, split_work
 from flashot.backends.triton._vjp import FUSED_UP_TO, fused_plan_vjp
 from flashot.dual import log_residual
-from flashot.temperature import Temperature, device_value
+from flashot.temperature import device_value, follows
 
 __all__ = ["TritonBackend"]
 
@@ -48,8 +48,6 @@ SPLIT_DOT = "split16"
 #: floats of a value pass's per-split partial sums (64 MB): more splits than that fits
 #: are not made (splits only balance the waves of programs: at most ~1.5× on one kernel)
 VALUE_PARTIALS = 1 << 24
-
-
 #: (rows, value columns) per program of the split merge: bounded, since its compile
 #: time grows with the tile (Triton 3.6, sm_90: 0.7 s at 128 × 64, 72 s at 128 × 1024)
 COMBINE_TILE = (64, 64)
@@ -70,12 +68,8 @@ PROBE_ROWS, PROBE_MARGIN, PROBE_FROM = 256, 1.1, 4096
 GRAPHS_UP_TO_LOG2 = 28
 #: from this feature width (None: never), in "fp32" with ``fused``, a Jacobi step streams
 #: its score tiles once with two exps each and no window (:mod:`._one_pass`) instead of the
-#: one-exp fused pass, whose gate sends a small-ε solve's first steps to two exact passes.
-#: H200, 50k, ε = 0.1 (``benchmarks/one_pass.py``): d = 512 340 → 272 ms, d = 256 179 →
-#: 162 (v28 with v27's one-float row partials, which fit the budget: 177 → 161; 100k
-#: d = 512 1 370 → 1 086), d = 128 69 → 116 (exps bound); ε =
-#: 0.1·d: d = 512 281 → 272, d = 256 161 → 162; 10k: even. tf32/bf16 at d = 512: 237 →
-#: 250, 116 → 120 (one MMA per score: exps bound)
+#: one-exp fused pass, whose gate sends a small-ε solve's first steps to two exact passes
+#: (H200, 50k, ε = 0.1: d = 512 340 → 272 ms, d = 256 179 → 162, d = 128 69 → 116; NOTES.md)
 ONE_PASS_FROM_D: int | None = 256
 
 
@@ -206,7 +200,8 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             table = lse if segments is None else segments.blocks(block_m, dev)
             args = (q, k, h, beta, log_w, vv, lse, out, part_max, part_sum, part_acc, table,
                     h if repair is None else repair[0], n, m, d, p, LOG2E / eps, eps,
-                    *temp_args(eps, lse), h if repair is None else repair[1], 0.0 if repair is None else repair[2],
+                    *temp_args(eps, lse), h if repair is None else repair[1],
+                    0.0 if repair is None else repair[2],
                     per, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                     vv.stride(0) if has_v else 0, vv.stride(1) if has_v else 0,
                     out.stride(0) if has_v else 0, out.stride(1) if has_v else 0,
@@ -252,7 +247,8 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             with on_device(dev):
                 _combine_kernel[(triton.cdiv(n, blk), triton.cdiv(p, bpc))](
                     part_max, part_sum, part_acc, lse, out, n, p, splits, eps,
-                    *temp_args(eps, lse), out.stride(0) if has_v else 0, out.stride(1) if has_v else 0,
+                    *temp_args(eps, lse), out.stride(0) if has_v else 0,
+                    out.stride(1) if has_v else 0,
                     BLOCK=blk, BLOCK_P=bpc, HAS_V=has_v,
                 )  # fmt: skip
         return lse, (out if has_v else None)
@@ -453,7 +449,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         if probe:  # an estimate at this ε replaces the bound
             self._probe(form, f, g, log_a, log_b, eps, gate[0])
         elif state is not None:  # |ln R| scales as 1/ε: after an ε-scaling step, predict it
-            ratio = _next_temperature(eps, state.eps)
+            ratio = follows(eps, state.eps)
             if not ratio:  # (else on the device: a replayed schedule's ratio)
                 limit *= min(1.0, eps / (state.eps or eps))
         if state is not None:
@@ -581,14 +577,6 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         ln_r, ln_c, _ = self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), (0.0, 0.0),
                                    log_sums=True)  # fmt: skip
         return torch.exp(log_a + ln_r), torch.exp(log_b + ln_c)
-
-
-def _next_temperature(eps: float, last: float | None) -> bool:
-    """Whether ``eps`` follows ``last`` in one device table (the gate's ratio is read there)."""
-    if not (isinstance(eps, Temperature) and isinstance(last, Temperature)):
-        return False
-    one_table = eps.cell.untyped_storage().data_ptr() == last.cell.untyped_storage().data_ptr()
-    return one_table and eps.index == last.index + 1
 
 
 def _near(form, eps: float) -> bool:

@@ -43,8 +43,7 @@ CONTROL_POINTERS = {
 #: integer arguments that change between launches of one set of constexprs: Triton
 #: compiles an int again when it is 1 or a multiple of 16 (a flag 0/1, a split count)
 #: (the combine's row count too: a 2 µs merge, rebuilt for a count not a multiple of 16)
-#: (``temp_at``: whether a launch reads its temperature from ``TEMP``, a row of a replayed
-#: schedule's device table, :mod:`flashot.temperature`; 0 takes the scalar arguments)
+#: (``temp_at``: read the temperature from ``TEMP``, a device row, :mod:`flashot.temperature`)
 RUNTIME_INTS = {"_attend_kernel": ["temp_at"], "_combine_kernel": ["n", "splits", "temp_at"],
                 "_plan_sums_kernel": ["gate_span", "temp_at"], "_update_kernel": ["temp_at"]}
 
@@ -192,8 +191,7 @@ def _side_ahead(P, OFFSET, LOG_W, offs, hi, ahead_p, ahead_o, ahead_w):
 
 @triton.jit
 def _temperature(TEMP, temp_at, eps, scale):
-    """``(ε, log2(e)/ε)``: the scalars, or with ``temp_at`` ≠ 0 the row ``TEMP`` of a
-    replayed schedule's table (the same float32 values, :mod:`flashot.temperature`)."""
+    """``(ε, log2(e)/ε)``: the scalars, or with ``temp_at`` ≠ 0 those of the row ``TEMP``."""
     if temp_at != 0:
         eps = tl.load(TEMP)
         scale = tl.load(TEMP + 1)
@@ -587,7 +585,8 @@ def _update_side(
 )
 def _update_kernel(
     F, R, LSE_R, ALPHA, LOG_A, F_OUT, G, C, LSE_C, BETA, LOG_B, G_OUT, ERR, GATE, n, m, eps,
-    TEMP, temp_at, shift, LO, hi, w_old_x, w_new_x, w_old_y, w_new_y, inv_rho_x, inv_rho_y, BLOCK: tl.constexpr,
+    TEMP, temp_at, shift, LO, hi, w_old_x, w_new_x, w_old_y, w_new_y, inv_rho_x, inv_rho_y,
+    BLOCK: tl.constexpr,
     RELAXED_X: tl.constexpr, RELAXED_Y: tl.constexpr, CHECK: tl.constexpr, GATED: tl.constexpr,
     LOG_SUMS: tl.constexpr,
 ):

@@ -24,9 +24,12 @@ __all__ = ["FINALISTS", "TunedLaunches", "temp_args"]
 
 
 def temp_args(eps: float, unused: torch.Tensor, ratio: bool = False) -> tuple:
-    """A launch's ``(TEMP, temp_at)``: a :class:`~flashot.temperature.Temperature`'s row
-    (``ratio``: its ratio to the last temperature scales the gate's limit too), or
-    ``(unused, 0)``: the kernel takes the scalar arguments."""
+    """A launch's ``(TEMP, temp_at)``: a temperature's device row, or ``(unused, 0)``.
+
+    For a :class:`~flashot.temperature.Temperature` the kernel reads ε from its row
+    (``ratio``: its ratio to the last temperature scales the gate's limit too); for a
+    float it takes the scalar arguments.
+    """
     if isinstance(eps, Temperature):
         return eps.cell, 3 if ratio else 1
     return unused, 0

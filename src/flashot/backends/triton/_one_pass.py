@@ -78,8 +78,9 @@ def exact_lse(backend, form, f, g, log_a, log_b, eps):
 
         unused = (lse_r,) * 9  # R, C, the gate, the products' weights and sums, BLOCKS
         args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, *unused, n, m, d,
-                LOG2E / eps, 0.0, 0.0, 0, *temp_args(eps, lse_r), per, q.stride(0), q.stride(1), k.stride(0),
-                k.stride(1), nb, mb, *split_args, row_lse, col_max, col_sum)  # fmt: skip
+                LOG2E / eps, 0.0, 0.0, 0, *temp_args(eps, lse_r), per, q.stride(0),
+                q.stride(1), k.stride(0), k.stride(1), nb, mb, *split_args, row_lse, col_max,
+                col_sum)  # fmt: skip
         consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=False, MULTIPLY=False,
                       PRECISION=backend._kernel_dot(key[4]), PRESPLIT=presplit,
                       SEGMENTED=False, EXACT=True)  # fmt: skip
