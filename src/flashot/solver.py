@@ -342,7 +342,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
             if relax is not None and it - 1 >= last:
                 relax.observe(it, error)
             if record:
-                checks.append((it, eps, error))
+                checks.append((it, float(eps), error))  # (not a device row)
             if stopping and stop.done(error, it):
                 break
         bar.update(it, eps, error)
