@@ -221,16 +221,17 @@ def test_debiased_divergence_replays_its_three_loops_as_cuda_graphs(monkeypatch)
     assert len(cache._graphs) == 3
 
 
-def test_the_geomloss_call_on_moving_data_replays_its_loops(monkeypatch):
+@pytest.mark.parametrize("reach", [None, 0.5])
+def test_the_geomloss_call_on_moving_data_replays_its_loops(monkeypatch, reach):
     """The GeomLoss call with the data's diameter, on clouds that move each call (a
     training loop): other warm-up temperatures, the same schedule length. The three loops
-    read their temperatures from the device, so their graphs replay from the second call
-    on; values and gradients are the eager ones."""
+    read their temperatures (and, unbalanced, their damping) from the device, so their
+    graphs replay from the second call on; values and gradients are the eager ones."""
     from flashot import graphs, solver
 
     cache = graphs.GraphCache()
     monkeypatch.setattr(solver, "GRAPHS", cache)
-    kw = dict(p=2, blur=0.05, scaling=0.5, debias=True)
+    kw = dict(p=2, blur=0.05, scaling=0.5, debias=True, reach=reach)
     gen = torch.Generator("cuda").manual_seed(5)
     x0, y0 = (torch.rand(size, 3, device="cuda", generator=gen) for size in (3000, 2000))
     for scale in (1.0, 0.96, 1.03, 0.98):  # diameters 3.3-3.6: 7 temperatures each

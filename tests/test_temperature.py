@@ -16,6 +16,7 @@ from flashot.schedule import geomloss_schedule
 from flashot.temperature import (
     LOG2E,
     Temperature,
+    device_damping,
     device_value,
     schedule_table,
     temperatures_on,
@@ -38,18 +39,31 @@ class CellBackend(TorchBackend):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.floats(1e-6, 1e6), min_size=1, max_size=12))
-def test_table_rows_are_the_scalars_a_kernel_would_take(eps_list):
-    """Row i is (ε_i, log2(e)/ε_i, min(1, ε_i/ε_{i−1})) rounded from float64 to float32,
-    the rounding of a scalar kernel argument; each temperature is its float with its row."""
-    table = schedule_table(eps_list, torch.device("cpu"))
+@given(st.lists(st.floats(1e-6, 1e6), min_size=1, max_size=12),
+       st.sampled_from([None, 0.3, (0.3, None)]),
+       st.sampled_from([torch.float32, torch.float64]))  # fmt: skip
+def test_table_rows_are_the_scalars_a_kernel_would_take(eps_list, rho, dtype):
+    """Row i is (ε_i, log2(e)/ε_i, min(1, ε_i/ε_{i−1}), λ_x(ε_i), λ_y(ε_i)) rounded from
+    float64 to the solve's dtype, as a scalar argument is; each temperature is its float
+    with its row, and its row's damping is the one the table was built with."""
+    pair = rho if isinstance(rho, tuple) else (rho, rho)
+
+    def damping(e):
+        lam = tuple(1.0 if r is None else r / (r + e) for r in pair)
+        return lam if isinstance(rho, tuple) else lam[0]  # (a pair, or one λ for both)
+
+    table = schedule_table(eps_list, torch.device("cpu"), dtype, damping)
     temps = temperatures_on(eps_list, table)
     for i, (e, t) in enumerate(zip(eps_list, temps, strict=True)):
         ratio = 1.0 if i == 0 else min(1.0, e / eps_list[i - 1])
-        want = torch.tensor([e, LOG2E / e, ratio], dtype=torch.float64).float()
+        lam = tuple(1.0 if r is None else r / (r + e) for r in pair)
+        want = torch.tensor([e, LOG2E / e, ratio, *lam], dtype=torch.float64).to(dtype)
         assert torch.equal(table[i], want) and torch.equal(t.cell, want)
         assert float(t) == e and t.index == i and isinstance(t, float)
         assert torch.equal(device_value(t), want[0]) and device_value(e) == e
+        row_lam = device_damping(t, None)
+        assert torch.equal(row_lam[0], want[3]) and torch.equal(row_lam[1], want[4])
+        assert device_damping(e, lam) == lam
 
 
 def _moving(gen, scales):
@@ -61,13 +75,15 @@ def _moving(gen, scales):
     return [(a / a.sum(), x * s, b / b.sum(), y * s + 0.5) for s in scales]
 
 
-@pytest.mark.parametrize("debias", [False, True])
-def test_replays_serve_schedules_that_move_with_the_data(gen, monkeypatch, debias):
+@pytest.mark.parametrize("debias, reach", [(False, None), (True, None), (True, 0.8)])
+def test_replays_serve_schedules_that_move_with_the_data(gen, monkeypatch, debias, reach):
     """SamplesLoss with the data's diameter (GeomLoss' call in a training loop): each call
     has other warm-up temperatures, the same schedule length. A backend that reads the
-    temperatures from the table replays one graph per loop from the second call on, and
-    the values and gradients are the eager ones; the final ε keys by value."""
-    loss = flashot.SamplesLoss(blur=0.1, scaling=0.5, debias=debias, backend=CellBackend())
+    temperatures (and the unbalanced damping λ(ε)) from the table replays one graph per
+    loop from the second call on, and the values and gradients are the eager ones; the
+    final ε keys by value."""
+    loss = flashot.SamplesLoss(blur=0.1, scaling=0.5, debias=debias, reach=reach,
+                               backend=CellBackend())  # fmt: skip
     cache = graphs.GraphCache(capture=RecordedGraph)
     monkeypatch.setattr(solver, "GRAPHS", cache)
     RecordedGraph.log = []
@@ -127,6 +143,38 @@ def test_a_near_warm_up_step_keys_its_temperature(gen, monkeypatch):
                                      (None, None), CellBackend(), **kw))  # fmt: skip
         assert torch.equal(outs[0].f, outs[1].f) and torch.equal(outs[0].g, outs[1].g)
     assert RecordedGraph.log == ["capture", "replay", "capture", "replay"]
+
+
+@pytest.mark.parametrize("update", ["symmetric", "alternating"])
+@pytest.mark.parametrize("rho", [None, 0.7])
+def test_solver_loops_replay_other_warm_ups_with_their_eager_iterates(gen, monkeypatch, update,
+                                                                      rho):  # fmt: skip
+    """Both updates, balanced or not, fixed iterations and to a tolerance (in blocks):
+    schedules that differ in their warm-up values replay the first one's graphs, with the
+    eager solve's potentials (the damping λ(ε) read from the rows too)."""
+    monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=RecordedGraph))
+    from flashot.costs import attention_form, get_cost
+
+    x, y = clouds(gen, 20, 15, 3)
+    form = attention_form(get_cost("sqeuclidean"), x, y).detach()
+    log_a = torch.log(torch.rand(20, generator=gen, dtype=torch.float64) + 0.2)
+    log_b = torch.full((15,), -math.log(15), dtype=torch.float64)
+    lam = (lambda e: 1.0) if rho is None else (lambda e: rho / (rho + e))
+    bound = form.cost_bound
+    for tol in (None, 1e-12):
+        RecordedGraph.log = []
+        for s in (1.0, 1.3, 0.8, 1.1):
+            temps = [1.5 * s * bound, 0.6 * s * bound, 0.05 * bound]
+            outs = []
+            for key in (("cells",), None):
+                monkeypatch.setattr(CellBackend, "graph_key", lambda self, form, key=key: key)
+                outs.append(solver.solve(form, log_a, log_b, temps, lambda e: (lam(e), lam(e)),
+                                         (rho, rho), CellBackend(), max_iter=23, tol=tol,
+                                         check_every=5, update=update))  # fmt: skip
+            assert torch.equal(outs[0].f, outs[1].f) and torch.equal(outs[0].g, outs[1].g)
+            assert outs[0].n_iter == outs[1].n_iter
+        # (a symmetric solve to a tolerance runs eagerly: its gate lives across checks)
+        assert ("replay" in RecordedGraph.log) == (tol is None or update == "alternating")
 
 
 def test_a_temperature_pickles_as_its_value():

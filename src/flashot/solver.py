@@ -33,7 +33,7 @@ from flashot.momentum import Relaxation, check_momentum
 from flashot.progress import Progress
 from flashot.schedule import EpsilonScaling, geomloss_schedule, temperatures
 from flashot.stopping import _check_iterations, _Stopping, precision_floor
-from flashot.temperature import schedule_table, temperatures_on
+from flashot.temperature import device_damping, schedule_table, temperatures_on
 
 __all__ = [
     "EpsilonScaling",
@@ -146,7 +146,7 @@ def solve(
     backend_key = None if progress or record else backend.graph_key(form)
     # the temperatures on the device too (one table, a graph's input) where every launch
     # of a step reads them there: a replay then serves any schedule of the same structure
-    table = _table(backend, form, eps_list)
+    table = _table(backend, form, eps_list, log_a.dtype, damping)
     # (blocks only for alternating steps: the symmetric one's gate lives across them)
     if backend_key is not None and tol is not None and update == "alternating" and momentum is None:
         with backend.operand_scope():
@@ -296,6 +296,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
         lam_x, lam_y = damping(eps)
         zf, zg = torch.zeros_like(q_alpha), torch.zeros_like(k_beta)
         lse_r, lse_c = backend.potential_lse(warm, zf, zg, log_a, log_b, eps)
+        lam_x, lam_y = device_damping(eps, (lam_x, lam_y))
         f, g = lam_x * (q_alpha - lse_r), lam_y * (k_beta - lse_c)
     else:
         f, g = init
@@ -327,6 +328,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
             lse_r, _ = backend.row_attend(step_form, g - k_beta, eps, log_w=log_b)
             if check:  # columns are exact after the previous g-update
                 err = marginal_error(f, row_mass(f, lse_r, q_alpha, log_a, eps), log_a, rho[0])
+            lam = device_damping(eps, lam)
             f_new = lam[0] * (q_alpha - lse_r)
             omega = relax.omega if relax is not None and it - 1 >= last else 1.0
             f = f_new if omega == 1.0 else torch.lerp(f, f_new, omega)
@@ -379,7 +381,7 @@ def solve_self(
     """
     _check_iterations(max_iter, len(eps_list), tol, check_every, min_iter)
     backend_key = backend.graph_key(form) if form.segments is None else None
-    table = _table(backend, form, eps_list)  # (as in :func:`solve`)
+    table = _table(backend, form, eps_list, log_a.dtype, damping)  # (as in :func:`solve`)
     if backend_key is None:
         with backend.operand_scope():
             return _self_iterations(form, log_a, _temperatures(eps_list, table), damping, rho,
@@ -438,9 +440,11 @@ def _replay_key(backend_key, form, tensors, eps_list, damping, cells) -> tuple:
     return backend_key, _shapes(tensors), steps
 
 
-def _table(backend, form, eps_list):
+def _table(backend, form, eps_list, dtype, damping):
     """The schedule's device table (:mod:`flashot.temperature`) where ``backend`` reads it."""
-    return schedule_table(eps_list, form.q.device) if backend.reads_temperatures(form) else None
+    if not backend.reads_temperatures(form):
+        return None
+    return schedule_table(eps_list, form.q.device, dtype, damping)
 
 
 def _temperatures(eps_list, table):
@@ -466,10 +470,10 @@ def _steps_key(form, eps_list, damping, first: int, last_it: int, cells: bool = 
 
     Per step: its temperature, whether it is the final one, which LSE it takes (the
     warm-up steps by :func:`warm_form`'s near-uniform rule, the final ones by the
-    form's) and its damping. With ``cells`` (the launches read the temperatures from a
-    device table) a warm-up step's temperature is left out unless it takes the
-    near-uniform LSE (torch ops with their scalars); the final one is kept, which the
-    extrapolation and the checks take as a scalar.
+    form's) and its damping. With ``cells`` (the launches read the temperatures and
+    the damping from a device table) a warm-up step's values are left out unless it
+    takes the near-uniform LSE (torch ops with their scalars); the final one's are
+    kept, which the extrapolation and the checks take as scalars.
     """
     warm, last = warm_form(form, eps_list), len(eps_list) - 1
     steps = []
@@ -477,7 +481,8 @@ def _steps_key(form, eps_list, damping, first: int, last_it: int, cells: bool = 
         i = min(it - 1, last)
         e = eps_list[i]
         near = is_near_uniform(form if i == last else warm, e)
-        steps.append((None if cells and i < last and not near else e, i == last, near, damping(e)))
+        by_row = cells and i < last and not near  # (read from the device table)
+        steps.append((None, i == last, near) if by_row else (e, i == last, near, damping(e)))
     return tuple(steps)
 
 
@@ -491,7 +496,7 @@ def _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol
     if init is None:
         assert first == 1, "a block after the first starts from the previous one's potential"
         lse, _ = backend.row_attend(warm, -alpha, eps_list[0], log_w=log_a)
-        p = damping(eps_list[0]) * (alpha - lse)
+        p = _self_damping(eps_list[0], damping) * (alpha - lse)
     else:
         p = init
     stop = _Stopping(tol, lambda: precision_floor(form, p, p, log_a, log_a, eps_list[-1]))
@@ -508,8 +513,13 @@ def _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol
                 pending = err  # (read by the caller, after the block)
             else:
                 error = float(err)
-        p = 0.5 * (p + damping(eps) * (alpha - lse))
+        p = 0.5 * (p + _self_damping(eps, damping) * (alpha - lse))
         if check and stop.done(error, it):
             break
     stop.finish()
     return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor, pending=pending)
+
+
+def _self_damping(eps, damping):
+    """λ(ε) of a self problem, from ``eps``'s device row where it has one."""
+    return device_damping(eps, (damping(eps),) * 2)[0]

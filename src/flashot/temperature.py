@@ -10,10 +10,13 @@ view of a small device table that a graph takes as an input:
 .. math::
 
     \text{row } i = \big(\varepsilon_i,\ \log_2(e)/\varepsilon_i,\
-        \min(1, \varepsilon_i/\varepsilon_{i-1})\big),
+        \min(1, \varepsilon_i/\varepsilon_{i-1}),\ \lambda_x(\varepsilon_i),\
+        \lambda_y(\varepsilon_i)\big),
 
-rounded from float64 to float32, as scalar kernel arguments are: a kernel that reads
-the row computes what it computes from the scalars, bit for bit. Kernels and torch ops
+with the unbalanced damping ``λ = ρ/(ρ + ε)`` (1 for a balanced side), rounded from
+float64 to the solve's dtype (float32 on the GPU, as scalar kernel arguments are): a
+kernel or a torch op that reads the row computes what it computes from the scalars,
+bit for bit (a division may differ by an ulp: see :func:`device_value`). Kernels and torch ops
 that support it read the row (:func:`device_value`); the solver keys a replay by the
 schedule's structure instead of its values only when the backend says that every
 launch of a step does (:meth:`flashot.backends.base.Backend.reads_temperatures`).
@@ -22,22 +25,29 @@ launch of a step does (:meth:`flashot.backends.base.Backend.reads_temperatures`)
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["Temperature", "device_value", "follows", "schedule_table", "temperatures_on"]
+__all__ = [
+    "Temperature",
+    "device_damping",
+    "device_value",
+    "follows",
+    "schedule_table",
+    "temperatures_on",
+]
 
 LOG2E = 1.0 / math.log(2.0)
-#: the table's columns: ε, log2(e)/ε, and the ratio to the previous row's ε (at most 1)
-EPS, SCALE, RATIO = 0, 1, 2
+#: the table's columns: ε, log2(e)/ε, the ratio to the previous row's ε (at most 1), λ_x, λ_y
+EPS, SCALE, RATIO, LAM_X, LAM_Y = 0, 1, 2, 3, 4
 
 
 class Temperature(float):
     """A temperature ε (a float) with its row of a device table (see module).
 
     Attributes:
-        cell: (3,) float32 view ``(ε, log2(e)/ε, min(1, ε/ε_prev))`` of the table.
+        cell: (5,) view ``(ε, log2(e)/ε, min(1, ε/ε_prev), λ_x, λ_y)`` of the table.
         index: the row's index in its schedule.
     """
 
@@ -53,11 +63,23 @@ class Temperature(float):
         return float, (float(self),)
 
 
-def schedule_table(eps_list: Sequence[float], device: torch.device) -> torch.Tensor:
-    """The (k, 3) float32 device table of a schedule (see module), in one copy."""
-    rows = [(e, LOG2E / e, 1.0 if i == 0 else min(1.0, e / eps_list[i - 1]))
-            for i, e in enumerate(eps_list)]  # fmt: skip
-    return torch.tensor(rows, dtype=torch.float64).to(torch.float32).to(device)
+def schedule_table(eps_list: Sequence[float], device: torch.device,
+                   dtype: torch.dtype = torch.float32,
+                   damping: Callable[[float], float | tuple[float, float]] | None = None,
+                   ) -> torch.Tensor:  # fmt: skip
+    """The (k, 5) device table of a schedule (see module), in one copy.
+
+    Args:
+        eps_list: the temperatures.
+        device, dtype: the solve's (the potentials' dtype).
+        damping: ε ↦ (λ_x, λ_y), or ε ↦ λ for both sides; None: 1.
+    """
+    rows = []
+    for i, e in enumerate(eps_list):
+        lam = (1.0, 1.0) if damping is None else damping(e)
+        lam = lam if isinstance(lam, tuple) else (lam, lam)
+        rows.append((e, LOG2E / e, 1.0 if i == 0 else min(1.0, e / eps_list[i - 1]), *lam))
+    return torch.tensor(rows, dtype=torch.float64).to(dtype).to(device)
 
 
 def temperatures_on(eps_list: Sequence[float], table: torch.Tensor) -> list[Temperature]:
@@ -68,10 +90,19 @@ def temperatures_on(eps_list: Sequence[float], table: torch.Tensor) -> list[Temp
 def device_value(eps: float) -> float | torch.Tensor:
     """ε for a torch op: a 0-dim device tensor for a :class:`Temperature`, else the float.
 
-    ``x * device_value(ε)`` rounds as ``x * ε`` does (a float scalar is cast to float32
-    first); a division may differ from the scalar one by an ulp.
+    ``x * device_value(ε)`` rounds as ``x * ε`` does (a float scalar is cast to x's
+    dtype first, as the table was); a division may differ from the scalar one by an ulp.
     """
     return eps.cell[EPS] if isinstance(eps, Temperature) else eps
+
+
+def device_damping(eps: float, lam: tuple) -> tuple:
+    """``(λ_x, λ_y)`` at ``eps`` for torch ops: the row's for a :class:`Temperature`.
+
+    The solver builds the table with the damping that gives ``lam``; a float ``eps``
+    returns ``lam``.
+    """
+    return (eps.cell[LAM_X], eps.cell[LAM_Y]) if isinstance(eps, Temperature) else lam
 
 
 def follows(eps: float, last: float | None) -> bool:

@@ -18,8 +18,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
 
 
-def _on_device(eps_list):
-    return temperatures_on(eps_list, schedule_table(eps_list, torch.device(DEVICE)))
+def _on_device(eps_list, damping=None):
+    table = schedule_table(eps_list, torch.device(DEVICE), damping=damping)
+    return temperatures_on(eps_list, table)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -44,21 +45,25 @@ def test_attend_reads_the_row_as_its_scalars(gen, splits, p):
 
 @pytest.mark.parametrize("rho", [(None, None), (0.5, 0.5)])
 def test_a_step_reads_the_row_as_its_scalars(gen, rho):
-    """A fused Jacobi step (plan sums, repairs, update) with ε from the table is the
-    step with ε as scalars, bit for bit."""
+    """A fused Jacobi step (plan sums, repairs, update) with ε and the damping λ from the
+    table is the step with them as scalars, bit for bit."""
     form, f, g, la, lb, eps, lam = _step_setup(gen, rho)
     be = triton_backend()
-    (temp,) = _on_device([eps])
+    (temp,) = _on_device([eps], damping=lambda e: lam)
     outs = []
     for e in (eps, temp):
         state = be.fast_state(f.device)
         outs.append(be.jacobi_step(form, f, g, la, lb, e, lam, rho, check=True, state=state))
     for plain, read in zip(*outs, strict=True):
         assert torch.equal(plain, read)
-    temp.cell[0] = 2 * eps  # the update reads ε from the row (its scale still 1/eps)
-    moved = be.jacobi_step(form, f, g, la, lb, temp, lam, rho, check=True,
-                           state=be.fast_state(f.device))  # fmt: skip
-    assert not torch.equal(moved[0], outs[0][0])
+    for column, value in ((0, 2 * eps), (3, 0.9 * lam[0])):  # ε, then λ_x, from the row
+        if column == 3 and rho[0] is None:
+            continue
+        moved_temp = _on_device([eps], damping=lambda e: lam)[0]
+        moved_temp.cell[column] = value
+        moved = be.jacobi_step(form, f, g, la, lb, moved_temp, lam, rho, check=True,
+                               state=be.fast_state(f.device))  # fmt: skip
+        assert not torch.equal(moved[0], outs[0][0]), column
 
 
 def test_the_gate_limit_takes_the_rows_ratio(gen):
@@ -77,8 +82,9 @@ def test_the_gate_limit_takes_the_rows_ratio(gen):
         assert (float(c.abs().sum()) == 0.0) == skipped
 
 
+@pytest.mark.parametrize("rho", [None, 0.7])
 @pytest.mark.parametrize("update", ["symmetric", "alternating"])
-def test_a_solve_with_its_table_equals_the_solve_with_scalars(gen, monkeypatch, update):
+def test_a_solve_with_its_table_equals_the_solve_with_scalars(gen, monkeypatch, update, rho):
     """A schedule's solve reading its table (the default on this backend) and the same
     solve with the temperatures as scalars: the same potentials. (The gate's limit and
     the probe's estimate may round apart by an ulp; the potentials do not move.)"""
@@ -86,10 +92,14 @@ def test_a_solve_with_its_table_equals_the_solve_with_scalars(gen, monkeypatch, 
 
     form, _, _, la, lb, _, _ = _step_setup(gen, (None, None), n=60, m=50)
     temps = [8.0, 2.0, 0.5, 0.2]
+    lam = (lambda e: 1.0) if rho is None else (lambda e: rho / (rho + e))
+
+    def damping(e):
+        return lam(e), lam(e)
+
     outs = []
     for reads in (True, False):
         monkeypatch.setattr(TritonBackend, "reads_temperatures", lambda self, form, r=reads: r)
-        outs.append(solver.solve(form, la, lb, temps, lambda e: (1.0, 1.0), (None, None),
-                                 triton_backend(), max_iter=8, tol=None,
-                                 update=update))  # fmt: skip
+        outs.append(solver.solve(form, la, lb, temps, damping, (rho, rho), triton_backend(),
+                                 max_iter=8, tol=None, update=update))  # fmt: skip
     assert torch.equal(outs[0].f, outs[1].f) and torch.equal(outs[0].g, outs[1].g)

@@ -33,7 +33,7 @@ from flashot.backends.near import NEAR_FROM, is_near_uniform, near_attend
 from flashot.backends.plan_vjp import ALL, PlanVJP, plan_vjp_tiles
 from flashot.costs import AttentionForm
 from flashot.dual import marginal_error, row_mass
-from flashot.temperature import device_value
+from flashot.temperature import device_damping, device_value
 
 __all__ = ["PRECISIONS", "Backend"]
 
@@ -215,6 +215,7 @@ class Backend:
                 row_mass(g, lse_c, form.beta, log_b, eps),
             )
             err = marginal_error(f, r, log_a, rho[0]) + marginal_error(g, c, log_b, rho[1])
+        lam = device_damping(eps, lam)  # (a replayed schedule's row)
         f_new = 0.5 * (f + lam[0] * (form.alpha - lse_r))
         g_new = 0.5 * (g + lam[1] * (form.beta - lse_c))
         return f_new, g_new, err

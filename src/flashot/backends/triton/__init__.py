@@ -36,7 +36,7 @@ from flashot.backends.triton._one_pass import exact_lse
 from flashot.backends.triton._operands import OperandCache, split_work
 from flashot.backends.triton._vjp import FUSED_UP_TO, fused_plan_vjp
 from flashot.dual import log_residual
-from flashot.temperature import device_value, follows
+from flashot.temperature import Temperature, device_value, follows
 
 __all__ = ["TritonBackend"]
 
@@ -347,11 +347,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         return (r, c) if mul is None else (r, c, r_den, c_den)
 
     def _sums_operands(self, form):
-        """``(q, k, split_args, presplit, nb, mb, key)`` of a plan-sums launch over ``form``.
-
-        The score operands as the kernel reads them (:meth:`score_pair`), the size
-        buckets (a packed batch's largest problem's) and the tile tables' key.
-        """
+        """The score operands (:meth:`score_pair`), size buckets and tile key of plan sums."""
         seg = form.segments
         elements = form.q.shape[0] * form.k.shape[0] if seg is None else seg.elements
         work = split_work(elements, form.q.shape[1])
@@ -391,19 +387,21 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         return ranges
 
     def reads_temperatures(self, form):
-        """See :meth:`flashot.backends.base.Backend.reads_temperatures`: single problems."""
-        return form.segments is None
+        """:meth:`~flashot.backends.base.Backend.reads_temperatures`: one problem, no capture.
+
+        (Inside a caller's CUDA graph capture the table's copy could not run.)
+        """
+        capturing = form.q.is_cuda and torch.cuda.is_current_stream_capturing()
+        return form.segments is None and not capturing
 
     def graph_key(self, form):
         """See :meth:`flashot.backends.base.Backend.graph_key`: small problems on CUDA."""
         n, m = form.shape
-        if form.segments is not None:
-            return None
         small = n * m <= 2**GRAPHS_UP_TO_LOG2 and (n + m) * form.q.shape[1] <= 2**24
         if not (self.graphs and small and form.q.is_cuda and not triton_interpreted()):
             return None
-        if torch.cuda.is_current_stream_capturing():  # inside the caller's own graph
-            return None
+        if form.segments is not None or torch.cuda.is_current_stream_capturing():
+            return None  # (a packed batch; inside the caller's own graph)
         return self.launch_key()
 
     def launch_key(self):
@@ -415,7 +413,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         return Gate(device) if self.fused else None
 
     def _step(self, form, f, g, log_a, log_b, eps, w_old, w_new, *, rho=(None, None),
-              check=False, state=None, log_sums=False):  # fmt: skip
+              check=False, state=None, log_sums=False, damped=False):  # fmt: skip
         """Fused sums (when allowed), exact repair where needed, then both updates.
 
         The gate: a balanced averaged step ``f' = f − ½ε ln R``, ``g' = g − ½ε ln C``
@@ -440,7 +438,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                 gate[1].zero_()
                 state.eps, state.steps = eps, state.steps + 1
             return self._update(form, f, g, log_a, log_b, eps, w_old, w_new, rho, check,
-                                state, log_sums, gate, *both)  # fmt: skip
+                                state, log_sums, gate, *both, damped=damped)  # fmt: skip
         span = rho == (None, None) and w_old == w_new == (0.5, 0.5)
         ratio = False
         limit = _window(n, m) if span else GATE_LIMIT
@@ -466,13 +464,14 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         lse_c = self._attend(form.k, form.q, eps, bias_c, repair=(c, lo[1:2], hi),
                              segments=None if seg is None else seg.T)[0]  # fmt: skip
         return self._update(form, f, g, log_a, log_b, eps, w_old, w_new, rho, check, state,
-                            log_sums, gate, lse_r, lse_c, (r, c, lo, hi))  # fmt: skip
+                            log_sums, gate, lse_r, lse_c, (r, c, lo, hi), damped)  # fmt: skip
 
     def _update(self, form, f, g, log_a, log_b, eps, w_old, w_new, rho, check, state,
-                log_sums, gate, lse_r, lse_c, sums=None):  # fmt: skip
+                log_sums, gate, lse_r, lse_c, sums=None, damped=False):  # fmt: skip
         """The update launch of :meth:`_step`: fused sums where valid, else the LSEs.
 
-        ``sums=(r, c, lo, hi)``; None: the LSEs hold every row and column.
+        ``sums=(r, c, lo, hi)``; None: the LSEs hold every row and column. ``damped``:
+        ``w_new`` is scaled by the damping of ``eps``'s device row.
         """
         n, m, dev = f.shape[0], g.shape[0], f.device
         if sums is None:  # no sum is in range: every entry takes its LSE
@@ -486,8 +485,9 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         with on_device(dev):
             _update_kernel[(triton.cdiv(n, blk) + triton.cdiv(m, blk),)](
                 f, r, lse_r, form.alpha, log_a, f_out, g, c, lse_c, form.beta, log_b, g_out, err,
-                f_out if gate is None else gate[1], n, m, eps, *temp_args(eps, f_out), SUM_SHIFT,
-                lo, hi, w_old[0], w_new[0], w_old[1], w_new[1],
+                f_out if gate is None else gate[1], n, m, eps,
+                *temp_args(eps, f_out, damped=damped), SUM_SHIFT, lo, hi, w_old[0], w_new[0],
+                w_old[1], w_new[1],
                 0.0 if rho[0] is None else 1.0 / rho[0],
                 0.0 if rho[1] is None else 1.0 / rho[1],
                 BLOCK=blk,
@@ -533,8 +533,11 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         """
         if _near(form, eps):  # ε above the cost's range: the exact near path
             return super().jacobi_step(form, f, g, log_a, log_b, eps, lam, rho, check=check)
-        return self._step(form, f, g, log_a, log_b, eps, (0.5, 0.5), (0.5 * lam[0], 0.5 * lam[1]),
-                          rho=rho, check=check, state=state)  # fmt: skip
+        # a replayed schedule's damping is read from its row (the update scales ½ by it)
+        damped = isinstance(eps, Temperature)
+        w_new = (0.5, 0.5) if damped else (0.5 * lam[0], 0.5 * lam[1])
+        return self._step(form, f, g, log_a, log_b, eps, (0.5, 0.5), w_new, rho=rho, check=check,
+                          state=state, damped=damped)  # fmt: skip
 
     def extrapolate(self, form, f, g, log_a, log_b, eps, lam):
         """See :meth:`flashot.backends.base.Backend.extrapolate` (fused where valid)."""

@@ -600,9 +600,12 @@ def _update_kernel(
     ``a e^{−f/ρ}`` when relaxed) to ERR; with GATED, the largest ``ln R``, ``ln C`` goes
     to ``GATE[0]`` and the largest ``−ln R``, ``−ln C`` to ``GATE[1]``, for the next
     fused launch. Programs ``[0, cdiv(n, BLOCK))`` do f, the rest g. ``temp_at`` ≠ 0: ε is
-    read from ``TEMP``.
+    read from ``TEMP``; with bit 4 also λ_x, λ_y, which scale ``w_new_x``, ``w_new_y``.
     """
     eps, _ = _temperature(TEMP, temp_at, eps, eps)
+    if (temp_at & 4) != 0:
+        w_new_x = w_new_x * tl.load(TEMP + 3)
+        w_new_y = w_new_y * tl.load(TEMP + 4)
     pid = tl.program_id(0)
     blocks_f = tl.cdiv(n, BLOCK)
     if pid < blocks_f:

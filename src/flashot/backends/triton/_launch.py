@@ -23,15 +23,17 @@ from flashot.temperature import Temperature
 __all__ = ["FINALISTS", "TunedLaunches", "temp_args"]
 
 
-def temp_args(eps: float, unused: torch.Tensor, ratio: bool = False) -> tuple:
+def temp_args(eps: float, unused: torch.Tensor, ratio: bool = False,
+              damped: bool = False) -> tuple:  # fmt: skip
     """A launch's ``(TEMP, temp_at)``: a temperature's device row, or ``(unused, 0)``.
 
     For a :class:`~flashot.temperature.Temperature` the kernel reads ε from its row
-    (``ratio``: its ratio to the last temperature scales the gate's limit too); for a
-    float it takes the scalar arguments.
+    (``ratio``: its ratio to the last temperature scales the gate's limit too;
+    ``damped``: its damping scales the update's weights of T); for a float it takes the
+    scalar arguments.
     """
     if isinstance(eps, Temperature):
-        return eps.cell, 3 if ratio else 1
+        return eps.cell, 1 | (2 if ratio else 0) | (4 if damped else 0)
     return unused, 0
 
 
