@@ -177,6 +177,54 @@ def test_solver_loops_replay_other_warm_ups_with_their_eager_iterates(gen, monke
         assert ("replay" in RecordedGraph.log) == (tol is None or update == "alternating")
 
 
+@settings(max_examples=20, deadline=None)
+@given(warm=st.sampled_from([[3.0, 1.0], [8.0, 4.0, 2.0, 1.0, 0.5]]), every=st.integers(1, 7),
+       min_iter=st.integers(0, 30), max_iter=st.integers(6, 60),
+       tol=st.sampled_from([1e-2, 1e-5, 1e-9, 0.0]), rho=st.sampled_from([None, 2.0]),
+       dtype=st.sampled_from([torch.float32, torch.float64]), selfp=st.booleans())  # fmt: skip
+def test_blocks_replay_across_moving_warm_ups_with_the_eager_iterates(
+    warm, every, min_iter, max_iter, tol, rho, dtype, selfp
+):
+    """Solves to a tolerance in blocks (alternating, or a self problem's symmetric loop)
+    whose warm-up temperatures move from call to call (the same length, the same final
+    ε): the warm-up block replays another call's graph, reading this call's rows, and
+    every field of the result is this call's eager loop's, bit for bit."""
+    from hypothesis import assume
+
+    from flashot.costs import attention_form, get_cost
+
+    assume(min_iter <= max_iter)
+    gen = torch.Generator().manual_seed(len(warm) + every + max_iter)
+    x, y = clouds(gen, 20, 15, 3, dtype=dtype)
+    form = attention_form(get_cost("sqeuclidean"), x, x if selfp else y).detach()
+    la = torch.log(torch.rand(20, generator=gen, dtype=dtype) + 0.2)
+    lb = la if selfp else torch.full((15,), -math.log(15), dtype=dtype)
+    lam = (lambda e: 1.0) if rho is None else (lambda e: rho / (rho + e))
+    kw = dict(max_iter=max(max_iter, len(warm) + 1), tol=tol, check_every=every,
+              min_iter=min_iter)  # fmt: skip
+
+    def run(temps):
+        if selfp:
+            return solver.solve_self(form, la, temps, lam, rho, CellBackend(), **kw)
+        return solver.solve(form, la, lb, temps, lambda e: (lam(e), lam(e)), (rho, rho),
+                            CellBackend(), update="alternating", **kw)  # fmt: skip
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(solver, "GRAPHS", graphs.GraphCache(capture=RecordedGraph))
+        RecordedGraph.log = []
+        for scale in (1.0, 1.25, 0.8, 1.1):
+            temps = [t * scale for t in warm] + [0.3]
+            mp.setattr(CellBackend, "graph_key", lambda self, form: None)
+            ref = run(temps)
+            mp.setattr(CellBackend, "graph_key", lambda self, form: ("cells",))
+            out = run(temps)
+            assert torch.equal(out.f, ref.f) and torch.equal(out.g, ref.g)
+            assert (out.n_iter, out.converged, out.cause) == (ref.n_iter, ref.converged, ref.cause)
+            same = out.error == ref.error or (math.isnan(out.error) and math.isnan(ref.error))
+            assert same and out.floor == ref.floor
+    assert "replay" in RecordedGraph.log
+
+
 def test_a_temperature_pickles_as_its_value():
     import pickle
 
