@@ -534,7 +534,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         if _near(form, eps):  # ε above the cost's range: the exact near path
             return super().jacobi_step(form, f, g, log_a, log_b, eps, lam, rho, check=check)
         # a replayed schedule's damping is read from its row (the update scales ½ by it)
-        damped = isinstance(eps, Temperature)
+        damped = isinstance(eps, Temperature) and rho != (None, None)
         w_new = (0.5, 0.5) if damped else (0.5 * lam[0], 0.5 * lam[1])
         return self._step(form, f, g, log_a, log_b, eps, (0.5, 0.5), w_new, rho=rho, check=check,
                           state=state, damped=damped)  # fmt: skip
