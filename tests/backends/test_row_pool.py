@@ -134,6 +134,17 @@ def pool_threads() -> int:
     return sum(t.name == "flashot-rows" and t.is_alive() for t in threading.enumerate())
 
 
+def _worker_stacks() -> str:
+    """Where each live pool worker is (this test failed once on a loaded CI machine)."""
+    import sys
+    import traceback
+
+    frames = sys._current_frames()
+    live = [t for t in threading.enumerate() if t.name == "flashot-rows" and t.is_alive()]
+    return "\n".join("".join(traceback.format_stack(frames[t.ident])) for t in live
+                     if t.ident in frames)  # fmt: skip
+
+
 def test_idle_workers_leave_and_a_later_pass_starts_new_ones(two_threads, monkeypatch):
     """Idle workers that had run torch ops slowed the caller's own small ops 2× for the
     rest of the process: they now leave after IDLE_S, and the next pass starts a pool."""
@@ -145,7 +156,7 @@ def test_idle_workers_leave_and_a_later_pass_starts_new_ones(two_threads, monkey
     deadline = time.monotonic() + 30.0
     while pool_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert pool_threads() == 0
+    assert pool_threads() == 0, f"workers still alive after 30 s, at:\n{_worker_stacks()}"
     ran = record_blocks(100, 10, MIN_ELEMENTS, torch.zeros(1))
     assert sorted(i0 for i0, _, _ in ran) == list(range(0, 100, 10))
     assert {name for _, _, name in ran} == {"flashot-rows"}
