@@ -5,7 +5,7 @@ gradient, uniform data in the unit cube, d = 3, float32. flashot at its default
 precision and at tf32; the peer at its defaults (TF32, full squared distance: its
 value differs by the p = 2 convention, the ε schedule is the same). do_bench
 medians; the first call of each in this process is printed too. Env: SIZES
-("10000,50000"), DIMS ("3"), PEER (0 to skip), WHO (only these calls). "fp32x3" is
+("10000,50000"), DIMS ("3"), PEER (0 to skip), WHO (only these calls, and the peer). "fp32x3" is
 the default precision with the scores' operands split per tile by 3xTF32
 (``presplit=False``), as before v16;
 "presplit" splits them once per solve at every size (``presplit=True``).
@@ -68,8 +68,9 @@ if os.environ.get("PEER", "1") == "1":
                                                                      debias=True)  # fmt: skip
     except Exception as exc:  # noqa: BLE001
         print("peer unavailable:", exc)
-if os.environ.get("WHO"):  # only these calls (comma-separated names)
-    CALLS = {k: v for k, v in CALLS.items() if k in os.environ["WHO"].split(",")}
+if os.environ.get("WHO"):  # only these calls (comma-separated names), and the peer
+    keep = {*os.environ["WHO"].split(","), "flash-sinkhorn"}  # (PEER=0 leaves it out)
+    CALLS = {k: v for k, v in CALLS.items() if k in keep}
 
 
 def value_and_grad(loss, x, y):
