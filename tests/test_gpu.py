@@ -197,6 +197,16 @@ def test_solves_to_a_tolerance_replay_their_blocks_as_cuda_graphs(monkeypatch):
     assert len(cache._graphs) >= 3
 
 
+def _replayed_and_eager_loss(x, y, kw):
+    """``SamplesLoss(**kw)`` value and gradient w.r.t. x, with graphs and without."""
+    outs = []
+    for be in (TritonBackend(), TritonBackend(graphs=False)):
+        xg = x.clone().requires_grad_()
+        value = flashot.SamplesLoss(backend=be, **kw)(xg, y)
+        outs.append((value.detach(), torch.autograd.grad(value, xg)[0]))
+    return outs
+
+
 def test_debiased_divergence_replays_its_three_loops_as_cuda_graphs(monkeypatch):
     """The GeomLoss call (fixed ε schedule, debiased): the problem's loop and both self
     problems' loops are captured and replayed, with values and gradients as eager."""
@@ -212,12 +222,8 @@ def test_debiased_divergence_replays_its_three_loops_as_cuda_graphs(monkeypatch)
         gen = torch.Generator("cuda").manual_seed(seed)
         x, y = (torch.rand(size, 3, device="cuda", generator=gen) for size in (3000, 2000))
         y = y + 1.0
-        outs = []
-        for be in (TritonBackend(), TritonBackend(graphs=False)):
-            xg = x.clone().requires_grad_()
-            value = flashot.SamplesLoss(backend=be, **kw)(xg, y)
-            outs.append((value.detach(), torch.autograd.grad(value, xg)[0]))
-        assert rel(outs[0][0], outs[1][0]) < 1e-6 and rel(outs[0][1], outs[1][1]) < 1e-5
+        (value, grad), (eager, eager_grad) = _replayed_and_eager_loss(x, y, kw)
+        assert rel(value, eager) < 1e-6 and rel(grad, eager_grad) < 1e-5
     assert len(cache._graphs) == 3
 
 
@@ -236,12 +242,8 @@ def test_the_geomloss_call_on_moving_data_replays_its_loops(monkeypatch, reach):
     x0, y0 = (torch.rand(size, 3, device="cuda", generator=gen) for size in (3000, 2000))
     for scale in (1.0, 0.96, 1.03, 0.98):  # diameters 3.3-3.6: 7 temperatures each
         x, y = x0 * scale, y0 * scale + 1.0
-        outs = []
-        for be in (TritonBackend(), TritonBackend(graphs=False)):
-            xg = x.clone().requires_grad_()
-            value = flashot.SamplesLoss(backend=be, **kw)(xg, y)
-            outs.append((value.detach(), torch.autograd.grad(value, xg)[0]))
-        assert rel(outs[0][0], outs[1][0]) < 1e-6 and rel(outs[0][1], outs[1][1]) < 1e-5
+        (value, grad), (eager, eager_grad) = _replayed_and_eager_loss(x, y, kw)
+        assert rel(value, eager) < 1e-6 and rel(grad, eager_grad) < 1e-5
     assert len(cache._graphs) == 3
 
 

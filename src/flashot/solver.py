@@ -172,7 +172,7 @@ def solve(
 
     def run(q, k, alpha, beta, la, lb, *rest):
         form = AttentionForm(q, k, alpha, beta, cost_bound=bound)
-        own, start = (rest[0], rest[1:]) if table is not None else (None, rest)
+        own, start = _split_inputs(rest, table)
         out = _iterate(form, la, lb, start or None, **_on(options, own))
         return out.f, out.g, *(final(form, out, la, lb) or ())
 
@@ -191,7 +191,7 @@ def _solve_in_blocks(form, log_a, log_b, init, backend_key, table, options) -> S
 
     def block(span, checks, q, k, alpha, beta, la, lb, *rest):
         own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
-        cells, fg = (rest[0], rest[1:]) if table is not None else (None, rest)
+        cells, fg = _split_inputs(rest, table)
         out = _iterate(own, la, lb, tuple(fg) or None, **_on(block_options, cells), span=span,
                        check_end=checks)  # fmt: skip
         return out.f, out.g, *((out.pending,) if checks else ())
@@ -391,8 +391,9 @@ def solve_self(
     tensors = (form.q, form.k, form.alpha, form.beta, log_a, *_given(table))
     bound = form.cost_bound
 
-    def temps(rest):  # (the table, when there is one, leads the other inputs)
-        return (eps_list, rest) if table is None else (temperatures_on(eps_list, rest[0]), rest[1:])
+    def temps(rest):
+        own, start = _split_inputs(rest, table)
+        return _temperatures(eps_list, own), start
 
     if tol is not None:  # in blocks that end at a check (:func:`_in_blocks`)
         key = ("self", backend_key, _shapes(tensors), rho)
@@ -459,6 +460,15 @@ def _on(options: dict, table) -> dict:
 
 def _given(table) -> tuple:
     return () if table is None else (table,)
+
+
+def _split_inputs(rest: tuple, table) -> tuple:
+    """``(its table, its other inputs)`` of a replayed function's trailing inputs.
+
+    The table (a static copy of ``table``, or None without one) leads them, as
+    :func:`_given` put it.
+    """
+    return (rest[0], rest[1:]) if table is not None else (None, rest)
 
 
 def _shapes(tensors) -> tuple:

@@ -41,6 +41,9 @@ __all__ = [
 LOG2E = 1.0 / math.log(2.0)
 #: the table's columns: ε, log2(e)/ε, the ratio to the previous row's ε (at most 1), λ_x, λ_y
 EPS, SCALE, RATIO, LAM_X, LAM_Y = 0, 1, 2, 3, 4
+#: a launch's ``temp_at`` bits: read ε and log2(e)/ε from the row; also the ratio (it
+#: scales the fused gate's limit); also the damping (it scales the update's weights)
+READ_ROW, READ_RATIO, READ_DAMPING = 1, 2, 4
 
 
 class Temperature(float):

@@ -79,10 +79,11 @@ def variants():
     yield K._plan_sums_kernel, dict(exact, PRECISION="tf32x3", PRESPLIT=True), True
     yield K._plan_sums_kernel, dict(exact, PRECISION="tf32", PRESPLIT=False), False
     from flashot.backends.triton import COMBINE_TILE
+    from flashot.backends.triton._combine import _combine_kernel
 
     rows, cols = COMBINE_TILE  # the split merge's tiles as launched
-    yield K._combine_kernel, dict(BLOCK=rows, BLOCK_P=cols, HAS_V=True), False
-    yield K._combine_kernel, dict(BLOCK=128, BLOCK_P=1, HAS_V=False, UNIT_SUMS=True), False
+    yield _combine_kernel, dict(BLOCK=rows, BLOCK_P=cols, HAS_V=True), False
+    yield _combine_kernel, dict(BLOCK=128, BLOCK_P=1, HAS_V=False, UNIT_SUMS=True), False
     yield (
         K._update_kernel,
         dict(BLOCK=1024, RELAXED_X=True, RELAXED_Y=False, CHECK=True, GATED=True, LOG_SUMS=False),

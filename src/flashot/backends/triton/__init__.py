@@ -24,23 +24,18 @@ from flashot.backends.base import Backend
 from flashot.backends.near import NEAR_FROM, is_near_uniform
 from flashot.backends.plan_vjp import ALL
 from flashot.backends.triton import _configs
-from flashot.backends.triton._gate import Gate
-from flashot.backends.triton._kernels import (
-    _attend_kernel,
-    _combine_kernel,
-    _plan_sums_kernel,
-    _update_kernel,
-)
+from flashot.backends.triton._combine import _combine_kernel
+from flashot.backends.triton._gate import _HI, _LO_PER_TERM, Gate, sum_ranges
+from flashot.backends.triton._kernels import _attend_kernel, _plan_sums_kernel, _update_kernel
 from flashot.backends.triton._launch import _ATTEND, _PLAN_SUMS, TunedLaunches, temp_args
 from flashot.backends.triton._one_pass import exact_lse
 from flashot.backends.triton._operands import OperandCache, split_work
 from flashot.backends.triton._vjp import FUSED_UP_TO, fused_plan_vjp
 from flashot.dual import log_residual
-from flashot.temperature import Temperature, device_value, follows
+from flashot.temperature import LOG2E, Temperature, device_value, follows
 
 __all__ = ["TritonBackend"]
 
-LOG2E = 1.4426950408889634
 # tl.dot input precisions per mode (float32 operands); the interpreter knows only IEEE
 _DOT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "tf32", "fp16": "tf32"}
 #: the tile tables' name for the split score operands' dot (:mod:`._split`)
@@ -55,8 +50,6 @@ COMBINE_TILE = (64, 64)
 #: relaxed problems skip the fused pass when the last step's largest |ln R| (nats)
 #: exceeded this: the sums would mostly fall outside their window and need repair anyway
 GATE_LIMIT = 100.0
-#: exact range of a plan sum per unit of size·max(1, weight), and its upper end
-_LO_PER_TERM, _HI = 2.0**-100, 2.0**120
 #: the fused sums of a step carry a factor 2^SUM_SHIFT: their window of exact residuals
 #: ln R is then about ±70 nats around 0 for n up to 10^6 (unshifted: −58…+83 at 50k)
 SUM_SHIFT = 18.0
@@ -372,20 +365,6 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         """
         return size * max(1.0, max_weight) * _LO_PER_TERM, _HI
 
-    def _ranges(self, log_a, log_b, state=None) -> tuple[torch.Tensor, float]:
-        """``(lo, hi)``: :meth:`valid_range` of row sums (``lo[0]``) and column sums (``lo[1]``).
-
-        ``lo`` is computed on the device (no host round trip), once per solve.
-        """
-        if state is not None and state.ranges is not None:
-            return state.ranges
-        # log(size · max(1, w)), with no host tensor (this may run inside a CUDA graph)
-        logs = [lw.max().float().clamp_min(0.0) + math.log(len(lw)) for lw in (log_b, log_a)]
-        ranges = (torch.stack(logs).exp() * _LO_PER_TERM, _HI)
-        if state is not None:
-            state.ranges = ranges
-        return ranges
-
     def reads_temperatures(self, form):
         """:meth:`~flashot.backends.base.Backend.reads_temperatures`: one problem, no capture.
 
@@ -454,10 +433,10 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             state.eps, state.steps = eps, state.steps + 1
         if self.fused:
             r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate, limit, span and not probe,
-                                  SUM_SHIFT, ratio=not probe and ratio)  # fmt: skip
+                                  SUM_SHIFT, ratio=ratio)  # fmt: skip
         else:
             r, c = torch.zeros(n, device=dev), torch.zeros(m, device=dev)
-        lo, hi = self._ranges(log_a, log_b, state)
+        lo, hi = sum_ranges(log_a, log_b, state)
         seg = form.segments
         lse_r = self._attend(form.q, form.k, eps, bias_r, repair=(r, lo[0:1], hi),
                              segments=seg)[0]  # fmt: skip
@@ -475,7 +454,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         """
         n, m, dev = f.shape[0], g.shape[0], f.device
         if sums is None:  # no sum is in range: every entry takes its LSE
-            lo, hi = self._ranges(log_a, log_b, state)
+            lo, hi = sum_ranges(log_a, log_b, state)
             r, c = torch.zeros(n, device=dev), torch.zeros(m, device=dev)
         else:
             r, c, lo, hi = sums

@@ -5,9 +5,15 @@ Split from :mod:`flashot.backends.triton` (its :meth:`TritonBackend.fast_state`)
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["Gate"]
+__all__ = ["Gate", "sum_ranges"]
+
+#: exact range of a plan sum per unit of size·max(1, weight), and its upper end
+#: (:meth:`~flashot.backends.triton.TritonBackend.valid_range`)
+_LO_PER_TERM, _HI = 2.0**-100, 2.0**120
 
 
 class Gate:
@@ -27,3 +33,20 @@ class Gate:
     def swap(self):
         p, self.parity = self.parity, 1 - self.parity
         return self.slots[2 * p : 2 * p + 2], self.slots[2 - 2 * p : 4 - 2 * p]
+
+
+def sum_ranges(log_a, log_b, state: Gate | None = None) -> tuple[torch.Tensor, float]:
+    """``(lo, hi)``: the exact range of row sums (``lo[0]``) and column sums (``lo[1]``).
+
+    :meth:`~flashot.backends.triton.TritonBackend.valid_range` for the weights ``log_b``
+    (rows) and ``log_a`` (columns); ``lo`` is computed on the device (no host round
+    trip), once per solve (kept in ``state``).
+    """
+    if state is not None and state.ranges is not None:
+        return state.ranges
+    # log(size · max(1, w)), with no host tensor (this may run inside a CUDA graph)
+    logs = [lw.max().float().clamp_min(0.0) + math.log(len(lw)) for lw in (log_b, log_a)]
+    ranges = (torch.stack(logs).exp() * _LO_PER_TERM, _HI)
+    if state is not None:
+        state.ranges = ranges
+    return ranges

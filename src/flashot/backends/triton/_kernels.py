@@ -8,7 +8,8 @@ exponential is one ``exp2``. The kernels:
   (``HAS_V``) the running ``Σ_j 2^{t_ij − max} v_j`` on chip. Exact for any inputs.
   The bias is either given (``h``) or formed on the fly from a potential,
   ``h = g − β + ε log b`` (``POTENTIAL_BIAS``), which saves the host three launches.
-* ``_combine_kernel`` merges the partial (max, sum, acc) of column splits.
+* ``_combine_kernel`` (:mod:`._combine`) merges the partial (max, sum, acc) of column
+  splits.
 * ``_plan_sums_kernel`` (one exp per element for rows *and* columns, column-stationary):
   with ``E_ij = exp((⟨q_i, k_j⟩ + f_i − α_i + g_j − β_j)/ε)`` it accumulates
   ``R_i = Σ_j b_j E_ij`` and ``C_j = Σ_i a_i E_ij``. No max is tracked, so a sum is
@@ -29,7 +30,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)
+from flashot import temperature as _row
+
+LOG2E = tl.constexpr(_row.LOG2E)  # (the host's, :mod:`flashot.temperature`)
+#: a temperature row's columns and the bits of ``temp_at`` (:mod:`flashot.temperature`)
+EPS, SCALE, RATIO, LAM_X, LAM_Y = (tl.constexpr(c) for c in (_row.EPS, _row.SCALE, _row.RATIO,
+                                                            _row.LAM_X, _row.LAM_Y))  # fmt: skip
+READ_RATIO, READ_DAMPING = tl.constexpr(_row.READ_RATIO), tl.constexpr(_row.READ_DAMPING)
 #: scalar control pointers (gates, the error sum, repair bounds): views at any offset of
 #: small state buffers. Specialized on their alignment, one set of constexprs compiled
 #: again per offset (the GeomLoss call's first call on the H200: 3 plan-sums, 2 attend
@@ -190,12 +197,11 @@ def _side_ahead(P, OFFSET, LOG_W, offs, hi, ahead_p, ahead_o, ahead_w):
 
 
 @triton.jit
-def _temperature(TEMP, temp_at, eps, scale):
-    """``(ε, log2(e)/ε)``: the scalars, or with ``temp_at`` ≠ 0 those of the row ``TEMP``."""
+def _from_row(TEMP, temp_at, value, COLUMN: tl.constexpr):
+    """A scalar argument, or with ``temp_at`` ≠ 0 column COLUMN of the temperature row."""
     if temp_at != 0:
-        eps = tl.load(TEMP)
-        scale = tl.load(TEMP + 1)
-    return eps, scale
+        value = tl.load(TEMP + COLUMN)
+    return value
 
 
 @triton.jit
@@ -276,9 +282,9 @@ def _attend_kernel(
     (BLOCK_M, BLOCK_P) floats per tile, where a program per chunk recomputes the scores.
     SEGMENTED (a packed batch, :mod:`flashot.segments`): program ``pid_m`` reads its rows
     ``[r0, r1)`` and its problem's columns ``[c0, c1)`` from the table ``BLOCKS``.
-    ``temp_at`` ≠ 0: ε and ``scale`` are read from ``TEMP`` (``_temperature``).
+    ``temp_at`` ≠ 0: ε and ``scale`` are read from the row ``TEMP`` (``_from_row``).
     """
-    eps, scale = _temperature(TEMP, temp_at, eps, scale)
+    eps, scale = _from_row(TEMP, temp_at, eps, EPS), _from_row(TEMP, temp_at, scale, SCALE)
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_p = tl.program_id(2)
@@ -366,52 +372,6 @@ def _attend_kernel(
             tl.store(ptrs, out, mask=row_ok[:, None] & (offs_p[None, :] < p))
 
 
-@triton.jit(
-    do_not_specialize=RUNTIME_INTS["_combine_kernel"],
-    do_not_specialize_on_alignment=CONTROL_POINTERS["_combine_kernel"],
-)
-def _combine_kernel(
-    PART_MAX, PART_SUM, PART_ACC, LSE, OUT, n, p, splits, eps, TEMP, temp_at, stride_on, stride_op,
-    BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, HAS_V: tl.constexpr,
-    UNIT_SUMS: tl.constexpr = False,
-):
-    """Merge column-split partials: ``M = max_s m_s``, ``L = Σ_s l_s 2^{m_s − M}``, same for acc.
-
-    Grid: (row blocks of BLOCK, value chunks of BLOCK_P); every chunk's program merges
-    the (cheap) row statistics again and the first writes LSE. A bounded chunk keeps the
-    program small: one (128, 1024) tile for p = 784 took Triton 3.6 72 s to compile.
-    UNIT_SUMS: the partials are base-2 LSEs (every ``l_s`` is 1; PART_SUM unused).
-    ``temp_at`` ≠ 0: ε is read from ``TEMP``.
-    """
-    eps, _ = _temperature(TEMP, temp_at, eps, eps)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    ok = offs < n
-    top = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
-    for s in range(splits):
-        top = tl.maximum(top, tl.load(PART_MAX + s * n + offs, mask=ok, other=float("-inf")))
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK, BLOCK_P), dtype=tl.float32)
-    for s in range(splits):
-        w = tl.exp2(tl.load(PART_MAX + s * n + offs, mask=ok, other=float("-inf")) - top)
-        if UNIT_SUMS:
-            total += w
-        else:
-            total += w * tl.load(PART_SUM + s * n + offs, mask=ok, other=0.0)
-        if HAS_V:
-            part = tl.load(
-                PART_ACC + (s * n + offs)[:, None] * p + offs_p[None, :],
-                mask=ok[:, None] & (offs_p[None, :] < p),
-                other=0.0,
-            )
-            acc += w[:, None] * part
-    tl.store(LSE + offs, eps * (top + tl.log2(total)) / LOG2E, mask=ok & (tl.program_id(1) == 0))
-    if HAS_V:
-        ptrs = OUT + offs[:, None] * stride_on + offs_p[None, :] * stride_op
-        tl.store(ptrs, acc / total[:, None], mask=ok[:, None] & (offs_p[None, :] < p))
-
-
 @triton.jit
 def _side_terms(p, offset, log_w, ok, scale):
     """One side's exponent share ``(p − offset)·scale`` (``-inf`` off the tail) and weights."""
@@ -459,12 +419,12 @@ def _plan_sums_kernel(
     tile, one exp per update (``2^{−|x − M|}``: the larger side's term is 1), reduced
     once at the end into ``COL_MAX``/``COL_SUM[pid_s, j]``. Two exps per score and no
     reduction across warps in the loop.
-    ``temp_at`` ≠ 0: ``scale`` is read from ``TEMP``; with bit 2 also the ratio of this
+    ``temp_at`` ≠ 0: ``scale`` is read from ``TEMP``; with READ_RATIO also the ratio of this
     temperature to the last, which scales ``gate_limit``.
     """
-    _, scale = _temperature(TEMP, temp_at, scale, scale)
-    if (temp_at & 2) != 0:
-        gate_limit = gate_limit * tl.load(TEMP + 2)
+    scale = _from_row(TEMP, temp_at, scale, SCALE)
+    if (temp_at & READ_RATIO) != 0:
+        gate_limit = gate_limit * tl.load(TEMP + RATIO)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     col_lo, col_end, seg_lo, seg_hi = pid_n * BLOCK_N, m, 0, n
@@ -600,12 +560,12 @@ def _update_kernel(
     ``a e^{−f/ρ}`` when relaxed) to ERR; with GATED, the largest ``ln R``, ``ln C`` goes
     to ``GATE[0]`` and the largest ``−ln R``, ``−ln C`` to ``GATE[1]``, for the next
     fused launch. Programs ``[0, cdiv(n, BLOCK))`` do f, the rest g. ``temp_at`` ≠ 0: ε is
-    read from ``TEMP``; with bit 4 also λ_x, λ_y, which scale ``w_new_x``, ``w_new_y``.
+    read from ``TEMP``; with READ_DAMPING also λ_x, λ_y, which scale ``w_new_x``, ``w_new_y``.
     """
-    eps, _ = _temperature(TEMP, temp_at, eps, eps)
-    if (temp_at & 4) != 0:
-        w_new_x = w_new_x * tl.load(TEMP + 3)
-        w_new_y = w_new_y * tl.load(TEMP + 4)
+    eps = _from_row(TEMP, temp_at, eps, EPS)
+    if (temp_at & READ_DAMPING) != 0:
+        w_new_x = w_new_x * tl.load(TEMP + LAM_X)
+        w_new_y = w_new_y * tl.load(TEMP + LAM_Y)
     pid = tl.program_id(0)
     blocks_f = tl.cdiv(n, BLOCK)
     if pid < blocks_f:

@@ -18,7 +18,7 @@ from triton.runtime.errors import OutOfResources
 from flashot.backends import on_device, triton_interpreted
 from flashot.backends.triton import _configs, _tables
 from flashot.backends.triton._kernels import _attend_kernel, _plan_sums_kernel
-from flashot.temperature import Temperature
+from flashot.temperature import READ_DAMPING, READ_RATIO, READ_ROW, Temperature
 
 __all__ = ["FINALISTS", "TunedLaunches", "temp_args"]
 
@@ -33,7 +33,7 @@ def temp_args(eps: float, unused: torch.Tensor, ratio: bool = False,
     scalar arguments.
     """
     if isinstance(eps, Temperature):
-        return eps.cell, 1 | (2 if ratio else 0) | (4 if damped else 0)
+        return eps.cell, READ_ROW | (READ_RATIO if ratio else 0) | (READ_DAMPING if damped else 0)
     return unused, 0
 
 

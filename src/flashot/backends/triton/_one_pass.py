@@ -27,12 +27,13 @@ import triton
 
 from flashot.backends import on_device
 from flashot.backends.triton import _configs
-from flashot.backends.triton._kernels import _combine_kernel, _plan_sums_kernel
+from flashot.backends.triton._combine import _combine_kernel
+from flashot.backends.triton._kernels import _plan_sums_kernel
 from flashot.backends.triton._launch import temp_args
+from flashot.temperature import LOG2E
 
 __all__ = ["exact_lse", "partials_budget"]
 
-LOG2E = 1.4426950408889634
 #: bytes of partials any one-pass step may take (see partials_budget)
 PARTIALS_FLOOR = 1 << 26
 

@@ -27,10 +27,10 @@ from flashot.backends.plan_vjp import ALL, PlanVJP
 from flashot.backends.triton import _configs
 from flashot.backends.triton._kernels import _load_tile, _score_tile
 from flashot.dual import plan_times
+from flashot.temperature import LOG2E
 
 __all__ = ["FUSED_UP_TO", "fused_plan_vjp"]
 
-LOG2E = 1.4426950408889634
 #: widest features and values the fused kernel takes
 FUSED_UP_TO = 128
 #: tiles (BLOCK_M, BLOCK_N, warps, stages) on a GPU for wide values and for narrow ones
