@@ -14,6 +14,8 @@ for w in .whl/*.whl; do
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$target" "$w" > /dev/null 2>&1 || echo "could not install $w"
 done
+# KeOps (GeomLoss online) with CUDA 12.1's NVRTC where its wheels were brought (.keops)
+[ -d .keops ] && source "$(dirname "$0")/keops_cuda12.sh" .keops
 export PYTHONPATH=$PWD/src:/tmp/site
 export TRITON_CACHE_DIR=$PWD/.triton_cache FLASHOT_CACHE_DIR=$PWD/.triton_cache/flashot
 # the peers' Triton autotuning is kept on disk across calls (each shape still tunes once)

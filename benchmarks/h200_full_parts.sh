@@ -2,7 +2,7 @@
 # The --full suite of BENCHMARKS.md in parts that each fit one 10-minute device call;
 # `flashot bench --merge OUT/a OUT/b ... --out OUT/full` assembles them (one table, CSV,
 # JSON, plots). Usage: bash benchmarks/h200_full_parts.sh PART OUT   (PART: a … g, c2)
-# a, b: every peer at n ≤ 50k (d 3/64, then 512/1024); c, c2: n 200k, 1M for flashot, then
+# a, b: every peer at n ≤ 50k (d 3/64, then 512/1024); k: GeomLoss on KeOps at 10k/50k; c, c2: n 200k, 1M for flashot, then
 # the peer that streams; d: HVP and time-to-tolerance; e: the largest n per provider in 60 s;
 # f: the fast modes beside the default at n ≤ 50k; g: time to a marginal error of 1e-5 (its
 # own settings: --merge keeps it apart from d's 1e-3). Each row is written as it finishes and a
@@ -14,7 +14,7 @@
 # (then commit the rows to results/h200_full/PART, which seeds an OUT without them).
 set -u
 part=$1 out=$2
-gpu_peers=flashot-triton,flash-sinkhorn,ott-online,ott-dense,geomloss-tensorized,dense-torch,pot
+gpu_peers=flashot-triton,flash-sinkhorn,ott-online,ott-dense,geomloss-tensorized,geomloss-online,dense-torch,pot
 case $part in
   a) args=(--sizes 1000,10000,50000 --dims 3,64 --providers $gpu_peers) ;;
   b) args=(--sizes 1000,10000,50000 --dims 512,1024 --providers $gpu_peers) ;;
@@ -30,7 +30,9 @@ case $part in
            --providers flashot-triton,flashot-triton-tf32,flashot-triton-bf16) ;;
   g) args=(--workloads converge --tol 1e-5 --sizes 10000,50000 --dims 64
            --providers flashot-triton,ott-online,pot) ;;
-  *) echo "PART: one of a b c c2 d e f g" >&2; exit 2 ;;
+  # k: GeomLoss on KeOps beside flashot (KeOps needs .keops: see keops_cuda12.sh)
+  k) args=(--sizes 10000,50000 --dims 64,512 --providers flashot-triton,geomloss-online) ;;
+  *) echo "PART: one of a b c c2 d e f g k" >&2; exit 2 ;;
 esac
 [ "$part" = c2 ] && part=c
 # rows committed from an earlier session (results/h200_full/PART) seed a fresh OUT
