@@ -4,7 +4,9 @@
 # points it at CUDA 12.1's NVRTC and headers from PyPI wheels (the 580 driver runs CUDA 12
 # code). Usage: source benchmarks/keops_cuda12.sh DIR, where DIR holds
 #   pykeops-2.3 and keopscore-2.3 wheels (pip wheel --no-deps from their sdists) and
-#   nvidia_cuda_nvrtc_cu12-12.1.105 and nvidia_cuda_runtime_cu12-12.1.105 (pip download).
+#   nvidia_cuda_nvrtc_cu12-12.1.105, nvidia_cuda_runtime_cu12-12.1.105 and
+#   nvidia_cuda_cccl_cu12-12.9.27 (pip download; cuda_fp16.h includes CCCL's nv/target,
+#   which 12.1's CCCL wheel lacks: only its nv/ folder is taken).
 # KeOps finds libraries with ctypes.util.find_library, which asks ldconfig first; a
 # sitecustomize on the path answers nvrtc and cudart from the wheels instead.
 wheels=${1:-.keops}
@@ -13,9 +15,10 @@ mkdir -p /tmp/site "$cuda/include" "$cuda/lib"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/keops_wheels "$wheels"/*.whl > /dev/null 2>&1 || echo "could not install $wheels"
 cp -r /tmp/keops_wheels/pykeops /tmp/keops_wheels/keopscore /tmp/site/
+cp -r /tmp/keops_wheels/nvidia/cuda_cccl/include/nv "$cuda/include/"
 for part in cuda_runtime cuda_nvrtc; do
   cp -r /tmp/keops_wheels/nvidia/$part/include/* "$cuda/include/"
-  for lib in /tmp/keops_wheels/nvidia/$part/lib/*.so.*; do
+  for lib in $(ls /tmp/keops_wheels/nvidia/$part/lib/*.so.* 2>/dev/null); do
     ln -sf "$lib" "$cuda/lib/$(basename "$lib")"
     ln -sf "$lib" "$cuda/lib/$(basename "$lib" | sed 's/\.so\..*/.so/')"
   done

@@ -24,6 +24,22 @@ def test_rows_read_back_as_written(tmp_path):
     assert got == rows and env == ENV and got[0].x_floor == 2.0
 
 
+def test_rows_read_back_from_the_csv_alone(tmp_path):
+    """A remote run may bring back only its CSV: the same rows and environment."""
+    rows = [_row(1000), _row(2000, "flash-sinkhorn", skipped="not installed"),
+            Row("gradient", "flashot-triton", 50_000, 3, ms=25.25, first_s=5.5, peak_mb=96.0,
+                value=0.601989030838, floor_ms=10.1, rel_error=6.1e-07,
+                computes="OT_eps, with a comma")]  # fmt: skip
+    write(rows, {**ENV, "partial": True}, tmp_path)
+    (tmp_path / "bench.json").unlink()
+    got, env = read(tmp_path)
+    assert got == rows and env == {**ENV, "partial": True}
+    assert read(tmp_path / "bench.csv") == (got, env)
+    (tmp_path / "bench.csv").write_text("workload,provider\nforward,x\n")
+    with pytest.raises(ValueError, match="bench.csv: not a flashot bench result"):
+        read(tmp_path)
+
+
 def test_later_timed_rows_replace_earlier_ones_and_skips_never_replace_times():
     first = [_row(1000, ms=5.0), _row(1000, "peer", ms=7.0), _row(2000, "peer", skipped="x")]
     later = [_row(1000, ms=4.0), _row(1000, "peer", skipped="not installed"),

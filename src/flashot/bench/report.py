@@ -62,18 +62,53 @@ def write(rows: list[Row], env: dict, out: Path, name: str = "bench") -> list[Pa
 def read(path: Path) -> tuple[list[Row], dict]:
     """The rows and environment a suite wrote (:func:`write`).
 
-    ``path``: its ``bench.json`` or the folder holding it. Raises ValueError naming the
-    file when it is missing or not a suite's.
+    ``path``: its ``bench.json``, its ``bench.csv`` (the same rows, with the environment
+    in its comment lines: what a remote run may bring back alone) or the folder holding
+    them (the JSON first). Raises ValueError naming the file when it is missing or not a
+    suite's.
     """
     path = Path(path)
-    file = path / "bench.json" if path.is_dir() else path
+    file = path
+    if path.is_dir():
+        file = path / "bench.json" if (path / "bench.json").exists() else path / "bench.csv"
     try:
+        if file.suffix == ".csv":
+            return _read_csv(file)
         payload = json.loads(file.read_text())
         fields = {f.name for f in dataclasses.fields(Row)}
         rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in payload["rows"]]
         return rows, payload["environment"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{file}: not a flashot bench result ({exc})") from None
+
+
+def _read_csv(file: Path) -> tuple[list[Row], dict]:
+    lines = file.read_text().splitlines()
+    env = {}
+    for line in lines:
+        if not line.startswith("# "):
+            break
+        key, value = line[2:].split(": ", 1)
+        env[key] = json.loads(value)
+    types = {f.name: str(f.type) for f in dataclasses.fields(Row)}
+    rows = []
+    for record in csv.DictReader(lines[len(env):]):
+        given = {}
+        for key, text in record.items():
+            if key not in types:
+                continue  # x_floor is derived
+            if text == "":
+                given[key] = "" if key == "computes" else None
+            elif "int" in types[key]:
+                given[key] = int(text)
+            elif "float" in types[key]:
+                given[key] = float(text)
+            else:
+                given[key] = text
+        rows.append(Row(**given))
+    if "device" not in env:
+        raise ValueError("no environment lines")
+    return rows, env
 
 
 def merge(runs: list[tuple[list[Row], dict]]) -> tuple[list[Row], dict]:
