@@ -36,7 +36,7 @@ def test_rows_read_back_from_the_csv_alone(tmp_path):
     assert got == rows and env == {**ENV, "partial": True}
     assert read(tmp_path / "bench.csv") == (got, env)
     (tmp_path / "bench.csv").write_text("workload,provider\nforward,x\n")
-    with pytest.raises(ValueError, match="bench.csv: not a flashot bench result"):
+    with pytest.raises(ValueError, match=r"bench\.csv: not a flashot bench result"):
         read(tmp_path)
 
 

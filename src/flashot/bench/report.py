@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 from flashot.bench.harness import Row
 
@@ -84,7 +85,7 @@ def read(path: Path) -> tuple[list[Row], dict]:
 
 def _read_csv(file: Path) -> tuple[list[Row], dict]:
     lines = file.read_text().splitlines()
-    env = {}
+    env: dict[str, Any] = {}
     for line in lines:
         if not line.startswith("# "):
             break
@@ -93,7 +94,7 @@ def _read_csv(file: Path) -> tuple[list[Row], dict]:
     types = {f.name: str(f.type) for f in dataclasses.fields(Row)}
     rows = []
     for record in csv.DictReader(lines[len(env):]):
-        given = {}
+        given: dict[str, Any] = {}
         for key, text in record.items():
             if key not in types:
                 continue  # x_floor is derived
