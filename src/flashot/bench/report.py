@@ -93,7 +93,7 @@ def _read_csv(file: Path) -> tuple[list[Row], dict]:
         env[key] = json.loads(value)
     types = {f.name: str(f.type) for f in dataclasses.fields(Row)}
     rows = []
-    for record in csv.DictReader(lines[len(env):]):
+    for record in csv.DictReader(lines[len(env) :]):
         given: dict[str, Any] = {}
         for key, text in record.items():
             if key not in types:
