@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The --full suite of BENCHMARKS.md in parts that each fit one 10-minute device call;
 # `flashot bench --merge OUT/a OUT/b ... --out OUT/full` assembles them (one table, CSV,
-# JSON, plots). Usage: bash benchmarks/h200_full_parts.sh PART OUT   (PART: a … g, c2)
-# a, b: every peer at n ≤ 50k (d 3/64, then 512/1024); k: GeomLoss on KeOps at 10k/50k; c, c2: n 200k, 1M for flashot, then
-# the peer that streams; d: HVP and time-to-tolerance; e: the largest n per provider in 60 s;
+# JSON, plots). Usage: bash benchmarks/h200_full_parts.sh PART OUT   (PART: a … g, c2, k)
+# a, b: every peer at n ≤ 50k (d 3/64, then 512/1024); c, c2: n 200k, 1M for flashot,
+# then the peer that streams; d: HVP and time-to-tolerance; e: the largest n per provider
+# in 60 s; k: GeomLoss on KeOps beside flashot at 10k/50k;
 # f: the fast modes beside the default at n ≤ 50k; g: time to a marginal error of 1e-5 (its
 # own settings: --merge keeps it apart from d's 1e-3). Each row is written as it finishes and a
 # part runs with --resume: a call cut by its timeout keeps its rows, and the same command

@@ -18,7 +18,8 @@ cp -r /tmp/keops_wheels/pykeops /tmp/keops_wheels/keopscore /tmp/site/
 cp -r /tmp/keops_wheels/nvidia/cuda_cccl/include/nv "$cuda/include/"
 for part in cuda_runtime cuda_nvrtc; do
   cp -r /tmp/keops_wheels/nvidia/$part/include/* "$cuda/include/"
-  for lib in $(ls /tmp/keops_wheels/nvidia/$part/lib/*.so.* 2>/dev/null); do
+  for lib in /tmp/keops_wheels/nvidia/$part/lib/*.so.*; do
+    [ -e "$lib" ] || continue
     ln -sf "$lib" "$cuda/lib/$(basename "$lib")"
     ln -sf "$lib" "$cuda/lib/$(basename "$lib" | sed 's/\.so\..*/.so/')"
   done

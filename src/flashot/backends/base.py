@@ -120,8 +120,8 @@ class Backend:
             return self._per_segment(form, h, eps, v, log_w)
         if seg is None and is_near_uniform(form, eps):
             return near_attend(form, h, eps, v, log_w)
-        return self._row_attend(form, h if log_w is None else h + device_value(eps) * log_w, eps,
-                                v)  # fmt: skip
+        bias = h if log_w is None else h + device_value(eps) * log_w
+        return self._row_attend(form, bias, eps, v)
 
     def _per_segment(self, form, h, eps, v, log_w):
         """:meth:`row_attend` of a packed form, one problem at a time (a launch each)."""
