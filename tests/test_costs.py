@@ -117,3 +117,39 @@ def test_squared_norms_first_and_second_derivatives():
         assert torch.allclose(_SquaredNorms.apply(w), (w * w).sum(-1), rtol=1e-14, atol=0)
         assert torch.autograd.gradcheck(_SquaredNorms.apply, (w,))
         assert torch.autograd.gradgradcheck(_SquaredNorms.apply, (w,))
+
+
+@settings(max_examples=30, deadline=None)
+@given(name=st.sampled_from(sorted(COSTS)), n=st.integers(1, 40), d=st.integers(1, 6),
+       shift=st.sampled_from([0.0, 3.0, 1e3]), grad=st.booleans(),
+       rounding=st.sampled_from([None, "tf32", torch.bfloat16]), seed=st.integers(0, 99))  # fmt: skip
+def test_self_form_is_the_form_of_the_cloud_with_itself(name, n, d, shift, grad, rounding, seed):
+    """``self_attention_form(x)`` is ``attention_form(x, x.detach())`` from one centering:
+    the same numbers (the column side a detached copy), an exactly symmetric matrix, the
+    float64 cost, and gradients to the row side only."""
+    from flashot.costs import self_attention_form
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen, dtype=torch.float32) + shift
+    if rounding is None:
+        x = x.double()
+    cost = get_cost(name)
+    xs = x.clone().requires_grad_(grad)
+    own = self_attention_form(cost, xs, rounding=rounding)
+    xr = x.clone().requires_grad_(grad)
+    ref = attention_form(cost, xr, x, rounding=rounding)
+    for a, b in zip((own.q, own.k, own.alpha, own.beta), (ref.q, ref.k, ref.alpha, ref.beta),
+                    strict=True):  # fmt: skip
+        assert torch.allclose(a.detach(), b.detach(), rtol=1e-6, atol=1e-6 * (1 + shift) ** 2)
+    dense = own.dense().detach()
+    assert torch.equal(dense, dense.T)
+    assert own.cost_bound == pytest.approx(ref.cost_bound, rel=1e-6)
+    if rounding is None and shift < 1e3:
+        assert (dense - dense_cost(x, x, name)).abs().max() < 1e-10 * (1 + shift) ** 2
+    assert not own.k.requires_grad and not own.beta.requires_grad
+    assert own.q.requires_grad == grad and own.alpha.requires_grad == grad
+    if grad:  # the row side's gradients are attention_form's
+        w = torch.randn(n, n, generator=gen, dtype=dense.dtype)
+        (g_own,) = torch.autograd.grad((own.dense() * w).sum(), xs)
+        (g_ref,) = torch.autograd.grad((ref.dense() * w).sum(), xr)
+        assert rel(g_own, g_ref) < 1e-5

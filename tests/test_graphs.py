@@ -209,19 +209,52 @@ def test_final_step_runs_with_the_loop_and_matches_the_extrapolation(gen, monkey
     assert solver.solve(*args, max_iter=5, tol=None).final is None
 
 
-def test_a_differentiable_solve_keeps_the_final_step_out_of_the_replay(gen, monkeypatch):
-    """With autograd on x the last step must be the differentiated one: same gradient
-    whether the loop is replayed or not."""
-    monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=Replayer))
+def _count_attends(monkeypatch) -> list:
+    """Calls of the torch backend's ``row_attend`` (the streaming pass) made from Python:
+    a replayed sequence runs its recorded ops instead and adds none."""
+    calls: list = []
+    original = TorchBackend.row_attend
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchBackend, "row_attend", counted)
+    return calls
+
+
+@settings(max_examples=12, deadline=None)
+@given(update=st.sampled_from(["symmetric", "alternating"]), rho=st.sampled_from([None, 0.7]),
+       grad_y=st.booleans(), weights=st.booleans())  # fmt: skip
+def test_a_differentiable_solve_replays_its_final_passes_with_the_eager_gradients(
+    update, rho, grad_y, weights
+):
+    """With autograd on x (and y, and the weights) the final step's streaming passes run
+    in the replayed sequence and autograd attaches to their outputs afterwards: values
+    and gradients are the eager ones, and a replayed call streams nothing from Python."""
+    gen = torch.Generator().manual_seed(int(grad_y) + 2 * int(weights))
     x, y = clouds(gen, 20, 15, 3)
-    grads = []
-    for key in (("torch",), ("torch",), ("torch",), None):
-        monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form, key=key: key)
-        xg = x.clone().requires_grad_()
-        cost = flashot.sinkhorn(xg, y, eps=0.3, max_iter=6, tol=None).cost
-        grads.append(torch.autograd.grad(cost, xg)[0])
-    assert all(rel(g, grads[-1]) < 1e-13 for g in grads[:-1])
-    assert grads[-1].abs().max() > 0
+    a = torch.rand(20, generator=gen, dtype=x.dtype) + 0.5 if weights else None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(solver, "GRAPHS", graphs.GraphCache(capture=Replayer))
+        calls = _count_attends(mp)
+        outs = []
+        for key in (("torch",), ("torch",), ("torch",), None):
+            mp.setattr(TorchBackend, "graph_key", lambda self, form, key=key: key)
+            xg, yg = x.clone().requires_grad_(), y.clone().requires_grad_(grad_y)
+            ag = None if a is None else a.clone().requires_grad_()
+            calls.clear()
+            cost = flashot.sinkhorn(xg, yg, ag, eps=0.3, max_iter=6, tol=None, update=update,
+                                    rho=rho).cost  # fmt: skip
+            wrt = [t for t in (xg, yg, ag) if t is not None and t.requires_grad]
+            outs.append((cost.detach(), torch.autograd.grad(cost, wrt), len(calls)))
+    *replayed, eager = outs
+    for value, grads, _ in replayed:
+        assert rel(value, eager[0]) < 1e-13
+        assert all(rel(g, e) < 1e-12 for g, e in zip(grads, eager[1], strict=True))
+    # the replay streamed nothing eagerly (a relaxed cost measures the plan's mass after)
+    assert replayed[-1][2] == (0 if rho is None else 2) and eager[2] > 2
+    assert eager[1][0].abs().max() > 0
 
 
 def test_debiased_divergence_replays_its_self_problems_too(gen, monkeypatch):
@@ -230,6 +263,7 @@ def test_debiased_divergence_replays_its_self_problems_too(gen, monkeypatch):
     most of the call's eager launches at 10k); values and gradients are the eager ones."""
     Replayer.log = []
     monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=Replayer))
+    calls = _count_attends(monkeypatch)
     loss = flashot.SamplesLoss(blur=0.2, scaling=0.5, debias=True, diameter=4.0,
                                backend="torch")  # fmt: skip
     for shift in (0.0, 0.5, 1.0):  # (a fixed diameter: the same temperatures each call)
@@ -237,10 +271,16 @@ def test_debiased_divergence_replays_its_self_problems_too(gen, monkeypatch):
         outs = []
         for key in (("torch",), None):  # replayed (from the second call on), then eager
             monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form, key=key: key)
-            xg = x.clone().requires_grad_()
-            value = loss(xg, y)
-            outs.append((value.detach(), torch.autograd.grad(value, xg)[0]))
-        assert rel(outs[0][0], outs[1][0]) < 1e-13 and rel(outs[0][1], outs[1][1]) < 1e-12
+            xg, yg = x.clone().requires_grad_(), y.clone().requires_grad_()
+            calls.clear()
+            value = loss(xg, yg)
+            grads = torch.autograd.grad(value, (xg, yg))
+            outs.append((value.detach(), grads, len(calls)))
+        assert rel(outs[0][0], outs[1][0]) < 1e-13
+        assert all(rel(r, e) < 1e-12 for r, e in zip(outs[0][1], outs[1][1], strict=True))
+        # replayed (the third call; the first runs eagerly, the second captures): the final
+        # c-transforms of all three problems ran in their graphs
+        assert outs[0][2] == (0 if shift == 1.0 else outs[1][2]) and outs[1][2] > 0
     # (a capture replays at once: its call's outputs are the replay's)
     assert Replayer.log == ["capture", "replay"] * 3 + ["replay"] * 3
 

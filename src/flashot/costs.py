@@ -39,6 +39,7 @@ __all__ = [
     "joint_box",
     "joint_span",
     "round_operands",
+    "self_attention_form",
 ]
 
 
@@ -382,6 +383,40 @@ def attention_form(
         boxes = [column_box(t.detach()) for t in (x, y)]
         cost_bound = float(box_cost_bound(cost, *boxes))
     return AttentionForm(q, k, alpha, beta, row_features, col_features, cost_bound)
+
+
+def self_attention_form(
+    cost: Cost,
+    x: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    rounding=None,
+    cost_bound: float | None = None,
+) -> AttentionForm:
+    """``attention_form(cost, x, x.detach(), ...)`` (a self problem's) from one centering.
+
+    The column side is the row side's detached copy: ``k = q / 2s`` (a power of two, so
+    exact, and no copy when 2s = 1) and ``β = α``, which is what the column side's own
+    centering computes; the form is exactly symmetric. Costs with their own ``compile``
+    take :func:`attention_form`.
+
+    Args:
+        cost, dtype, rounding, cost_bound: as in :func:`attention_form`.
+        x: (n, d) the cloud; gradients flow to the row side only.
+    """
+    if hasattr(cost, "compile"):
+        return attention_form(cost, x, x.detach(), dtype, rounding, cost_bound)
+    dtype = dtype or x.dtype
+    u = cost.embed(x.to(dtype))
+    with torch.no_grad():
+        center = column_sum(u.detach()) / u.shape[0]  # (the joint center of (u, u), exactly)
+    two_s = 2.0 * cost.scale
+    q, alpha = _centered(u, center, rounding, two_s, cost.scale)
+    k = q.detach() if two_s == 1.0 else q.detach() / two_s
+    if cost_bound is None:
+        cost_bound = float(box_cost_bound(cost, *[column_box(x.detach())] * 2))
+    row_features = FeatureMap(cost, center, two_s, rounding, dtype)
+    col_features = FeatureMap(cost, center, 1.0, rounding, dtype)
+    return AttentionForm(q, k, alpha, alpha.detach(), row_features, col_features, cost_bound)
 
 
 @dataclass(frozen=True, eq=False)

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from flashot.autodiff.functional import functional_transforms
-from flashot.autodiff.functions import dual_term, extrapolate, needs_grad, soft_c_transform
+from flashot.autodiff.functions import dual_term, grads_needed, needs_grad, soft_c_transform
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.backends import entry_point
 from flashot.batched import sinkhorn_divergence_batched
 from flashot.caller import warn_at_caller
-from flashot.costs import attention_form
+from flashot.costs import attention_form, self_attention_form
 from flashot.ops import node_when_compiling
 from flashot.ot import ConvergenceWarning, _check_init, resolve_schedule, sinkhorn
 from flashot.problem import (
@@ -37,7 +37,7 @@ from flashot.problem import (
     parse_rho,
     weights_tensor,
 )
-from flashot.solver import solve, solve_self
+from flashot.solver import final_potentials, solve, solve_self
 from flashot.stopping import describe_miss, resolve_stopping
 
 __all__ = ["DebiasedPotentials", "debiased_potentials", "sinkhorn_divergence"]
@@ -129,17 +129,12 @@ def debiased_potentials(
         (rho, rho),
         engine,
         update=update,
-        final_step=not needs_grad(problem.form),
+        final_step=grads_needed(problem.form) if needs_grad(problem.form) else True,
         momentum=momentum,
         init=init,
         **opts,
     )
-    if out.final is not None:
-        f, g = out.final
-    else:
-        with engine.operand_scope():  # the accurate mode's split operands serve this pass too
-            f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, (lam, lam), engine,
-                               update)  # fmt: skip
+    f, g = final_potentials(problem.form, out, log_a, log_b, eps, (lam, lam), engine, update)
     dtype = problem.form.q.dtype
     outs = [("OT(a, b)", out)]
     p = q = None
@@ -147,8 +142,8 @@ def debiased_potentials(
         selves = []
         for cloud, log_w, name in ((problem.x, log_a, "OT(a, a)"), (problem.y, log_b, "OT(b, b)")):
             # the joint box holds each cloud's own: the problem's bound serves
-            self_form = attention_form(problem.cost, cloud, cloud.detach(), dtype, engine.rounding,
-                                       problem.form.cost_bound)  # fmt: skip
+            self_form = self_attention_form(problem.cost, cloud, dtype, engine.rounding,
+                                            problem.form.cost_bound)  # fmt: skip
             res = solve_self(
                 self_form.detach(),
                 log_w,
@@ -156,12 +151,14 @@ def debiased_potentials(
                 lambda e: problem.damping(e)[0],
                 rho,
                 engine,
+                final=grads_needed(self_form)[0],
                 **opts,
             )
             outs.append((name, res))
-            h = res.f - self_form.beta.detach()
-            with engine.operand_scope():
-                selves.append(soft_c_transform(self_form, h, log_w, eps, lam, engine))
+            assert res.final is not None
+            # (its pass ran with the solve: autograd gets the elementwise step only)
+            selves.append(soft_c_transform(self_form, res.f, log_w, eps, lam, engine,
+                                           res.final[0]))  # fmt: skip
         p, q = selves
     converged = None if tol is None else all(o.converged for _, o in outs)
     bound = problem.form.cost_bound

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from flashot.autodiff.functional import functional_transforms
-from flashot.autodiff.functions import extrapolate, needs_grad, relaxed_side
+from flashot.autodiff.functions import grads_needed, needs_grad, relaxed_side
 from flashot.autodiff.implicit import implicit_potentials
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.backends import entry_point
@@ -19,7 +19,7 @@ from flashot.costs import attention_form, bounding_diameter
 from flashot.dual import phi_sum
 from flashot.problem import Problem, cloud_tensor, make_problem
 from flashot.result import SinkhornResult, SolveHistory, TransportPlan
-from flashot.solver import solve, temperatures
+from flashot.solver import final_potentials, solve, temperatures
 from flashot.stopping import (
     FLOOR_FACTOR,
     FloorTolerance,
@@ -222,19 +222,15 @@ def sinkhorn(
         update=update,
         init=init,
         progress=progress,
-        final_step=not needs_grad(problem.form),  # then replayed with the loop
+        # (replayed with the loop, its streaming passes too when differentiated)
+        final_step=grads_needed(problem.form) if needs_grad(problem.form) else True,
         record=history,
         min_iter=min_iter,
         momentum=momentum,
     )
     # Final extrapolation: the only differentiated step (GeomLoss' convention).
-    if out.final is not None:
-        f, g = out.final
-    else:
-        lam = problem.damping(eps)
-        with engine.operand_scope():  # the accurate mode's split operands serve this pass too
-            f, g = extrapolate(problem.form, out.f, out.g, log_a, log_b, eps, lam, engine,
-                               update)  # fmt: skip
+    f, g = final_potentials(problem.form, out, log_a, log_b, eps, problem.damping(eps), engine,
+                            update)  # fmt: skip
     fd, gd = f.detach(), g.detach()
     pf = problem.form
     theta = (pf.q, pf.alpha, pf.k, pf.beta, problem.a, problem.b)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from flashot.autodiff.functions import extrapolate
+from flashot.autodiff.functions import extrapolate, extrapolation_parts, transform_parts
 from flashot.backends.base import Backend
 from flashot.backends.near import is_near_uniform
 from flashot.costs import AttentionForm
@@ -38,6 +38,7 @@ from flashot.temperature import device_damping, schedule_table, temperatures_on
 __all__ = [
     "EpsilonScaling",
     "SolverOutput",
+    "final_potentials",
     "geomloss_schedule",
     "marginal_error",
     "solve",
@@ -61,7 +62,8 @@ class SolverOutput:
         cause: why ``tol`` was missed (one of :data:`flashot.stopping.CAUSES`), None otherwise.
         floor: the precision floor estimate (:func:`flashot.stopping.precision_floor`) if computed.
         final: the final extrapolation ``(λ_x T(g), λ_y T(f))`` at the last ε, when
-            asked for (``final_step=True``; None otherwise).
+            asked for (``final_step=True``), or its streaming passes (``final_step`` a
+            pair of flags; :func:`solve_self`'s ``final``); None otherwise.
         checks: with ``record=True``, ``(iteration, ε, error)`` of every check (None
             otherwise).
         pending: a replayed block's closing check, its error still on the device (0-dim;
@@ -75,7 +77,7 @@ class SolverOutput:
     error: float
     cause: str | None = None
     floor: float | None = None
-    final: tuple[torch.Tensor, torch.Tensor] | None = None
+    final: tuple | None = None
     checks: tuple[tuple[int, float, float], ...] | None = None
     pending: torch.Tensor | None = None
 
@@ -96,7 +98,7 @@ def solve(
     update: str = "symmetric",
     init: tuple[torch.Tensor, torch.Tensor] | None = None,
     progress: bool = False,
-    final_step: bool = False,
+    final_step: bool | tuple[bool, bool] = False,
     record: bool = False,
     min_iter: int = 0,
     momentum: float | str | None = None,
@@ -122,6 +124,11 @@ def solve(
         progress: print a progress line on stderr.
         final_step: also run the final extrapolation (``SolverOutput.final``) when no
             gradient needs it: in a replayed solve it then costs no launch of its own.
+            A pair ``(q, k)`` of flags (:func:`~flashot.autodiff.functions.grads_needed`)
+            runs instead the two passes of a differentiated one
+            (:func:`~flashot.autodiff.functions.extrapolation_parts`, with ``W k`` for the
+            flagged sides): ``SolverOutput.final`` is then ``(row, col)``, for
+            ``extrapolate(..., parts=...)``.
         record: measure the error every ``check_every`` iterations, warm-up temperatures
             and ``tol=None`` included, and return the checks (``SolverOutput.checks``);
             each record waits for the device.
@@ -139,9 +146,12 @@ def solve(
     eps, lam = eps_list[-1], damping(eps_list[-1])
 
     def final(form, out, la, lb):
-        if not final_step:
+        if final_step is False:
             return None
-        return extrapolate(form, out.f, out.g, la, lb, eps, lam, backend, update)
+        if final_step is True:
+            return extrapolate(form, out.f, out.g, la, lb, eps, lam, backend, update)
+        return extrapolation_parts(form, out.f, out.g, la, lb, eps, lam, backend, update,
+                                   final_step)  # fmt: skip
 
     backend_key = None if progress or record else backend.graph_key(form)
     # the temperatures on the device too (one table, a graph's input) where every launch
@@ -174,12 +184,62 @@ def solve(
         form = AttentionForm(q, k, alpha, beta, cost_bound=bound)
         own, start = _split_inputs(rest, table)
         out = _iterate(form, la, lb, start or None, **_on(options, own))
-        return out.f, out.g, *(final(form, out, la, lb) or ())
+        last = final(form, out, la, lb)
+        if last is None:
+            return out.f, out.g
+        return out.f, out.g, *(last if final_step is True else _flat_parts(*last))
 
     with backend.operand_scope():
         f, g, *last = GRAPHS(key, run, tensors)
-    final_pair = (last[0], last[1]) if last else None
+    if not last:
+        final_pair = None
+    elif final_step is True:
+        final_pair = (last[0], last[1])
+    else:
+        final_pair = _unflat_parts(last, final_step)
     return SolverOutput(f, g, max_iter, None, float("nan"), final=final_pair)
+
+
+def final_potentials(
+    form: AttentionForm,
+    out: SolverOutput,
+    log_a: torch.Tensor,
+    log_b: torch.Tensor,
+    eps: float,
+    lam: tuple[float, float],
+    backend: Backend,
+    update: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final extrapolation of :func:`solve`'s ``out``, differentiable in ``form``.
+
+    Takes ``out.final`` as the solve left it (``final_step=True``: the potentials;
+    a pair of flags: the passes, to which autograd attaches here) or, without it, runs
+    :func:`~flashot.autodiff.functions.extrapolate` now.
+
+    Args:
+        form: the attention form with its autograd history.
+        out: the solve's output.  log_a, log_b, eps, lam, backend, update: the solve's.
+    """
+    if out.final is None:
+        with backend.operand_scope():  # the accurate mode's split operands serve this pass too
+            return extrapolate(form, out.f, out.g, log_a, log_b, eps, lam, backend, update)
+    if isinstance(out.final[0], torch.Tensor):  # (final_step=True)
+        return out.final[0], out.final[1]
+    return extrapolate(form, out.f, out.g, log_a, log_b, eps, lam, backend, update, out.final)
+
+
+def _flat_parts(*parts) -> tuple[torch.Tensor, ...]:
+    """Transform passes' ``(lse, W k or None)`` as a graph's outputs: tensors only."""
+    return tuple(t for lse, wk in parts for t in (lse, wk) if t is not None)
+
+
+def _unflat_parts(flat, need) -> tuple:
+    """:func:`_flat_parts`' tensors back into ``(lse, W k or None)`` pairs, one per flag."""
+    out, it = [], iter(flat)
+    for flag in need:
+        lse = next(it)
+        out.append((lse, next(it) if flag else None))
+    return tuple(out)
 
 
 def _solve_in_blocks(form, log_a, log_b, init, backend_key, table, options) -> SolverOutput:
@@ -368,6 +428,7 @@ def solve_self(
     tol: float | None,
     check_every: int = 10,
     min_iter: int = 0,
+    final: bool | None = None,
 ) -> SolverOutput:
     """Symmetric potential of the self problem OT_ε(a, a): ``p ← ½ (p + λ T(p))``.
 
@@ -378,14 +439,27 @@ def solve_self(
         damping: ε ↦ λ.
         rho: ρ or None.
         backend: the streaming primitives.
+        final: also the pass of the final soft c-transform of p at the last ε
+            (:func:`~flashot.autodiff.functions.transform_parts`, with ``W k`` when
+            True): ``SolverOutput.final`` is then ``((lse, W k or None),)``, for
+            ``soft_c_transform(..., parts=final[0])``. In a replayed solve it costs no
+            launch of its own.
     """
     _check_iterations(max_iter, len(eps_list), tol, check_every, min_iter)
     backend_key = backend.graph_key(form) if form.segments is None else None
     table = _table(backend, form, eps_list, log_a.dtype, damping)  # (as in :func:`solve`)
+
+    def last_pass(form, p, la):
+        h = p - form.beta
+        return transform_parts(form, h, la, eps_list[-1], backend, bool(final))
+
     if backend_key is None:
         with backend.operand_scope():
-            return _self_iterations(form, log_a, _temperatures(eps_list, table), damping, rho,
-                                    backend, max_iter, tol, check_every, min_iter)  # fmt: skip
+            out = _self_iterations(form, log_a, _temperatures(eps_list, table), damping, rho,
+                                   backend, max_iter, tol, check_every, min_iter)  # fmt: skip
+            if final is None:
+                return out
+            return replace(out, final=(last_pass(form, out.f, log_a),))
     # a fixed sequence of launches, replayed as a CUDA graph as :func:`solve`'s loop is
     # (a debiased divergence's two self problems were most of its eager launches)
     tensors = (form.q, form.k, form.alpha, form.beta, log_a, *_given(table))
@@ -415,20 +489,24 @@ def solve_self(
                 max_iter=max_iter, check_every=check_every, min_iter=min_iter, tol=tol,
                 floor=floor, cells=table is not None,
             )  # fmt: skip
-        return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor)
+            parts = None if final is None else (last_pass(form, p, log_a),)
+        return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor, final=parts)
 
     key = ("self", *_replay_key(backend_key, form, tensors, eps_list, damping, table is not None),
-           rho, max_iter)  # fmt: skip
+           rho, max_iter, final)  # fmt: skip
 
     def run(q, k, alpha, beta, la, *rest):
         own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
         out = _self_iterations(own, la, temps(rest)[0], damping, rho, backend, max_iter, None,
                                check_every, min_iter)  # fmt: skip
-        return (out.f,)
+        if final is None:
+            return (out.f,)
+        return out.f, *_flat_parts(last_pass(own, out.f, la))
 
     with backend.operand_scope():
-        (p,) = GRAPHS(key, run, tensors)
-    return SolverOutput(p, p, max_iter, None, float("nan"))
+        p, *last = GRAPHS(key, run, tensors)
+    parts = _unflat_parts(last, (final,)) if last else None
+    return SolverOutput(p, p, max_iter, None, float("nan"), final=parts)
 
 
 def _replay_key(backend_key, form, tensors, eps_list, damping, cells) -> tuple:

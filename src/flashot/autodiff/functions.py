@@ -31,9 +31,12 @@ __all__ = [
     "SoftCTransform",
     "dual_term",
     "extrapolate",
+    "extrapolation_parts",
+    "grads_needed",
     "needs_grad",
     "relaxed_side",
     "soft_c_transform",
+    "transform_parts",
 ]
 
 
@@ -48,14 +51,21 @@ class SoftCTransform(torch.autograd.Function):
     """``f = λ (α − ε LSE_j[(q k^T + h)/ε])``, differentiable in q and α."""
 
     @staticmethod
-    def forward(ctx, q, alpha, k, h, log_w, eps, lam, backend, bound, segments=None):
-        """Forward: one streaming pass; also ``Σ_j w_ij k_j`` when q needs a gradient."""
-        # q and k themselves (forward runs without autograd): the backend keys its operand
-        # conversions by identity, so the column transform reuses this one's
-        form = AttentionForm(q, k, alpha.detach(), torch.zeros_like(h), cost_bound=bound,
-                             segments=segments)  # fmt: skip
+    def forward(ctx, q, alpha, k, h, log_w, eps, lam, backend, bound, segments=None, parts=None):
+        """Forward: one streaming pass; also ``Σ_j w_ij k_j`` when q needs a gradient.
+
+        ``parts``: that pass's ``(lse, W k)`` when it ran already (in a replayed solve,
+        :func:`transform_parts`); the other arguments after ``alpha`` are then unused.
+        """
         need_q = ctx.needs_input_grad[0]
-        lse, wk = backend.row_attend(form, h.detach(), eps, form.k if need_q else None, log_w)
+        if parts is None:
+            # q and k themselves (forward runs without autograd): the backend keys its
+            # operand conversions by identity, so the column transform reuses this one's
+            form = AttentionForm(q, k, alpha, h, cost_bound=bound, segments=segments)
+            parts = transform_parts(form, h, log_w, eps, backend, need_q)
+        lse, wk = parts
+        if need_q and wk is None:
+            raise RuntimeError("internal: a soft c-transform needs W k for q's gradient")
         ctx.save_for_backward(wk if need_q else None)
         ctx.lam = lam
         # a double backward reaches here with no gradient (the value's exact second-order
@@ -68,14 +78,14 @@ class SoftCTransform(torch.autograd.Function):
     def backward(ctx, grad_f):
         """Backward: ``∂q = −λ grad_f ⊙ (W k)``, ``∂α = λ grad_f``."""
         if grad_f is None:
-            return (None,) * 10
+            return (None,) * 11
         if torch.is_grad_enabled():  # create_graph=True: a second derivative was asked for
             raise RuntimeError(SECOND_ORDER)
         (wk,) = ctx.saved_tensors
         lam = ctx.lam
         grad_q = None if wk is None else (-lam) * grad_f[:, None] * wk
         grad_alpha = lam * grad_f if ctx.needs_input_grad[1] else None
-        return grad_q, grad_alpha, None, None, None, None, None, None, None, None
+        return grad_q, grad_alpha, *(None,) * 9
 
 
 def soft_c_transform(
@@ -85,6 +95,7 @@ def soft_c_transform(
     eps: float,
     lam: float,
     backend: Backend,
+    parts: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Differentiable soft c-transform of the rows of ``form`` (see module docstring).
 
@@ -95,13 +106,71 @@ def soft_c_transform(
         eps: ε > 0.
         lam: unbalanced damping λ ∈ (0, 1] (1 when balanced).
         backend: the streaming primitives.
+        parts: the pass's ``(lse, W k)`` from :func:`transform_parts` when it ran already
+            (inside a replayed solve); W k may be None when ``form.q`` needs no gradient.
 
     Returns:
         (n,) potential.
     """
     return SoftCTransform.apply(
-        form.q, form.alpha, form.k, h, log_w, eps, lam, backend, form.cost_bound, form.segments
+        form.q, form.alpha, form.k, h, log_w, eps, lam, backend, form.cost_bound, form.segments,
+        parts,
     )
+
+
+def transform_parts(
+    form: AttentionForm,
+    h: torch.Tensor,
+    log_w: torch.Tensor,
+    eps: float,
+    backend: Backend,
+    need_q: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The streaming pass of :func:`soft_c_transform`, without autograd.
+
+    Returns:
+        ``(lse (n,), W k (n, d'))``, the row LSE of the biased scores and the softmax
+        average of the columns' features, or ``(lse, None)`` when ``need_q`` is False.
+    """
+    own = AttentionForm(form.q.detach(), form.k.detach(), form.alpha.detach(),
+                        torch.zeros_like(h), cost_bound=form.cost_bound,
+                        segments=form.segments)  # fmt: skip
+    return backend.row_attend(own, h.detach(), eps, own.k if need_q else None, log_w)
+
+
+def extrapolation_parts(
+    form: AttentionForm,
+    f: torch.Tensor,
+    g: torch.Tensor,
+    log_a: torch.Tensor,
+    log_b: torch.Tensor,
+    eps: float,
+    lam: tuple[float, float],
+    backend: Backend,
+    update: str,
+    need: tuple[bool, bool],
+) -> tuple[tuple, tuple]:
+    """The two streaming passes of a differentiated :func:`extrapolate`, without autograd.
+
+    Run where the loop runs (inside a replayed solve), they leave :func:`extrapolate`
+    only its elementwise autograd nodes. ``need``: whether ``form.q`` and ``form.k``
+    need gradients (then the pass also averages the other side's features).
+
+    Returns:
+        ``(row, col)``, each ``(lse, W k or None)`` of :func:`transform_parts`.
+    """
+    form = form.detach()
+    row = transform_parts(form, g - form.beta, log_b, eps, backend, need[0])
+    if update == "alternating":  # (the value SoftCTransform gives, bit for bit)
+        f = lam[0] * (form.alpha - row[0])
+    col = transform_parts(form.T, f - form.alpha, log_a, eps, backend, need[1])
+    return row, col
+
+
+def grads_needed(form: AttentionForm) -> tuple[bool, bool]:
+    """Whether autograd will ask for ``W k`` on each side: ``(form.q, form.k)`` need gradients."""
+    on = torch.is_grad_enabled()
+    return on and form.q.requires_grad, on and form.k.requires_grad
 
 
 def needs_grad(form: AttentionForm) -> bool:
@@ -120,6 +189,7 @@ def extrapolate(
     lam: tuple[float, float],
     backend: Backend,
     update: str = "symmetric",
+    parts: tuple[tuple, tuple] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The final step, the only one autograd sees.
 
@@ -136,6 +206,8 @@ def extrapolate(
         log_a: (n,), log_b: (m,) log weights.  eps: ε.  lam: (λ_x, λ_y).
         backend: the streaming primitives.
         update: the loop's update, ``"symmetric"`` or ``"alternating"``.
+        parts: the two passes from :func:`extrapolation_parts` (with ``need`` =
+            :func:`grads_needed`) when they ran already, e.g. inside a replayed solve.
     """
     if not needs_grad(form):
         form = form.detach()
@@ -144,6 +216,9 @@ def extrapolate(
         f_new = lam[0] * (form.alpha - backend.row_attend(form, g - form.beta, eps, log_w=log_b)[0])
         lse_c = backend.row_attend(form.T, f_new - form.alpha, eps, log_w=log_a)[0]
         return f_new, lam[1] * (form.beta - lse_c)
+    if parts is not None:  # (the biases went into those passes)
+        return (soft_c_transform(form, g, log_b, eps, lam[0], backend, parts[0]),
+                soft_c_transform(form.T, f, log_a, eps, lam[1], backend, parts[1]))  # fmt: skip
     f_new = soft_c_transform(form, g - form.beta.detach(), log_b, eps, lam[0], backend)
     if update == "alternating":
         f = f_new.detach()
