@@ -247,6 +247,41 @@ def test_the_geomloss_call_on_moving_data_replays_its_loops(monkeypatch, reach):
     assert len(cache._graphs) == 3
 
 
+def test_a_replayed_divergence_never_waits_for_the_device(monkeypatch):
+    """Past its input checks, a replayed GeomLoss call (three loops, their final passes,
+    autograd on x and y) queues its work without one host wait: a wait would serialize
+    the host's Python with the previous replay (v33: three blocking copies of the
+    temperature table did). Gradients as eager ones, for x and y."""
+    from flashot import graphs, solver
+    from flashot.divergence import debiased_potentials
+    from flashot.problem import make_problem
+
+    monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache())
+    gen = torch.Generator("cuda").manual_seed(3)
+    x0, y0 = (torch.rand(size, 3, device="cuda", generator=gen) for size in (3000, 2000))
+    temps = solver.geomloss_schedule(4.0, 0.05**2, 0.5)
+    outs = []
+    for step, be in enumerate([TritonBackend()] * 4 + [TritonBackend(graphs=False)]):
+        # moving data, as in a training loop (the eager call: the last replay's data)
+        x = (x0 + 1e-3 * min(step, 3)).requires_grad_()
+        y = (y0 + 1.0).requires_grad_()
+        problem = make_problem(x, y, eps=0.05**2, cost="half_sqeuclidean", normalize=False,
+                               backend=be)  # fmt: skip
+        torch.cuda.synchronize()
+        if step >= 2:  # (from the third call on, every loop replays)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            pots = debiased_potentials(problem, temps, max_iter=len(temps), tol=None)
+            value = pots.value(problem)
+            grads = torch.autograd.grad(value, (x, y))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        outs.append((value.detach(), grads))
+    (value, grads), (eager, eager_grads) = outs[-2], outs[-1]
+    assert rel(value, eager) < 1e-6
+    assert all(rel(g, e) < 1e-5 for g, e in zip(grads, eager_grads, strict=True))
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("n", [3000, 20_000])  # replayed as a CUDA graph, and eager
 def test_solves_on_a_gpu_that_is_not_the_current_one(n):

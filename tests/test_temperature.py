@@ -66,6 +66,28 @@ def test_table_rows_are_the_scalars_a_kernel_would_take(eps_list, rho, dtype):
         assert device_damping(e, lam) == lam
 
 
+def test_a_schedule_table_is_shared_by_solves_of_the_same_schedule():
+    """One device table per schedule, dtype and damping (a divergence's three solves, a
+    repeated call): the same tensor again, a new one when any of them differs, and only
+    the last TABLES_KEPT kept."""
+    from flashot import temperature
+
+    cpu = torch.device("cpu")
+    first = schedule_table([4.0, 1.0, 0.25], cpu)
+    assert schedule_table([4.0, 1.0, 0.25], cpu) is first
+    assert schedule_table([4.0, 1.0, 0.25], cpu, damping=lambda e: 1.0) is first  # same rows
+    others = [schedule_table([4.0, 1.0, 0.25], cpu, torch.float64),
+              schedule_table([4.0, 1.0, 0.25], cpu, damping=lambda e: 0.5 / (0.5 + e)),
+              schedule_table([4.0, 1.0, 0.5], cpu)]  # fmt: skip
+    assert all(t is not first for t in others)
+    assert torch.allclose(others[0], first.double(), rtol=1e-7) and not torch.equal(others[1], first)
+    for i in range(temperature.TABLES_KEPT):
+        schedule_table([float(i + 10)], cpu)
+    assert len(temperature._TABLES) == temperature.TABLES_KEPT
+    again = schedule_table([4.0, 1.0, 0.25], cpu)
+    assert again is not first and torch.equal(again, first)
+
+
 def _moving(gen, scales):
     """Clouds scaled so that the diameter (and every warm-up temperature) moves, and
     weights that are not uniform (a baked ``ε log w`` would then show)."""

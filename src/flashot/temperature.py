@@ -70,7 +70,13 @@ def schedule_table(eps_list: Sequence[float], device: torch.device,
                    dtype: torch.dtype = torch.float32,
                    damping: Callable[[float], float | tuple[float, float]] | None = None,
                    ) -> torch.Tensor:  # fmt: skip
-    """The (k, 5) device table of a schedule (see module), in one copy.
+    """The (k, 5) device table of a schedule (see module), in one copy; read-only.
+
+    A table of the same rows, device and dtype is the same tensor (the last
+    :data:`TABLES_KEPT`): a debiased divergence's three solves share one, and a repeated
+    call copies nothing. A CUDA table is copied from pinned memory without waiting for
+    the device: a blocking copy would wait for the work queued before it (the previous
+    solve's replay), which the host would otherwise overlap with its own.
 
     Args:
         eps_list: the temperatures.
@@ -82,7 +88,23 @@ def schedule_table(eps_list: Sequence[float], device: torch.device,
         lam = (1.0, 1.0) if damping is None else damping(e)
         lam = lam if isinstance(lam, tuple) else (lam, lam)
         rows.append((e, LOG2E / e, 1.0 if i == 0 else min(1.0, e / eps_list[i - 1]), *lam))
-    return torch.tensor(rows, dtype=torch.float64).to(dtype).to(device)
+    key = (tuple(rows), torch.device(device), dtype)
+    table = _TABLES.pop(key, None)
+    if table is None:
+        table = torch.tensor(rows, dtype=torch.float64).to(dtype)
+        if table.device != key[1]:
+            if key[1].type == "cuda":
+                table = table.pin_memory()
+            table = table.to(key[1], non_blocking=True)
+    _TABLES[key] = table  # (most recent last)
+    while len(_TABLES) > TABLES_KEPT:
+        _TABLES.pop(next(iter(_TABLES)))
+    return table
+
+
+#: schedule tables kept for reuse (:func:`schedule_table`)
+TABLES_KEPT = 8
+_TABLES: dict = {}
 
 
 def temperatures_on(eps_list: Sequence[float], table: torch.Tensor) -> list[Temperature]:

@@ -58,9 +58,7 @@ class SoftCTransform(torch.autograd.Function):
         :func:`transform_parts`); the other arguments after ``alpha`` are then unused.
         """
         need_q = ctx.needs_input_grad[0]
-        if parts is None:
-            # q and k themselves (forward runs without autograd): the backend keys its
-            # operand conversions by identity, so the column transform reuses this one's
+        if parts is None:  # (q and k are the caller's tensors: see transform_parts)
             form = AttentionForm(q, k, alpha, h, cost_bound=bound, segments=segments)
             parts = transform_parts(form, h, log_w, eps, backend, need_q)
         lse, wk = parts
@@ -132,10 +130,16 @@ def transform_parts(
         ``(lse (n,), W k (n, d'))``, the row LSE of the biased scores and the softmax
         average of the columns' features, or ``(lse, None)`` when ``need_q`` is False.
     """
-    own = AttentionForm(form.q.detach(), form.k.detach(), form.alpha.detach(),
+    # q and k themselves where they need no detaching: the backend keys its operand
+    # conversions by identity, so the passes share the solve's (and each other's)
+    own = AttentionForm(_plain(form.q), _plain(form.k), form.alpha.detach(),
                         torch.zeros_like(h), cost_bound=form.cost_bound,
                         segments=form.segments)  # fmt: skip
     return backend.row_attend(own, h.detach(), eps, own.k if need_q else None, log_w)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.requires_grad and torch.is_grad_enabled() else t
 
 
 def extrapolation_parts(
@@ -159,7 +163,7 @@ def extrapolation_parts(
     Returns:
         ``(row, col)``, each ``(lse, W k or None)`` of :func:`transform_parts`.
     """
-    form = form.detach()
+    form = form.detach() if needs_grad(form) else form  # (see transform_parts)
     row = transform_parts(form, g - form.beta, log_b, eps, backend, need[0])
     if update == "alternating":  # (the value SoftCTransform gives, bit for bit)
         f = lam[0] * (form.alpha - row[0])
