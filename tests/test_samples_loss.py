@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flashot
 from tests.conftest import clouds, rel, weights
@@ -195,3 +197,45 @@ def test_numpy_inputs_give_the_tensor_results():
     assert torch.allclose(batch[0], loss(x, y), rtol=1e-6, atol=0)
     with pytest.raises(TypeError, match="must hold floats"):
         loss(np.ones(30, dtype=np.int64), x, b, y)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 30), m=st.integers(1, 30), d=st.integers(1, 5),
+       scale=st.sampled_from([1e-3, 1.0, 50.0]), shift=st.sampled_from([0.0, -7.0, 1e3]),
+       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 99))  # fmt: skip
+def test_the_schedule_takes_the_diameter_from_the_problems_checks(n, m, d, scale, shift,
+                                                                  dtype, seed):  # fmt: skip
+    """The single call's ε schedule starts from the joint box's diagonal, read with the
+    problem's input checks (one wait for the device, not two): GeomLoss' schedule from
+    bounding_diameter, to rounding."""
+    from flashot.costs import bounding_diameter
+    from flashot.problem import make_problem
+    from flashot.solver import geomloss_schedule
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen, dtype=dtype) * scale + shift
+    y = torch.rand(m, d, generator=gen, dtype=dtype) * scale + shift
+    loss = flashot.SamplesLoss(blur=0.05, scaling=0.6)
+    problem = make_problem(x, y, eps=0.05**2, cost=loss.cost, normalize=False)
+    ours = loss._schedule(x, y, problem)
+    diameter = bounding_diameter(loss.cost, x, y)
+    ref = geomloss_schedule(max(diameter, 0.05), 0.05**2, 0.6)
+    assert len(ours) == len(ref)
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    assert all(abs(o - r) <= tol * r for o, r in zip(ours, ref, strict=True))
+
+
+def test_a_single_call_reads_no_second_diameter(gen, monkeypatch):
+    """The single (N, D) call does not measure the boxes again (the batched one does)."""
+    import flashot.samples_loss as module
+
+    x, y = clouds(gen, 20, 15, 3)
+    ref = flashot.SamplesLoss(blur=0.1, backend="torch")(x, y)
+
+    def refuse(*args):
+        raise AssertionError("bounding_diameter was called")
+
+    monkeypatch.setattr(module, "bounding_diameter", refuse)
+    assert rel(flashot.SamplesLoss(blur=0.1, backend="torch")(x, y), ref) < 1e-14
+    with pytest.raises(AssertionError, match="bounding_diameter"):
+        flashot.SamplesLoss(blur=0.1, backend="torch")(x[None], y[None])

@@ -9,6 +9,7 @@ materializing cost matrices.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -172,7 +173,7 @@ class SamplesLoss(torch.nn.Module):
                 f"got shapes {tuple(x.shape)}, {tuple(y.shape)}"
             )
         if x.dim() == 2:
-            return self._single(a, x, b, y, self._schedule(x, y))
+            return self._single(a, x, b, y)
         if x.shape[0] != y.shape[0]:
             raise ValueError(
                 f"x and y must have the same batch size, got {x.shape[0]} and {y.shape[0]}"
@@ -186,8 +187,8 @@ class SamplesLoss(torch.nn.Module):
                   f"eps steps from {temps[0]:.3g} to {temps[-1]:.3g}, backend "
                   f"{self.backend!r}, precision {self.precision!r}", file=sys.stderr)  # fmt: skip
 
-    def _schedule(self, x, y) -> list[float]:
-        diameter = self.diameter or bounding_diameter(self.cost, x, y)
+    def _schedule(self, x, y, problem=None) -> list[float]:
+        diameter = self.diameter or _box_diameter(problem) or bounding_diameter(self.cost, x, y)
         dtype = compute_dtype(x.dtype) if isinstance(x, torch.Tensor) else torch.float32
         hi = eps_range(0.0, dtype)[1]
         for value, name in ((self.blur, "blur"), (diameter, "diameter")):
@@ -200,7 +201,7 @@ class SamplesLoss(torch.nn.Module):
         self._say(x, y, temps)
         return temps
 
-    def _single(self, a, x, b, y, temps):
+    def _single(self, a, x, b, y):
         shape_a, shape_b = (None if a is None else a.shape), (None if b is None else b.shape)
         rho = None if self.reach is None else self.reach**2
         problem = make_problem(
@@ -215,6 +216,7 @@ class SamplesLoss(torch.nn.Module):
             backend=self.backend,
             precision=self.precision,
         )
+        temps = self._schedule(x, y, problem)
         pots = debiased_potentials(
             problem, temps, debias=self.debias, max_iter=len(temps), tol=None
         )
@@ -264,6 +266,21 @@ class SamplesLoss(torch.nn.Module):
         value = value.reshape(-1, bsz)
         value = value[0] - 0.5 * (value[1] + value[2]) if self.debias else value[0]
         return value.to(x.dtype)
+
+
+def _box_diameter(problem) -> float | None:
+    """The joint bounding box's diagonal from the problem's cost bound ``s |span|²``.
+
+    :func:`~flashot.costs.bounding_diameter` up to rounding, without reading the boxes
+    again (the problem's input checks read the bound with one wait for the device).
+    None where the bound is not that (costs that normalize or bound themselves).
+    """
+    if problem is None or problem.form.cost_bound is None:
+        return None
+    cost = problem.cost
+    if cost.normalize or hasattr(cost, "box_bound") or hasattr(cost, "diameter"):
+        return None
+    return math.sqrt(problem.form.cost_bound / cost.scale) or None
 
 
 def _batch_item(w, i: int, name: str) -> torch.Tensor:
