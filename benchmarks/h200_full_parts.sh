@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The --full suite of BENCHMARKS.md in parts that each fit one 10-minute device call;
 # `flashot bench --merge OUT/a OUT/b ... --out OUT/full` assembles them (one table, CSV,
-# JSON, plots). Usage: bash benchmarks/h200_full_parts.sh PART OUT   (PART: a … g, c2, k)
-# a, b: every peer at n ≤ 50k (d 3/64, then 512/1024); c, c2: n 200k, 1M for flashot,
-# then the peer that streams; d: HVP and time-to-tolerance; e: the largest n per provider
-# in 60 s; k: GeomLoss on KeOps beside flashot at 10k/50k;
+# JSON, plots). Usage: bash benchmarks/h200_full_parts.sh PART OUT   (PART: a … g, c2, c3, k)
+# a, b: every peer at n ≤ 50k (d 3/64, then 512/1024); c: n 200k, 1M for flashot; c2, c3:
+# the peer that streams at 200k, then 1M; d: HVP and time-to-tolerance; e: the largest n
+# per provider in 60 s; k: GeomLoss on KeOps beside flashot at 10k/50k;
 # f: the fast modes beside the default at n ≤ 50k; g: time to a marginal error of 1e-5 (its
 # own settings: --merge keeps it apart from d's 1e-3). Each row is written as it finishes and a
 # part runs with --resume: a call cut by its timeout keeps its rows, and the same command
@@ -22,7 +22,9 @@ case $part in
   # (c2, the peer, into c's folder after flashot's rows: its first call at each size
   # autotunes for minutes, which cut part c at 1M d3 in v30 and v32)
   c) args=(--sizes 200000,1000000 --dims 3,64,512 --providers flashot-triton) ;;
-  c2) args=(--sizes 200000,1000000 --dims 3,64,512 --providers flash-sinkhorn) ;;
+  # (its 1M d3 first call did not finish in 420 s in v34: c3 apart, after c2's 200k rows)
+  c2) args=(--sizes 200000 --dims 3,64,512 --providers flash-sinkhorn) ;;
+  c3) args=(--sizes 1000000 --dims 3,64,512 --providers flash-sinkhorn) ;;
   d) args=(--workloads hvp,converge --sizes 10000,50000 --dims 64
            --providers flashot-triton,flash-sinkhorn,ott-online) ;;
   e) args=(--sizes 10000 --dims 64 --largest 60 --no-floor
@@ -33,9 +35,9 @@ case $part in
            --providers flashot-triton,ott-online,pot) ;;
   # k: GeomLoss on KeOps beside flashot (KeOps needs .keops: see keops_cuda12.sh)
   k) args=(--sizes 10000,50000 --dims 64,512 --providers flashot-triton,geomloss-online) ;;
-  *) echo "PART: one of a b c c2 d e f g k" >&2; exit 2 ;;
+  *) echo "PART: one of a b c c2 c3 d e f g k" >&2; exit 2 ;;
 esac
-[ "$part" = c2 ] && part=c
+[ "$part" = c2 ] || [ "$part" = c3 ] && part=c
 # rows committed from an earlier session (results/h200_full/PART) seed a fresh OUT
 saved="$(dirname "$0")/results/h200_full/$part"
 if [ ! -e "$out/$part/bench.csv" ] && [ -e "$saved/bench.csv" ]; then
