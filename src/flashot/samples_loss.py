@@ -201,7 +201,8 @@ class SamplesLoss(torch.nn.Module):
         self._say(x, y, temps)
         return temps
 
-    def _single(self, a, x, b, y):
+    def _single(self, a, x, b, y, temps=None):
+        """One (N, D) problem; ``temps``: its ε schedule, or None for this call's own."""
         shape_a, shape_b = (None if a is None else a.shape), (None if b is None else b.shape)
         rho = None if self.reach is None else self.reach**2
         problem = make_problem(
@@ -216,7 +217,8 @@ class SamplesLoss(torch.nn.Module):
             backend=self.backend,
             precision=self.precision,
         )
-        temps = self._schedule(x, y, problem)
+        if temps is None:
+            temps = self._schedule(x, y, problem)
         pots = debiased_potentials(
             problem, temps, debias=self.debias, max_iter=len(temps), tol=None
         )
