@@ -42,8 +42,8 @@ class SamplesLoss(torch.nn.Module):
         p: only 2 (the cost is ``|x − y|²/2``).
         blur: ε = blur² (> 0).
         reach: None (balanced) or the KL relaxation scale, ρ = reach².
-        diameter: the data diameter for the ε schedule, or None to measure it (a
-            host read per call). On CUDA the solves of a repeated call (a training
+        diameter: the data diameter for the ε schedule, or None to measure it (the
+            joint bounding box's diagonal, read with the input checks). On CUDA the solves of a repeated call (a training
             loop) replay as CUDA graphs while the schedule keeps its length: a measured
             diameter moves its warm-up temperatures, which the kernels read from the
             device (:mod:`flashot.temperature`); a fixed one also keeps the length.
