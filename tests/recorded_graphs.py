@@ -60,4 +60,5 @@ class RecordedGraph:
                 if isinstance(old, torch.Tensor):
                     now[id(old)] = new
         RecordedGraph.log.append("replay")
-        return tuple(here(t).clone() for t in self.outputs)
+        return tree_map(lambda t: here(t).clone() if isinstance(t, torch.Tensor) else t,
+                        self.outputs)

@@ -40,6 +40,17 @@ def test_the_stand_in_replays_recorded_scalars_as_a_cuda_graph_does():
             branchy("b", run, [t])
 
 
+def test_a_replay_returns_copies_in_the_outputs_structure():
+    """A captured function may return tensors, None and (nested) tuples of them (a solve's
+    final passes); a replay hands back clones in that structure, never the static buffers."""
+    a, b, c = torch.ones(2), torch.zeros(3), torch.arange(4.0)
+    out = graphs._copies((a, None, ((b, None), (c, a))))
+    assert out[1] is None and out[2][0][1] is None
+    got = [out[0], out[2][0][0], out[2][1][0], out[2][1][1]]
+    for copy, static in zip(got, (a, b, c, a), strict=True):
+        assert torch.equal(copy, static) and copy.data_ptr() != static.data_ptr()
+
+
 def test_first_call_eager_second_captures_then_replays_and_lru_drops():
     Replayer.log = []
     cache = graphs.GraphCache(capacity=2, capture=Replayer)

@@ -21,7 +21,12 @@ from typing import Any
 import torch
 
 from flashot.autodiff.functional import functional_transforms
-from flashot.autodiff.functions import dual_term, grads_needed, needs_grad, soft_c_transform
+from flashot.autodiff.functions import (
+    dual_term,
+    final_step_for,
+    grads_needed,
+    soft_c_transform,
+)
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.backends import entry_point
 from flashot.batched import sinkhorn_divergence_batched
@@ -129,7 +134,7 @@ def debiased_potentials(
         (rho, rho),
         engine,
         update=update,
-        final_step=grads_needed(problem.form) if needs_grad(problem.form) else True,
+        final_step=final_step_for(problem.form),
         momentum=momentum,
         init=init,
         **opts,

@@ -40,13 +40,20 @@ class _Captured:
         with on_device(self.device), torch.cuda.graph(self.graph, stream=stream):
             self.outputs = fn(*self.inputs)
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple:
         for static, t in zip(self.inputs, inputs, strict=True):
             static.copy_(t)
         with on_device(self.device):
             self.graph.replay()
         # the next replay overwrites the static outputs: the caller gets copies
-        return tuple(t.clone() for t in self.outputs)
+        return _copies(tuple(self.outputs))
+
+
+def _copies(out):
+    """``out`` with every tensor cloned: a tensor, None, or a tuple of such (nested)."""
+    if isinstance(out, tuple):
+        return tuple(_copies(t) for t in out)
+    return None if out is None else out.clone()
 
 
 def capture_or_eager(fn: Callable, inputs: Sequence[torch.Tensor]) -> Callable:
@@ -59,7 +66,10 @@ def capture_or_eager(fn: Callable, inputs: Sequence[torch.Tensor]) -> Callable:
 
 
 class GraphCache:
-    """Calls of ``fn(*inputs) -> tuple of tensors``, captured per key and replayed.
+    """Calls of ``fn(*inputs) -> tuple``, captured per key and replayed.
+
+    The tuple's items are tensors, None, or tuples of them (nested); a replay returns
+    copies of its tensors in the same structure.
 
     ``fn`` must run only asynchronous CUDA work (no host synchronization, no data-
     dependent Python control flow) and depend on nothing but its tensor inputs and
@@ -78,7 +88,7 @@ class GraphCache:
 
     def __call__(
         self, key: Hashable, fn: Callable, inputs: Sequence[torch.Tensor]
-    ) -> tuple[torch.Tensor, ...]:
+    ) -> tuple:
         """``fn(*inputs)``: eager on a key's first call, then captured and replayed."""
         captured = self._graphs.get(key)
         if captured is None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from flashot.autodiff.functional import functional_transforms
-from flashot.autodiff.functions import grads_needed, needs_grad, relaxed_side
+from flashot.autodiff.functions import final_step_for, relaxed_side
 from flashot.autodiff.implicit import implicit_potentials
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
 from flashot.backends import entry_point
@@ -223,7 +223,7 @@ def sinkhorn(
         init=init,
         progress=progress,
         # (replayed with the loop, its streaming passes too when differentiated)
-        final_step=grads_needed(problem.form) if needs_grad(problem.form) else True,
+        final_step=final_step_for(problem.form),
         record=history,
         min_iter=min_iter,
         momentum=momentum,

@@ -184,20 +184,11 @@ def solve(
         form = AttentionForm(q, k, alpha, beta, cost_bound=bound)
         own, start = _split_inputs(rest, table)
         out = _iterate(form, la, lb, start or None, **_on(options, own))
-        last = final(form, out, la, lb)
-        if last is None:
-            return out.f, out.g
-        return out.f, out.g, *(last if final_step is True else _flat_parts(*last))
+        return out.f, out.g, final(form, out, la, lb)
 
     with backend.operand_scope():
-        f, g, *last = GRAPHS(key, run, tensors)
-    if not last:
-        final_pair = None
-    elif final_step is True:
-        final_pair = (last[0], last[1])
-    else:
-        final_pair = _unflat_parts(last, final_step)
-    return SolverOutput(f, g, max_iter, None, float("nan"), final=final_pair)
+        f, g, last = GRAPHS(key, run, tensors)
+    return SolverOutput(f, g, max_iter, None, float("nan"), final=last)
 
 
 def final_potentials(
@@ -226,20 +217,6 @@ def final_potentials(
     if isinstance(out.final[0], torch.Tensor):  # (final_step=True)
         return out.final[0], out.final[1]
     return extrapolate(form, out.f, out.g, log_a, log_b, eps, lam, backend, update, out.final)
-
-
-def _flat_parts(*parts) -> tuple[torch.Tensor, ...]:
-    """Transform passes' ``(lse, W k or None)`` as a graph's outputs: tensors only."""
-    return tuple(t for lse, wk in parts for t in (lse, wk) if t is not None)
-
-
-def _unflat_parts(flat, need) -> tuple:
-    """:func:`_flat_parts`' tensors back into ``(lse, W k or None)`` pairs, one per flag."""
-    out, it = [], iter(flat)
-    for flag in need:
-        lse = next(it)
-        out.append((lse, next(it) if flag else None))
-    return tuple(out)
 
 
 def _solve_in_blocks(form, log_a, log_b, init, backend_key, table, options) -> SolverOutput:
@@ -449,17 +426,16 @@ def solve_self(
     backend_key = backend.graph_key(form) if form.segments is None else None
     table = _table(backend, form, eps_list, log_a.dtype, damping)  # (as in :func:`solve`)
 
-    def last_pass(form, p, la):
-        h = p - form.beta
-        return transform_parts(form, h, la, eps_list[-1], backend, bool(final))
+    def last_pass(form, p, la):  # (SolverOutput.final)
+        if final is None:
+            return None
+        return (transform_parts(form, p - form.beta, la, eps_list[-1], backend, final),)
 
     if backend_key is None:
         with backend.operand_scope():
             out = _self_iterations(form, log_a, _temperatures(eps_list, table), damping, rho,
                                    backend, max_iter, tol, check_every, min_iter)  # fmt: skip
-            if final is None:
-                return out
-            return replace(out, final=(last_pass(form, out.f, log_a),))
+            return replace(out, final=last_pass(form, out.f, log_a))
     # a fixed sequence of launches, replayed as a CUDA graph as :func:`solve`'s loop is
     # (a debiased divergence's two self problems were most of its eager launches)
     tensors = (form.q, form.k, form.alpha, form.beta, log_a, *_given(table))
@@ -489,7 +465,7 @@ def solve_self(
                 max_iter=max_iter, check_every=check_every, min_iter=min_iter, tol=tol,
                 floor=floor, cells=table is not None,
             )  # fmt: skip
-            parts = None if final is None else (last_pass(form, p, log_a),)
+            parts = last_pass(form, p, log_a)
         return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor, final=parts)
 
     key = ("self", *_replay_key(backend_key, form, tensors, eps_list, damping, table is not None),
@@ -499,13 +475,10 @@ def solve_self(
         own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
         out = _self_iterations(own, la, temps(rest)[0], damping, rho, backend, max_iter, None,
                                check_every, min_iter)  # fmt: skip
-        if final is None:
-            return (out.f,)
-        return out.f, *_flat_parts(last_pass(own, out.f, la))
+        return out.f, last_pass(own, out.f, la)
 
     with backend.operand_scope():
-        p, *last = GRAPHS(key, run, tensors)
-    parts = _unflat_parts(last, (final,)) if last else None
+        p, parts = GRAPHS(key, run, tensors)
     return SolverOutput(p, p, max_iter, None, float("nan"), final=parts)
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "dual_term",
     "extrapolate",
     "extrapolation_parts",
+    "final_step_for",
     "grads_needed",
     "needs_grad",
     "relaxed_side",
@@ -59,7 +60,7 @@ class SoftCTransform(torch.autograd.Function):
         """
         need_q = ctx.needs_input_grad[0]
         if parts is None:  # (q and k are the caller's tensors: see transform_parts)
-            form = AttentionForm(q, k, alpha, h, cost_bound=bound, segments=segments)
+            form = AttentionForm(q, k, alpha, h, cost_bound=bound, segments=segments)  # (β unread)
             parts = transform_parts(form, h, log_w, eps, backend, need_q)
         lse, wk = parts
         if need_q and wk is None:
@@ -163,7 +164,7 @@ def extrapolation_parts(
     Returns:
         ``(row, col)``, each ``(lse, W k or None)`` of :func:`transform_parts`.
     """
-    form = form.detach() if needs_grad(form) else form  # (see transform_parts)
+    form = form.detach()  # (the solve's form itself: it has no history)
     row = transform_parts(form, g - form.beta, log_b, eps, backend, need[0])
     if update == "alternating":  # (the value SoftCTransform gives, bit for bit)
         f = lam[0] * (form.alpha - row[0])
@@ -175,6 +176,13 @@ def grads_needed(form: AttentionForm) -> tuple[bool, bool]:
     """Whether autograd will ask for ``W k`` on each side: ``(form.q, form.k)`` need gradients."""
     on = torch.is_grad_enabled()
     return on and form.q.requires_grad, on and form.k.requires_grad
+
+
+def final_step_for(form: AttentionForm) -> bool | tuple[bool, bool]:
+    """What a solve on ``form`` runs as its final step (:func:`flashot.solver.solve`'s
+    ``final_step``): the whole step when autograd does not need it (True), else its
+    passes, with ``W k`` for the sides of :func:`grads_needed`."""
+    return grads_needed(form) if needs_grad(form) else True
 
 
 def needs_grad(form: AttentionForm) -> bool:
