@@ -7,15 +7,16 @@ set -u
 out=$1; shift
 main=(flash_sinkhorn geomloss ott_jax jaxopt pot pykeops keopscore)
 mkdir -p /tmp/site /tmp/site_deps
-for w in .whl/*.whl; do
+for w in .whl/*.whl .keops/*keops*.whl; do
+  [ -e "$w" ] || continue
   name=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
   target=/tmp/site_deps
   for m in "${main[@]}"; do [ "$name" = "$m" ] && target=/tmp/site; done
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$target" "$w" > /dev/null 2>&1 || echo "could not install $w"
 done
-# KeOps (GeomLoss online) with CUDA 12.1's NVRTC where its wheels were brought (.keops)
-[ -d .keops ] && source "$(dirname "$0")/keops_cuda12.sh" .keops
+# KeOps (GeomLoss online), where its wheels were brought (.keops), linked as keops_env.sh says
+[ -d .keops ] && source "$(dirname "$0")/keops_env.sh"
 export PYTHONPATH=$PWD/src:/tmp/site
 export TRITON_CACHE_DIR=$PWD/.triton_cache FLASHOT_CACHE_DIR=$PWD/.triton_cache/flashot
 # the peers' Triton autotuning is kept on disk across calls (each shape still tunes once)

@@ -127,3 +127,30 @@ def test_a_run_cut_short_keeps_its_rows_and_resume_runs_only_the_rest(tmp_path, 
     capsys.readouterr()
     assert main([*BENCH, "--sizes", "40", "--eps", "0.5", "--out", str(tmp_path), "--resume"]) == 1
     assert "--resume" in capsys.readouterr().err
+
+
+def test_resume_reads_a_csv_brought_back_alone_and_over_an_older_json(tmp_path, monkeypatch):
+    """A remote run may bring back only bench.csv: --resume reads it alone, and a CSV
+    copied over a folder holding an older run's JSON wins over that JSON (the newer
+    file), so no row it holds is run again or lost."""
+    import os
+
+    from flashot.bench import harness
+
+    real, ran = harness._row, []
+    monkeypatch.setattr(harness, "_row", lambda *a: ran.append(a[2].n) or real(*a))
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main([*BENCH, "--sizes", "40", "--out", str(first)]) == 0
+    assert main([*BENCH, "--sizes", "40,60", "--out", str(second), "--resume"]) == 0
+    ran.clear()
+    (second / "bench.json").unlink()  # the CSV alone
+    assert main([*BENCH, "--sizes", "40,60,80", "--out", str(second), "--resume"]) == 0
+    assert ran == [80]
+    # a newer CSV over an older JSON of fewer rows: the CSV's rows count
+    (first / "bench.csv").write_text((second / "bench.csv").read_text())
+    old = (first / "bench.json").stat().st_mtime_ns
+    os.utime(first / "bench.json", ns=(old - 10**9, old - 10**9))
+    assert sorted(r.n for r in read(first)[0]) == [40, 60, 80]
+    ran.clear()
+    assert main([*BENCH, "--sizes", "40,60,80", "--out", str(first), "--resume"]) == 0
+    assert ran == []

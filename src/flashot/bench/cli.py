@@ -10,7 +10,7 @@ import torch
 
 from flashot.bench.harness import Row, environment, largest_sizes, run_suite
 from flashot.bench.providers import PROVIDERS, providers
-from flashot.bench.report import merge, plot, read, table, write
+from flashot.bench.report import merge, plot, read, result_file, table, write
 
 __all__ = ["QUICK", "add_arguments", "run"]
 
@@ -140,7 +140,7 @@ def _earlier(out: Path, env: dict) -> list[Row]:
     """
     from flashot.cli import CliError
 
-    if not (out / "bench.json").exists():
+    if result_file(out) is None:
         return []
     try:
         rows, before = read(out)

@@ -10,7 +10,7 @@ from typing import Any
 
 from flashot.bench.harness import Row
 
-__all__ = ["merge", "plot", "read", "table", "write"]
+__all__ = ["merge", "plot", "read", "result_file", "table", "write"]
 
 
 def _fmt(v, digits=3) -> str:
@@ -65,13 +65,14 @@ def read(path: Path) -> tuple[list[Row], dict]:
 
     ``path``: its ``bench.json``, its ``bench.csv`` (the same rows, with the environment
     in its comment lines: what a remote run may bring back alone) or the folder holding
-    them (the JSON first). Raises ValueError naming the file when it is missing or not a
-    suite's.
+    them: the newer of the two (a CSV brought back over an older run's folder wins), the
+    JSON when written together. Raises ValueError naming the file when it is missing or
+    not a suite's.
     """
     path = Path(path)
     file = path
     if path.is_dir():
-        file = path / "bench.json" if (path / "bench.json").exists() else path / "bench.csv"
+        file = result_file(path) or path / "bench.json"
     try:
         if file.suffix == ".csv":
             return _read_csv(file)
@@ -81,6 +82,13 @@ def read(path: Path) -> tuple[list[Row], dict]:
         return rows, payload["environment"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{file}: not a flashot bench result ({exc})") from None
+
+
+def result_file(folder: Path) -> Path | None:
+    """The suite's result in ``folder`` that :func:`read` takes, or None without one."""
+    found = [f for f in (folder / "bench.json", folder / "bench.csv") if f.exists()]
+    # (write() writes the JSON last; a tie goes to the JSON, listed first)
+    return max(found, key=lambda f: f.stat().st_mtime_ns) if found else None
 
 
 def _read_csv(file: Path) -> tuple[list[Row], dict]:

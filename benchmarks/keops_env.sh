@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Source before running GeomLoss online (KeOps 2.3) on the lent machine; h200_bench.sh does
+# where .keops holds the pykeops and keopscore 2.3 wheels (built from their sdists with
+# `pip wheel --no-deps`, ../shared/GPU.md).
+# Why: there KeOps' JIT engine (nvrtc_jit.so) came out linked with a private static
+# libstdc++ (1.9 MB; ldd lists no libstdc++.so.6, nor libcuda or libnvrtc, which its
+# command gives before the source under --as-needed), and it crashed in its first
+# ostringstream insert: SIGSEGV at address 0x20 in every session from v19 to v34, with
+# CUDA 13's NVRTC and with 12.1's. Traced in v35 with benchmarks/segv_trace.c.
+# This points KeOps (through CXX) at a g++ that links the machine's libstdc++.so.6 and
+# keeps the CUDA libraries, and gives KeOps a fresh cache so no crashing engine is reused.
+kx=/tmp/keops_cxx
+mkdir -p "$kx"
+stdcxx=$(ldconfig -p | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
+ln -sf "$stdcxx" "$kx/libstdc++.so"
+cat > "$kx/g++" <<SH
+#!/bin/sh
+exec $(command -v g++) -L$kx -Wl,--no-as-needed "\$@"
+SH
+chmod +x "$kx/g++"
+export CXX=$kx/g++ KEOPS_CACHE_FOLDER=${KEOPS_CACHE_FOLDER:-/tmp/keops_cache}
