@@ -10,12 +10,14 @@
 # This points KeOps (through CXX) at a g++ that links the machine's libstdc++.so.6 and
 # keeps the CUDA libraries, and gives KeOps a fresh cache so no crashing engine is reused.
 kx=/tmp/keops_cxx
-mkdir -p "$kx"
 stdcxx=$(ldconfig -p | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
-ln -sf "$stdcxx" "$kx/libstdc++.so"
-cat > "$kx/g++" <<SH
-#!/bin/sh
-exec $(command -v g++) -L$kx -Wl,--no-as-needed "\$@"
-SH
-chmod +x "$kx/g++"
-export CXX=$kx/g++ KEOPS_CACHE_FOLDER=${KEOPS_CACHE_FOLDER:-/tmp/keops_cache}
+if [ -z "$stdcxx" ] || ! command -v g++ > /dev/null; then
+  echo "keops_env.sh: no libstdc++.so.6 or g++ found; KeOps left as it is" >&2
+else
+  mkdir -p "$kx"
+  ln -sf "$stdcxx" "$kx/libstdc++.so"
+  printf '#!/bin/sh\nexec %s -L%s -Wl,--no-as-needed "$@"\n' "$(command -v g++)" "$kx" > "$kx/g++"
+  chmod +x "$kx/g++"
+  export CXX=$kx/g++
+fi
+export KEOPS_CACHE_FOLDER=${KEOPS_CACHE_FOLDER:-/tmp/keops_cache}
