@@ -288,7 +288,7 @@ def test_cli_runs_a_named_triton_provider_on_any_device(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("call_ms, window", [(0.5, 50), (4.0, 50), (22.0, 154), (300.0, 1000),
-                                             (1000.0, 1000)])  # fmt: skip
+                                             (5000.0, 1000)])  # fmt: skip
 def test_gpu_medians_take_enough_calls_within_a_second(call_ms, window, monkeypatch):
     """On a GPU do_bench's window holds at least MIN_SAMPLES calls of the measured call
     (a fixed 50 ms took the median of two 22 ms calls), at least 50 ms, at most 1 s."""
@@ -311,29 +311,3 @@ def test_gpu_medians_take_enough_calls_within_a_second(call_ms, window, monkeypa
     assert calls == [1] and seen["mode"] == "median"
     assert seen["rep"] == pytest.approx(window)
     assert seen["rep"] >= harness.MIN_SAMPLES * call_ms or seen["rep"] == 1000.0
-
-
-def test_slow_gpu_calls_are_timed_by_a_few_synchronized_calls(monkeypatch):
-    """A GPU call over SLOW_CALL_S is not handed to do_bench (8 more calls: minutes for a
-    30 s row): the median of SLOW_SAMPLES synchronized wall-clock calls after the first."""
-    import triton.testing
-
-    from flashot.bench import harness
-
-    durations = iter([5.0, 4.0, 6.0, 3.5])  # the first (warm-up), then three timed calls
-    clock = {"t": 0.0, "started": False}
-
-    def perf_counter():  # each call's (start, stop) pair spans its duration
-        if clock["started"]:
-            clock["t"] += next(durations)
-        clock["started"] = not clock["started"]
-        return clock["t"]
-
-    synced = []
-    monkeypatch.setattr(harness.time, "perf_counter", perf_counter)
-    monkeypatch.setattr(harness, "_sync", lambda device: synced.append(1))
-    monkeypatch.setattr(triton.testing, "do_bench", lambda *a, **k: pytest.fail("do_bench"))
-    calls = []
-    ms = harness.median_ms(lambda: calls.append(1), torch.device("cuda"))
-    assert ms == pytest.approx(4000.0)  # the median of 4, 6 and 3.5 s
-    assert len(calls) == 1 + harness.SLOW_SAMPLES and len(synced) == 2 * len(calls)

@@ -85,24 +85,16 @@ def gpu_window_ms(call_ms: float) -> float:
     return min(1000.0, max(50.0, MIN_SAMPLES * call_ms))
 
 
-#: a GPU call longer than this (s) is timed by SLOW_SAMPLES synchronized wall-clock calls:
-#: do_bench would spend 8 calls on it (one, five to estimate, a warm-up, one timed)
-SLOW_CALL_S, SLOW_SAMPLES = 1.0, 3
-
-
 def median_ms(fn: Callable, device: torch.device, budget_s: float = 2.0) -> float:
-    """Median time of ``fn`` after a warm-up: CUDA events on a GPU, wall clock on a CPU.
-
-    On a GPU a call over :data:`SLOW_CALL_S` is timed as the median of
-    :data:`SLOW_SAMPLES` synchronized calls, where launch overheads are negligible.
-    """
+    """Median time of ``fn`` after a warm-up: CUDA events on a GPU, wall clock on a CPU."""
     if device.type == "cuda":
         import triton.testing
 
-        first_s = _timed_call(fn, device)  # (also a warm-up call) its time sets the window
-        if first_s > SLOW_CALL_S:
-            return 1e3 * statistics.median(_timed_call(fn, device) for _ in range(SLOW_SAMPLES))
-        rep = gpu_window_ms(1e3 * first_s)
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()  # (also a warm-up call) its time sets the window
+        _sync(device)
+        rep = gpu_window_ms(1e3 * (time.perf_counter() - t0))
         return float(triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median"))
     times: list[float] = []
     start = time.perf_counter()
