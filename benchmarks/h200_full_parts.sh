@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The --full suite of BENCHMARKS.md in parts that each fit one 10-minute device call;
 # `flashot bench --merge OUT/a OUT/b ... --out OUT/full` assembles them (one table, CSV,
-# JSON, plots). Usage: bash benchmarks/h200_full_parts.sh PART OUT   (PART: a … g, c2, c3, k, k2)
+# JSON, plots). Usage: bash benchmarks/h200_full_parts.sh PART OUT [OPTIONS]
+# (PART: a … g, c2, c3, k).
 # a, b: every peer at n ≤ 50k (d 3/64, then 512/1024); c: n 200k, 1M for flashot; c2, c3:
 # the peer that streams at 200k, then 1M; d: HVP and time-to-tolerance; e: the largest n
-# per provider in 60 s; k: GeomLoss on KeOps beside flashot at 10k/50k (k2: its slowest row);
+# per provider in 60 s; k: GeomLoss on KeOps beside flashot at 10k/50k;
 # f: the fast modes beside the default at n ≤ 50k; g: time to a marginal error of 1e-5 (its
 # own settings: --merge keeps it apart from d's 1e-3). Each row is written as it finishes and a
 # part runs with --resume: a call cut by its timeout keeps its rows, and the same command
@@ -35,11 +36,7 @@ case $part in
            --providers flashot-triton,ott-online,pot) ;;
   # k: GeomLoss on KeOps beside flashot (KeOps needs .keops: see keops_env.sh)
   k) args=(--sizes 10000,50000 --dims 64,512 --providers flashot-triton,geomloss-online) ;;
-  # k2: KeOps' 50k d512 gradient, which k's 30 s budget skipped (81 s predicted from 10k,
-  # where KeOps is far from full: its 10k to 50k forward grew 8.9x, not 25x)
-  k2) args=(--workloads gradient --sizes 10000,50000 --dims 512 --row-budget 150
-            --providers geomloss-online) ;;
-  *) echo "PART: one of a b c c2 c3 d e f g k k2" >&2; exit 2 ;;
+  *) echo "PART: one of a b c c2 c3 d e f g k" >&2; exit 2 ;;
 esac
 [ "$part" = c2 ] || [ "$part" = c3 ] && part=c
 # rows committed from an earlier session (results/h200_full/PART) seed a fresh OUT
@@ -47,4 +44,7 @@ saved="$(dirname "$0")/results/h200_full/$part"
 if [ ! -e "$out/$part/bench.csv" ] && [ -e "$saved/bench.csv" ]; then
   mkdir -p "$out" && cp -r "$saved" "$out/" && chmod -R u+w "$out/$part"
 fi
-exec bash "$(dirname "$0")/h200_bench.sh" "$out/$part" --resume "${args[@]}"
+# OPTIONS go to flashot bench after the part's own: --row-budget 150 in a resumed part runs
+# the rows its 30 s budget skipped (k: KeOps' 50k d512 gradient, 81 s predicted from 10k,
+# where KeOps is far from full: its forward grew 8.9x from 10k to 50k, not 25x)
+exec bash "$(dirname "$0")/h200_bench.sh" "$out/$part" --resume "${args[@]}" "${@:3}"

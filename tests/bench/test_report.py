@@ -154,3 +154,25 @@ def test_resume_reads_a_csv_brought_back_alone_and_over_an_older_json(tmp_path, 
     ran.clear()
     assert main([*BENCH, "--sizes", "40,60,80", "--out", str(first), "--resume"]) == 0
     assert ran == []
+
+
+def test_resume_with_a_larger_budget_runs_the_rows_a_smaller_one_skipped(tmp_path, monkeypatch):
+    """A row skipped by the row budget is kept by a resume with the same budget and run
+    by one with a larger budget; rows that ran are never run again."""
+    from flashot.bench import harness
+
+    real, ran = harness._row, []
+    monkeypatch.setattr(harness, "_row", lambda *a: ran.append(a[2].n) or real(*a))
+    tiny = ["--row-budget", "1e-9"]  # the row at 40 predicts more for 60
+    assert main([*BENCH, "--sizes", "40,60", "--out", str(tmp_path), *tiny]) == 0
+    rows = {r.n: r for r in read(tmp_path)[0]}
+    assert ran == [40] and "over the row budget of 1e-09 s" in rows[60].skipped
+    assert harness.skipped_by_a_smaller_budget(rows[60], 1.0)
+    assert not harness.skipped_by_a_smaller_budget(rows[60], 1e-9)
+    assert not harness.skipped_by_a_smaller_budget(rows[40], 1.0)
+    ran.clear()
+    assert main([*BENCH, "--sizes", "40,60", "--out", str(tmp_path), "--resume", *tiny]) == 0
+    assert ran == []
+    assert main([*BENCH, "--sizes", "40,60", "--out", str(tmp_path), "--resume"]) == 0
+    rows = {r.n: r for r in read(tmp_path)[0]}
+    assert ran == [60] and rows[60].skipped is None and rows[60].ms > 0

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import torch
 
-from flashot.bench.harness import Row, environment, largest_sizes, run_suite
+from flashot.bench.harness import (
+    Row,
+    environment,
+    largest_sizes,
+    run_suite,
+    skipped_by_a_smaller_budget,
+)
 from flashot.bench.providers import PROVIDERS, providers
 from flashot.bench.report import merge, plot, read, result_file, table, write
 
@@ -63,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ones: a sweep split over several sessions")  # fmt: skip
     p.add_argument("--resume", action="store_true",
                    help="keep the rows --out already holds (a run cut short writes them as "
-                        "it goes) and run only the missing ones; --largest reruns")  # fmt: skip
+                        "it goes) and run only the missing ones, and those a smaller "
+                        "--row-budget skipped; --largest reruns")  # fmt: skip
     p.add_argument("--largest-cap", type=int, default=None, metavar="N",
                    help="the largest n tried by --largest (default 4M on a GPU, 64k on a "
                         "CPU)")  # fmt: skip
@@ -124,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     rows = run_suite(args.workloads, sizes, dims, chosen, device, eps=args.eps, iters=args.iters,
                      tol=args.tol, floors=not args.no_floor, row_budget_s=args.row_budget,
                      progress=say, saved=saved,
-                     done={(r.workload, r.provider, r.n, r.d): r for r in earlier})  # fmt: skip
+                     done={(r.workload, r.provider, r.n, r.d): r for r in earlier
+                           if not skipped_by_a_smaller_budget(r, args.row_budget)})  # fmt: skip
     if args.largest > 0:
         cap = args.largest_cap or (1 << 22 if device.type == "cuda" else 1 << 16)
         rows += largest_sizes(args.workloads, dims, chosen, device, args.largest,

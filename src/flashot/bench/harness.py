@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import platform
+import re
 import statistics
 import sys
 import time
@@ -16,7 +17,8 @@ import flashot
 from flashot.bench.floor import Ceilings, floor_ms, measure_ceilings
 from flashot.bench.providers import Flashot, Problem, Provider, direction, make_problem
 
-__all__ = ["Row", "environment", "largest_sizes", "median_ms", "run_suite"]
+__all__ = ["Row", "environment", "largest_sizes", "median_ms", "run_suite",
+           "skipped_by_a_smaller_budget"]
 
 #: points per cloud of the float64 accuracy reference (dense, on the CPU or the device)
 ACCURACY_N = 1000
@@ -205,7 +207,7 @@ def run_suite(workloads: Iterable[str], sizes: Iterable[int], dims: Iterable[int
                     if prev is not None and guess > row_budget_s:
                         row = Row(workload, prov.name, n, d, computes=prov.computes)
                         row.skipped = (f"predicted {guess:.0f} s per call from n={prev.n} "
-                                       f"(over the row budget of {row_budget_s:g} s)")  # fmt: skip
+                                       f"{_OVER_BUDGET.format(row_budget_s)}")  # fmt: skip
                     else:
                         row = _row(prov, workload, pb, ref_pb, reference, device, ceilings)
                     rows.append(row)
@@ -215,6 +217,20 @@ def run_suite(workloads: Iterable[str], sizes: Iterable[int], dims: Iterable[int
                     if saved is not None:
                         saved(rows)
     return rows
+
+
+_OVER_BUDGET = "(over the row budget of {:g} s)"
+_OVER_BUDGET_READ = re.compile(r"\(over the row budget of ([^ ]+) s\)$")
+
+
+def skipped_by_a_smaller_budget(row: Row, row_budget_s: float) -> bool:
+    """Whether ``row`` was skipped by a row budget smaller than ``row_budget_s``.
+
+    A resumed run with a larger budget runs such a row again (its previous size predicts
+    it anew); every other row of the earlier run is kept as it is.
+    """
+    found = _OVER_BUDGET_READ.search(row.skipped or "")
+    return found is not None and float(found.group(1)) < row_budget_s
 
 
 def _summary(row: Row) -> str:
