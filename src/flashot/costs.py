@@ -18,6 +18,7 @@ cost produced the form.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ __all__ = [
     "attention_form",
     "bounding_diameter",
     "box_cost_bound",
+    "box_diameter",
     "column_box",
     "column_sum",
     "get_cost",
@@ -326,6 +328,18 @@ def _joint_center(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return (column_sum(u) + column_sum(v)) / (u.shape[0] + v.shape[0])
 
 
+def box_diameter(cost: Cost, bound: float | None) -> float | None:
+    """:func:`bounding_diameter` from :func:`box_cost_bound`'s value, or None.
+
+    For a cost whose bound is ``s |span|²`` the diagonal is ``√(bound / s)`` (up to
+    rounding): no pass over the clouds, no wait for the device. None without a bound, at
+    a zero one, and for costs that normalize or bound themselves.
+    """
+    if not bound or cost.normalize or hasattr(cost, "box_bound") or hasattr(cost, "diameter"):
+        return None
+    return math.sqrt(bound / cost.scale)
+
+
 def box_cost_bound(cost: Cost, box_x: torch.Tensor, box_y: torch.Tensor) -> torch.Tensor:
     """A bound on ``C(x_i, y_j)`` from the clouds' bounding boxes (0-d float64, on the device).
 
@@ -373,15 +387,25 @@ def attention_form(
     u, v = cost.embed(x.to(dtype)), cost.embed(y.to(dtype))
     with torch.no_grad():
         center = _joint_center(u.detach(), v.detach())
-    two_s = 2.0 * cost.scale
-    q, alpha = _centered(u, center, rounding, two_s, cost.scale)
+    q, alpha = _centered(u, center, rounding, 2.0 * cost.scale, cost.scale)
     k, beta = _centered(v, center, rounding, 1.0, cost.scale)
+    return _assembled(cost, center, (q, k, alpha, beta), rounding, dtype, cost_bound, x, y)
 
-    row_features = FeatureMap(cost, center, two_s, rounding, dtype)
-    col_features = FeatureMap(cost, center, 1.0, rounding, dtype)
+
+def _assembled(cost: Cost, center: torch.Tensor, parts: tuple, rounding, dtype: torch.dtype,
+               cost_bound: float | None, x: torch.Tensor, y: torch.Tensor | None = None,
+               ) -> AttentionForm:  # fmt: skip
+    """The form of centered ``parts = (q, k, α, β)``, with its feature maps and bound.
+
+    ``cost_bound`` None: measured from the boxes of x and y (y None: x's serves both).
+    """
     if cost_bound is None:
-        boxes = [column_box(t.detach()) for t in (x, y)]
-        cost_bound = float(box_cost_bound(cost, *boxes))
+        box_x = column_box(x.detach())
+        box_y = box_x if y is None else column_box(y.detach())
+        cost_bound = float(box_cost_bound(cost, box_x, box_y))
+    row_features = FeatureMap(cost, center, 2.0 * cost.scale, rounding, dtype)
+    col_features = FeatureMap(cost, center, 1.0, rounding, dtype)
+    q, k, alpha, beta = parts
     return AttentionForm(q, k, alpha, beta, row_features, col_features, cost_bound)
 
 
@@ -412,11 +436,7 @@ def self_attention_form(
     two_s = 2.0 * cost.scale
     q, alpha = _centered(u, center, rounding, two_s, cost.scale)
     k = q.detach() if two_s == 1.0 else q.detach() / two_s
-    if cost_bound is None:
-        cost_bound = float(box_cost_bound(cost, *[column_box(x.detach())] * 2))
-    row_features = FeatureMap(cost, center, two_s, rounding, dtype)
-    col_features = FeatureMap(cost, center, 1.0, rounding, dtype)
-    return AttentionForm(q, k, alpha, alpha.detach(), row_features, col_features, cost_bound)
+    return _assembled(cost, center, (q, k, alpha, alpha.detach()), rounding, dtype, cost_bound, x)
 
 
 @dataclass(frozen=True, eq=False)

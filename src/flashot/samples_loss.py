@@ -9,7 +9,6 @@ materializing cost matrices.
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -18,7 +17,7 @@ from flashot.autodiff.functional import functional_transforms
 from flashot.autodiff.functions import dual_term
 from flashot.backends import entry_point
 from flashot.packing import pack_problems, pair_packing
-from flashot.costs import bounding_diameter, get_cost
+from flashot.costs import bounding_diameter, box_diameter, get_cost
 from flashot.divergence import debiased_potentials
 from flashot.ops import compiled_loss, encodable
 from flashot.problem import (
@@ -43,9 +42,9 @@ class SamplesLoss(torch.nn.Module):
         blur: ε = blur² (> 0).
         reach: None (balanced) or the KL relaxation scale, ρ = reach².
         diameter: the data diameter for the ε schedule, or None to measure it (the
-            joint bounding box's diagonal, read with the input checks). On CUDA the solves of a repeated call (a training
-            loop) replay as CUDA graphs while the schedule keeps its length: a measured
-            diameter moves its warm-up temperatures, which the kernels read from the
+            joint bounding box's diagonal, read with the input checks). On CUDA the
+            solves of a repeated call (a training loop) replay as CUDA graphs while the
+            schedule keeps its length: a measured diameter moves its warm-up temperatures, which the kernels read from the
             device (:mod:`flashot.temperature`); a fixed one also keeps the length.
         scaling: ratio of successive blurs in the ε schedule, in (0, 1).
         truncate: accepted for GeomLoss compatibility (None or > 0) and without
@@ -188,7 +187,10 @@ class SamplesLoss(torch.nn.Module):
                   f"{self.backend!r}, precision {self.precision!r}", file=sys.stderr)  # fmt: skip
 
     def _schedule(self, x, y, problem=None) -> list[float]:
-        diameter = self.diameter or _box_diameter(problem) or bounding_diameter(self.cost, x, y)
+        # (the problem's checked cost bound is its boxes': no second read of them)
+        bound = None if problem is None else problem.form.cost_bound
+        diameter = (self.diameter or box_diameter(self.cost, bound)
+                    or bounding_diameter(self.cost, x, y))  # fmt: skip
         dtype = compute_dtype(x.dtype) if isinstance(x, torch.Tensor) else torch.float32
         hi = eps_range(0.0, dtype)[1]
         for value, name in ((self.blur, "blur"), (diameter, "diameter")):
@@ -268,21 +270,6 @@ class SamplesLoss(torch.nn.Module):
         value = value.reshape(-1, bsz)
         value = value[0] - 0.5 * (value[1] + value[2]) if self.debias else value[0]
         return value.to(x.dtype)
-
-
-def _box_diameter(problem) -> float | None:
-    """The joint bounding box's diagonal from the problem's cost bound ``s |span|²``.
-
-    :func:`~flashot.costs.bounding_diameter` up to rounding, without reading the boxes
-    again (the problem's input checks read the bound with one wait for the device).
-    None where the bound is not that (costs that normalize or bound themselves).
-    """
-    if problem is None or problem.form.cost_bound is None:
-        return None
-    cost = problem.cost
-    if cost.normalize or hasattr(cost, "box_bound") or hasattr(cost, "diameter"):
-        return None
-    return math.sqrt(problem.form.cost_bound / cost.scale) or None
 
 
 def _batch_item(w, i: int, name: str) -> torch.Tensor:
