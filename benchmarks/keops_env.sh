@@ -8,7 +8,8 @@
 # ostringstream insert: SIGSEGV at address 0x20 in every session from v19 to v34, with
 # CUDA 13's NVRTC and with 12.1's. Traced in v35 with benchmarks/segv_trace.c.
 # This points KeOps (through CXX) at a g++ that links the machine's libstdc++.so.6 and
-# keeps the CUDA libraries, and gives KeOps a fresh cache so no crashing engine is reused.
+# keeps the CUDA libraries, and gives KeOps a cache folder of its own (not its default one,
+# which may hold an engine built without this g++).
 kx=/tmp/keops_cxx
 stdcxx=$(ldconfig -p | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
 if [ -z "$stdcxx" ] || ! command -v g++ > /dev/null; then

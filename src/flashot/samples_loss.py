@@ -44,8 +44,9 @@ class SamplesLoss(torch.nn.Module):
         diameter: the data diameter for the ε schedule, or None to measure it (the
             joint bounding box's diagonal, read with the input checks). On CUDA the
             solves of a repeated call (a training loop) replay as CUDA graphs while the
-            schedule keeps its length: a measured diameter moves its warm-up temperatures, which the kernels read from the
-            device (:mod:`flashot.temperature`); a fixed one also keeps the length.
+            schedule keeps its length: a measured diameter moves its warm-up
+            temperatures, which the kernels read from the device
+            (:mod:`flashot.temperature`); a fixed one also keeps the length.
         scaling: ratio of successive blurs in the ε schedule, in (0, 1).
         truncate: accepted for GeomLoss compatibility (None or > 0) and without
             effect: it truncates kernels in GeomLoss' multiscale mode, and flashot
