@@ -16,10 +16,10 @@ import torch
 from flashot.autodiff.functional import functional_transforms
 from flashot.autodiff.functions import dual_term
 from flashot.backends import entry_point
-from flashot.packing import pack_problems, pair_packing
 from flashot.costs import bounding_diameter, box_diameter, get_cost
 from flashot.divergence import debiased_potentials
 from flashot.ops import compiled_loss, encodable
+from flashot.packing import pack_problems, pair_packing
 from flashot.problem import (
     check_positive,
     cloud_tensor,
