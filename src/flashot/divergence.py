@@ -15,7 +15,7 @@ potentials, and one final extrapolation is differentiated. In dual form,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from flashot.autodiff.functions import (
     soft_c_transform,
 )
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
+from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
 from flashot.batched import sinkhorn_divergence_batched
 from flashot.caller import warn_at_caller
@@ -58,6 +59,9 @@ class DebiasedPotentials:
         q: (m,) symmetric potential of OT(b, b), or None without debiasing.
         converged: False if any problem missed ``tol`` (None when tol is None).
         misses: the warning text of each problem that missed ``tol``.
+        trajectory: how OT(a, b)'s fixed-iteration solve ran (``tol=None``), for its
+            second derivatives (:mod:`flashot.autodiff.unrolled`); None after a solve
+            to a tolerance.
     """
 
     f: torch.Tensor
@@ -66,6 +70,7 @@ class DebiasedPotentials:
     q: torch.Tensor | None
     converged: bool | None
     misses: tuple[str, ...] = ()
+    trajectory: Trajectory | None = None
 
     def value(self, problem: Problem) -> torch.Tensor:
         """The (debiased) Sinkhorn cost, differentiable w.r.t. x, y, a, b (twice: see
@@ -79,19 +84,24 @@ class DebiasedPotentials:
             return out
         pf, relaxed = problem.form, rho is not None
         dtype = self.f.dtype
-        pieces = [Piece(1.0, (pf.q, pf.alpha, pf.k, pf.beta, a, b), self.f.detach(),
-                        self.g.detach(), spec_of(problem, dtype), relaxed)]  # fmt: skip
+        spec = spec_of(problem, dtype)
+        cost, rounding, bound = problem.cost, problem.engine.rounding, pf.cost_bound
+
+        def theta(x, y, a, b):  # run by a double backward only
+            form = attention_form(cost, x, y, dtype, rounding, bound)
+            return form.q, form.alpha, form.k, form.beta, a, b
+
+        pair = self.trajectory
+        pieces = [Piece(1.0, (problem.x, problem.y, a, b), self.f.detach(), self.g.detach(),
+                        spec, relaxed, theta, pair)]  # fmt: skip
         if self.p is not None and self.q is not None:
-
-            def self_theta(cloud, w):  # run by a double backward only
-                sf = attention_form(problem.cost, cloud, cloud, dtype, problem.engine.rounding,
-                                    pf.cost_bound)  # fmt: skip
-                return sf.q, sf.alpha, sf.k, sf.beta, w, w
-
+            # a self problem's trajectory: symmetric steps from the solver's start
+            own = None if pair is None else replace(pair, update="symmetric", init=None,
+                                                    momentum=None)  # fmt: skip
             # a divergence's rho is symmetric: the problem's spec serves its self problems
             for cloud, w, pot in ((problem.x, a, self.p), (problem.y, b, self.q)):
-                pieces.append(Piece(-0.5, (cloud, w), pot.detach(), pot.detach(),
-                                    pieces[0].spec, relaxed, self_theta))  # fmt: skip
+                pieces.append(Piece(-0.5, (cloud, w), pot.detach(), pot.detach(), spec, relaxed,
+                                    lambda c, w: theta(c, c, w, w), own))  # fmt: skip
         return exact_second_order(out, pieces)
 
 
@@ -175,7 +185,12 @@ def debiased_potentials(
         for name, o in outs
         if o.converged is False
     )
-    return DebiasedPotentials(f, g, p, q, converged, misses)
+    trajectory = None
+    if tol is None:
+        omega = None if momentum is None else float(momentum)
+        trajectory = Trajectory(tuple(float(t) for t in temps), max_iter, update, init, omega,
+                                check_every)  # fmt: skip
+    return DebiasedPotentials(f, g, p, q, converged, misses, trajectory)
 
 
 def _asymmetric(x, y, a, b, *, rho, eps, init, **options) -> torch.Tensor:

@@ -12,6 +12,7 @@ from flashot.autodiff.functional import functional_transforms
 from flashot.autodiff.functions import final_step_for, relaxed_side
 from flashot.autodiff.implicit import implicit_potentials
 from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
+from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
 from flashot.batched import sinkhorn_batched
 from flashot.caller import warn_at_caller
@@ -63,7 +64,7 @@ def _check_init(init, a: torch.Tensor, b: torch.Tensor):
     return tuple(out)
 
 
-def _piece(problem, f: torch.Tensor, g: torch.Tensor, spec) -> Piece:
+def _piece(problem, f: torch.Tensor, g: torch.Tensor, spec, trajectory=None) -> Piece:
     """The value's second-order piece: its form rebuilt from the clouds on demand.
 
     A first-order graph then keeps x and y (the caller's tensors) rather than the
@@ -72,7 +73,8 @@ def _piece(problem, f: torch.Tensor, g: torch.Tensor, spec) -> Piece:
     """
     pf = problem.form
     if pf.segments is not None:
-        return Piece(1.0, (pf.q, pf.alpha, pf.k, pf.beta, problem.a, problem.b), f, g, spec)
+        return Piece(1.0, (pf.q, pf.alpha, pf.k, pf.beta, problem.a, problem.b), f, g, spec,
+                     trajectory=trajectory)  # fmt: skip
 
     # the closure holds what compiles the form, not the form (nor the problem holding it)
     cost, dtype, rounding, bound = problem.cost, pf.q.dtype, problem.engine.rounding, pf.cost_bound
@@ -81,7 +83,8 @@ def _piece(problem, f: torch.Tensor, g: torch.Tensor, spec) -> Piece:
         form = attention_form(cost, x, y, dtype, rounding, bound)
         return form.q, form.alpha, form.k, form.beta, a, b
 
-    return Piece(1.0, (problem.x, problem.y, problem.a, problem.b), f, g, spec, build=theta)
+    return Piece(1.0, (problem.x, problem.y, problem.a, problem.b), f, g, spec, build=theta,
+                 trajectory=trajectory)
 
 
 @entry_point
@@ -246,7 +249,17 @@ def sinkhorn(
         error_t, excess = plan._marginal_error()
     value = _dual_value(problem, f, g, excess)  # queued before the checks wait
     if exact is not None:
-        value = exact_second_order(value, [_piece(problem, fd, gd, exact[1])])
+        trajectory = None  # (to a tolerance: the converged problem's second derivatives)
+        if tol is None:
+            # (with history=True, a fixed momentum falls back to plain steps where a
+            # check sees no progress: a path the replay does not know)
+            refusal = None if not (history and momentum is not None) else (
+                "second derivatives of a fixed-iteration solve with momentum and "
+                "history=True are not available: pass history=False")  # fmt: skip
+            trajectory = Trajectory(tuple(float(t) for t in temps), max_iter, update, init,
+                                    None if momentum is None else float(momentum), check_every,
+                                    refusal)  # fmt: skip
+        value = exact_second_order(value, [_piece(problem, fd, gd, exact[1], trajectory)])
     error = None if error_t is None else float(error_t)
     finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
     if not (bool(finite) and (error is None or math.isfinite(error))):

@@ -67,6 +67,14 @@ class SamplesLoss(torch.nn.Module):
     diameter, scaling, truncate, cost, kernel, cluster_scale, debias, potentials,
     verbose, backend)``.
 
+    Gradients are GeomLoss' (the envelope gradient of the final extrapolation), with or
+    without ``create_graph``. The schedule stops before the potentials converge, so that
+    gradient is not the derivative of the value, nor of any function: a double backward
+    ``∇⟨g, v⟩`` gives ``Jᵀ v`` for the Jacobian J of the returned gradient, exactly
+    (:mod:`flashot.autodiff.unrolled`), and J is symmetric only as far as the schedule
+    converged. Newton-type methods want :func:`flashot.sinkhorn_divergence` (a solve to a
+    tolerance, whose Hessian is symmetric) instead.
+
     Call forms: ``loss(x, y)`` or ``loss(a, x, b, y)``, with x (N, D) or (B, N, D)
     and weights (N,) or (B, N). Returns a scalar, (B,) values, or (F, G) shaped
     like the weights. Numpy arrays are taken as CPU tensors (numpy weights take their

@@ -1,15 +1,23 @@
-r"""Double backward of OT values: exact second derivatives through ``create_graph=True``.
+r"""Double backward of OT values: second derivatives through ``create_graph=True``.
 
 The first-order graph of a flashot value (the envelope theorem: one extrapolation
-step differentiated, the other potential held fixed) gives exact gradients but not
-exact derivatives of them. :func:`exact_second_order` wraps a value so that
+step differentiated, the other potential held fixed) gives the gradient but not its
+derivative. :func:`exact_second_order` wraps a value so that
 
 - a plain backward passes through that graph unchanged (same numbers, same cost);
-- a backward with ``create_graph=True`` returns instead the exact gradient in the
-  attention form, ``∂_θ L(z(θ), θ)`` with implicit potentials
-  (:func:`~flashot.autodiff.implicit.value_gradient`), an expression autograd can
-  differentiate again: its derivative is the exact Hessian (any composition, e.g.
-  points = model(θ), follows by the chain rule).
+- a backward with ``create_graph=True`` returns the same numbers (the first-order graph's,
+  evaluated without a graph of its own) plus, per piece, a term of value zero whose
+  derivative is that of the gradient: ``G + (G_θ − G_θ.detach())`` with ``G_θ`` an
+  expression autograd can differentiate again (any composition, e.g. points = model(θ),
+  follows by the chain rule). So the gradient never depends on ``create_graph``.
+
+``G_θ`` is, for a solve run to a tolerance, the exact gradient of the converged value in
+the attention form, ``∂_θ L(z(θ), θ)`` with implicit potentials
+(:func:`~flashot.autodiff.implicit.value_gradient`): its derivative is the Hessian of the
+converged problem. For a fixed-iteration solve (``tol=None``, GeomLoss' schedules,
+:class:`flashot.SamplesLoss`), whose potentials are not converged, it is the envelope
+gradient with the iterations replayed (:mod:`flashot.autodiff.unrolled`): its derivative
+is that of the gradient the solve returns.
 
 A value is a weighted sum of *pieces*, each an OT problem's dual value, plus for
 GeomLoss' relaxed terms (:func:`~flashot.autodiff.functions.dual_term`) the mass
@@ -25,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from flashot.autodiff.implicit import DualSpec, implicit_potentials, value_gradient
+from flashot.autodiff.unrolled import Trajectory, envelope_gradient, unrolled_potentials
 from flashot.backends import entry_point
 
 __all__ = ["Piece", "default_cg_tol", "dual_solve_options", "exact_second_order"]
@@ -61,6 +70,12 @@ class Piece:
         geomloss_mass: add ``ε/2 (m(a) + m(b)) − ε m(a) m(b)`` (relaxed GeomLoss terms).
         build: ``sources ↦ θ``, run only when a second derivative is asked for (so a
             first-order call does not pay for forms it never uses); None: θ = sources.
+        trajectory: how a fixed-iteration solve ran (its second derivatives are those of
+            its returned gradient, :mod:`~flashot.autodiff.unrolled`); None for a solve
+            to a tolerance (the converged problem's, by implicit differentiation).
+
+    A piece's sources are leaves of its value's first-order graph as far as the other
+    pieces go: none is computed from another piece's source.
     """
 
     weight: float
@@ -70,17 +85,29 @@ class Piece:
     spec: DualSpec
     geomloss_mass: bool = False
     build: Callable | None = None
+    trajectory: Trajectory | None = None
+
+    @property
+    def kind(self) -> str:
+        """How the value writes this problem (:func:`~flashot.autodiff.unrolled.dual_partials`)."""
+        if self.spec.rho == (None, None):
+            return "plain"
+        return "geomloss" if self.geomloss_mass else "dual"
 
 
 def _piece_gradient(piece: Piece, sources, grad) -> list:
     """``grad · weight · ∂(piece)/∂sources``, an expression autograd can differentiate again."""
     theta = piece.build(*sources) if piece.build is not None else sources
-    z = implicit_potentials(theta, piece.f, piece.g, piece.spec, check_gauge=False)
-    grads = list(value_gradient(theta, z, piece.spec))
-    if piece.geomloss_mass:
-        eps, a, b = piece.spec.eps, theta[4], theta[5]
-        grads[4] = grads[4] + eps * (0.5 - b.sum())
-        grads[5] = grads[5] + eps * (0.5 - a.sum())
+    if piece.trajectory is not None:
+        z = unrolled_potentials(theta, piece.trajectory, piece.spec)
+        grads = list(envelope_gradient(theta, z, piece.trajectory, piece.spec, piece.kind))
+    else:
+        z = implicit_potentials(theta, piece.f, piece.g, piece.spec, check_gauge=False)
+        grads = list(value_gradient(theta, z, piece.spec))
+        if piece.geomloss_mass:
+            eps, a, b = piece.spec.eps, theta[4], theta[5]
+            grads[4] = grads[4] + eps * (0.5 - b.sum())
+            grads[5] = grads[5] + eps * (0.5 - a.sum())
     grads = [None if t is None else (piece.weight * grad) * t for t in grads]
     if piece.build is None:
         return grads
@@ -103,7 +130,7 @@ def _piece_gradient(piece: Piece, sources, grad) -> list:
 class _ExactSecondOrder(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value, pieces, *sources):
-        ctx.pieces = pieces
+        ctx.pieces, ctx.value = pieces, value  # (the value with its first-order graph)
         ctx.save_for_backward(*sources)
         return value.detach().clone()
 
@@ -113,12 +140,27 @@ class _ExactSecondOrder(torch.autograd.Function):
         sources = ctx.saved_tensors
         if not torch.is_grad_enabled():  # first order: the envelope graph, unchanged
             return (grad, None) + (None,) * len(sources)
+        # the numbers of a plain backward (no graph: the first-order graph's nodes are
+        # differentiable once), then per piece a zero carrying the second derivatives
+        wanted = list({id(s): s for s in sources if s.requires_grad}.values())
+        first = torch.autograd.grad(ctx.value, wanted, grad, retain_graph=True,
+                                    allow_unused=True) if wanted else ()  # fmt: skip
+        plain = {id(s): g for s, g in zip(wanted, first, strict=True)}
         out, start = [], 0
         for piece in ctx.pieces:
             count = len(piece.sources)
             out += _piece_gradient(piece, sources[start : start + count], grad)
             start += count
-        return (None, None, *out)
+        return (None, None, *(_with_curvature(plain.pop(id(s), None), g)
+                              for s, g in zip(sources, out, strict=True)))  # fmt: skip
+
+
+def _with_curvature(value, carrier):
+    """``value + (carrier − carrier.detach())``: value's numbers, carrier's derivatives."""
+    if carrier is None:
+        return value
+    zero = carrier - carrier.detach()
+    return zero if value is None else value + zero
 
 
 def exact_second_order(value: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:

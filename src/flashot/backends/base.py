@@ -119,7 +119,7 @@ class Backend:
         if seg is not None and (not self.segmented or seg.near(eps, NEAR_FROM)):
             return self._per_segment(form, h, eps, v, log_w)
         if seg is None and is_near_uniform(form, eps):
-            return near_attend(form, h, eps, v, log_w)
+            return near_attend(form, h, eps, v, log_w, getattr(self, "budget", None))
         bias = h if log_w is None else h + device_value(eps) * log_w
         return self._row_attend(form, bias, eps, v)
 

@@ -1,0 +1,330 @@
+r"""Second derivatives of a fixed-iteration solve: the derivative of the gradient it returns.
+
+A solve without a stopping tolerance (``tol=None``; every :class:`flashot.SamplesLoss`,
+which runs GeomLoss' ε-schedule) stops before its potentials are converged. Its gradient
+is the envelope one of its final extrapolation, the last potentials ``z_K = (f_K, g_K)``
+held fixed:
+
+.. math::
+
+    G(\theta) = \partial_\theta V(\theta, z_K) \big|_{z_K = z_K(\theta)},
+
+which is not the Hessian's gradient of the converged problem (nor the derivative of the
+value). The second derivatives consistent with it are those of ``G`` itself,
+
+.. math::
+
+    \frac{dG}{d\theta} v = \partial_\theta G\, v + \partial_z G\, \frac{d z_K}{d\theta} v,
+
+where ``z_K(θ)`` is the schedule's K iterations: this module writes both as
+differentiable expressions. The iterations are replayed with :class:`Transform`, the soft
+c-transform differentiable once in all of its inputs (a reverse pass through them is the
+adjoint of the schedule: two or three streaming passes per iteration), and ``∂_θ V`` is
+written out explicitly (:func:`envelope_gradient`) with :class:`~flashot.autodiff.implicit.
+PlanProduct`. A finite difference of the returned gradient matches it to the dtype's
+accuracy, whatever the schedule; it is symmetric only as far as the schedule converged.
+Memory: the K iterates, O(K (n + m)), while a second derivative is formed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from flashot.autodiff.implicit import DualSpec
+from flashot.backends import entry_point
+from flashot.costs import AttentionForm
+
+__all__ = ["Trajectory", "Transform", "envelope_gradient", "transform", "unrolled_potentials"]
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """How a fixed-iteration solve ran, to replay it with autograd.
+
+    Attributes:
+        temps: the ε schedule (one iteration per entry, the last kept to the end).
+        iterations: K, the iterations run (the initialization not counted).
+        update: ``"symmetric"`` or ``"alternating"``.
+        init: the warm start ``(f, g)`` (constants), or None for the solver's own
+            ``(λ T(0), λ Tᵀ(0))`` at the first temperature.
+        momentum: ω of the alternating updates at the final ε, or None.
+        check_every: the solve's check period (which alternating step keeps plain
+            columns under momentum).
+        refusal: why this solve cannot be replayed (its second derivatives then raise
+            this), or None.
+    """
+
+    temps: tuple[float, ...]
+    iterations: int
+    update: str = "symmetric"
+    init: tuple[torch.Tensor, torch.Tensor] | None = None
+    momentum: float | None = None
+    check_every: int = 10
+    refusal: str | None = None
+
+
+def _form(q, alpha, k, beta, bound) -> AttentionForm:
+    return AttentionForm(q.detach(), k.detach(), alpha.detach(), beta.detach(), cost_bound=bound)
+
+
+def _at(spec: DualSpec, eps: float) -> DualSpec:
+    return spec if eps == spec.eps else dataclasses.replace(spec, eps=eps)
+
+
+class Transform(torch.autograd.Function):
+    r"""The soft c-transform and its negated LSE, differentiable once.
+
+    ``t_i = α_i − ε LSE_j[(⟨q_i, k_j⟩ + h_j − β_j)/ε + log w_j]`` and ``r = t − α``, in q,
+    α, k, β, log w and the column potential h (:func:`transform_vjp`). ``r`` (the negated
+    LSE, as the pass computed it) is what the transform's plan reads: ``t − α``
+    recomputed would carry an ulp of α, ``|α|/ε`` ulps in the plan's exponents.
+    """
+
+    @staticmethod
+    def forward(ctx, q, alpha, k, beta, log_w, h, spec):
+        """One row pass: ``(t, r)``."""
+        form = _form(q, alpha, k, beta, spec.cost_bound)
+        lse, _ = spec.backend.row_attend(form, h.detach() - form.beta, spec.eps,
+                                         log_w=log_w.detach())  # fmt: skip
+        r = -lse
+        ctx.save_for_backward(q, k, beta, log_w, h, r)
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        return form.alpha + r, r
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @entry_point
+    def backward(ctx, u_t, u_r):
+        """One plan_vjp (:func:`transform_vjp`)."""
+        if u_t is None and u_r is None:
+            return (None,) * 7
+        q, k, beta, log_w, h, r = ctx.saved_tensors
+        u = u_t if u_r is None else (u_r if u_t is None else u_t + u_r)
+        grads = transform_vjp((q, None, k, beta, log_w, h), r, u, u_t, ctx.spec,
+                              ctx.needs_input_grad[:6])  # fmt: skip
+        return (*grads, None)
+
+
+def transform(q, alpha, k, beta, log_w, h, spec: DualSpec) -> torch.Tensor:
+    """:class:`Transform`'s ``t``: the soft c-transform ``T(h)`` (n,) at ``spec.eps``."""
+    return Transform.apply(q, alpha, k, beta, log_w, h, spec)[0]
+
+
+def transform_vjp(parts, r, u, u_alpha, spec: DualSpec, needs) -> list:
+    r"""The gradients of ``⟨u, −LSE⟩ + ⟨u_α, α⟩`` for :class:`Transform`'s pass.
+
+    None where ``needs`` is False; with ``u_α = u`` they are those of ``⟨u, t⟩``.
+
+    With ``Π_ij = w_j e^{(r_i + h_j − β_j + ⟨q_i, k_j⟩)/ε}`` (the row softmax):
+    ``∂q = −u ⊙ Π k``, ``∂α = u_α``, ``∂k = −Πᵀ(u ⊙ q)``, ``∂β = Πᵀ u = −∂h``,
+    ``∂log w = −ε Πᵀ u``: one plan_vjp; under autograd (the envelope gradient's row terms,
+    which are differentiated once more) ``Π k`` by :class:`RowAverage`.
+
+    Args:
+        parts: (q, α, k, β, log w, h) as the transform took them (α unread).
+        r: (n,) its negated LSE.  u, u_alpha: (n,) cotangents (u_alpha may be None).
+        needs: six flags for ``parts``.
+    """
+    q, _, k, beta, log_w, h = parts
+    zero = torch.zeros_like(r)
+    weights = (torch.ones_like(r), torch.exp(log_w))
+    out: list = [None] * 6
+    out[1] = u_alpha if needs[1] else None
+    if not (
+        torch.is_grad_enabled()
+        and any(p is not None and p.requires_grad for p in (q, k, beta, log_w, h, r, u))
+    ):
+        # a plain reverse pass: one plan_vjp, S_ij = Π_ij u_i (no value copies)
+        want = {"row_k"} if needs[0] else set()
+        want |= {"col_q"} if needs[2] else set()
+        want |= {"col"} if any(needs[3:]) else set()
+        if want:
+            vjp = spec.backend.plan_vjp(_form(q, zero, k, beta, spec.cost_bound), r, h,
+                                        *weights, spec.eps, u.new_ones(k.shape[0], 1), u[:, None],
+                                        frozenset(want))  # fmt: skip
+            _fill(out, needs, spec.eps, vjp.row_k, vjp.col_q, vjp.col)
+        return out
+    # (the envelope gradient's row terms, differentiable once more)
+    assert not any(needs[2:]), "internal: a differentiable transform VJP of rows only"
+    if needs[0]:
+        out[0] = -u[:, None] * RowAverage.apply(q, k, beta, log_w, h, k, spec)
+    return out
+
+
+class RowAverage(torch.autograd.Function):
+    r"""``Π V`` (n, p), differentiable once in q, k, β, log w, h and V.
+
+    ``Π_ij ∝ w_j e^{(⟨q_i, k_j⟩ + h_j − β_j)/ε}`` is the row softmax.
+
+    Its backward streams ``S_ij = Π_ij (⟨D_i, V_j⟩ − ⟨D_i, (ΠV)_i⟩)``, centered per
+    element (one plan_vjp with the row-sum cotangent ``−⟨D, ΠV⟩``): the derivative in q
+    is a covariance of the keys under Π, which a difference of moments would lose to
+    rounding when Π is peaked (small ε).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, beta, log_w, h, v, spec):
+        """One row pass with values."""
+        zero = q.new_zeros(q.shape[0])
+        form = _form(q, zero, k, beta, spec.cost_bound)
+        lse, out = spec.backend.row_attend(form, h.detach() - form.beta, spec.eps, v.detach(),
+                                           log_w.detach())  # fmt: skip
+        ctx.save_for_backward(q, k, beta, log_w, h, v, lse, out)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @entry_point
+    def backward(ctx, d):
+        """One centered plan_vjp."""
+        q, k, beta, log_w, h, v, lse, out = ctx.saved_tensors
+        spec, eps = ctx.spec, ctx.spec.eps
+        zero = torch.zeros_like(lse)
+        needs = ctx.needs_input_grad
+        want = {"row_k"} if needs[0] else set()
+        want |= {"col_q"} if needs[1] else set()
+        want |= {"col"} if any(needs[2:5]) else set()
+        want |= {"pt_d"} if needs[5] else set()
+        vjp = spec.backend.plan_vjp(_form(q, zero, k, beta, spec.cost_bound), -lse, h,
+                                    torch.ones_like(lse), torch.exp(log_w), eps, v, d,
+                                    frozenset(want), d0=-(d * out).sum(1))  # fmt: skip
+        col = vjp.col
+        return (None if vjp.row_k is None else vjp.row_k.div_(eps),
+                None if vjp.col_q is None else vjp.col_q.div_(eps),
+                None if not needs[2] else -col / eps, col if needs[3] else None,
+                None if not needs[4] else col / eps, vjp.pt_d, None)  # fmt: skip
+
+
+def _fill(out: list, needs, eps: float, row_k, col_q, pt_u) -> None:
+    """:func:`transform_vjp`'s gradients from ``u ⊙ Π k``, ``Πᵀ(u ⊙ q)`` and ``Πᵀ u``."""
+    if needs[0]:
+        out[0] = -row_k
+    if needs[2]:
+        out[2] = -col_q
+    if needs[3]:
+        out[3] = pt_u
+    if needs[4]:
+        out[4] = -eps * pt_u
+    if needs[5]:
+        out[5] = -pt_u
+
+
+def damping(rho: float | None, eps: float) -> float:
+    """``λ = ρ / (ρ + ε)`` (1 on a balanced side)."""
+    return 1.0 if rho is None else rho / (rho + eps)
+
+
+def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec):
+    """The solve's last iterate ``(f_K (n,), g_K (m,))`` as a differentiable function of θ.
+
+    Replays :func:`flashot.solver.solve`'s loop (initialization, symmetric or alternating
+    updates, damping, momentum) with :func:`transform`; the warm-up temperatures'
+    near-uniform evaluation is the same function, evaluated otherwise.
+
+    Args:
+        theta: (q, α, k, β, a, b) with their autograd history.
+        trajectory: how the solve ran.  spec: the problem's :class:`DualSpec`.
+    """
+    if trajectory.refusal is not None:
+        raise RuntimeError(trajectory.refusal)
+    q, alpha, k, beta, a, b = theta
+    log_a, log_b = torch.log(a), torch.log(b)
+    (rho_x, rho_y), temps, traj = spec.rho, trajectory.temps, trajectory
+
+    def rows(g, e):  # λ_x T(g)
+        return damping(rho_x, e) * transform(q, alpha, k, beta, log_b, g, _at(spec, e))
+
+    def cols(f, e):  # λ_y Tᵀ(f)
+        return damping(rho_y, e) * transform(k, beta, q, alpha, log_a, f, _at(spec, e))
+
+    if traj.init is None:
+        f, g = rows(torch.zeros_like(beta), temps[0]), cols(torch.zeros_like(alpha), temps[0])
+    else:
+        f, g = traj.init
+    last = len(temps) - 1
+    for it in range(1, traj.iterations + 1):
+        e = temps[min(it - 1, last)]
+        if traj.update == "symmetric":
+            f, g = 0.5 * (f + rows(g, e)), 0.5 * (g + cols(f, e))
+            continue
+        omega = traj.momentum if traj.momentum is not None and it - 1 >= last else 1.0
+        f_new = rows(g, e)
+        f = f_new if omega == 1.0 else torch.lerp(f, f_new, omega)
+        g_new = cols(f, e)
+        before_check = it >= last and (it + 1 - last) % traj.check_every == 0
+        g = g_new if omega == 1.0 or before_check else torch.lerp(g, g_new, omega)
+    return f, g
+
+
+def dual_partials(pot, w, eps: float, rho: float | None, kind: str):
+    r"""``(∂Φ/∂f, ∂Φ/∂w)`` of one side's share ``Φ(f, w)`` of the value, as expressions.
+
+    ``kind``: ``"plain"``, a balanced problem's ``Φ = ⟨w, f⟩``; ``"geomloss"``,
+    :func:`~flashot.autodiff.functions.dual_term` (relaxed: ``∂f = (ρ + ε)/ρ · w e^{−f/ρ}``,
+    ``∂w = −(ρ + ε) expm1(−f/ρ) − ε/2``); ``"dual"``, an unbalanced problem's
+    :func:`~flashot.autodiff.functions.relaxed_side` (``∂w`` has ``−ε`` instead of ``−ε/2``,
+    and ``f − ε`` on a balanced side; the ``ε m(a) m(b)`` term is the caller's).
+    """
+    if rho is None:
+        return w, (pot - eps if kind == "dual" else pot)
+    return (rho + eps) / rho * w * torch.exp(-pot / rho), -(rho + eps) * torch.expm1(-pot / rho) - (
+        0.5 * eps if kind == "geomloss" else eps
+    )
+
+
+def envelope_gradient(theta, z, trajectory: Trajectory, spec: DualSpec, kind: str):
+    r"""``∂_θ V(θ, z)``, the gradient a fixed-iteration solve returns, as an expression in θ, z.
+
+    ``V = Φ_x(f*, a) + Φ_y(g*, b)`` (:func:`dual_partials`, plus ``ε m(a) m(b)`` on the
+    dual value of a relaxed :func:`flashot.sinkhorn`) with the final extrapolation
+    ``f* = λ_x T(g_K)`` and ``g* = λ_y Tᵀ(f_K)`` (``Tᵀ(f*)`` after alternating updates);
+    as in the first-order graph each transform is differentiated on its own side only
+    (its queries and offsets; the other side, the potential and the weights inside it are
+    constants of the step). Differentiating the result once more gives ``dG/dθ``.
+
+    Args:
+        theta: (q, α, k, β, a, b).  z: (f_K, g_K) from :func:`unrolled_potentials`.
+        trajectory: how the solve ran.  spec: the problem's :class:`DualSpec`.
+        kind: how the value is written (:func:`dual_partials`).
+
+    Returns:
+        Six gradients shaped like θ (None for those that need none).
+    """
+    q, alpha, k, beta, a, b = theta
+    f_k, g_k = z
+    eps, (rho_x, rho_y) = spec.eps, spec.rho
+    log_a, log_b = torch.log(a), torch.log(b)
+    lam_x, lam_y = damping(rho_x, eps), damping(rho_y, eps)
+    t_x, r_x = Transform.apply(q, alpha, k, beta, log_b, g_k, spec)
+    f_star = lam_x * t_x
+    h_y = f_star if trajectory.update == "alternating" else f_k
+    t_y, r_y = Transform.apply(k, beta, q, alpha, log_a, h_y, spec)
+    g_star = lam_y * t_y
+    c_x, grad_a = dual_partials(f_star, a, eps, rho_x, kind)
+    c_y, grad_b = dual_partials(g_star, b, eps, rho_y, kind)
+    if kind == "dual":
+        grad_a, grad_b = grad_a + eps * b.sum(), grad_b + eps * a.sum()
+    u_x, u_y = lam_x * c_x, lam_y * c_y
+    row = transform_vjp(
+        (q, alpha, k, beta, log_b, g_k),
+        r_x,
+        u_x,
+        u_x,
+        spec,
+        (q.requires_grad, alpha.requires_grad, False, False, False, False),
+    )
+    col = transform_vjp(
+        (k, beta, q, alpha, log_a, h_y),
+        r_y,
+        u_y,
+        u_y,
+        spec,
+        (k.requires_grad, beta.requires_grad, False, False, False, False),
+    )
+    return (row[0], row[1], col[0], col[1], grad_a if a.requires_grad else None,
+            grad_b if b.requires_grad else None)  # fmt: skip
