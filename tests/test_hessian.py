@@ -96,6 +96,19 @@ def dense_hessian(x, y, a, b, eps, **kw):
     return cols.reshape(n * d, n * d)
 
 
+def test_lanczos_on_a_repeated_ot_hessian_eigenvalue():
+    # uniform weights: the top eigenvalue 2/n of the x-Hessian is repeated d times; the
+    # single-vector Lanczos gave [0.25, 0.24216] here
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 2, generator=gen, dtype=F64), torch.randn(7, 2, generator=gen, dtype=F64)
+    H = dense_hessian(x, y + 0.5, None, None, 0.4, **TIGHT)
+    ref = torch.linalg.eigvalsh((H + H.T) / 2).flip(0)[:2]
+    assert torch.allclose(ref, torch.full((2,), 0.25, dtype=F64), atol=1e-9)
+    res = lanczos(lambda V: hvp(x, y + 0.5, V, eps=0.4, **TIGHT), x, k=2, which="largest",
+                  batched=True)  # fmt: skip
+    assert res.converged and torch.allclose(res.values, ref, atol=1e-8)
+
+
 def test_lanczos_on_the_hessian_matches_eigvalsh():
     x, y, a, b, _, _ = problem(3, n=12, m=10, d=3)
     H = dense_hessian(x, y, a, b, 0.4, **TIGHT)

@@ -1,9 +1,11 @@
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashot.linalg import CGWarning, NegativeCurvature, cg, lanczos
+from flashot.linalg import CGWarning, LanczosWarning, NegativeCurvature, cg, lanczos
 
 F64 = torch.float64
 
@@ -168,7 +170,78 @@ def test_cg_columns_is_one_cg_per_column(n, k, seed):
         cg(matvec, b[:, 0], columns=True)
 
 
-def test_lanczos_says_so_when_its_krylov_space_closes_before_k():
-    # the zero operator maps the start vector to exactly 0: a Krylov space of dimension 1
-    with pytest.raises(RuntimeError, match="invariant subspace of dimension 1 < k = 2"):
-        lanczos(lambda v: 0 * v, 5, k=2, generator=torch.Generator().manual_seed(0))
+def test_lanczos_continues_past_an_invariant_subspace():
+    # the zero operator maps the start block to exactly 0: fresh directions keep the basis
+    # growing, and the k eigenvalues (all 0) come out exactly
+    res = lanczos(lambda v: 0 * v, 5, k=2, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(res.values, torch.zeros(2, dtype=F64)) and res.converged
+
+
+def spectrum(values, seed=0):
+    """A symmetric matrix with the given eigenvalues in a random basis."""
+    values = torch.as_tensor(values, dtype=F64)
+    gen = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(len(values), len(values), generator=gen, dtype=F64))
+    return Q @ torch.diag(values) @ Q.T
+
+
+@pytest.mark.parametrize("which", ["smallest", "largest"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_lanczos_finds_a_repeated_eigenvalue_k_times(which, k):
+    # single-vector Lanczos saw 0.25 once and gave the next eigenvalue as its copy
+    sign = 1.0 if which == "largest" else -1.0
+    A = spectrum(sign * torch.cat([torch.full((3,), 0.25), torch.linspace(-1.0, 0.24, 117)]))
+    res = lanczos(lambda v: A @ v, 120, k=k, which=which, generator=torch.Generator().manual_seed(1))
+    assert res.converged and torch.allclose(res.values, torch.full((k,), 0.25 * sign, dtype=F64), atol=1e-8)
+    for lam, v, r in zip(res.values, res.vectors, res.residuals, strict=True):
+        assert float((A @ v - lam * v).norm()) == pytest.approx(float(r), abs=1e-12)
+    assert torch.allclose(res.vectors @ res.vectors.T, torch.eye(k, dtype=F64), atol=1e-10)
+
+
+def test_lanczos_on_a_dense_cluster():
+    # 40 eigenvalues 1e-3 apart below 160 spread ones: 0.10001, 0.10150, 0.10415 before,
+    # with residuals up to 7e-3 and no word of it
+    values = torch.cat([0.1 + 1e-3 * torch.arange(40, dtype=F64), torch.linspace(0.5, 2.0, 160)])
+    A = spectrum(values, seed=2)
+    res = lanczos(lambda v: A @ v, 200, k=3, generator=torch.Generator().manual_seed(0))
+    assert res.converged and torch.allclose(res.values, values[:3], atol=1e-9)
+    assert float(res.residuals.max()) <= 1e-8 * 2.0
+
+
+def test_lanczos_says_when_it_stops_short_and_what_it_can_vouch_for():
+    values = torch.cat([0.1 + 1e-3 * torch.arange(40, dtype=F64), torch.linspace(0.5, 2.0, 160)])
+    A = spectrum(values, seed=2)
+    with pytest.warns(LanczosWarning, match="did not reach"):
+        res = lanczos(lambda v: A @ v, 200, k=3, max_iter=30)
+    assert not res.converged and res.n_matvec == 30
+    for lam, r in zip(res.values, res.residuals, strict=True):  # some eigenvalue within ‖r‖
+        assert float((values - lam).abs().min()) <= float(r)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lanczos(lambda v: A @ v, 200, k=3, max_iter=30, warn=False)
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_lanczos_on_blocks_with_a_batched_operator(block_size):
+    A = spectrum(torch.linspace(-2.0, 3.0, 50), seed=4)
+    shape = torch.zeros(10, 5, dtype=F64)
+    sizes = []
+
+    def op(V):  # (p, 10, 5) -> (p, 10, 5)
+        sizes.append(V.shape[0])
+        return (V.reshape(V.shape[0], -1) @ A).reshape(V.shape)
+
+    res = lanczos(op, shape, k=2, which="largest", batched=True, block_size=block_size)
+    assert res.converged and torch.allclose(res.values, torch.tensor([3.0, 3.0 - 5 / 49],
+                                                                     dtype=F64), atol=1e-8)  # fmt: skip
+    assert res.vectors.shape == (2, 10, 5) and max(sizes) == (block_size or 2)
+    assert sum(sizes) == res.n_matvec
+
+
+def test_lanczos_options_are_checked():
+    with pytest.raises(ValueError, match="block_size"):
+        lanczos(lambda v: v, 5, block_size=6)
+    with pytest.raises(ValueError, match="tol"):
+        lanczos(lambda v: v, 5, tol=0.0)
+    with pytest.raises(ValueError, match="max_iter"):
+        lanczos(lambda v: v, 5, k=3, max_iter=2)

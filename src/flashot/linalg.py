@@ -17,7 +17,15 @@ from functools import partial
 
 import torch
 
-__all__ = ["CGResult", "CGWarning", "NegativeCurvature", "cg", "lanczos"]
+__all__ = [
+    "CGResult",
+    "CGWarning",
+    "LanczosResult",
+    "LanczosWarning",
+    "NegativeCurvature",
+    "cg",
+    "lanczos",
+]
 
 Matvec = Callable[[torch.Tensor], torch.Tensor]
 
@@ -257,6 +265,64 @@ def cg(
     return CGResult(x, it, residual, converged, curvature_dir)
 
 
+class LanczosWarning(UserWarning):
+    """Lanczos stopped before its eigenpairs reached the requested residual."""
+
+
+@dataclass(frozen=True)
+class LanczosResult:
+    """Outcome of :func:`lanczos`; unpacks as ``values, vectors``.
+
+    Attributes:
+        values: (k,) Ritz values, ascending for ``"smallest"``, descending for ``"largest"``.
+        vectors: (k, *shape) orthonormal Ritz vectors.
+        residuals: (k,) ``‖A v − λ v‖`` of each pair (from the operator's own products).
+        converged: every residual is within ``tol`` times the operator's estimated norm.
+        n_matvec: operator applications used.
+    """
+
+    values: torch.Tensor
+    vectors: torch.Tensor
+    residuals: torch.Tensor
+    converged: bool
+    n_matvec: int
+
+    def __iter__(self):
+        return iter((self.values, self.vectors))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i):
+        return (self.values, self.vectors)[i]
+
+
+def _orthonormal_block(W: torch.Tensor, V: torch.Tensor, gen, dtype, device) -> torch.Tensor:
+    """Rows of W made orthonormal to V's rows and each other (two Gram–Schmidt passes).
+
+    Rows that vanish (W's span lies in V's: an invariant subspace) are replaced by random
+    rows, so the basis keeps growing until it spans the space.
+    """
+    dim = W.shape[1]
+    out: list[torch.Tensor] = []
+    for w in W:
+        for attempt in range(3):
+            norm0 = float(w.norm())
+            for _ in range(2):  # twice is enough (Kahan)
+                if V.shape[0]:
+                    w = w - (V @ w) @ V
+                for u in out:
+                    w = w - (u @ w) * u
+            norm = float(w.norm())
+            if norm > 1e-10 * max(norm0, 1e-300) and norm > 0:
+                out.append(w / norm)
+                break
+            if V.shape[0] + len(out) >= dim:
+                return torch.stack(out) if out else W.new_zeros(0, dim)
+            w = torch.randn(dim, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+    return torch.stack(out) if out else W.new_zeros(0, dim)
+
+
 def lanczos(
     matvec: Matvec,
     n: int | torch.Tensor,
@@ -265,31 +331,45 @@ def lanczos(
     *,
     tol: float = 1e-8,
     max_iter: int | None = None,
+    block_size: int | None = None,
+    batched: bool = False,
+    warn: bool = True,
     generator: torch.Generator | None = None,
     dtype: torch.dtype = torch.float64,
     device: torch.device | str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Extreme eigenpairs of a symmetric operator by Lanczos with full reorthogonalization.
+) -> LanczosResult:
+    r"""Extreme eigenpairs of a symmetric operator by block Lanczos with thick restarts.
 
-    Builds an orthonormal Krylov basis ``V`` (each new vector orthogonalized twice
-    against all previous ones, so k should stay small against the dimension) and the
-    tridiagonal ``T = Vᵀ A V``; Ritz pairs of ``T`` approximate the extreme eigenpairs.
-    Stops when the ``k`` wanted Ritz pairs have residuals ``|β_j s_j| ≤ tol · ‖T‖``,
-    when the space is exhausted, or at ``max_iter``.
+    A block of ``block_size`` vectors (default k) grows an orthonormal basis ``V``
+    (full reorthogonalization) with the operator's products ``A V`` kept beside it; Ritz
+    pairs come from ``Vᵀ A V`` (Rayleigh–Ritz), and the next block is the residuals
+    ``A x − θ x`` of the wanted pairs not yet converged, which continues the block Krylov
+    space. A block of k vectors finds an eigenvalue k times when it is repeated (a single
+    vector sees a repeated eigenvalue once, and would report the next one as its copy).
+    Stops when every wanted pair has ``‖A x − θ x‖ ≤ tol · max|θ|``, when the basis
+    spans the whole space (then exact), or after ``max_iter`` products (then it warns
+    with :class:`LanczosWarning` unless ``warn=False``; ``converged`` says so and the
+    residuals bound the error: some eigenvalue lies within ``‖r‖`` of each θ). Past
+    ``max(4 (k + p), 100)`` basis vectors it restarts from its best Ritz vectors. All
+    vectors stay on ``device``; ``k`` should stay small against the dimension.
 
     Args:
-        matvec: ``v -> A v``.
+        matvec: ``v -> A v`` on tensors of the vector shape; with ``batched=True``,
+            ``(p, *shape) -> (p, *shape)`` on a block (e.g. :func:`flashot.hvp` with a
+            batch of directions, which shares its dual solve).
         n: the dimension, or a tensor whose shape is the vector shape.
         k: number of eigenpairs.
         which: ``"smallest"`` or ``"largest"`` (algebraic).
         tol: residual tolerance relative to the operator's estimated norm.
-        max_iter: Krylov dimension at most (default ``min(dim, max(4k + 40, 60))``).
-        generator: RNG of the start vector (deterministic given a seeded generator).
+        max_iter: operator applications at most (default ``max(300, 20 k)``).
+        block_size: vectors per block, p (default k).
+        batched: ``matvec`` takes blocks.
+        warn: warn when not converged.
+        generator: RNG of the start block (deterministic given a seeded generator).
         dtype, device: of the vectors (``n`` a tensor: its dtype and device).
 
     Returns:
-        ``(values (k,), vectors (k, *shape))``, values sorted ascending for
-        ``"smallest"`` and descending for ``"largest"``.
+        A :class:`LanczosResult` (``values, vectors = lanczos(...)`` still works).
     """
     if which not in ("smallest", "largest"):
         raise ValueError(f"which must be 'smallest' or 'largest', got {which!r}")
@@ -300,44 +380,72 @@ def lanczos(
     dim = math.prod(shape)
     if not 1 <= k <= dim:
         raise ValueError(f"k must be in [1, {dim}], got {k}")
-    max_iter = min(dim, max(4 * k + 40, 60)) if max_iter is None else min(int(max_iter), dim)
+    p = k if block_size is None else int(block_size)
+    if not 1 <= p <= dim:
+        raise ValueError(f"block_size must be in [1, {dim}], got {block_size}")
+    max_iter = max(300, 20 * k) if max_iter is None else int(max_iter)
     if max_iter < k:
         raise ValueError(f"max_iter must be ≥ k = {k}, got {max_iter}")
-    start = torch.randn(dim, generator=generator, dtype=torch.float64)
-    basis = [start / start.norm()]
-    alphas: list[float] = []
-    betas: list[float] = []
-    values = vectors = None
-    for j in range(max_iter):
-        v = basis[-1]
-        w = matvec(v.reshape(shape).to(dtype=dtype, device=device)).reshape(-1)
-        w = w.detach().to(device="cpu", dtype=torch.float64)
-        alphas.append(float(v @ w))
-        V = torch.stack(basis)
-        for _ in range(2):  # full reorthogonalization, twice is enough
-            w = w - V.T @ (V @ w)
-        beta = float(w.norm())
-        T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
-        if betas:
-            off = torch.tensor(betas, dtype=torch.float64)
-            T = T + torch.diag(off, 1) + torch.diag(off, -1)
-        theta, S = torch.linalg.eigh(T)
-        order = torch.arange(len(alphas)) if which == "smallest" else torch.arange(len(alphas) - 1, -1, -1)
-        if len(alphas) >= k:
-            pick = order[:k]
-            scale = max(float(theta.abs().max()), 1e-300)
-            resid = (beta * S[-1, pick]).abs()
-            values, vectors = theta[pick], (S[:, pick].T @ V)
-            if bool((resid <= tol * scale).all()) or beta <= tol * scale:
-                break
-        if beta <= 1e-300:
+    if not (isinstance(tol, (int, float)) and tol > 0):
+        raise ValueError(f"tol must be a positive float, got {tol!r}")
+    cap = min(dim, max(4 * (k + p), 100))  # basis vectors before a restart
+    gen = generator if generator is not None else torch.Generator().manual_seed(0)
+
+    def apply(W: torch.Tensor) -> torch.Tensor:
+        if batched:
+            out = matvec(W.reshape(W.shape[0], *shape))
+            return out.reshape(W.shape[0], dim).to(dtype=dtype, device=W.device)
+        return torch.stack([matvec(w.reshape(shape)).reshape(dim).to(dtype=dtype, device=W.device)
+                            for w in W])  # fmt: skip
+
+    start = torch.randn(p, dim, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+    V = start.new_zeros(0, dim)
+    AV = start.new_zeros(0, dim)
+    H = start.new_zeros(0, 0)
+    W, used = start, 0
+    while True:
+        W = _orthonormal_block(W[: max(1, min(p, max_iter - used, dim - V.shape[0]))], V, gen,
+                               dtype, start.device)  # fmt: skip
+        if W.shape[0]:
+            AW = apply(W)
+            used += W.shape[0]
+            cross = V @ AW.T  # (m, p): H's new columns; rows from the products' symmetry
+            corner = W @ AW.T
+            H = torch.cat([torch.cat([H, cross], 1),
+                           torch.cat([cross.T, 0.5 * (corner + corner.T)], 1)], 0)  # fmt: skip
+            V, AV = torch.cat([V, W]), torch.cat([AV, AW])
+        theta, S = torch.linalg.eigh(0.5 * (H + H.T))
+        if which == "largest":
+            theta, S = theta.flip(0), S.flip(1)
+        top = min(k, theta.shape[0])
+        X, AX = S[:, :top].T @ V, S[:, :top].T @ AV
+        R = AX - theta[:top, None] * X
+        residuals = R.norm(dim=1)
+        scale = max(float(theta.abs().max()) if theta.numel() else 0.0, 1e-300)
+        done = top == k and bool((residuals <= tol * scale).all())
+        if done or used >= max_iter or V.shape[0] >= dim or not W.shape[0]:
             break
-        betas.append(beta)
-        basis.append(w / beta)
-    if values is None or vectors is None:
-        raise RuntimeError(
-            f"lanczos: the start vector spans an invariant subspace of dimension "
-            f"{len(alphas)} < k = {k}; pass another generator or a smaller k"
+        # the next block: residuals of the first unconverged wanted pairs, then of the
+        # Ritz pairs beyond the k wanted (a block Krylov step from the Ritz vectors)
+        order = [i for i in range(top) if float(residuals[i]) > tol * scale]
+        order += list(range(top, theta.shape[0]))
+        pick = torch.tensor(order[:p] or [0], device=S.device)
+        W = S[:, pick].T @ AV - theta[pick, None] * (S[:, pick].T @ V)
+        if cap < dim and V.shape[0] + W.shape[0] > cap:  # thick restart: the best Ritz vectors
+            keep = min(cap - p, max(k + p, cap // 2), theta.shape[0])
+            V, AV = S[:, :keep].T @ V, S[:, :keep].T @ AV
+            H = torch.diag(theta[:keep])
+    if top < k:  # (only an operator whose space has fewer than k dimensions)
+        raise RuntimeError(f"lanczos: the space has dimension {top} < k = {k}")
+    converged = done or V.shape[0] >= dim
+    if not converged and warn:
+        warnings.warn(
+            f"lanczos did not reach tol={tol:g} after {used} operator applications: "
+            f"residuals up to {float(residuals.max()):.3e} (relative "
+            f"{float(residuals.max()) / scale:.1e}); each value is within its residual of "
+            "an eigenvalue, not necessarily the wanted one (raise max_iter, or block_size "
+            "for clustered eigenvalues)",
+            LanczosWarning,
+            stacklevel=2,
         )
-    out = vectors.reshape(k, *shape).to(dtype=dtype, device=device)
-    return values.to(dtype=dtype, device=device), out
+    return LanczosResult(theta[:k].clone(), X.reshape(k, *shape), residuals, converged, used)

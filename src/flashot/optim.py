@@ -15,7 +15,8 @@ streaming passes, and no n × m or (nd)² array.
   λ_min < −τ (saddle escape) and a Newton step when the Hessian is positive definite.
 
 Every optimizer appends one dict per step to :attr:`log`: ``loss``, ``grad_norm``,
-``step`` (the step type), ``cg_iters``, ``lambda_min`` (when computed), ``t`` (the step
+``step`` (the step type), ``cg_iters``, ``lambda_min`` (when computed, with
+``lambda_residual`` and ``lambda_converged`` of its Lanczos estimate), ``t`` (the step
 length accepted), ``radius`` (trust region).
 """
 
@@ -238,8 +239,10 @@ class AdamNewton(_SecondOrder):
         switch_grad_norm: gradient norm under which curvature is examined.
         tau: the negative-curvature threshold.
         escape_step: first trial length of a negative-curvature step.
-        lanczos_iter: Lanczos iterations per estimate.  cg_max_iter: CG iterations per
-            Newton step.  grad_tol: no step when ``‖g‖ ≤ grad_tol``.
+        lanczos_iter: Hessian-vector products per λ_min estimate (a budget: the log's
+            ``lambda_residual`` and ``lambda_converged`` say how good the estimate was; a
+            negative Ritz value is a direction of negative curvature either way).
+        cg_max_iter: CG iterations per Newton step.  grad_tol: no step when ``‖g‖ ≤ grad_tol``.
         plateau_steps, plateau_rtol: the plateau test above (None: gradient norm only).
         generator: RNG of Lanczos' start vectors.
     """
@@ -310,10 +313,13 @@ class AdamNewton(_SecondOrder):
                     return loss
                 newton_failed = True
             self._newton_mode = False
-        vals, vecs = lanczos(hvp, x, k=1, which="smallest", max_iter=group["lanczos_iter"],
-                             generator=self._gen)  # fmt: skip
-        lam, vec = float(vals[0]), vecs[0]
-        entry["lambda_min"] = lam
+        # a budgeted estimate: its Ritz value bounds λ_min from above (a negative one is a
+        # direction of negative curvature whether converged or not); the log says how far
+        est = lanczos(hvp, x, k=1, which="smallest", max_iter=group["lanczos_iter"],
+                      generator=self._gen, warn=False)  # fmt: skip
+        lam, vec = float(est.values[0]), est.vectors[0]
+        entry.update(lambda_min=lam, lambda_residual=float(est.residuals[0]),
+                     lambda_converged=est.converged)  # fmt: skip
         if lam >= -group["tau"] and (gnorm <= group["grad_tol"] or newton_failed):
             self.log.append(dict(entry, step="converged"))  # a minimum, not a saddle
             return loss
