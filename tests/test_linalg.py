@@ -191,8 +191,10 @@ def test_lanczos_finds_a_repeated_eigenvalue_k_times(which, k):
     # single-vector Lanczos saw 0.25 once and gave the next eigenvalue as its copy
     sign = 1.0 if which == "largest" else -1.0
     A = spectrum(sign * torch.cat([torch.full((3,), 0.25), torch.linspace(-1.0, 0.24, 117)]))
-    res = lanczos(lambda v: A @ v, 120, k=k, which=which, generator=torch.Generator().manual_seed(1))
-    assert res.converged and torch.allclose(res.values, torch.full((k,), 0.25 * sign, dtype=F64), atol=1e-8)
+    res = lanczos(lambda v: A @ v, 120, k=k, which=which,
+                  generator=torch.Generator().manual_seed(1))  # fmt: skip
+    want = torch.full((k,), 0.25 * sign, dtype=F64)
+    assert res.converged and torch.allclose(res.values, want, atol=1e-8)
     for lam, v, r in zip(res.values, res.vectors, res.residuals, strict=True):
         assert float((A @ v - lam * v).norm()) == pytest.approx(float(r), abs=1e-12)
     assert torch.allclose(res.vectors @ res.vectors.T, torch.eye(k, dtype=F64), atol=1e-10)
@@ -232,8 +234,8 @@ def test_lanczos_on_blocks_with_a_batched_operator(block_size):
         return (V.reshape(V.shape[0], -1) @ A).reshape(V.shape)
 
     res = lanczos(op, shape, k=2, which="largest", batched=True, block_size=block_size)
-    assert res.converged and torch.allclose(res.values, torch.tensor([3.0, 3.0 - 5 / 49],
-                                                                     dtype=F64), atol=1e-8)  # fmt: skip
+    want = torch.tensor([3.0, 3.0 - 5 / 49], dtype=F64)
+    assert res.converged and torch.allclose(res.values, want, atol=1e-8)
     assert res.vectors.shape == (2, 10, 5) and max(sizes) == (block_size or 2)
     assert sum(sizes) == res.n_matvec
 

@@ -306,7 +306,7 @@ def _orthonormal_block(W: torch.Tensor, V: torch.Tensor, gen, dtype, device) -> 
     dim = W.shape[1]
     out: list[torch.Tensor] = []
     for w in W:
-        for attempt in range(3):
+        for _attempt in range(3):
             norm0 = float(w.norm())
             for _ in range(2):  # twice is enough (Kahan)
                 if V.shape[0]:
