@@ -538,3 +538,21 @@ def test_triton_packed_solves_match_the_torch_backend(sizes, eps, weighted, seed
         out[backend] = (res.cost.detach(), res.f.detach(), res.g.detach(), gx)
     for t, r in zip(out["triton"], out["torch"], strict=True):
         assert torch.allclose(t, r, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("call", ["sinkhorn", "divergence", "samples_loss", "varlen"])
+def test_second_derivatives_through_a_batch_are_a_clear_error(call):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(2, 5, 2, generator=gen, dtype=torch.float64)
+    value = {
+        "sinkhorn": lambda: flashot.sinkhorn(x, y, eps=0.5).cost,
+        "divergence": lambda: flashot.sinkhorn_divergence(x, y, eps=0.5),
+        "samples_loss": lambda: flashot.SamplesLoss(blur=0.5)(x, y),
+        "varlen": lambda: flashot.sinkhorn_varlen(x.reshape(12, 2), y.reshape(10, 2), [0, 6, 12],
+                                                  [0, 5, 10], eps=0.5).cost,
+    }[call]()  # fmt: skip
+    (g,) = torch.autograd.grad(value.sum(), x, retain_graph=True)  # once: fine
+    assert torch.isfinite(g).all()
+    with pytest.raises(RuntimeError, match="batched .* or ragged solves are not available"):
+        torch.autograd.grad(value.sum(), x, create_graph=True)

@@ -541,3 +541,37 @@ def test_looped_value_chunks_match_float64_on_the_gpu(monkeypatch, splits):
                            backend="torch").plan @ v.double()  # fmt: skip
     assert rel(looped.double(), ref) < 1e-5 and rel(chunked.double(), ref) < 1e-5
     assert rel(looped, chunked) < 1e-6
+
+
+@pytest.mark.parametrize("blur,scaling,d", [(0.3, 0.7, 8), (0.05, 0.5, 3)])
+def test_samples_loss_double_backward_on_triton_matches_float64(blur, scaling, d):
+    """A fixed schedule's second derivative (the replayed schedule, flashot.autodiff.unrolled)
+    on the Triton kernels against the same function in float64 on the torch backend; the
+    gradient is the same with and without create_graph."""
+    x, y = data(1200, 1000, d)
+    v = torch.randn_like(x)
+    out = []
+    for dtype, backend in ((torch.float32, "triton"), (torch.float64, "torch")):
+        loss = flashot.SamplesLoss(blur=blur, scaling=scaling, backend=backend)
+        xs = x.to(dtype).requires_grad_()
+        (plain,) = torch.autograd.grad(loss(xs, y.to(dtype)), xs)
+        (g,) = torch.autograd.grad(loss(xs, y.to(dtype)), xs, create_graph=True)
+        (h,) = torch.autograd.grad((g * v.to(dtype)).sum(), xs)
+        assert torch.equal(plain, g.detach())
+        out.append((g.detach(), h))
+    assert rel(out[0][0], out[1][0]) < 1e-4 and rel(out[0][1], out[1][1]) < 1e-3
+
+
+def test_lanczos_keeps_its_basis_on_the_operator_device():
+    from flashot import linalg
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    Q, _ = torch.linalg.qr(torch.randn(300, 300, device="cuda", dtype=torch.float64,
+                                       generator=gen))  # fmt: skip
+    w = torch.linspace(0.5, 2.0, 300, device="cuda", dtype=torch.float64)
+    w[-2:] = 3.0
+    A = Q @ torch.diag(w) @ Q.T
+    res = linalg.lanczos(lambda v: A @ v, torch.zeros(300, device="cuda", dtype=torch.float64),
+                         k=2, which="largest")  # fmt: skip
+    assert res.converged and res.values.is_cuda and res.vectors.is_cuda
+    assert torch.allclose(res.values, torch.full((2,), 3.0, device="cuda", dtype=torch.float64))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashot.autodiff.functions import relaxed_side
+from flashot.autodiff.functions import first_order_only, relaxed_side
 from flashot.backends import entry_point
 from flashot.caller import warn_at_caller
 from flashot.dual import phi_sum
@@ -61,7 +61,8 @@ class BatchedSinkhornResult:
         f: potentials on the x clouds: (B, n) for batched input, packed (N,) for ragged.
         g: potentials on the y clouds: (B, m), or packed (M,).
         cost: (B,) entropic OT values (balanced: ``⟨a, f⟩ + ⟨b, g⟩`` per problem),
-            differentiable once w.r.t. the clouds and weights (envelope theorem).
+            differentiable once w.r.t. the clouds and weights (envelope theorem); a
+            double backward raises, saying so.
         n_iter: (B,) int64 iterations run; the batch iterates together, so every entry
             is the batch's count.
         converged: (B,) bool, each problem's error within ``tol`` (None without tol).
@@ -337,7 +338,7 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
     return BatchedSinkhornResult(
         f_s if bshape is None else f_s.reshape(bshape),
         g_s if bshape is None else g_s.reshape(bshape),
-        value,
+        first_order_only(value),
         torch.full((seg.count,), out.n_iter, dtype=torch.int64),
         converged,
         err_host,

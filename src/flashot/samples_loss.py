@@ -14,7 +14,7 @@ import sys
 import torch
 
 from flashot.autodiff.functional import functional_transforms
-from flashot.autodiff.functions import dual_term
+from flashot.autodiff.functions import dual_term, first_order_only
 from flashot.backends import entry_point
 from flashot.costs import bounding_diameter, box_diameter, get_cost
 from flashot.divergence import debiased_potentials
@@ -74,6 +74,9 @@ class SamplesLoss(torch.nn.Module):
     (:mod:`flashot.autodiff.unrolled`), and J is symmetric only as far as the schedule
     converged. Newton-type methods want :func:`flashot.sinkhorn_divergence` (a solve to a
     tolerance, whose Hessian is symmetric) instead.
+
+    Batched (B, N, D) values are differentiable once (a double backward raises, saying
+    so): loop over the problems for second derivatives.
 
     Call forms: ``loss(x, y)`` or ``loss(a, x, b, y)``, with x (N, D) or (B, N, D)
     and weights (N,) or (B, N). Returns a scalar, (B,) values, or (F, G) shaped
@@ -278,7 +281,7 @@ class SamplesLoss(torch.nn.Module):
         value = dual_term(f, pp.a, eps, rho, seg.sum) + dual_term(g, pp.b, eps, rho, seg.T.sum)
         value = value.reshape(-1, bsz)
         value = value[0] - 0.5 * (value[1] + value[2]) if self.debias else value[0]
-        return value.to(x.dtype)
+        return first_order_only(value.to(x.dtype))
 
 
 def _batch_item(w, i: int, name: str) -> torch.Tensor:

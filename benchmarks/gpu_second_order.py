@@ -1,0 +1,167 @@
+"""Second order at the settings users meet (issue 48), one process, flashot's defaults.
+
+Parts (env PARTS, default "A,B,C"):
+
+* A, the peer's HVP setting: ``SamplesLoss(blur=0.3, scaling=0.9, debias=False)``, randn
+  clouds, d = 64, loss + gradient (create_graph) + one HVP by double backward; the
+  double backward alone on a kept graph (``hvp``). flash-sinkhorn 0.4.1 the same way
+  (``half_cost=True``, GeomLoss' convention) when installed. Accuracy against the same
+  function in float64 (flashot's torch backend; SIZES_REF bounds n), and for reference
+  against the converged problem's Hessian at those potentials (``dense_hvp_implicit``,
+  dense float64, n ≤ DENSE_MAX).
+* B, GeomLoss' defaults, debiased (blur 0.05, scaling 0.5), 10k, d ∈ {3, 64}: value and
+  gradient against value, gradient and HVP: the ratio the issue bounds by 3.
+* C, ``flashot.hvp`` (a solve to a tolerance, the dual CG): time, CG iterations and
+  error against float64 for dual-solve tolerances (TOLS).
+
+Prints a short table last; rows also go to $OUT/second_order.json when OUT is set.
+"""
+
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flashot  # noqa: E402
+from flashot.autodiff.implicit import last_dual_solve  # noqa: E402
+from flashot.autodiff.second_order import dual_solve_options  # noqa: E402
+from tests.references import dense_hvp_implicit  # noqa: E402
+
+warnings.simplefilter("ignore")
+PARTS = os.environ.get("PARTS", "A,B,C").split(",")
+SIZES = [int(n) for n in os.environ.get("SIZES", "10000,50000").split(",")]
+REF_MAX = int(os.environ.get("REF_MAX", "50000"))
+DENSE_MAX = int(os.environ.get("DENSE_MAX", "10000"))
+TOLS = [float(t) for t in os.environ.get("TOLS", "1e-3,1e-4,1e-5").split(",")]
+try:
+    from flash_sinkhorn import SamplesLoss as PeerLoss
+except Exception as exc:  # noqa: BLE001
+    PeerLoss = None
+    print("peer unavailable:", exc)
+rows: list[dict] = []
+
+
+def rel(u, w):
+    return float((u.double() - w.double()).norm() / w.double().norm())
+
+
+def bench(fn):
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=1, rep=400, return_mode="median")
+
+
+def double_backward(make_loss, x, v):
+    xs = x.detach().requires_grad_()
+    (g,) = torch.autograd.grad(make_loss(xs), xs, create_graph=True)
+    (h,) = torch.autograd.grad((g * v).sum(), xs)
+    return h
+
+
+def hvp_only_ms(make_loss, x, v):
+    xs = x.detach().requires_grad_()
+    (g,) = torch.autograd.grad(make_loss(xs), xs, create_graph=True)
+    return bench(lambda: torch.autograd.grad((g * v).sum(), xs, retain_graph=True))
+
+
+def part_a():
+    ours = flashot.SamplesLoss(blur=0.3, scaling=0.9, debias=False)
+    ref_loss = flashot.SamplesLoss(blur=0.3, scaling=0.9, debias=False, backend="torch")
+    for n in SIZES:
+        torch.manual_seed(0)
+        x, y, v = (torch.randn(n, 64, device="cuda") for _ in range(3))
+        t0 = time.time()
+        h = double_backward(lambda t: ours(t, y), x, v)
+        torch.cuda.synchronize()
+        print(f"A n={n}: first call {time.time() - t0:.1f} s", flush=True)
+        ref = dense = None
+        if n <= REF_MAX:
+            t0 = time.time()
+            ref = double_backward(lambda t: ref_loss(t, y.double()), x.double(), v.double())
+            print(f"  float64 reference {time.time() - t0:.1f} s", flush=True)
+        if n <= DENSE_MAX:
+            f, g = flashot.SamplesLoss(blur=0.3, scaling=0.9, debias=False, potentials=True,
+                                       backend="torch")(x.double(), y.double())  # fmt: skip
+            dense = dense_hvp_implicit(x.double(), y.double(), f, g, v.double(), 0.09)
+            torch.cuda.empty_cache()
+        full = bench(lambda: double_backward(lambda t: ours(t, y), x, v))
+        xs = x.detach().requires_grad_()
+        grad = bench(lambda: torch.autograd.grad(ours(xs, y), xs))
+        row = dict(part="A", case=f"peer setting n={n} d=64", who="flashot", ms=full,
+                   grad_ms=grad, hvp_ms=hvp_only_ms(lambda t: ours(t, y), x, v),
+                   err=None if ref is None else rel(h, ref),
+                   err_converged_hessian=None if dense is None else rel(h, dense),
+                   ref_vs_converged=None if (dense is None or ref is None) else rel(ref, dense))  # fmt: skip
+        rows.append(row)
+        print(row, flush=True)
+        if PeerLoss is not None:
+            peer = PeerLoss(p=2, blur=0.3, scaling=0.9, debias=False, half_cost=True)
+            hp = double_backward(lambda t: peer(t, y), x, v)
+            row = dict(part="A", case=f"peer setting n={n} d=64", who="flash-sinkhorn",
+                       ms=bench(lambda: double_backward(lambda t: peer(t, y), x, v)),
+                       hvp_ms=hvp_only_ms(lambda t: peer(t, y), x, v),
+                       err=None if ref is None else rel(hp, ref),
+                       err_converged_hessian=None if dense is None else rel(hp, dense))  # fmt: skip
+            rows.append(row)
+            print(row, flush=True)
+
+
+def part_b():
+    loss = flashot.SamplesLoss()  # blur 0.05, scaling 0.5, debiased
+    for d in (3, 64):
+        torch.manual_seed(1)
+        x, y, v = (torch.randn(10_000, d, device="cuda") for _ in range(3))
+        double_backward(lambda t: loss(t, y), x, v)
+        xs = x.detach().requires_grad_()
+        grad = bench(lambda: torch.autograd.grad(loss(xs, y), xs))
+        full = bench(lambda: double_backward(lambda t: loss(t, y), x, v))
+        only = hvp_only_ms(lambda t: loss(t, y), x, v)
+        row = dict(part="B", case=f"geomloss defaults 10k d={d}", who="flashot", grad_ms=grad,
+                   ms=full, hvp_ms=only, ratio=full / grad)  # fmt: skip
+        rows.append(row)
+        print(row, flush=True)
+
+
+def part_c():
+    cases = [(10_000, 3, 0.05, 1.0), (10_000, 64, 5.0, 0.0), (50_000, 3, 0.05, 1.0)]
+    for n, d, eps, shift in cases:
+        torch.manual_seed(2)
+        x, y, v = (torch.randn(n, d, device="cuda") for _ in range(3))
+        y = y + shift
+        ref = None
+        if n <= 10_000:
+            ref = flashot.hvp(x.double(), y.double(), v.double(), eps=eps, tol=1e-10,
+                              max_iter=20_000)  # fmt: skip
+        for tol in TOLS:
+            with dual_solve_options(cg_tol=tol):
+                h = flashot.hvp(x, y, v, eps=eps)
+                info = dict(last_dual_solve)
+                ms = bench(lambda: flashot.hvp(x, y, v, eps=eps))  # noqa: B023
+            row = dict(part="C", case=f"hvp n={n} d={d} eps={eps}", who=f"cg_tol={tol:g}",
+                       ms=ms, cg=info.get("n_iter"), res=info.get("residual"),
+                       err=None if ref is None else rel(h, ref))  # fmt: skip
+            rows.append(row)
+            print(row, flush=True)
+
+
+print(torch.cuda.get_device_name(), torch.__version__, flashot.__version__, flush=True)
+for part, fn in (("A", part_a), ("B", part_b), ("C", part_c)):
+    if part in PARTS:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            print(f"part {part} failed: {type(exc).__name__}: {exc}", flush=True)
+if os.environ.get("OUT"):
+    with open(os.path.join(os.environ["OUT"], "second_order.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+print("\npart | case | who | ms | grad ms | hvp ms | err | other")
+for r in rows:
+    other = {k: v for k, v in r.items() if k not in ("part", "case", "who", "ms", "grad_ms",
+                                                    "hvp_ms", "err")}  # fmt: skip
+    print(f"{r['part']} | {r['case']} | {r['who']} | {r.get('ms', 0):.1f} | "
+          f"{r.get('grad_ms') or 0:.1f} | {r.get('hvp_ms') or 0:.1f} | {r.get('err')} | {other}")
