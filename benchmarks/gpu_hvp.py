@@ -22,7 +22,6 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flashot  # noqa: E402
 import flashot.linalg  # noqa: E402
-from flashot.autodiff.implicit import last_dual_solve  # noqa: E402
 from flashot.autodiff.second_order import dual_solve_options  # noqa: E402
 from tests.references import dense_hvp_implicit  # noqa: E402
 
@@ -124,8 +123,9 @@ for n, d in SIZES:
     grad_ms = bench(grad_only)
     print(f"  loss {loss_ms:.1f} ms, loss+grad(create_graph) {grad_ms:.1f} ms", flush=True)
     for tol in TOLS:
-        h = ours(x, y, v, tol)
-        cg = dict(last_dual_solve)
+        with flashot.record_dual_solves() as log:
+            h = ours(x, y, v, tol)
+        cg = dict(n_iter=log.last.n_iter, residual=log.last.residual) if log else {}
         row = dict(case=f"n={n} d={d}", who=f"flashot tol={tol:g}", ms=bench(lambda: ours(x, y, v, tol)),
                    cg=cg.get("n_iter"), res=cg.get("residual"), mb=extra_mb(lambda: ours(x, y, v, tol)),
                    err=None if ref is None else rel(h, ref), hvp_ms=hvp_only_ms(x, y, v, tol))  # fmt: skip

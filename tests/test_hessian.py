@@ -12,7 +12,7 @@ from flashot.backends import available_backends
 from flashot.hessian import hvp
 from flashot.linalg import lanczos
 from tests.conftest import rel
-from tests.references import dense_hvp_fd
+from tests.references import dense_gradient, dense_hvp_fd
 
 F64 = torch.float64
 TIGHT = dict(tol=1e-13, max_iter=100_000, update="alternating")
@@ -305,3 +305,87 @@ def test_hvp_whole_call_keeps_few_cloud_sized_tensors():
         (g,) = torch.autograd.grad(loss, xs, create_graph=True)
         (h,) = torch.autograd.grad((g * v).sum(), xs)
     assert torch.isfinite(h).all() and live.peak / cloud <= 10.0
+
+
+def dense_divergence_gradient(x, y, a, b, eps, **kw):
+    """(∇_x, ∇_y) of S_ε = OT(a, b) − ½ OT(a, a) − ½ OT(b, b), dense float64 (each self
+    term's derivative is the sum of its two arguments' envelope gradients)."""
+    gx, gy = dense_gradient(x, y, a, b, eps, **kw)
+    sx = sum(dense_gradient(x, x, a, a, eps, **kw))
+    sy = sum(dense_gradient(y, y, b, b, eps, **kw))
+    return gx - 0.5 * sx, gy - 0.5 * sy
+
+
+CASES = st.sampled_from([
+    ("ot", "sqeuclidean", None), ("ot", "cosine", None), ("ot", "sqeuclidean", 1.0),
+    ("ot", "cosine", (None, 2.0)), ("ot", "half_sqeuclidean", (0.7, None)),
+    ("divergence", "sqeuclidean", None), ("divergence", "cosine", 1.5),
+])  # fmt: skip
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.integers(3, 9), st.integers(3, 9), st.integers(1, 3),
+       st.floats(0.2, 2.0), CASES, st.sampled_from([torch.float32, F64]))  # fmt: skip
+def test_double_backward_at_the_defaults_is_within_the_accuracy_contract(seed, n, m, d, eps,
+                                                                         case, dtype):
+    """No option given: HVPs by double backward within 1e-3 (float32) and 1e-6 (float64)
+    of central differences of the float64 dense gradient, for every kind of problem."""
+    kind, cost, rho = case
+    d = max(d, 2) if cost == "cosine" else d  # (on a line the cosine cost has no curvature)
+    x, y, a, b, vx, vy = problem(seed, n, m, d)
+    pair = rho_pair(rho)
+    wa, wb = reference_weights(a, b, rho)
+    h = 1e-5
+    grad = dense_divergence_gradient if kind == "divergence" else dense_gradient
+    plus = grad(x + h * vx, y + h * vy, wa, wb, eps, cost=cost, rho=pair)
+    minus = grad(x - h * vx, y - h * vy, wa, wb, eps, cost=cost, rho=pair)
+    ref = [(p - q) / (2 * h) for p, q in zip(plus, minus, strict=True)]
+    leaves = [t.to(dtype).requires_grad_() for t in (x, y)]
+    fn = flashot.sinkhorn_divergence if kind == "divergence" else flashot.sinkhorn
+    value = fn(*leaves, a.to(dtype), b.to(dtype), eps=eps, cost=cost, rho=rho, warn=False)
+    value = value if kind == "divergence" else value.cost
+    g = torch.autograd.grad(value, leaves, create_graph=True)
+    hv = torch.autograd.grad(sum((gi * vi.to(dtype)).sum() for gi, vi in zip(g, (vx, vy))),
+                             leaves)  # fmt: skip
+    bound = 1e-3 if dtype == torch.float32 else 1e-6
+    scale = max(float(ref[0].norm()), float(ref[1].norm()))
+    for got, want in zip(hv, ref, strict=True):
+        assert float((got.double() - want).norm()) <= bound * scale
+
+
+def test_hvp_tol_sets_the_accuracy_as_documented():
+    """hvp_tol is the relative error asked for: the dual solve reaches hvp_tol / 10 and the
+    product lands within hvp_tol of the tight one; a looser one takes fewer iterations."""
+    x, y, a, b, vx, _ = problem(11, n=30, m=25, d=3)
+    ref = hvp(x, y, vx, a, b, eps=0.05, cg_tol=1e-13, **TIGHT)
+    iters = []
+    for tol in (1e-2, 1e-4, 1e-6):
+        with flashot.record_dual_solves() as log:
+            out = hvp(x, y, vx, a, b, eps=0.05, hvp_tol=tol, **TIGHT)
+        assert len(log) == 1 and log.last.tol == pytest.approx(tol / 10)
+        assert log.last.converged and log.last.residual <= tol / 10
+        assert rel(out, ref) <= tol
+        iters.append(log.last.n_iter)
+    assert iters[0] < iters[1] < iters[2]
+
+
+def test_an_unreached_dual_tolerance_warns_naming_the_cause():
+    from flashot.linalg import CGWarning
+
+    x, y, a, b, vx, _ = problem(12, n=30, m=25, d=3)
+    with flashot.record_dual_solves() as log, pytest.warns(CGWarning, match="iteration") as rec:
+        hvp(x, y, vx, a, b, eps=0.02, cg_max_iter=3, tol=1e-11, max_iter=50_000)
+    assert len(rec) == 1 and "condition number" in str(rec[0].message)
+    assert not log.last.converged and log.last.n_iter == 3
+
+
+def test_hvp_tol_is_checked():
+    x, y, a, b, vx, _ = problem(13)
+    with pytest.raises(ValueError, match="hvp_tol"):
+        hvp(x, y, vx, eps=0.5, hvp_tol=0.0)
+    with pytest.raises(ValueError, match="not both"):
+        hvp(x, y, vx, eps=0.5, hvp_tol=1e-3, cg_tol=1e-4)
+    with pytest.raises(ValueError, match="hvp_tol"):
+        flashot.sinkhorn(x, y, eps=0.5, hvp_tol=2.0)
+    with pytest.raises(ValueError, match="second derivatives"):
+        flashot.sinkhorn(x[None], y[None], eps=0.5, hvp_tol=1e-3)

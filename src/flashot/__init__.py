@@ -6,10 +6,11 @@ streams it tile by tile (PyTorch on any device, fused Triton kernels on GPUs)
 without ever storing an n × m matrix.
 """
 
+from flashot import linalg, ops, optim
+from flashot.autodiff.implicit import DualSolveInfo, DualSolveLog, record_dual_solves
 from flashot.backends import available_backends
 from flashot.batched import BatchedSinkhornResult, sinkhorn_varlen
 from flashot.costs import COSTS
-from flashot import linalg, ops, optim
 from flashot.divergence import sinkhorn_divergence
 from flashot.hessian import hvp
 from flashot.labeled import LabeledCost, labeled_cost
@@ -17,6 +18,8 @@ from flashot.ot import ConvergenceWarning, sinkhorn
 from flashot.result import SinkhornResult, TransportPlan
 from flashot.samples_loss import SamplesLoss
 from flashot.solver import EpsilonScaling
+
+# isort: split
 from flashot.shuffled import shuffled_regression  # (uses the names above)
 
 __version__ = "0.1.0"
@@ -25,6 +28,8 @@ __all__ = [
     "COSTS",
     "BatchedSinkhornResult",
     "ConvergenceWarning",
+    "DualSolveInfo",
+    "DualSolveLog",
     "EpsilonScaling",
     "LabeledCost",
     "SamplesLoss",
@@ -37,6 +42,7 @@ __all__ = [
     "linalg",
     "ops",
     "optim",
+    "record_dual_solves",
     "shuffled_regression",
     "sinkhorn",
     "sinkhorn_divergence",

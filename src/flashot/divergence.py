@@ -27,7 +27,7 @@ from flashot.autodiff.functions import (
     grads_needed,
     soft_c_transform,
 )
-from flashot.autodiff.second_order import Piece, exact_second_order, spec_of
+from flashot.autodiff.second_order import Piece, check_hvp_tol, exact_second_order, spec_of
 from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
 from flashot.batched import sinkhorn_divergence_batched
@@ -72,9 +72,11 @@ class DebiasedPotentials:
     misses: tuple[str, ...] = ()
     trajectory: Trajectory | None = None
 
-    def value(self, problem: Problem) -> torch.Tensor:
-        """The (debiased) Sinkhorn cost, differentiable w.r.t. x, y, a, b (twice: see
-        :mod:`flashot.autodiff.second_order`).
+    def value(self, problem: Problem, hvp_tol: float | None = None) -> torch.Tensor:
+        """The (debiased) Sinkhorn cost, differentiable w.r.t. x, y, a, b.
+
+        Twice: see :mod:`flashot.autodiff.second_order`; ``hvp_tol`` as in
+        :func:`flashot.sinkhorn`.
         """
         a, b, eps, rho = problem.a, problem.b, problem.eps, problem.rho_x
         out = dual_term(self.f, a, eps, rho) + dual_term(self.g, b, eps, rho)
@@ -84,7 +86,7 @@ class DebiasedPotentials:
             return out
         pf, relaxed = problem.form, rho is not None
         dtype = self.f.dtype
-        spec = spec_of(problem, dtype)
+        spec = spec_of(problem, dtype, hvp_tol)
         cost, rounding, bound = problem.cost, problem.engine.rounding, pf.cost_bound
 
         def theta(x, y, a, b):  # run by a double backward only
@@ -240,6 +242,7 @@ def sinkhorn_divergence(
     relative_eps: bool = False,
     momentum: float | str | None = None,
     init=None,
+    hvp_tol: float | None = None,
 ) -> torch.Tensor:
     """Debiased Sinkhorn divergence ``S_ε(a, b)`` (see the module docstring).
 
@@ -262,6 +265,8 @@ def sinkhorn_divergence(
         init: optional warm start (f (n,), g (m,)) of OT(a, b), e.g. the potentials of
             a previous solve (``flashot.sinkhorn(...).f, .g``); the self problems
             start as usual.
+        hvp_tol: the relative error asked of second derivatives, as in
+            :func:`flashot.sinkhorn`.
 
     Returns:
         A 0-dim tensor, differentiable w.r.t. x, y, a and b; nonnegative up to
@@ -273,8 +278,10 @@ def sinkhorn_divergence(
     """
     if not isinstance(warn, bool):
         raise TypeError(f"warn must be True or False, got {warn!r}")
+    hvp_tol = check_hvp_tol(hvp_tol)
     if getattr(x, "ndim", 2) == 3:  # a batch: 3B problems in one packed solve
-        extra = (("rho", rho), ("relative_eps", relative_eps or None), ("init", init))
+        extra = (("rho", rho), ("relative_eps", relative_eps or None), ("init", init),
+                 ("hvp_tol (second derivatives)", hvp_tol))
         given = [k for k, v in extra if v is not None]
         if given:
             raise NotImplementedError(f"batched (B, n, d) divergences do not take "
@@ -293,7 +300,8 @@ def sinkhorn_divergence(
                                max_iter=max_iter, tol=tol, check_every=check_every,
                                update=update, eps_schedule=eps_schedule, backend=backend,
                                precision=precision, min_iter=min_iter, warn=warn,
-                               relative_eps=relative_eps, momentum=momentum, init=init)  # fmt: skip
+                               relative_eps=relative_eps, momentum=momentum, init=init,
+                               hvp_tol=hvp_tol)  # fmt: skip
         rho = rx
     problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend,
                            precision=precision, relative_eps=relative_eps)  # fmt: skip
@@ -305,7 +313,7 @@ def sinkhorn_divergence(
     pots = debiased_potentials(problem, temps, update=update, init=init, **options)
     if pots.converged is False and warn:
         warn_at_caller("sinkhorn_divergence: " + "; ".join(pots.misses), ConvergenceWarning)
-    value = pots.value(problem)
+    value = pots.value(problem, hvp_tol)
     if not bool(torch.isfinite(value)):
         raise FloatingPointError(
             "Sinkhorn divergence is not finite; try a larger eps or float64 inputs"

@@ -23,7 +23,7 @@ import torch
 
 from flashot.autodiff.functional import refuse_transforms
 from flashot.autodiff.implicit import add_optional, deferred_dual_solves
-from flashot.autodiff.second_order import dual_solve_options
+from flashot.autodiff.second_order import check_hvp_tol, dual_solve_options
 from flashot.backends import entry_point
 from flashot.ot import sinkhorn
 from flashot.problem import cloud_tensor, weights_tensor
@@ -44,6 +44,7 @@ def hvp(
     *,
     wrt: str = "x",
     eps: float,
+    hvp_tol: float | None = None,
     cg_tol: float | None = None,
     cg_max_iter: int = 10_000,
     **sinkhorn_options,
@@ -61,8 +62,12 @@ def hvp(
         a: (n,) source weights or None.  b: (m,) target weights or None.
         wrt: ``"x"``, ``"y"`` or ``"xy"``.
         eps: ε.
-        cg_tol: relative residual of the dual system's CG solve (default 1e-10 in
-            float64, 1e-5 otherwise).
+        hvp_tol: the relative error asked of the product (default 1e-3 in float32,
+            1e-8 in float64): the dual system is solved to the relative residual
+            ``hvp_tol / 10``; see :func:`flashot.sinkhorn`. Diagnostics:
+            :func:`flashot.record_dual_solves`; a solve that stops above its residual
+            warns (:class:`~flashot.linalg.CGWarning`), naming the cause.
+        cg_tol: the dual solve's relative residual itself, instead of ``hvp_tol``.
         cg_max_iter: CG iterations at most.
         **sinkhorn_options: passed to :func:`flashot.sinkhorn` (cost, rho, tol,
             max_iter, update, eps_schedule, backend, precision, ...). The Hessian is
@@ -100,12 +105,18 @@ def hvp(
             raise ValueError(f"{name} has non-finite entries")
     if cg_tol is not None and not (isinstance(cg_tol, (int, float)) and cg_tol > 0):
         raise ValueError(f"cg_tol must be a positive float, got {cg_tol!r}")
+    hvp_tol = check_hvp_tol(hvp_tol)
+    if hvp_tol is not None and cg_tol is not None:
+        raise ValueError("give hvp_tol (the product's accuracy) or cg_tol (the dual solve's "
+                         "residual), not both")  # fmt: skip
+    if isinstance(cg_max_iter, bool) or not isinstance(cg_max_iter, int) or cg_max_iter < 1:
+        raise ValueError(f"cg_max_iter must be a positive integer, got {cg_max_iter!r}")
     with torch.enable_grad():
         xs = x.detach().requires_grad_(wrt in ("x", "xy"))
         ys = y.detach().requires_grad_(wrt in ("y", "xy"))
         inputs = [t for t in (xs, ys) if t.requires_grad]
         with dual_solve_options(cg_tol, cg_max_iter):
-            cost = sinkhorn(xs, ys, a, b, eps=eps, **sinkhorn_options).cost
+            cost = sinkhorn(xs, ys, a, b, eps=eps, hvp_tol=hvp_tol, **sinkhorn_options).cost
             first = torch.autograd.grad(cost, inputs, create_graph=True)
             count = dirs[0].shape[0] if batched else 1
             # the directions' dual solves wait, then run as the columns of one CG

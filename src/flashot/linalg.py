@@ -164,6 +164,7 @@ def cg(
     check_every: int | None = None,
     capture: bool | tuple = False,
     columns: bool = False,
+    warn: bool = True,
 ) -> CGResult:
     r"""Preconditioned conjugate gradients for ``A x = b``, A symmetric positive definite.
 
@@ -198,6 +199,8 @@ def cg(
             column with its own step sizes and stopping, sharing every ``matvec`` (so
             an operator that streams can serve k right-hand sides per pass). ``tol``
             holds per column; ``residual`` is the largest.
+        warn: warn with :class:`CGWarning` when ``tol`` is not reached (callers that
+            report it themselves pass False).
 
     Returns:
         A :class:`CGResult`.
@@ -255,7 +258,7 @@ def cg(
     else:
         residual = math.sqrt(_dot(true_r, true_r)) / b_norm
     converged = residual <= tol
-    if not converged and curvature_dir is None:
+    if warn and not converged and curvature_dir is None:
         warnings.warn(
             f"cg did not reach tol={tol:g}: relative residual {residual:.3e} after {it} "
             "iterations (ill-conditioned operator or max_iter too small)",
@@ -365,7 +368,8 @@ def lanczos(
         block_size: vectors per block, p (default k).
         batched: ``matvec`` takes blocks.
         warn: warn when not converged.
-        generator: RNG of the start block (deterministic given a seeded generator).
+        generator: RNG of the start block (default: a fixed seed, so that a call repeats
+            and the global RNG is left alone).
         dtype, device: of the vectors (``n`` a tensor: its dtype and device).
 
     Returns:

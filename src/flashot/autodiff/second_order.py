@@ -32,24 +32,56 @@ from dataclasses import dataclass
 
 import torch
 
-from flashot.autodiff.implicit import DualSpec, implicit_potentials, value_gradient
+from flashot.autodiff.implicit import (
+    MARGINAL_PER_ERROR,
+    RESIDUAL_PER_ERROR,
+    DualSpec,
+    implicit_potentials,
+    refine_potentials,
+    value_gradient,
+)
 from flashot.autodiff.unrolled import Trajectory, envelope_gradient, unrolled_potentials
 from flashot.backends import entry_point
 
-__all__ = ["Piece", "default_cg_tol", "dual_solve_options", "exact_second_order"]
+__all__ = [
+    "DEFAULT_HVP_TOL",
+    "Piece",
+    "check_hvp_tol",
+    "dual_solve_options",
+    "exact_second_order",
+    "hvp_tol_for",
+]
 
-#: (cg_tol or None for the dtype's default, cg_max_iter) of the dual solves
+#: the relative error of HVPs a value's second derivatives aim at, by dtype (``hvp_tol``)
+DEFAULT_HVP_TOL = {torch.float64: 1e-8}
+#: ... for every other dtype (float32 and the half precisions, which compute in float32)
+DEFAULT_HVP_TOL_32 = 1e-3
+
+#: (cg_tol or None for the accuracy option's, cg_max_iter) of the dual solves: internal
+#: overrides (benchmarks, :func:`flashot.hvp`'s expert ``cg_tol``)
 _OPTIONS: list[tuple[float | None, int]] = [(None, 10_000)]
 
 
-def default_cg_tol(dtype: torch.dtype) -> float:
-    """Relative residual of the dual solves: 1e-10 in float64, 1e-5 otherwise."""
-    return 1e-10 if dtype == torch.float64 else 1e-5
+def hvp_tol_for(dtype: torch.dtype, hvp_tol: float | None = None) -> float:
+    """``hvp_tol``, or its default for ``dtype``: 1e-8 in float64, 1e-3 otherwise."""
+    return hvp_tol if hvp_tol is not None else DEFAULT_HVP_TOL.get(dtype, DEFAULT_HVP_TOL_32)
+
+
+def check_hvp_tol(hvp_tol) -> float | None:
+    """``hvp_tol`` validated: None or a float in (0, 1)."""
+    if hvp_tol is None:
+        return None
+    if isinstance(hvp_tol, bool) or not isinstance(hvp_tol, (int, float)) or not 0 < hvp_tol < 1:
+        raise ValueError(f"hvp_tol must be None or a float in (0, 1), got {hvp_tol!r}")
+    return float(hvp_tol)
 
 
 @contextlib.contextmanager
 def dual_solve_options(cg_tol: float | None = None, cg_max_iter: int = 10_000):
-    """Within the block, values built take these CG options for their dual solves."""
+    """Within the block, values built take these CG options for their dual solves.
+
+    ``cg_tol`` (the solves' relative residual) overrides the values' ``hvp_tol``.
+    """
     _OPTIONS.append((cg_tol, int(cg_max_iter)))
     try:
         yield
@@ -102,7 +134,10 @@ def _piece_gradient(piece: Piece, sources, grad) -> list:
         z = unrolled_potentials(theta, piece.trajectory, piece.spec)
         grads = list(envelope_gradient(theta, z, piece.trajectory, piece.spec, piece.kind))
     else:
-        z = implicit_potentials(theta, piece.f, piece.g, piece.spec, check_gauge=False)
+        # (the converged problem's Hessian: potentials as converged as the accuracy asks)
+        target = piece.spec.cg_tol / RESIDUAL_PER_ERROR * MARGINAL_PER_ERROR
+        f, g, _ = refine_potentials(theta, piece.f, piece.g, piece.spec, target)
+        z = implicit_potentials(theta, f, g, piece.spec, check_gauge=False)
         grads = list(value_gradient(theta, z, piece.spec))
         if piece.geomloss_mass:
             eps, a, b = piece.spec.eps, theta[4], theta[5]
@@ -171,9 +206,15 @@ def exact_second_order(value: torch.Tensor, pieces: list[Piece]) -> torch.Tensor
     return _ExactSecondOrder.apply(value, tuple(pieces), *sources)
 
 
-def spec_of(problem, f_dtype: torch.dtype) -> DualSpec:
-    """The :class:`DualSpec` of a :class:`~flashot.problem.Problem`."""
+def spec_of(problem, f_dtype: torch.dtype, hvp_tol: float | None = None) -> DualSpec:
+    """The :class:`DualSpec` of a :class:`~flashot.problem.Problem`.
+
+    Its dual solves reach the relative residual ``hvp_tol · RESIDUAL_PER_ERROR``
+    (:func:`hvp_tol_for`'s default for ``f_dtype`` when None) unless
+    :func:`dual_solve_options` sets one.
+    """
     tol, max_iter = _OPTIONS[-1]
+    if tol is None:
+        tol = hvp_tol_for(f_dtype, hvp_tol) * RESIDUAL_PER_ERROR
     return DualSpec(problem.eps, (problem.rho_x, problem.rho_y), problem.engine,
-                    problem.form.cost_bound,
-                    tol or default_cg_tol(f_dtype), max_iter)  # fmt: skip
+                    problem.form.cost_bound, tol, max_iter)  # fmt: skip
