@@ -116,3 +116,41 @@ def test_newton_on_a_quadratic_is_one_step():
     opt = NewtonCG([x], cg_tol=1e-12)
     opt.step(lambda: 0.5 * x @ H @ x - x.sum())
     assert torch.allclose(x.detach(), torch.linalg.solve(H, torch.ones(2, dtype=F64)), atol=1e-8)
+
+
+def test_eisenstat_walker_forcing():
+    from flashot.optim import Forcing
+
+    ew = Forcing()
+    assert ew.next(1.0) == 0.5  # first step: η_max
+    assert ew.next(0.5) == pytest.approx(0.9 * 0.5**2)  # γ (‖g‖/‖g_old‖)^2
+    assert ew.next(1e-6) == pytest.approx(0.9 * (1e-6 / 0.5) ** 2)  # safeguard 0.046 < 0.1
+    held = Forcing()
+    held.last = (1.0, 0.5)  # a sudden drop, held back by γ η_old² = 0.225 > 0.1
+    assert held.next(1e-3) == pytest.approx(0.225)
+    tight = Forcing()
+    tight.last = (1.0, 0.01)
+    assert tight.next(0.01) == pytest.approx(0.9 * 1e-4)  # quadratic in the gradient ratio
+    assert Forcing("sqrt").next(0.04) == pytest.approx(0.2)
+    assert Forcing(0.3).next(123.0) == 0.3
+    with pytest.raises(ValueError, match="forcing"):
+        Forcing("fast")
+
+
+def test_newton_hvps_follow_the_forcing():
+    """Each Newton step's dual solves run to η/10 of that step (η from the previous
+    gradient), so early steps are cheap; the minimum is reached all the same."""
+    params, closure, (A_true, t_true) = registration()
+    opt = NewtonCG(params)
+    tols = []
+    for _ in range(8):
+        with flashot.record_dual_solves() as log:
+            opt.step(closure)
+        tols.append(max(s.tol for s in log) if len(log) else None)
+    assert torch.allclose(params[0], A_true, atol=1e-5)
+    etas = [e["eta"] for e in opt.log]
+    assert etas[0] == 0.5 and min(etas) < 1e-3  # loose first, tight near the minimum
+    # the second step's HVPs at min(η/10, 5 %) of the first step's η: 0.05 · 0.1 residual
+    assert tols[1] == pytest.approx(0.05 * 0.1)
+    fixed = NewtonCG(registration()[0], adaptive_hvp=False)
+    assert fixed._adaptive is False

@@ -14,6 +14,14 @@ streaming passes, and no n × m or (nd)² array.
   it estimates λ_min of the Hessian by Lanczos, takes a negative-curvature step when
   λ_min < −τ (saddle escape) and a Newton step when the Hessian is positive definite.
 
+Forcing (both Newton methods): the inner CG stops at the relative residual η_k of
+Eisenstat and Walker (1996, choice 2), ``η_k = γ (‖g_k‖ / ‖g_{k−1}‖)^α`` with γ = 0.9,
+α = 2, safeguarded by ``γ η_{k−1}^α`` and capped at ``η_max = ½``: loose while far from
+the minimum (cheap early steps), tightening as the gradient falls (superlinear
+convergence). The HVPs follow it: each step's dual solves run to the accuracy
+``η_k / 10`` (:func:`flashot.sinkhorn`'s ``hvp_tol``, at most 5 %), since an HVP more
+accurate than the CG that uses it buys nothing.
+
 Every optimizer appends one dict per step to :attr:`log`: ``loss``, ``grad_norm``,
 ``step`` (the step type), ``cg_iters``, ``lambda_min`` (when computed, with
 ``lambda_residual`` and ``lambda_converged`` of its Lanczos estimate), ``t`` (the step
@@ -22,11 +30,14 @@ length accepted), ``radius`` (trust region).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
 import torch
 
+from flashot.autodiff.implicit import RESIDUAL_PER_ERROR
+from flashot.autodiff.second_order import dual_solve_options
 from flashot.linalg import cg, lanczos
 
 __all__ = ["AdamNewton", "NewtonCG", "TrustRegion"]
@@ -60,9 +71,17 @@ class _SecondOrder(torch.optim.Optimizer):
         with torch.no_grad():
             return float(closure())
 
-    def _derivatives(self, closure) -> tuple[float, torch.Tensor, Callable]:
-        """(loss, flat gradient, v ↦ H v) at the current parameters."""
-        with torch.enable_grad():
+    def _derivatives(self, closure, hvp_tol: float | None = None
+                     ) -> tuple[float, torch.Tensor, Callable]:  # fmt: skip
+        """(loss, flat gradient, v ↦ H v) at the current parameters.
+
+        ``hvp_tol``: the HVPs' relative accuracy for this step (the dual solves of the
+        flashot values the closure builds); None: the closure's own.
+        """
+        options = contextlib.nullcontext()
+        if hvp_tol is not None:
+            options = dual_solve_options(hvp_tol * RESIDUAL_PER_ERROR)
+        with torch.enable_grad(), options:
             loss = closure()
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise TypeError("the closure must return the loss as a 0-dim tensor")
@@ -93,14 +112,14 @@ class _SecondOrder(torch.optim.Optimizer):
         self._assign(x)
         return 0.0, loss
 
-    def _newton_direction(self, grad, hvp, cg_max_iter, cg_tol=None):
-        """Inexact Newton direction, or −g at negative curvature.
+    def _newton_direction(self, grad, hvp, cg_max_iter, tol):
+        """Inexact Newton direction (CG to the relative residual ``tol``), or −g.
 
-        CG stops at ``cg_tol`` or, when None, at the forcing ``min(½, √‖g‖)`` (relative
-        residual; superlinear convergence near a minimum at a fraction of the HVPs).
+        −g where the curvature along CG's first direction is not positive, or where the
+        CG's direction does not descend.
         """
-        tol = cg_tol or max(min(0.5, math.sqrt(float(grad.norm()))), 1e-12)
-        res = cg(hvp, -grad, tol=tol, max_iter=cg_max_iter, on_negative_curvature="return")
+        res = cg(hvp, -grad, tol=tol, max_iter=cg_max_iter, on_negative_curvature="return",
+                 warn=False)  # fmt: skip
         direction = res.x
         if res.negative_curvature is not None and res.n_iter == 0:
             return -grad, 0, "gradient"
@@ -108,33 +127,94 @@ class _SecondOrder(torch.optim.Optimizer):
             return -grad, res.n_iter, "gradient"
         return direction, res.n_iter, "newton"
 
+    def _forced_derivatives(self, closure, forcing: Forcing, adaptive: bool):
+        """(loss, grad, hvp, η): derivatives whose HVPs are as accurate as η asks.
+
+        The HVPs' accuracy is fixed when the closure builds its values, before ‖g‖ is
+        known: it is set from the η the previous step's ‖g‖ gives (η/10, at most 5 %);
+        the first step keeps the closure's own.
+        """
+        hvp_tol = None
+        if adaptive and forcing.last is not None:
+            hvp_tol = min(0.1 * forcing.peek(forcing.last[0]), 0.05)
+        loss, grad, hvp = self._derivatives(closure, hvp_tol)
+        return loss, grad, hvp, forcing.next(float(grad.norm()))
+
+
+class Forcing:
+    """Eisenstat–Walker forcing terms (choice 2; see the module) of an inexact Newton.
+
+    Args:
+        spec: ``"eisenstat-walker"``, ``"sqrt"`` (``min(½, √‖g‖)``) or a float (a fixed η).
+        eta_max: the largest η.  floor: the smallest.
+    """
+
+    GAMMA, ALPHA = 0.9, 2.0
+
+    def __init__(self, spec="eisenstat-walker", eta_max: float = 0.5, floor: float = 1e-12):
+        fixed = isinstance(spec, float) and 0 < spec < 1
+        if not (fixed or spec in ("eisenstat-walker", "sqrt")):
+            raise ValueError("forcing must be 'eisenstat-walker', 'sqrt' or a float in (0, 1), "
+                             f"got {spec!r}")  # fmt: skip
+        self.spec, self.eta_max, self.floor = spec, eta_max, floor
+        self.last: tuple[float, float] | None = None  # (‖g‖, η) of the previous step
+
+    def peek(self, gnorm: float) -> float:
+        """η for a step at gradient norm ``gnorm`` (the state unchanged)."""
+        if isinstance(self.spec, float):
+            eta = self.spec
+        elif self.spec == "sqrt":
+            eta = min(0.5, math.sqrt(gnorm))
+        elif self.last is None:
+            eta = self.eta_max
+        else:
+            g_old, eta_old = self.last
+            eta = self.GAMMA * (gnorm / max(g_old, 1e-300)) ** self.ALPHA
+            safe = self.GAMMA * eta_old**self.ALPHA
+            if safe > 0.1:  # (no sudden tightening after one lucky step)
+                eta = max(eta, safe)
+            eta = min(eta, self.eta_max)
+        return max(eta, self.floor)
+
+    def next(self, gnorm: float) -> float:
+        """η for the step at ``gnorm``, remembered for the next one."""
+        eta = self.peek(gnorm)
+        self.last = (gnorm, eta)
+        return eta
+
 
 class NewtonCG(_SecondOrder):
-    """Newton-CG with an Armijo line search.
+    """Newton-CG with an Armijo line search and Eisenstat–Walker forcing (see module).
 
     Args:
         params: parameters (one group).
         lr: initial step length of the line search (1: the full Newton step).
         cg_max_iter: CG iterations per step at most.
-        cg_tol: CG's relative residual; None: the forcing ``min(½, √‖g‖)``.
+        cg_tol: a fixed relative residual of the CG (instead of ``forcing``).
+        forcing: ``"eisenstat-walker"`` (default), ``"sqrt"`` (``min(½, √‖g‖)``) or a
+            float η.
+        adaptive_hvp: the HVPs' accuracy follows η (each step's dual solves to η/10, at
+            most 5 %); False: the closure's own ``hvp_tol``.
         grad_tol: a step is skipped when ``‖g‖ ≤ grad_tol``.
     """
 
     def __init__(self, params, lr: float = 1.0, cg_max_iter: int = 50,
-                 cg_tol: float | None = None, grad_tol: float = 1e-10):  # fmt: skip
+                 cg_tol: float | None = None, forcing="eisenstat-walker",
+                 adaptive_hvp: bool = True, grad_tol: float = 1e-10):  # fmt: skip
         super().__init__(params, dict(lr=lr, cg_max_iter=cg_max_iter, cg_tol=cg_tol,
                                       grad_tol=grad_tol))  # fmt: skip
+        self._forcing = Forcing(float(cg_tol) if cg_tol is not None else forcing)
+        self._adaptive = bool(adaptive_hvp)
 
     def step(self, closure):
         """One Newton-CG step; returns the loss before it."""
         group = self.param_groups[0]
-        loss, grad, hvp = self._derivatives(closure)
-        entry = dict(loss=loss, grad_norm=float(grad.norm()), cg_iters=0, t=0.0)
+        loss, grad, hvp, eta = self._forced_derivatives(closure, self._forcing, self._adaptive)
+        entry = dict(loss=loss, grad_norm=float(grad.norm()), cg_iters=0, t=0.0, eta=eta)
         if entry["grad_norm"] <= group["grad_tol"]:
             self.log.append(dict(entry, step="converged"))
             return loss
-        direction, iters, kind = self._newton_direction(grad, hvp, group["cg_max_iter"],
-                                                        group["cg_tol"])  # fmt: skip
+        direction, iters, kind = self._newton_direction(grad, hvp, group["cg_max_iter"], eta)
         t, _ = self._line_search(closure, self._flat(), loss, grad, direction, group["lr"])
         self.log.append(dict(entry, step=kind, cg_iters=iters, t=t))
         return loss
@@ -177,27 +257,31 @@ class TrustRegion(_SecondOrder):
         radius: initial trust radius.  max_radius: its cap.
         eta: accept a step when actual/predicted decrease > eta.
         cg_max_iter: CG iterations per step at most.
+        forcing, adaptive_hvp: the Steihaug CG's relative residual and the HVPs'
+            accuracy, as in :class:`NewtonCG`.
         grad_tol: a step is skipped when ``‖g‖ ≤ grad_tol``.
     """
 
     def __init__(self, params, radius: float = 1.0, max_radius: float = 1e3, eta: float = 0.1,
-                 cg_max_iter: int = 50, grad_tol: float = 1e-10):  # fmt: skip
+                 cg_max_iter: int = 50, forcing="eisenstat-walker", adaptive_hvp: bool = True,
+                 grad_tol: float = 1e-10):  # fmt: skip
         if not (radius > 0 and max_radius >= radius and 0 <= eta < 0.25):
             raise ValueError("need radius > 0, max_radius ≥ radius and 0 ≤ eta < 1/4")
         super().__init__(params, dict(radius=radius, max_radius=max_radius, eta=eta,
                                       cg_max_iter=cg_max_iter, grad_tol=grad_tol))  # fmt: skip
+        self._forcing, self._adaptive = Forcing(forcing), bool(adaptive_hvp)
 
     def step(self, closure):
         """One trust-region step; returns the loss before it."""
         group = self.param_groups[0]
-        loss, grad, hvp = self._derivatives(closure)
+        loss, grad, hvp, tol = self._forced_derivatives(closure, self._forcing, self._adaptive)
         gnorm = float(grad.norm())
-        entry = dict(loss=loss, grad_norm=gnorm, radius=group["radius"], cg_iters=0, t=0.0)
+        entry = dict(loss=loss, grad_norm=gnorm, radius=group["radius"], cg_iters=0, t=0.0,
+                     eta=tol)  # fmt: skip
         if gnorm <= group["grad_tol"]:
             self.log.append(dict(entry, step="converged"))
             return loss
         x = self._flat()
-        tol = max(min(0.5, math.sqrt(gnorm)), 1e-12)
         p, iters, boundary = steihaug(hvp, grad, group["radius"], tol, group["cg_max_iter"])
         predicted = -(float(grad @ p) + 0.5 * float(p @ hvp(p)))
         new = self._loss_at(closure, x + p)
@@ -261,6 +345,7 @@ class AdamNewton(_SecondOrder):
                                       plateau_steps=plateau_steps,
                                       plateau_rtol=plateau_rtol))  # fmt: skip
         self._gen = generator or torch.Generator().manual_seed(0)
+        self._forcing = Forcing("sqrt")  # (its Newton steps start near a minimum)
         self._m = self._v = None
         self._t = 0
         self._adam_losses: list[float] = []
@@ -305,7 +390,8 @@ class AdamNewton(_SecondOrder):
         newton_failed = False  # a Newton step on a positive-definite model found no decrease
         if self._newton_mode and gnorm > group["grad_tol"]:
             # in a convex basin: Newton steps while they descend, no eigenvalue estimate
-            direction, iters, kind = self._newton_direction(grad, hvp, group["cg_max_iter"])
+            direction, iters, kind = self._newton_direction(grad, hvp, group["cg_max_iter"],
+                                                            self._forcing.next(gnorm))
             if kind == "newton":
                 t, _ = self._line_search(closure, x, loss, grad, direction, 1.0, tries=12)
                 if t > 0:
@@ -345,7 +431,8 @@ class AdamNewton(_SecondOrder):
             self._newton_mode = True  # try Newton in the basin it stepped into
             self.log.append(dict(entry, step="negative_curvature", t=t))
             return loss
-        direction, iters, kind = self._newton_direction(grad, hvp, group["cg_max_iter"])
+        direction, iters, kind = self._newton_direction(grad, hvp, group["cg_max_iter"],
+                                                            self._forcing.next(gnorm))
         t, _ = self._line_search(closure, x, loss, grad, direction, 1.0, tries=12)
         self._newton_mode = kind == "newton" and t > 0
         # no negative curvature and no Newton step lowers the loss: the loss's own

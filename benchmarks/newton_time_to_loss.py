@@ -1,0 +1,133 @@
+"""Time to a loss threshold: Newton-CG and trust region against Adam and L-BFGS (issue 48).
+
+Two tasks on one flashot loss each, the same start and threshold for every optimizer:
+
+* ``affine``: register ``x A + t`` onto ``y = x A* + t*`` (randn clouds, d features),
+  loss ``sinkhorn_divergence(x A + t, y, eps)`` at its defaults (a solve to a tolerance:
+  a symmetric Hessian); start A = I, t = 0.
+* ``shuffled``: shuffled regression, ``Y = X W*`` with its rows permuted, loss
+  ``sinkhorn(X W, Y, eps).cost``; start W = 0.
+
+Adam takes the best of a few learning rates (each run to the threshold or the step
+budget); L-BFGS is torch.optim.LBFGS with its strong-Wolfe line search. Every run is
+timed on the wall clock after one warm-up evaluation; HVPs are counted from the log.
+Env: N (points), D (features), EPS, STEPS (budget), RTOL (threshold: the loss at the
+known solution plus RTOL × the start's excess). Prints a table last.
+"""
+
+import math
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flashot  # noqa: E402
+from flashot.optim import NewtonCG, TrustRegion  # noqa: E402
+
+warnings.simplefilter("ignore")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+N, D = int(os.environ.get("N", "2000")), int(os.environ.get("D", "8"))
+EPS = float(os.environ.get("EPS", "0.1"))
+STEPS = int(os.environ.get("STEPS", "300"))
+RTOL = float(os.environ.get("RTOL", "1e-4"))
+LRS = [float(v) for v in os.environ.get("LRS", "0.003,0.01,0.03,0.1").split(",")]
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def affine():
+    gen = torch.Generator(DEV).manual_seed(0)
+    x = torch.randn(N, D, device=DEV, generator=gen)
+    a_true = torch.eye(D, device=DEV) + 0.3 * torch.randn(D, D, device=DEV, generator=gen) / math.sqrt(D)
+    y = x @ a_true + 0.5
+
+    def make():
+        return [torch.eye(D, device=DEV, requires_grad=True),
+                torch.zeros(D, device=DEV, requires_grad=True)]  # fmt: skip
+
+    def loss(params):
+        a, t = params
+        return flashot.sinkhorn_divergence(x @ a + t, y, eps=EPS, eps_schedule="geomloss")
+
+    return make, loss, loss([a_true, torch.full((D,), 0.5, device=DEV)]).item()
+
+
+def shuffled():
+    gen = torch.Generator(DEV).manual_seed(1)
+    x = torch.randn(N, D, device=DEV, generator=gen)
+    w_true = torch.randn(D, 2, device=DEV, generator=gen)
+    y = (x @ w_true)[torch.randperm(N, generator=gen, device=DEV)]
+
+    def make():
+        return [torch.full((D, 2), 0.1, device=DEV, requires_grad=True)]
+
+    def loss(params):
+        return flashot.sinkhorn(x @ params[0], y, eps=EPS, eps_schedule="geomloss").cost
+
+    return make, loss, loss([w_true]).item()
+
+
+def run(name, make, loss, target, optimizer):
+    """(seconds to the target or None, steps, final loss, HVPs)."""
+    params = make()
+    loss(params).item()  # warm-up: compilation, tables
+    sync()
+    start, hvps, steps = time.perf_counter(), 0, 0
+    if optimizer.startswith("adam"):
+        opt = torch.optim.Adam(params, lr=float(optimizer.split("=")[1]))
+    elif optimizer == "lbfgs":
+        opt = torch.optim.LBFGS(params, lr=1.0, max_iter=20, line_search_fn="strong_wolfe")
+    else:
+        opt = {"newton": NewtonCG, "trust": TrustRegion}[optimizer](params)
+    value = math.inf
+    for steps in range(1, STEPS + 1):
+        if optimizer.startswith("adam"):
+            opt.zero_grad()
+            out = loss(params)
+            out.backward()
+            opt.step()
+            value = out.item()
+        elif optimizer == "lbfgs":
+            def closure():
+                opt.zero_grad()
+                out = loss(params)
+                out.backward()
+                return out
+
+            value = float(opt.step(closure))
+        else:
+            value = opt.step(lambda: loss(params))
+            hvps += opt.log[-1]["cg_iters"]
+        if value <= target:
+            sync()
+            return time.perf_counter() - start, steps, value, hvps
+        if not math.isfinite(value):
+            break
+    return None, steps, value, hvps
+
+
+rows = []
+for task, build in (("affine", affine), ("shuffled", shuffled)):
+    make, loss, best = build()
+    start = loss(make()).item()
+    target = best + RTOL * (start - best)
+    print(f"{task}: start {start:.4g}, at the solution {best:.4g}, target {target:.4g}", flush=True)
+    results = {}
+    for opt in ["newton", "trust", "lbfgs"] + [f"adam={lr:g}" for lr in LRS]:
+        results[opt] = run(task, make, loss, target, opt)
+        print(f"  {opt}: {results[opt]}", flush=True)
+    adams = {k: v for k, v in results.items() if k.startswith("adam")}
+    best_adam = min(adams, key=lambda k: adams[k][0] if adams[k][0] is not None else math.inf)
+    for opt in ("newton", "trust", "lbfgs", best_adam):
+        rows.append((task, opt, *results[opt]))
+print(f"\n{DEV} N={N} D={D} eps={EPS} target: RTOL={RTOL:g} of the start's excess")
+print("task | optimizer | seconds to target | steps | final loss | HVPs")
+for task, opt, sec, steps, value, hvps in rows:
+    sec_s = "not reached" if sec is None else f"{sec:.2f}"
+    print(f"{task} | {opt} | {sec_s} | {steps} | {value:.4g} | {hvps}")
