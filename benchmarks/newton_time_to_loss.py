@@ -6,7 +6,8 @@ Two tasks on one flashot loss each, the same start and threshold for every optim
   loss ``sinkhorn_divergence(x A + t, y, eps)`` at its defaults (a solve to a tolerance:
   a symmetric Hessian); start A = I, t = 0.
 * ``shuffled``: shuffled regression, ``Y = X W*`` with its rows permuted, loss
-  ``sinkhorn(X W, Y, eps).cost``; start W = 0.
+  ``sinkhorn(X W, Y, eps).cost``; start W = 0.1 (non-convex: Newton alone stalls at a
+  stationary point; ``AdamNewton`` escapes saddles).
 
 Adam takes the best of a few learning rates (each run to the threshold or the step
 budget); L-BFGS is torch.optim.LBFGS with its strong-Wolfe line search. Every run is
@@ -24,8 +25,8 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import flashot  # noqa: E402
-from flashot.optim import NewtonCG, TrustRegion  # noqa: E402
+import flashot
+from flashot.optim import AdamNewton, NewtonCG, TrustRegion
 
 warnings.simplefilter("ignore")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,7 +45,8 @@ def sync():
 def affine():
     gen = torch.Generator(DEV).manual_seed(0)
     x = torch.randn(N, D, device=DEV, generator=gen)
-    a_true = torch.eye(D, device=DEV) + 0.3 * torch.randn(D, D, device=DEV, generator=gen) / math.sqrt(D)
+    a_true = torch.eye(D, device=DEV)
+    a_true += 0.3 * torch.randn(D, D, device=DEV, generator=gen) / math.sqrt(D)
     y = x @ a_true + 0.5
 
     def make():
@@ -83,6 +85,8 @@ def run(name, make, loss, target, optimizer):
         opt = torch.optim.Adam(params, lr=float(optimizer.split("=")[1]))
     elif optimizer == "lbfgs":
         opt = torch.optim.LBFGS(params, lr=1.0, max_iter=20, line_search_fn="strong_wolfe")
+    elif optimizer == "adam-newton":  # Adam, then curvature (saddle escape, Newton)
+        opt = AdamNewton(params, lr=LRS[-1], plateau_steps=10)
     else:
         opt = {"newton": NewtonCG, "trust": TrustRegion}[optimizer](params)
     value = math.inf
@@ -119,12 +123,13 @@ for task, build in (("affine", affine), ("shuffled", shuffled)):
     target = best + RTOL * (start - best)
     print(f"{task}: start {start:.4g}, at the solution {best:.4g}, target {target:.4g}", flush=True)
     results = {}
-    for opt in ["newton", "trust", "lbfgs"] + [f"adam={lr:g}" for lr in LRS]:
+    newtons = ["newton", "trust"] if task == "affine" else ["adam-newton", "newton"]
+    for opt in [*newtons, "lbfgs"] + [f"adam={lr:g}" for lr in LRS]:
         results[opt] = run(task, make, loss, target, opt)
         print(f"  {opt}: {results[opt]}", flush=True)
     adams = {k: v for k, v in results.items() if k.startswith("adam")}
     best_adam = min(adams, key=lambda k: adams[k][0] if adams[k][0] is not None else math.inf)
-    for opt in ("newton", "trust", "lbfgs", best_adam):
+    for opt in (*newtons, "lbfgs", best_adam):
         rows.append((task, opt, *results[opt]))
 print(f"\n{DEV} N={N} D={D} eps={EPS} target: RTOL={RTOL:g} of the start's excess")
 print("task | optimizer | seconds to target | steps | final loss | HVPs")
