@@ -29,7 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flashot.autodiff.functions import first_order_only, relaxed_side
+from flashot.autodiff.functions import relaxed_side
+from flashot.autodiff.second_order import exact_second_order, packed_piece
+from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
 from flashot.caller import warn_at_caller
 from flashot.dual import phi_sum
@@ -61,8 +63,8 @@ class BatchedSinkhornResult:
         f: potentials on the x clouds: (B, n) for batched input, packed (N,) for ragged.
         g: potentials on the y clouds: (B, m), or packed (M,).
         cost: (B,) entropic OT values (balanced: ``⟨a, f⟩ + ⟨b, g⟩`` per problem),
-            differentiable once w.r.t. the clouds and weights (envelope theorem); a
-            double backward raises, saying so.
+            differentiable twice w.r.t. the clouds and weights (envelope theorem, then
+            :mod:`flashot.autodiff.second_order`, one dual solve for the whole batch).
         n_iter: (B,) int64 iterations run; the batch iterates together, so every entry
             is the batch's count.
         converged: (B,) bool, each problem's error within ``tol`` (None without tol).
@@ -174,6 +176,7 @@ def sinkhorn_varlen(
     update: str = "auto", eps_schedule=None, backend="auto", precision: str = "auto",
     min_iter: int = 0, warn: bool = True, momentum: float | str | None = None,
     progress: bool = False, rho=None, relative_eps: bool = False, init=None,
+    hvp_tol: float | None = None,
 ) -> BatchedSinkhornResult:  # fmt: skip
     r"""Balanced entropic OT for a ragged batch of problems in one solve.
 
@@ -202,6 +205,8 @@ def sinkhorn_varlen(
             ``eps`` holds the absolute values.
         init: a warm start (f (N,), g (M,)), packed, each problem's potentials at its
             own ε (e.g. a previous result's ``f``, ``g``).
+        hvp_tol: the accuracy of second derivatives, as in :func:`flashot.sinkhorn` (one
+            dual solve serves the batch).
 
     Returns:
         A :class:`BatchedSinkhornResult` with packed potentials (N,), (M,).
@@ -210,7 +215,8 @@ def sinkhorn_varlen(
                          max_iter=max_iter, tol=tol, check_every=check_every, update=update,
                          eps_schedule=eps_schedule, backend=backend, precision=precision,
                          min_iter=min_iter, warn=warn, momentum=momentum, progress=progress,
-                         rho=rho, relative_eps=relative_eps, init=init)  # fmt: skip
+                         rho=rho, relative_eps=relative_eps, init=init,
+                         hvp_tol=hvp_tol)  # fmt: skip
 
 
 def _check_batch(x, y, a, b):
@@ -271,8 +277,8 @@ def sinkhorn_divergence_batched(x, y, a=None, b=None, *, eps, update: str = "aut
 def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeuclidean",
                   max_iter=1000, tol="auto", check_every=10, update="auto", eps_schedule=None,
                   backend="auto", precision="auto", min_iter=0, warn=True, momentum=None,
-                  progress=False, rho=None, relative_eps=False,
-                  init=None) -> BatchedSinkhornResult:  # fmt: skip
+                  progress=False, rho=None, relative_eps=False, init=None,
+                  hvp_tol=None) -> BatchedSinkhornResult:  # fmt: skip
     """The solve behind :func:`sinkhorn_varlen` and :func:`sinkhorn_batched`."""
     from flashot.ot import ConvergenceWarning, _check_init  # (flashot.ot routes batches here)
 
@@ -309,6 +315,13 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
         value = _relaxed_values(seg, f, g, a, b, r, eps0, pp.rho)
     else:
         value = seg.sum(a * f_s) + seg.T.sum(b * g_s)
+    if torch.is_grad_enabled() and value.requires_grad:  # differentiable twice
+        trajectory = None
+        if tol is None:  # (a fixed schedule: its returned gradient's derivative)
+            omega = None if momentum is None else float(momentum)
+            trajectory = Trajectory(tuple(float(t) for t in temps), max_iter, update, init,
+                                    omega, check_every)  # fmt: skip
+        value = exact_second_order(value, [packed_piece(pp, fd, gd, hvp_tol, trajectory)])
     err_host = None
     if tol is not None:
         err_host = _errors(seg, r, c, fd, gd, log_a, log_b, pp.rho).cpu()
@@ -338,7 +351,7 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
     return BatchedSinkhornResult(
         f_s if bshape is None else f_s.reshape(bshape),
         g_s if bshape is None else g_s.reshape(bshape),
-        first_order_only(value),
+        value,
         torch.full((seg.count,), out.n_iter, dtype=torch.int64),
         converged,
         err_host,

@@ -280,8 +280,7 @@ def sinkhorn_divergence(
         raise TypeError(f"warn must be True or False, got {warn!r}")
     hvp_tol = check_hvp_tol(hvp_tol)
     if getattr(x, "ndim", 2) == 3:  # a batch: 3B problems in one packed solve
-        extra = (("rho", rho), ("relative_eps", relative_eps or None), ("init", init),
-                 ("hvp_tol (second derivatives)", hvp_tol))
+        extra = (("rho", rho), ("relative_eps", relative_eps or None), ("init", init))
         given = [k for k, v in extra if v is not None]
         if given:
             raise NotImplementedError(f"batched (B, n, d) divergences do not take "
@@ -291,7 +290,7 @@ def sinkhorn_divergence(
             cloud_tensor(x), cloud_tensor(y), a, b, eps=eps, cost=cost, max_iter=max_iter,
             tol=tol, check_every=check_every, update=update, eps_schedule=eps_schedule,
             backend=backend, precision=precision, min_iter=min_iter, warn=warn,
-            momentum=momentum,
+            momentum=momentum, hvp_tol=hvp_tol,
         )
     if rho is not None and not isinstance(rho, (int, float)):
         rx, ry = parse_rho(rho)

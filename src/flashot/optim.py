@@ -78,7 +78,7 @@ class _SecondOrder(torch.optim.Optimizer):
         ``hvp_tol``: the HVPs' relative accuracy for this step (the dual solves of the
         flashot values the closure builds); None: the closure's own.
         """
-        options = contextlib.nullcontext()
+        options: contextlib.AbstractContextManager = contextlib.nullcontext()
         if hvp_tol is not None:
             options = dual_solve_options(hvp_tol * RESIDUAL_PER_ERROR)
         with torch.enable_grad(), options:

@@ -204,14 +204,12 @@ def sinkhorn(
         if history:
             raise NotImplementedError("batched (B, n, d) solves do not take history yet: "
                                       "loop over the problems for it")  # fmt: skip
-        if hvp_tol is not None:
-            raise ValueError("hvp_tol sets the accuracy of second derivatives, which batched "
-                             "(B, n, d) values do not have (they are differentiable once)")
         return sinkhorn_batched(  # type: ignore[return-value]
             cloud_tensor(x), cloud_tensor(y), a, b, eps=eps, cost=cost, max_iter=max_iter,
             tol=tol, check_every=check_every, update=update, eps_schedule=eps_schedule,
             backend=backend, precision=precision, progress=progress, min_iter=min_iter,
             warn=warn, momentum=momentum, rho=rho, relative_eps=relative_eps, init=init,
+            hvp_tol=hvp_tol,
         )
     problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend,
                            precision=precision, relative_eps=relative_eps)  # fmt: skip

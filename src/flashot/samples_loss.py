@@ -14,7 +14,9 @@ import sys
 import torch
 
 from flashot.autodiff.functional import functional_transforms
-from flashot.autodiff.functions import dual_term, first_order_only
+from flashot.autodiff.functions import dual_term
+from flashot.autodiff.second_order import exact_second_order, packed_piece
+from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
 from flashot.costs import bounding_diameter, box_diameter, get_cost
 from flashot.divergence import debiased_potentials
@@ -74,9 +76,6 @@ class SamplesLoss(torch.nn.Module):
     (:mod:`flashot.autodiff.unrolled`), and J is symmetric only as far as the schedule
     converged. Newton-type methods want :func:`flashot.sinkhorn_divergence` (a solve to a
     tolerance, whose Hessian is symmetric) instead.
-
-    Batched (B, N, D) values are differentiable once (a double backward raises, saying
-    so): loop over the problems for second derivatives.
 
     Call forms: ``loss(x, y)`` or ``loss(a, x, b, y)``, with x (N, D) or (B, N, D)
     and weights (N,) or (B, N). Returns a scalar, (B,) values, or (F, G) shaped
@@ -279,9 +278,13 @@ class SamplesLoss(torch.nn.Module):
             return fs.to(x.dtype), gs.to(y.dtype)
         eps = self.blur**2
         value = dual_term(f, pp.a, eps, rho, seg.sum) + dual_term(g, pp.b, eps, rho, seg.T.sum)
+        if torch.is_grad_enabled() and value.requires_grad:  # differentiable twice
+            trajectory = Trajectory(tuple(float(t) for t in temps), len(temps))
+            value = exact_second_order(value, [packed_piece(pp, f, g, trajectory=trajectory,
+                                                            geomloss=True)])  # fmt: skip
         value = value.reshape(-1, bsz)
         value = value[0] - 0.5 * (value[1] + value[2]) if self.debias else value[0]
-        return first_order_only(value.to(x.dtype))
+        return value.to(x.dtype)
 
 
 def _batch_item(w, i: int, name: str) -> torch.Tensor:

@@ -33,7 +33,6 @@ __all__ = [
     "extrapolate",
     "extrapolation_parts",
     "final_step_for",
-    "first_order_only",
     "grads_needed",
     "needs_grad",
     "relaxed_side",
@@ -47,39 +46,6 @@ SECOND_ORDER = (
     "once only (create_graph=True is not supported through them); OT values are "
     "differentiable twice"
 )
-
-
-PACKED_SECOND_ORDER = (
-    "second derivatives (create_graph=True) through batched (B, n, d) or ragged solves are "
-    "not available: their values are differentiable once (the packed problems' dual "
-    "systems and replayed schedules are not written per problem); differentiate each "
-    "problem's (n, d) call twice instead (flashot.sinkhorn, sinkhorn_divergence, "
-    "SamplesLoss or flashot.hvp in a loop)"
-)
-
-
-class _FirstOrderOnly(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, value, message):
-        ctx.message = message
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if torch.is_grad_enabled():  # create_graph=True
-            raise RuntimeError(ctx.message)
-        return grad, None
-
-
-def first_order_only(value: torch.Tensor, message: str = PACKED_SECOND_ORDER) -> torch.Tensor:
-    """``value``, whose backward with ``create_graph=True`` raises ``message``.
-
-    For values differentiable once only: a double backward through them would otherwise
-    meet a step that cannot say why (or see zero second derivatives).
-    """
-    if not (torch.is_grad_enabled() and value.requires_grad):
-        return value
-    return _FirstOrderOnly.apply(value, message)
 
 
 class SoftCTransform(torch.autograd.Function):

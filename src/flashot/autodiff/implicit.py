@@ -48,6 +48,7 @@ from flashot.costs import AttentionForm
 from flashot.dual import marginal_error, plan_times, row_mass
 from flashot.graphs import GraphCache, capture_or_eager
 from flashot.linalg import CGWarning, cg
+from flashot.segments import Segments
 
 __all__ = [
     "DeferredSolves",
@@ -59,6 +60,8 @@ __all__ = [
     "add_optional",
     "clear_dual_graphs",
     "deferred_dual_solves",
+    "other_masses",
+    "problem_sums",
     "record_dual_solves",
     "refine_potentials",
     "value_gradient",
@@ -83,6 +86,8 @@ class DualSpec:
         eps: ε.  rho: (ρ_x, ρ_y), None for a balanced side.
         backend: the streaming primitives.  cost_bound: the form's bound on the cost.
         cg_tol: relative residual of the dual solves.  cg_max_iter: their iterations at most.
+        segments: the packing of a batch of problems (:mod:`flashot.segments`), or None:
+            every sum over the weights, and the dual system's null vectors, per problem.
     """
 
     eps: float
@@ -91,16 +96,36 @@ class DualSpec:
     cost_bound: float | None
     cg_tol: float
     cg_max_iter: int = 10_000
+    segments: Segments | None = None
 
     @property
     def T(self) -> DualSpec:
+        seg = None if self.segments is None else self.segments.T
         return DualSpec(self.eps, self.rho[::-1], self.backend, self.cost_bound, self.cg_tol,
-                        self.cg_max_iter)  # fmt: skip
+                        self.cg_max_iter, seg)  # fmt: skip
 
 
 def _form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:
     return AttentionForm(q.detach(), k.detach(), alpha.detach(), beta.detach(),
-                         cost_bound=spec.cost_bound)  # fmt: skip
+                         cost_bound=spec.cost_bound, segments=spec.segments)  # fmt: skip
+
+
+def problem_sums(t: torch.Tensor, segments: Segments | None) -> torch.Tensor:
+    """``Σ t`` over the problem of each entry, for every entry of t (n, ...) (unpacked: the
+    sum over all, shape ``t.shape[1:]``)."""
+    if segments is None:
+        return t.sum(0)
+    return segments.sum(t)[segments.row_ids(t.device)]
+
+
+def other_masses(w: torch.Tensor, segments: Segments | None, like: torch.Tensor):
+    """The mass of the other side's weights ``w`` in the problem of each entry of ``like``.
+
+    ``segments``: the packing seen from ``like``'s side (None: ``w.sum()``).
+    """
+    if segments is None:
+        return w.sum()
+    return segments.T.sum(w)[segments.row_ids(like.device)]
 
 
 @dataclass(frozen=True)
@@ -251,6 +276,8 @@ def clear_dual_graphs() -> None:
 
 def _captures(backend: Backend, form: AttentionForm) -> bool:
     """Whether the dual CG of this problem runs captured blocks (see :data:`CAPTURE_UP_TO`)."""
+    if form.segments is not None:  # (a packed batch's blocks: not keyed here)
+        return False
     size = form.q.shape[0] * form.k.shape[0]
     # half precisions read cached half copies of q and k, made outside a capture: a
     # replay would not see the buffers' new contents
@@ -299,7 +326,8 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     d_r_inv = torch.where(d_r > 0, 1.0 / d_r, torch.zeros_like(d_r))
     d_c_inv = torch.where(d_c > 0, 1.0 / d_c, torch.zeros_like(d_c))
     deflate = rho_x is None and rho_y is None
-    c_unit = c / c.sum()
+    col_seg = None if spec.segments is None else spec.segments.T
+    c_unit = c / problem_sums(c, col_seg)  # (one null vector per balanced problem)
     if columns:
         capture = False
         d_r_inv, d_c, d_c_inv, c_unit = (t[:, None] for t in (d_r_inv, d_c, d_c_inv, c_unit))
@@ -315,7 +343,7 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
                 d_c_inv, c_unit)  # fmt: skip
         capture, data = _capture_plan(spec, form, data)
         q, k, alpha, beta, f, g, log_a, log_b, r, c, d_r_inv, d_c, d_c_inv, c_unit = data
-        form = AttentionForm(q, k, alpha, beta, cost_bound=form.cost_bound)
+        form = AttentionForm(q, k, alpha, beta, cost_bound=form.cost_bound, segments=form.segments)
 
         def p_times(w):  # P w: (m,) -> (n,)
             return backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, w=w)[0]
@@ -330,12 +358,13 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     def schur(w):
         out = (1 + shift) * d_c * w - pt_times(d_r_inv * p_times(w))
         if deflate:
-            out = out + c_unit * (c @ w)
+            out = out + c_unit * problem_sums(c.reshape(c.shape + (1,) * (w.dim() - 1)) * w,
+                                              col_seg)  # fmt: skip
         return out
 
     rhs = eps * (g_bar - pt_times(d_r_inv * f_bar))
     if deflate:  # the part along 1 is a gauge dependence: no solution, dropped
-        rhs = rhs - c_unit * rhs.sum(0)
+        rhs = rhs - c_unit * problem_sums(rhs, col_seg)
     res = cg(schur, rhs, tol=spec.cg_tol, max_iter=spec.cg_max_iter, capture=capture,
              columns=columns, preconditioner=lambda v: d_c_inv * v,
              on_negative_curvature="return", warn=False)  # fmt: skip
@@ -532,7 +561,7 @@ def refine_potentials(theta, f, g, spec: DualSpec, target: float, max_iter: int 
         ``(f, g, error)``, error the last measured L1 marginal error.
     """
     q, alpha, k, beta, a, b = (t.detach() for t in theta)
-    form = AttentionForm(q, k, alpha, beta, cost_bound=spec.cost_bound)
+    form = AttentionForm(q, k, alpha, beta, cost_bound=spec.cost_bound, segments=spec.segments)
     backend, eps, rho_x = spec.backend, spec.eps, spec.rho[0]
     lam = [1.0 if r is None else r / (r + eps) for r in spec.rho]
     log_a, log_b = torch.log(a), torch.log(b)
@@ -604,6 +633,7 @@ def value_gradient(theta, z, spec: DualSpec):
         grads[2:] = -pt_q, c
     one_x = torch.ones_like(f) if rho_x is None else torch.exp(-f / rho_x)
     one_y = torch.ones_like(g) if rho_y is None else torch.exp(-g / rho_y)
-    grad_a = _phi(f, rho_x) - eps * (one_x - b.sum())
-    grad_b = _phi(g, rho_y) - eps * (one_y - a.sum())
+    seg = spec.segments
+    grad_a = _phi(f, rho_x) - eps * (one_x - other_masses(b, seg, f))
+    grad_b = _phi(g, rho_y) - eps * (one_y - other_masses(a, None if seg is None else seg.T, g))
     return (*grads, grad_a, grad_b)

@@ -37,6 +37,7 @@ from flashot.autodiff.implicit import (
     RESIDUAL_PER_ERROR,
     DualSpec,
     implicit_potentials,
+    other_masses,
     refine_potentials,
     value_gradient,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "dual_solve_options",
     "exact_second_order",
     "hvp_tol_for",
+    "packed_piece",
 ]
 
 #: the relative error of HVPs a value's second derivatives aim at, by dtype (``hvp_tol``)
@@ -94,7 +96,8 @@ class Piece:
     """One OT problem in a value: ``weight · (OT(θ) [+ GeomLoss' mass terms])``.
 
     Attributes:
-        weight: its coefficient in the value.
+        weight: its coefficient in the value; for a packed batch (``spec.segments``) a
+            (B,) tensor, one per problem, and the value is (B,).
         sources: the tensors θ comes from, with their autograd history: θ = (q, α, k, β,
             a, b) itself, or the arguments of ``build``.
         f: (n,), g: (m,) its converged potentials (detached).
@@ -140,10 +143,10 @@ def _piece_gradient(piece: Piece, sources, grad) -> list:
         z = implicit_potentials(theta, f, g, piece.spec, check_gauge=False)
         grads = list(value_gradient(theta, z, piece.spec))
         if piece.geomloss_mass:
-            eps, a, b = piece.spec.eps, theta[4], theta[5]
-            grads[4] = grads[4] + eps * (0.5 - b.sum())
-            grads[5] = grads[5] + eps * (0.5 - a.sum())
-    grads = [None if t is None else (piece.weight * grad) * t for t in grads]
+            eps, a, b, seg = piece.spec.eps, theta[4], theta[5], piece.spec.segments
+            grads[4] = grads[4] + eps * (0.5 - other_masses(b, seg, a))
+            grads[5] = grads[5] + eps * (0.5 - other_masses(a, None if seg is None else seg.T, b))
+    grads = _scaled(grads, piece.weight * grad, piece.spec.segments)
     if piece.build is None:
         return grads
     merged: dict[int, tuple] = {}  # θ may hold a source twice (a self problem's weights)
@@ -160,6 +163,19 @@ def _piece_gradient(piece: Piece, sources, grad) -> list:
                                 create_graph=True, allow_unused=True)  # fmt: skip
     by_id = {id(s): gs for s, gs in zip(wanted, found, strict=True)}
     return [by_id.pop(id(s), None) for s in sources]
+
+
+def _scaled(grads: list, scale, segments) -> list:
+    """``scale · t`` for θ's gradients; a packed value's (B,) scale per row and column."""
+    if segments is None or scale.dim() == 0:
+        return [None if t is None else scale * t for t in grads]
+    rows, cols = segments.row_ids(scale.device), segments.T.row_ids(scale.device)
+    ids = (rows, rows, cols, cols, rows, cols)  # q, α, k, β, a, b
+    out = []
+    for t, i in zip(grads, ids, strict=True):
+        s = scale[i]
+        out.append(None if t is None else s.reshape(s.shape + (1,) * (t.dim() - 1)) * t)
+    return out
 
 
 class _ExactSecondOrder(torch.autograd.Function):
@@ -204,6 +220,23 @@ def exact_second_order(value: torch.Tensor, pieces: list[Piece]) -> torch.Tensor
         return value
     sources = [t for p in pieces for t in p.sources]
     return _ExactSecondOrder.apply(value, tuple(pieces), *sources)
+
+
+def packed_piece(pp, f, g, hvp_tol=None, trajectory=None, geomloss=False) -> Piece:
+    """The second-order piece of a packed batch (:class:`~flashot.packing.PackedProblem`):
+    its (B,) value weighs problem s by ``ε_s/ε_0`` (each solved at the common ε_0)."""
+    pf = pp.form
+    tol, max_iter = _OPTIONS[-1]
+    if tol is None:
+        tol = hvp_tol_for(pf.q.dtype, hvp_tol) * RESIDUAL_PER_ERROR
+    spec = DualSpec(pp.eps0, tuple(pp.rho), pp.engine, pf.cost_bound, tol, max_iter, pf.segments)
+    weight = (pp.eps / pp.eps0).to(device=f.device, dtype=f.dtype)
+
+    def theta(x, y, a, b):  # the packed form's own tensors (α is computed from q: sources
+        return pf.q, pf.alpha, pf.k, pf.beta, a, b  # must be the clouds, not q and α)
+
+    return Piece(weight, (pp.x, pp.y, pp.a, pp.b), f.detach(), g.detach(), spec,
+                 geomloss and pp.rho != (None, None), theta, trajectory)  # fmt: skip
 
 
 def spec_of(problem, f_dtype: torch.dtype, hvp_tol: float | None = None) -> DualSpec:

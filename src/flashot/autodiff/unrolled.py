@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashot.autodiff.implicit import DualSpec
+from flashot.autodiff.implicit import DualSpec, other_masses
 from flashot.backends import entry_point
 from flashot.costs import AttentionForm
 
@@ -66,8 +66,9 @@ class Trajectory:
     refusal: str | None = None
 
 
-def _form(q, alpha, k, beta, bound) -> AttentionForm:
-    return AttentionForm(q.detach(), k.detach(), alpha.detach(), beta.detach(), cost_bound=bound)
+def _form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:
+    return AttentionForm(q.detach(), k.detach(), alpha.detach(), beta.detach(),
+                         cost_bound=spec.cost_bound, segments=spec.segments)  # fmt: skip
 
 
 def _at(spec: DualSpec, eps: float) -> DualSpec:
@@ -86,7 +87,7 @@ class Transform(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, alpha, k, beta, log_w, h, spec):
         """One row pass: ``(t, r)``."""
-        form = _form(q, alpha, k, beta, spec.cost_bound)
+        form = _form(q, alpha, k, beta, spec)
         lse, _ = spec.backend.row_attend(form, h.detach() - form.beta, spec.eps,
                                          log_w=log_w.detach())  # fmt: skip
         r = -lse
@@ -143,7 +144,7 @@ def transform_vjp(parts, r, u, u_alpha, spec: DualSpec, needs) -> list:
         want |= {"col_q"} if needs[2] else set()
         want |= {"col"} if any(needs[3:]) else set()
         if want:
-            vjp = spec.backend.plan_vjp(_form(q, zero, k, beta, spec.cost_bound), r, h,
+            vjp = spec.backend.plan_vjp(_form(q, zero, k, beta, spec), r, h,
                                         *weights, spec.eps, u.new_ones(k.shape[0], 1), u[:, None],
                                         frozenset(want))  # fmt: skip
             _fill(out, needs, spec.eps, vjp.row_k, vjp.col_q, vjp.col)
@@ -170,7 +171,7 @@ class RowAverage(torch.autograd.Function):
     def forward(ctx, q, k, beta, log_w, h, v, spec):
         """One row pass with values."""
         zero = q.new_zeros(q.shape[0])
-        form = _form(q, zero, k, beta, spec.cost_bound)
+        form = _form(q, zero, k, beta, spec)
         lse, out = spec.backend.row_attend(form, h.detach() - form.beta, spec.eps, v.detach(),
                                            log_w.detach())  # fmt: skip
         ctx.save_for_backward(q, k, beta, log_w, h, v, lse, out)
@@ -190,7 +191,7 @@ class RowAverage(torch.autograd.Function):
         want |= {"col_q"} if needs[1] else set()
         want |= {"col"} if any(needs[2:5]) else set()
         want |= {"pt_d"} if needs[5] else set()
-        vjp = spec.backend.plan_vjp(_form(q, zero, k, beta, spec.cost_bound), -lse, h,
+        vjp = spec.backend.plan_vjp(_form(q, zero, k, beta, spec), -lse, h,
                                     torch.ones_like(lse), torch.exp(log_w), eps, v, d,
                                     frozenset(want), d0=-(d * out).sum(1))  # fmt: skip
         col = vjp.col
@@ -240,7 +241,7 @@ def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec):
         return damping(rho_x, e) * transform(q, alpha, k, beta, log_b, g, _at(spec, e))
 
     def cols(f, e):  # λ_y Tᵀ(f)
-        return damping(rho_y, e) * transform(k, beta, q, alpha, log_a, f, _at(spec, e))
+        return damping(rho_y, e) * transform(k, beta, q, alpha, log_a, f, _at(spec.T, e))
 
     if traj.init is None:
         f, g = rows(torch.zeros_like(beta), temps[0]), cols(torch.zeros_like(alpha), temps[0])
@@ -303,12 +304,14 @@ def envelope_gradient(theta, z, trajectory: Trajectory, spec: DualSpec, kind: st
     t_x, r_x = Transform.apply(q, alpha, k, beta, log_b, g_k, spec)
     f_star = lam_x * t_x
     h_y = f_star if trajectory.update == "alternating" else f_k
-    t_y, r_y = Transform.apply(k, beta, q, alpha, log_a, h_y, spec)
+    t_y, r_y = Transform.apply(k, beta, q, alpha, log_a, h_y, spec.T)
     g_star = lam_y * t_y
     c_x, grad_a = dual_partials(f_star, a, eps, rho_x, kind)
     c_y, grad_b = dual_partials(g_star, b, eps, rho_y, kind)
-    if kind == "dual":
-        grad_a, grad_b = grad_a + eps * b.sum(), grad_b + eps * a.sum()
+    if kind == "dual":  # (+ ε m(a) m(b), per problem)
+        seg = spec.segments
+        grad_a = grad_a + eps * other_masses(b, seg, a)
+        grad_b = grad_b + eps * other_masses(a, None if seg is None else seg.T, b)
     u_x, u_y = lam_x * c_x, lam_y * c_y
     row = transform_vjp(
         (q, alpha, k, beta, log_b, g_k),
@@ -323,7 +326,7 @@ def envelope_gradient(theta, z, trajectory: Trajectory, spec: DualSpec, kind: st
         r_y,
         u_y,
         u_y,
-        spec,
+        spec.T,
         (k.requires_grad, beta.requires_grad, False, False, False, False),
     )
     return (row[0], row[1], col[0], col[1], grad_a if a.requires_grad else None,
