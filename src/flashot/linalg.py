@@ -278,7 +278,7 @@ class LanczosResult:
 
     Attributes:
         values: (k,) Ritz values, ascending for ``"smallest"``, descending for ``"largest"``.
-        vectors: (k, *shape) orthonormal Ritz vectors.
+        vectors: ``(k, *shape)`` orthonormal Ritz vectors.
         residuals: (k,) ``‖A v − λ v‖`` of each pair (from the operator's own products).
         converged: every residual is within ``tol`` times the operator's estimated norm.
         n_matvec: operator applications used.
