@@ -6,8 +6,9 @@ Two tasks on one flashot loss each, the same start and threshold for every optim
   loss ``sinkhorn_divergence(x A + t, y, eps)`` at its defaults (a solve to a tolerance:
   a symmetric Hessian); start A = I, t = 0.
 * ``shuffled``: shuffled regression, ``Y = X W*`` with its rows permuted, loss
-  ``sinkhorn(X W, Y, eps).cost``; start W = 0.1 (non-convex: Newton alone stalls at a
-  stationary point; ``AdamNewton`` escapes saddles).
+  ``sinkhorn(X W, Y, eps).cost``, started in the true basin, ``W* + 0.3 N(0, 1)`` (from
+  W = 0.1 every method stalled at a local minimum 7 % above the true one: N = 500,
+  D = 4, 60 steps, CPU).
 
 Adam takes the best of a few learning rates (each run to the threshold or the step
 budget); L-BFGS is torch.optim.LBFGS with its strong-Wolfe line search. Every run is
@@ -66,8 +67,10 @@ def shuffled():
     w_true = torch.randn(D, 2, device=DEV, generator=gen)
     y = (x @ w_true)[torch.randperm(N, generator=gen, device=DEV)]
 
-    def make():
-        return [torch.full((D, 2), 0.1, device=DEV, requires_grad=True)]
+    start = w_true + 0.3 * torch.randn(D, 2, device=DEV, generator=gen)
+
+    def make():  # in the true basin: from W = 0 every method stalls at a local minimum
+        return [start.clone().requires_grad_()]
 
     def loss(params):
         return flashot.sinkhorn(x @ params[0], y, eps=EPS, eps_schedule="geomloss").cost
