@@ -557,7 +557,8 @@ def test_samples_loss_double_backward_on_triton_matches_float64(blur, scaling, d
         (plain,) = torch.autograd.grad(loss(xs, y.to(dtype)), xs)
         (g,) = torch.autograd.grad(loss(xs, y.to(dtype)), xs, create_graph=True)
         (h,) = torch.autograd.grad((g * v.to(dtype)).sum(), xs)
-        assert torch.equal(plain, g.detach())
+        # (two calls: the kernels' atomic sums may round differently between them)
+        assert rel(g.detach(), plain) < 1e-6
         out.append((g.detach(), h))
     assert rel(out[0][0], out[1][0]) < 1e-4 and rel(out[0][1], out[1][1]) < 1e-3
 
