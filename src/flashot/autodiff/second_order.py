@@ -113,7 +113,7 @@ class Piece:
     pieces go: none is computed from another piece's source.
     """
 
-    weight: float
+    weight: float | torch.Tensor
     sources: tuple
     f: torch.Tensor
     g: torch.Tensor
@@ -132,6 +132,8 @@ class Piece:
 
 def _piece_gradient(piece: Piece, sources, grad) -> list:
     """``grad · weight · ∂(piece)/∂sources``, an expression autograd can differentiate again."""
+    if not any(s.requires_grad for s in sources):  # (a fixed cloud's self problem)
+        return [None] * len(sources)
     theta = piece.build(*sources) if piece.build is not None else sources
     if piece.trajectory is not None:
         z = unrolled_potentials(theta, piece.trajectory, piece.spec)
