@@ -310,3 +310,50 @@ def cost_of(cost, z, y):
     lz, ly = z[:, -1].long(), y[:, -1].long()
     feat = cost.scale * torch.cdist(z[:, :-1], y[:, :-1]) ** 2  # (λ_x folded into scale)
     return feat + cost.lambda_y * cost.table[lz][:, ly]
+
+
+def _mode_calls():
+    from flashot.otdd import dataset_distance
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 2, generator=g), torch.randn(30, 2, generator=g) + 0.5
+    xb, yb = torch.randn(3, 20, 2, generator=g), torch.randn(3, 15, 2, generator=g)
+    lx, ly = torch.randint(0, 3, (40,), generator=g), torch.randint(0, 3, (30,), generator=g)
+    v, vb = torch.randn(30, 3, generator=g), torch.randn(3, 15, 2, generator=g)
+    d = torch.randn(40, 2, generator=g)
+
+    def plan_outputs(r):
+        return [r.cost, r.f, r.g, r.plan @ v, r.plan.T @ d, r.transport_cost,
+                r.plan.barycentric_map(), r.plan[:10] @ v]  # fmt: skip
+
+    def distance(out):
+        return [torch.as_tensor(getattr(out, "distance", out))]
+
+    return {
+        "sinkhorn": lambda: plan_outputs(flashot.sinkhorn(x, y, eps=0.1)),
+        "sinkhorn-fixed": lambda: [flashot.sinkhorn(x, y, eps=0.1, tol=None, max_iter=20).cost],
+        "sinkhorn-relaxed": lambda: plan_outputs(flashot.sinkhorn(x, y, eps=0.1, rho=1.0)),
+        "divergence": lambda: [flashot.sinkhorn_divergence(x, y, eps=0.1)],
+        "samples_loss": lambda: [flashot.SamplesLoss()(x, y)],
+        "samples_loss-potentials": lambda: list(flashot.SamplesLoss(potentials=True)(x, y)),
+        "batched": lambda: [(r := flashot.sinkhorn(xb, yb, eps=0.1)).cost, r.f, r.plan @ vb],
+        "batched-samples_loss": lambda: [flashot.SamplesLoss()(xb, yb)],
+        "batched-divergence": lambda: [flashot.sinkhorn_divergence(xb, yb, eps=0.2)],
+        "otdd": lambda: distance(dataset_distance(x, lx, y, ly, eps=0.5)),
+        "hvp": lambda: [flashot.hvp(x, y, d, eps=0.5)],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(_mode_calls()))
+def test_inference_mode_and_no_grad_give_the_plain_numbers(name):
+    """torch.inference_mode crashed flashot.sinkhorn ("Inference tensors do not track
+    version counter"), and everything built on it; each entry point now gives the same
+    numbers in plain, no_grad and inference mode (an HVP runs outside inference mode)."""
+    call = _mode_calls()[name]
+    out = {}
+    for mode, ctx in (("plain", torch.enable_grad), ("no_grad", torch.no_grad),
+                      ("inference", torch.inference_mode)):  # fmt: skip
+        with ctx():
+            out[mode] = [t.clone() for t in call()]
+    for mode in ("no_grad", "inference"):
+        assert all(torch.equal(a, b) for a, b in zip(out["plain"], out[mode], strict=True))

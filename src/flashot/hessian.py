@@ -33,6 +33,11 @@ __all__ = ["hvp"]
 WRT = ("x", "y", "xy")
 
 
+def _ordinary(t):
+    """An inference tensor's ordinary copy (anything else as it is)."""
+    return t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
+
+
 @entry_point
 @refuse_transforms
 def hvp(
@@ -111,7 +116,11 @@ def hvp(
                          "residual), not both")  # fmt: skip
     if isinstance(cg_max_iter, bool) or not isinstance(cg_max_iter, int) or cg_max_iter < 1:
         raise ValueError(f"cg_max_iter must be a positive integer, got {cg_max_iter!r}")
-    with torch.enable_grad():
+    # (an HVP is a double backward: under torch.inference_mode it runs outside it, on
+    # ordinary copies of inference tensors, which autograd cannot record)
+    with torch.inference_mode(False), torch.enable_grad():
+        x, y, a, b = (_ordinary(t) for t in (x, y, a, b))
+        dirs = [_ordinary(d) for d in dirs]
         xs = x.detach().requires_grad_(wrt in ("x", "xy"))
         ys = y.detach().requires_grad_(wrt in ("y", "xy"))
         inputs = [t for t in (xs, ys) if t.requires_grad]

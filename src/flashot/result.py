@@ -85,8 +85,11 @@ class TransportPlan:
         self.__dict__.update(state)
         self._versions = self._state()
 
-    def _state(self) -> tuple[int, ...]:
-        return tuple(t._version for t in (self._x, self._y, self._f, self._g))
+    def _state(self) -> tuple[int | None, ...]:
+        # inference tensors keep no version counter; they cannot change in place outside
+        # inference mode, where a plan's results are no one's graph either
+        return tuple(None if t.is_inference() else t._version
+                     for t in (self._x, self._y, self._f, self._g))  # fmt: skip
 
     def _check_fresh(self) -> None:
         """Raise if x, y or the potentials changed in place since the solve."""
