@@ -176,3 +176,48 @@ def test_resume_with_a_larger_budget_runs_the_rows_a_smaller_one_skipped(tmp_pat
     assert main([*BENCH, "--sizes", "40,60", "--out", str(tmp_path), "--resume"]) == 0
     rows = {r.n: r for r in read(tmp_path)[0]}
     assert ran == [60] and rows[60].skipped is None and rows[60].ms > 0
+
+
+def test_a_second_run_into_a_result_refuses_before_running(tmp_path, capsys, monkeypatch):
+    """An --out holding a result is neither replaced silently nor appended to without
+    --resume: the run refuses at once (no row runs); --force replaces it."""
+    import flashot.bench.cli as bench_cli
+
+    assert main([*BENCH, "--sizes", "40", "--out", str(tmp_path)]) == 0
+    before = (tmp_path / "bench.json").read_text()
+    ran = []
+    real = bench_cli.run_suite
+    monkeypatch.setattr(bench_cli, "run_suite", lambda *a, **k: ran.append(1) or real(*a, **k))
+    capsys.readouterr()
+    assert main([*BENCH, "--sizes", "60", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "already holds a bench result" in err and "--resume" in err and "--force" in err
+    assert not ran and (tmp_path / "bench.json").read_text() == before
+    assert main([*BENCH, "--sizes", "60", "--out", str(tmp_path), "--force"]) == 0
+    assert {r.n for r in read(tmp_path)[0]} == {60}
+
+
+def test_an_out_that_cannot_hold_results_is_refused_before_running(tmp_path, capsys):
+    file = tmp_path / "a_file"
+    file.write_text("x")
+    assert main([*BENCH, "--sizes", "40", "--out", str(file)]) == 1
+    assert "is a file" in capsys.readouterr().err
+    assert main([*BENCH, "--sizes", "40", "--out", str(file / "below")]) == 1
+    assert "cannot write there" in capsys.readouterr().err
+
+
+def test_results_are_replaced_atomically(tmp_path, monkeypatch):
+    """A write that dies midway leaves the previous files whole (temp file, rename)."""
+    import flashot.bench.report as report
+
+    write([_row(1000)], ENV, tmp_path)
+    before = (tmp_path / "bench.csv").read_text(), (tmp_path / "bench.json").read_text()
+
+    def dies(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report.os, "fsync", dies)
+    with pytest.raises(OSError, match="disk full"):
+        write([_row(1000), _row(2000)], ENV, tmp_path)
+    after = (tmp_path / "bench.csv").read_text(), (tmp_path / "bench.json").read_text()
+    assert after == before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -71,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the rows --out already holds (a run cut short writes them as "
                         "it goes) and run only the missing ones, and those a smaller "
                         "--row-budget skipped; --largest reruns")  # fmt: skip
+    p.add_argument("--force", action="store_true",
+                   help="replace a result --out already holds (without it, a run into a "
+                        "folder with a result refuses to start)")  # fmt: skip
     p.add_argument("--largest-cap", type=int, default=None, metavar="N",
                    help="the largest n tried by --largest (default 4M on a GPU, 64k on a "
                         "CPU)")  # fmt: skip
@@ -85,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
             rows, env = merge([read(Path(path)) for path in args.merge])
         except ValueError as exc:
             raise CliError(f"--merge: {exc}") from None
+        inputs = {Path(path).resolve() for path in args.merge}
+        _check_out(Path(args.out), args.force or Path(args.out).resolve() in inputs)
         return _report(rows, env, Path(args.out))
     device = torch.device(args.device)
     bad = [w for w in args.workloads if w not in WORKLOADS]
@@ -112,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     sizes, dims = tuple(dict.fromkeys(args.sizes or sizes)), tuple(dict.fromkeys(args.dims or dims))
     if min(sizes) < 2 or min(dims) < 1:
         raise CliError("--sizes must be ≥ 2 and --dims ≥ 1")
+    _check_out(Path(args.out), args.force or args.resume)  # before the first row runs
     chosen = providers(device, args.providers)  # in the order given (KeOps before Triton)
 
     def say(text: str) -> None:
@@ -139,6 +146,24 @@ def run(args: argparse.Namespace) -> int:
                               start=min(sizes), cap=cap, eps=args.eps, iters=args.iters,
                               tol=args.tol, progress=say)  # fmt: skip
     return _report(with_earlier(rows), env, out)
+
+
+def _check_out(out: Path, replace: bool) -> None:
+    """Refuse an ``--out`` that is a file, cannot be written, or holds a result that this
+    run would replace without ``replace`` (``--force``, ``--resume`` or a merge into it)."""
+    from flashot.cli import CliError
+
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out} is a file, not a folder")
+    if not replace and result_file(out) is not None:
+        raise CliError(f"--out {out} already holds a bench result: pass --resume to add to "
+                       "it, --force to replace it, or another --out")  # fmt: skip
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise CliError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
 
 
 def _earlier(out: Path, env: dict) -> list[Row]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -47,17 +49,29 @@ def write(rows: list[Row], env: dict, out: Path, name: str = "bench") -> list[Pa
     out.mkdir(parents=True, exist_ok=True)
     fields = [f.name for f in dataclasses.fields(Row)] + ["x_floor"]
     csv_path, json_path = out / f"{name}.csv", out / f"{name}.json"
-    with csv_path.open("w", newline="") as fh:
-        for key, value in env.items():
-            fh.write(f"# {key}: {json.dumps(value)}\n")
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({**dataclasses.asdict(r), "x_floor": r.x_floor})
+    text = io.StringIO(newline="")
+    for key, value in env.items():
+        text.write(f"# {key}: {json.dumps(value)}\n")
+    writer = csv.DictWriter(text, fieldnames=fields)
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({**dataclasses.asdict(r), "x_floor": r.x_floor})
     payload = {"environment": env,
                "rows": [{**dataclasses.asdict(r), "x_floor": r.x_floor} for r in rows]}  # fmt: skip
-    json_path.write_text(json.dumps(payload, indent=1))
+    _replace_atomically(csv_path, text.getvalue())
+    _replace_atomically(json_path, json.dumps(payload, indent=1))
     return [csv_path, json_path]
+
+
+def _replace_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed over it: a run that
+    dies mid-write leaves the previous file whole."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def read(path: Path) -> tuple[list[Row], dict]:
