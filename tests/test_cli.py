@@ -71,7 +71,6 @@ def run(argv, capsys):
     "argv,match",
     [
         (["solve", "missing.npy", "missing.npy"], "no such file"),
-        (["solve", "{d}/x.npy", "{d}/y.csv", "--eps", "-1"], "eps must be"),
         (["solve", "{d}/both.npz", "{d}/y.csv"], "--x-key"),
         (["solve", "{d}/both.npz", "{d}/y.csv", "--x-key", "z"], "no array 'z'"),
         (["solve", "{d}/empty.npy", "{d}/y.csv"], "cannot read"),
@@ -272,3 +271,34 @@ def test_progress_only_on_a_terminal_unless_asked(files, capsys):
     assert main(argv) == 0 and "sinkhorn" not in capsys.readouterr().err  # (not a tty here)
     assert main([*argv, "--progress"]) == 0 and "sinkhorn" in capsys.readouterr().err
     assert main([*argv, "--progress", "--json"]) == 0 and "sinkhorn" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["solve", "{d}/x.npy", "{d}/y.csv", "--eps", "-1"], "--eps"),
+    (["solve", "{d}/x.npy", "{d}/y.csv", "--eps", "nan"], "--eps"),
+    (["otdd", "digits", "digits", "--n", "-3"], "--n"),
+    (["otdd", "digits", "digits", "--n", "0"], "--n"),
+    (["otdd", "digits", "digits", "--eps", "0"], "--eps"),
+])  # fmt: skip
+def test_bad_numbers_are_bad_arguments_exit_2(files, capsys, argv, match):
+    """Documented: 2 for bad arguments (--eps -1 and nan exited 1; --n -3 silently dropped
+    three points and printed a distance)."""
+    d, _, _ = files
+    with pytest.raises(SystemExit) as exc:
+        main([a.format(d=d) for a in argv])
+    assert exc.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_otdd_file_mistakes_are_one_line(tmp_path, capsys):
+    """A corrupt .npz (was a 27-line BadZipFile traceback), NaN features (an eigh
+    traceback) and a folder given as a file (called "no such file")."""
+    (tmp_path / "bad.npz").write_bytes(b"garbage")
+    x = np.random.default_rng(0).normal(size=(20, 2))
+    x[3, 1] = np.nan
+    np.savez(tmp_path / "nan.npz", X=x, y=np.arange(20) % 3)
+    for argv, match in ((["otdd", str(tmp_path / "bad.npz"), "digits"], "not an .npz archive"),
+                        (["otdd", str(tmp_path / "nan.npz"), "digits"], "NaN or infinite"),
+                        (["solve", str(tmp_path), str(tmp_path / "nan.npz")], "is a folder")):
+        assert main(argv + ["--device", "cpu"]) == 1, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and match in err, err

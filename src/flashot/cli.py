@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +103,8 @@ def load_array(path: str, key: str | None = None, header: str = "auto") -> np.nd
         CliError: with a one-line message, for anything wrong with the file.
     """
     p = Path(path)
+    if p.is_dir():
+        raise CliError(f"{path} is a folder, not a file")
     if not p.is_file():
         raise CliError(f"no such file: {path}")
     suffix = p.suffix.lower()
@@ -267,14 +271,20 @@ def _labeled(source: str, n: int | None, device) -> tuple[torch.Tensor, torch.Te
     from flashot import datasets
 
     if source.endswith(".npz"):
+        if Path(source).is_file() and not zipfile.is_zipfile(source):
+            raise CliError(f"cannot read {source}: not an .npz archive (corrupt or another "
+                           "format)")  # fmt: skip
         try:
-            with np.load(source) as data:
+            with np.load(source, allow_pickle=False) as data:
                 if not {"X", "y"} <= set(data.files):
                     raise CliError(f"{source}: needs arrays 'X' (n, d) and 'y' (n,), "
                                    f"found {sorted(data.files)}")  # fmt: skip
                 x, y = torch.as_tensor(data["X"]).float(), torch.as_tensor(data["y"])
-        except (OSError, ValueError) as err:
-            raise CliError(f"{source}: {err}") from err
+        except CliError:
+            raise
+        except Exception as err:  # a missing, corrupt (zip) or unreadable file
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise CliError(f"cannot read {source}: {type(err).__name__}: {first}") from err
         if n is not None:
             keep = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:n]
             x, y = x[keep], y[keep]
@@ -283,6 +293,8 @@ def _labeled(source: str, n: int | None, device) -> tuple[torch.Tensor, torch.Te
             x, y = datasets.load(source, n)
         except (ImportError, ValueError, RuntimeError) as err:
             raise CliError(f"{source}: {err}") from err
+    if not bool(torch.isfinite(x).all()):
+        raise CliError(f"{source}: the features X hold NaN or infinite values")
     if y.is_floating_point():
         if not bool((y == y.round()).all()):
             raise CliError(f"{source}: labels y must be integers")
@@ -406,6 +418,22 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _positive(kind):
+    """An argparse type: a finite number > 0 of ``kind`` (a bad one exits with code 2)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def _sizes(text: str) -> list[int]:
     """A comma-separated list of positive integers."""
     try:
@@ -465,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CSV first line is a header: auto (if non-numeric), yes, no")  # fmt: skip
     s.add_argument("--a", help="source weights (n,), a file like x (default uniform)")
     s.add_argument("--b", help="target weights (m,), a file like y (default uniform)")
-    s.add_argument("--eps", type=float, default=0.05, help="entropic regularization ε")
+    s.add_argument("--eps", type=_positive(float), default=0.05, help="entropic regularization ε")
     s.add_argument("--cost", default="sqeuclidean", choices=sorted(flashot.COSTS),
                    help="ground cost")  # fmt: skip
     s.add_argument("--rho", type=float, help="KL marginal relaxation ρ (default: balanced)")
@@ -503,8 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("a", help="dataset name (mnist, mnist-test, mnist5k, digits, with "
                    ":rot90, :invert, :8x8, :shuffle-labels) or an .npz with X and y")  # fmt: skip
     o.add_argument("b", help="the second dataset, the same way")
-    o.add_argument("--n", type=int, help="a random subset of n points of each (default all)")
-    o.add_argument("--eps", type=float, default=0.5, help="entropic regularization ε")
+    o.add_argument("--n", type=_positive(int),
+                   help="a random subset of n points of each (default all)")  # fmt: skip
+    o.add_argument("--eps", type=_positive(float), default=0.5, help="entropic regularization ε")
     o.add_argument("--lambda-x", type=float, default=1.0, help="feature weight")
     o.add_argument("--lambda-y", type=float, default=1.0, help="label weight")
     o.add_argument("--inner", default="gaussian", choices=["gaussian", "exact"],
@@ -548,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=_HelpFormatter)  # fmt: skip
     d.add_argument("--out", default="flashot_demo.png", help="the figure to write")
     d.add_argument("--n", type=int, default=4000, help="pixels sampled per picture")
-    d.add_argument("--eps", type=float, default=5e-3, help="entropic regularization ε")
+    d.add_argument("--eps", type=_positive(float), default=5e-3, help="entropic regularization ε")
     d.add_argument("--device", default=_DEVICE, help="torch device of the solve")
     d.add_argument("--json", action="store_true",
                    help=f"one JSON object on stdout (schema {JSON_SCHEMA})")  # fmt: skip

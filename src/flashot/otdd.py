@@ -71,6 +71,8 @@ def _check_dataset(x, labels, name: str) -> tuple[torch.Tensor, torch.Tensor, to
         x = torch.as_tensor(x)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] == 0:
         raise ValueError(f"X{name} must be a nonempty (n, d) tensor")
+    if not bool(torch.isfinite(x.detach()).all()):  # (else eigh fails inside the class table)
+        raise ValueError(f"X{name} contains NaN or infinite values")
     labels = torch.as_tensor(labels, device=x.device)
     if labels.shape != (x.shape[0],) or labels.is_floating_point() or labels.is_complex():
         raise ValueError(f"y{name} must hold one integer label per row of X{name}, "
