@@ -222,3 +222,14 @@ def test_a_self_problem_is_recognized_a_block_of_rows_at_a_time(monkeypatch):
     b = torch.rand(10, generator=g, dtype=torch.float64) + 0.5
     assert not _is_self_problem(make_problem(x, x, None, b / b.sum(), eps=1.0))
     assert not _is_self_problem(make_problem(x, x, eps=1.0, rho=(1.0, 2.0)))
+
+
+def test_progress_total_is_the_work_done_when_tol_stops_early(capsys):
+    """A solve that meets its tol at iteration 200 of max_iter 2000 ends its progress bar
+    at 200/200 (it showed "/2000" and stopped at 200)."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(200, 2, generator=gen), torch.randn(150, 2, generator=gen)
+    res = flashot.sinkhorn(x, y, eps=0.1, progress=True, max_iter=2000)
+    assert res.n_iter < 2000
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert f"{res.n_iter}/{res.n_iter}" in last and "/2000" not in last

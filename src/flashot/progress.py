@@ -44,8 +44,14 @@ class Progress:
         sys.stderr.write(("\r" + line + "\x1b[K") if self.tty else (line + "\n"))
         sys.stderr.flush()
 
-    def close(self):
-        """End the line (or the bar)."""
+    def close(self, done: int | None = None):
+        """End the line (or the bar); ``done``: the iterations run, when a tolerance ended
+        the solve before ``max_iter`` (the total then shows the work done, not the cap)."""
+        if done is not None and self.enabled and done < self.total:
+            self.total = done
+            if self.bar is not None:
+                self.bar.total = done
+                self.bar.refresh()
         if self.bar is not None:
             self.bar.close()
         elif self.tty:

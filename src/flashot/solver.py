@@ -386,7 +386,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
                 break
         bar.update(it, eps, error)
     bar.update(it, eps, error, force=True)
-    bar.close()
+    bar.close(done=it)
     stop.finish()
     return SolverOutput(f, g, it, stop.converged, error, stop.cause, stop.floor,
                         checks=tuple(checks) if record else None, pending=pending)  # fmt: skip

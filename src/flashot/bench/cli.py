@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` options."""
     p.add_argument("--full", action="store_true",
                    help="the suite behind BENCHMARKS.md (sizes up to 1M on a GPU)")  # fmt: skip
-    p.add_argument("--workloads", type=_csv(str), default=("forward", "gradient"),
+    p.add_argument("--workloads", type=_csv(str), default="forward,gradient",
                    help=f"comma-separated, of {', '.join(WORKLOADS)}")  # fmt: skip
     p.add_argument("--sizes", type=_csv(int), help="n = m, comma-separated (default: per device)")
     p.add_argument("--dims", type=_csv(int), help="feature sizes d (default: per device)")
