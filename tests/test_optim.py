@@ -154,3 +154,11 @@ def test_newton_hvps_follow_the_forcing():
     assert tols[1] == pytest.approx(0.05 * 0.1)
     fixed = NewtonCG(registration()[0], adaptive_hvp=False)
     assert fixed._adaptive is False
+
+
+@pytest.mark.parametrize("cls", [NewtonCG, TrustRegion, AdamNewton])
+def test_a_parameter_the_loss_does_not_use_is_named(cls):
+    (A, t), closure, _ = registration()
+    stray = torch.zeros(3, dtype=F64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"parameter 2 \(shape \(3,\)\)"):
+        cls([A, t, stray]).step(closure)

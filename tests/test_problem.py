@@ -229,3 +229,16 @@ def test_mean_costs_is_the_weighted_mean_of_the_dense_cost(monkeypatch, sizes, s
     for s, (x, y, a, b) in enumerate(zip(xs, ys, ws_a, ws_b, strict=True)):
         dense = (a[:, None] * b[None] * torch.cdist(x, y).square()).sum() / (a.sum() * b.sum())
         assert float(means[s]) == pytest.approx(float(dense), rel=1e-10)
+
+
+@pytest.mark.parametrize("call", [
+    lambda e: flashot.sinkhorn(torch.randn(8, 2), torch.randn(6, 2), eps=e),
+    lambda e: flashot.sinkhorn_divergence(torch.randn(8, 2), torch.randn(6, 2), eps=e),
+    lambda e: flashot.SamplesLoss(blur=e),
+])  # fmt: skip
+def test_an_eps_that_requires_grad_is_refused_not_detached(call):
+    """It was read with .item(): its gradient silently zero."""
+    eps = torch.tensor(0.3, requires_grad=True)
+    with pytest.raises(ValueError, match="requires grad"):
+        call(eps)
+    call(eps.detach())  # as a constant: fine

@@ -85,7 +85,14 @@ class _SecondOrder(torch.optim.Optimizer):
             loss = closure()
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise TypeError("the closure must return the loss as a 0-dim tensor")
-            grads = torch.autograd.grad(loss, self._params, create_graph=True)
+            grads = torch.autograd.grad(loss, self._params, create_graph=True,
+                                        allow_unused=True)  # fmt: skip
+        unused = [i for i, g in enumerate(grads) if g is None]
+        if unused:
+            shapes = ", ".join(f"{i} (shape {tuple(self._params[i].shape)})" for i in unused)
+            raise ValueError(f"the closure's loss does not depend on parameter {shapes} of "
+                             f"{type(self).__name__}: leave it out of the optimizer's params, "
+                             "or use it in the loss")  # fmt: skip
         flat_grad = torch.cat([g.reshape(-1) for g in grads]).detach()
 
         def hvp(v: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,10 @@ def check_positive(value, name: str, allow_zero: bool = False) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        if value.requires_grad and torch.is_grad_enabled():  # (it would be read as a constant)
+            raise ValueError(f"{name} is a tensor that requires grad, and flashot does not "
+                             f"differentiate with respect to {name}: pass a number (or "
+                             f"{name}.detach()) to use it as a constant")  # fmt: skip
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
