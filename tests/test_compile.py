@@ -66,8 +66,11 @@ def test_compiled_step_equals_eager_with_the_expected_graph_breaks(make, breaks)
 def test_fullgraph_refuses_a_call_returning_a_result_object():
     compiled = torch.compile(lambda x, y: flashot.sinkhorn(x, y, eps=0.1).cost,
                              backend="eager", fullgraph=True)  # fmt: skip
-    with pytest.raises(Exception, match=r"torch\.compiler\.disable"):
+    with pytest.raises(Exception, match=r"torch\.compiler\.disable") as info:
         compiled(*inputs(1))
+    # flashot's own reason (torch ≥ 2.8 shows it): what runs eagerly and what to use
+    assert "flashot (sinkhorn) runs eagerly" in str(info.value)
+    assert "flashot.ops.sinkhorn_cost" in str(info.value)
 
 
 def test_batched_samples_loss_under_fullgraph_with_weights():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 import os
 
 import torch
@@ -67,7 +68,14 @@ def entry_point(fn):
                 stack.enter_context(torch.autocast(device_type, enabled=False))
             return fn(*args, **kwargs)
 
-    return torch.compiler.disable(wrapper)
+    name = getattr(fn, "__qualname__", "an entry point")
+    reason = (f"flashot ({name}) runs eagerly, outside the compiled graph (its host logic "
+              "cannot be traced), so fullgraph=True cannot hold it: for a loss use "
+              "flashot.ops.sinkhorn_cost, sinkhorn_divergence or SamplesLoss, one graph "
+              "node each, or compile without fullgraph (one graph break)")  # fmt: skip
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(wrapper, reason=reason)
+    return torch.compiler.disable(wrapper)  # (torch before 2.8: its generic message)
 
 
 def triton_available() -> bool:
