@@ -45,3 +45,28 @@ def test_the_sdist_carries_its_test_suite(tmp_path, monkeypatch):
     missing = [path for path in tracked if path not in names]
     assert tracked and not missing, missing
     assert {"README.md", "LICENSE", "CHANGELOG.md", "pyproject.toml"} <= names
+
+
+def test_public_entry_points_have_precise_types(tmp_path):
+    """mypy saw Any for flashot.sinkhorn(...), sinkhorn_divergence and hvp: their
+    decorators were untyped (now ParamSpec-typed)."""
+    from mypy import api
+
+    snippet = tmp_path / "reveal.py"
+    snippet.write_text(
+        "import torch, flashot\n"
+        "x = torch.randn(3, 2)\n"
+        "reveal_type(flashot.sinkhorn(x, x, eps=0.1))\n"
+        "reveal_type(flashot.sinkhorn_divergence(x, x, eps=0.1))\n"
+        "reveal_type(flashot.hvp(x, x, x, eps=0.1))\n"
+        "reveal_type(flashot.ops.sinkhorn_cost(x, x, eps=0.1))\n"
+        "flashot.sinkhorn(x, x, eps='small')\n"  # a wrong argument type is now caught
+    )
+    out, err, _ = api.run([str(snippet), "--no-error-summary", "--cache-dir",
+                           str(tmp_path / "cache"), "--ignore-missing-imports"])  # fmt: skip
+    revealed = [line.split("Revealed type is ")[1] for line in out.splitlines()
+                if "Revealed type is" in line]  # fmt: skip
+    assert revealed == ['"flashot.result.SinkhornResult"', '"torch._tensor.Tensor"',
+                        '"torch._tensor.Tensor | tuple[torch._tensor.Tensor, ...]"',
+                        '"torch._tensor.Tensor"'], out + err  # fmt: skip
+    assert 'Argument "eps" to "sinkhorn" has incompatible type "str"' in out, out

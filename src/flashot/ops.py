@@ -17,11 +17,15 @@ result object (plan, potentials), which no graph can hold: it keeps one graph br
 import contextlib
 import functools
 import json
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 
 __all__ = ["compiled_loss", "encodable", "node_when_compiling", "sinkhorn_cost"]
 
+P = ParamSpec("P")
+R = TypeVar("R")
 _EMPTY = (0,)
 #: what the node's options may hold (JSON): numbers, strings, booleans and None
 _KINDS = ("samples_loss", "divergence", "sinkhorn")
@@ -174,14 +178,14 @@ def sinkhorn_cost(x, y, a=None, b=None, **options) -> torch.Tensor:
     return compiled_loss("sinkhorn", x, y, a, b, **options)
 
 
-def node_when_compiling(kind: str):
+def node_when_compiling(kind: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Route a loss function through the node while torch.compile traces it.
 
     Eagerly (and for options that are not JSON, e.g. a backend instance) the function
     runs as written.
     """
 
-    def decorate(fn):
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
         def wrapper(x, y, a=None, b=None, **options):
             if torch.compiler.is_compiling() and _plain(options):
@@ -191,7 +195,7 @@ def node_when_compiling(kind: str):
         # (wraps copied torch.compiler.disable's markers: this wrapper is to be traced)
         for name in [k for k in wrapper.__dict__ if k.startswith("_torchdynamo")]:
             del wrapper.__dict__[name]
-        return wrapper
+        return cast(Callable[P, R], wrapper)
 
     return decorate
 

@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import torch
 
 __all__ = ["TRANSFORM_HELP", "functional_transforms", "refuse_transforms"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 TRANSFORM_HELP = (
     "flashot supports one level of torch.func.grad / vjp / jacrev over its scalar losses "
@@ -39,7 +44,7 @@ def _transform_stack() -> list:
     return list(stack) if stack else []
 
 
-def functional_transforms(fn):
+def functional_transforms(fn: Callable[P, R]) -> Callable[P, R]:
     """Wrap an entry point returning a 0-dim loss or a result with a ``cost`` field.
 
     Without a ``torch.func`` transform the call is unchanged. Under exactly one
@@ -72,7 +77,7 @@ def functional_transforms(fn):
     return wrapper
 
 
-def refuse_transforms(fn):
+def refuse_transforms(fn: Callable[P, R]) -> Callable[P, R]:
     """Wrap an entry point with no ``torch.func`` path: a clear error under any transform."""
 
     @functools.wraps(fn)

@@ -12,6 +12,8 @@ import functools
 import importlib.util
 import inspect
 import os
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 
@@ -26,6 +28,9 @@ __all__ = [
     "on_device",
     "resolve_backend",
 ]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -44,7 +49,7 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def entry_point(fn):
+def entry_point(fn: Callable[P, R]) -> Callable[P, R]:
     """A public entry point or custom backward: autocast off, run outside torch.compile.
 
     flashot computes in the precision asked for (``precision=``, float64 inputs); an
@@ -74,8 +79,8 @@ def entry_point(fn):
               "flashot.ops.sinkhorn_cost, sinkhorn_divergence or SamplesLoss, one graph "
               "node each, or compile without fullgraph (one graph break)")  # fmt: skip
     if "reason" in inspect.signature(torch.compiler.disable).parameters:
-        return torch.compiler.disable(wrapper, reason=reason)
-    return torch.compiler.disable(wrapper)  # (torch before 2.8: its generic message)
+        return cast(Callable[P, R], torch.compiler.disable(wrapper, reason=reason))
+    return cast(Callable[P, R], torch.compiler.disable(wrapper))  # (torch < 2.8: generic)
 
 
 def triton_available() -> bool:

@@ -10,6 +10,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -143,8 +144,9 @@ def _reference(pb: Problem, workload: str) -> float:
     if workload == "hvp":
         v = direction(pb).double()
         hv = flashot.hvp(x, y, v, a, b, eps=pb.eps, tol=1e-10, max_iter=100_000, backend="torch")
+        assert isinstance(hv, torch.Tensor)  # (one direction: one tensor)
         return float((v * hv).sum())
-    kw = dict(eps=pb.eps, backend="torch", warn=False)
+    kw: dict[str, Any] = dict(eps=pb.eps, backend="torch", warn=False)
     if workload == "otdd":
         from flashot.bench.providers import otdd_labels
         from flashot.otdd import dataset_distance
