@@ -576,3 +576,24 @@ def test_lanczos_keeps_its_basis_on_the_operator_device():
                          k=2, which="largest")  # fmt: skip
     assert res.converged and res.values.is_cuda and res.vectors.is_cuda
     assert torch.allclose(res.values, torch.full((2,), 3.0, device="cuda", dtype=torch.float64))
+
+
+def test_deterministic_mode_on_cuda_gives_bitwise_reruns(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) backend='auto' takes PyTorch's own
+    ops (the Triton kernels refuse: atomic sums): reruns are bitwise identical."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    x, y = data(2000, 1500, 16)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            xs = x.clone().requires_grad_()
+            res = flashot.sinkhorn(xs, y, eps=0.5)
+            (g,) = torch.autograd.grad(res.cost, xs)
+            runs.append((res.cost.detach(), res.f, g))
+        assert res.plan.backend.name == "torch"
+        assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+        with pytest.raises(RuntimeError, match="deterministic"):
+            flashot.sinkhorn(x, y, eps=0.5, backend="triton")
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -97,3 +97,30 @@ def _form(x, y):
 
     form = attention_form(get_cost("sqeuclidean"), x, y)
     return form, torch.zeros(len(y), device=x.device)
+
+
+def test_deterministic_mode_refuses_the_triton_kernels_and_auto_takes_torch():
+    """torch.use_deterministic_algorithms(True) was neither honoured nor refused: the
+    Triton kernels (atomic sums) now refuse it as PyTorch's own ops do, warn in
+    warn-only mode, and backend='auto' then takes the torch backend."""
+    import warnings
+
+    import flashot
+    from flashot.backends import available_backends
+
+    if "triton" not in available_backends("cpu"):
+        pytest.skip("needs triton's interpreter")
+    x, y = torch.randn(12, 2), torch.randn(10, 2)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RuntimeError, match="deterministic"):
+            flashot.sinkhorn(x, y, eps=0.5, backend="triton")
+        res = flashot.sinkhorn(x, y, eps=0.5)  # auto: torch on the CPU either way
+        assert res.plan.backend.name == "torch"
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            flashot.sinkhorn(x, y, eps=0.5, backend="triton")
+        assert any("atomic" in str(w.message) for w in caught)
+    finally:
+        torch.use_deterministic_algorithms(False)

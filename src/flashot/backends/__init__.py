@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import inspect
 import os
+import warnings
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar, cast
 
@@ -99,6 +100,23 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
     return names
 
 
+def _nondeterministic(what: str) -> None:
+    """Refuse (or, in warn-only mode, warn about) the Triton kernels under
+    ``torch.use_deterministic_algorithms(True)``, as PyTorch's own ops without a
+    deterministic implementation do: they sum columns with atomics, whose order varies
+    from run to run."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = (f"flashot's Triton kernels ({what}) sum with atomic adds, whose order varies "
+               "between runs, and have no deterministic implementation, but "
+               "torch.use_deterministic_algorithms(True) is set: use backend='torch' (or "
+               "'auto', which then takes it), which runs PyTorch's own ops")  # fmt: skip
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, UserWarning, stacklevel=3)
+        return
+    raise RuntimeError(message)
+
+
 def resolve_backend(
     backend: str | Backend,
     device: torch.device,
@@ -122,12 +140,18 @@ def resolve_backend(
                 f"precision={precision!r} conflicts with the backend instance's "
                 f"precision={backend.precision!r}"
             )
+        if backend.name == "triton":
+            _nondeterministic(repr(backend))
         return backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or a Backend, got {backend!r}")
     if backend == "auto":  # the interpreter is for tests: auto stays on torch for CPU tensors
         on_gpu = device.type == "cuda" and "triton" in available_backends(device)
-        backend = "triton" if on_gpu and dtype != torch.float64 else "torch"
+        # torch.use_deterministic_algorithms(True): PyTorch's own ops, which follow it
+        exact = torch.are_deterministic_algorithms_enabled()
+        backend = "triton" if on_gpu and dtype != torch.float64 and not exact else "torch"
+    if backend == "triton":
+        _nondeterministic("backend='triton'")
     if backend == "triton":
         if "triton" not in available_backends(device):
             raise ValueError(
