@@ -107,6 +107,41 @@ def _bad_input_case(rank):
     return distributed.sinkhorn(x, y, a, eps=0.3, backend="torch")
 
 
+def _bad_option_case(rank):
+    """An invalid option on rank 1 only: rank 0 must not wait for it."""
+    x, y, a = _slices(rank)
+    return distributed.sinkhorn(x, y, a, eps=0.3, backend="torch",
+                                cost="euclid" if rank == 1 else "sqeuclidean")  # fmt: skip
+
+
+def _nan_eps_case(rank):
+    x, y, a = _slices(rank)
+    return distributed.sinkhorn(x, y, a, eps=float("nan"), backend="torch")
+
+
+def _zero_weights_case(rank):
+    x, y, a = _slices(rank)
+    return distributed.sinkhorn(x, y, torch.zeros_like(a), eps=0.3, backend="torch")
+
+
+def _max_iter_case(rank):
+    x, y, a = _slices(rank)
+    return distributed.sinkhorn(x, y, a, eps=0.3, backend="torch",
+                                max_iter=0 if rank == 0 else 10)  # fmt: skip
+
+
+def _missed_tol_case(rank):
+    import warnings
+
+    x, y, a = _slices(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = distributed.sinkhorn(x, y, a, eps=0.05, backend="torch", max_iter=20,
+                                   tol=1e-12, check_every=1)  # fmt: skip
+    return dict(converged=res.converged, warnings=[
+        (w.category.__name__, str(w.message)) for w in caught])  # fmt: skip
+
+
 def _raised(fn, rank):
     try:
         return fn(rank)
@@ -124,6 +159,11 @@ _CASES = {
         "auto": _raised(_auto_case, rank),
         "mismatch": _raised(_mismatch_case, rank),
         "bad_input": _raised(_bad_input_case, rank),
+        "bad_option": _raised(_bad_option_case, rank),
+        "nan_eps": _raised(_nan_eps_case, rank),
+        "zero_weights": _raised(_zero_weights_case, rank),
+        "max_iter": _raised(_max_iter_case, rank),
+        "missed_tol": _raised(_missed_tol_case, rank),
     },
 }
 
@@ -159,7 +199,7 @@ def test_two_gloo_ranks_match_the_single_process_solve(case, runs):
         assert all(o["wide_gathers"] == 2 and o["iterations"] > 10 for o in outs), [
             (o["wide_gathers"], o["iterations"]) for o in outs]
     for out in outs:  # the global value on every rank
-        assert out["cost"] == pytest.approx(float(ref.cost), rel=1e-9)
+        assert out["cost"] == pytest.approx(float(ref.cost.detach()), rel=1e-9)
         assert out["converged"] and out["error"] <= 1e-10
     assert torch.allclose(torch.cat([o["gx"] for o in outs]), gx, atol=1e-9)
     v, u = _values()
@@ -169,7 +209,11 @@ def test_two_gloo_ranks_match_the_single_process_solve(case, runs):
 
 
 @pytest.mark.parametrize("case,match", [("mismatch", r"disagree on the options \['eps'\]"),
-                                        ("bad_input", "rank 1: x_local contains NaN")])
+                                        ("bad_input", "rank 1: x_local contains NaN"),
+                                        ("bad_option", "rank 1: .*cost.*euclid"),
+                                        ("nan_eps", "rank 0: eps must be finite"),
+                                        ("zero_weights", "a_local: the weights sum to zero"),
+                                        ("max_iter", "rank 0: max_iter must be a positive")])
 def test_every_rank_gets_the_same_clear_error(case, match, runs):
     outs = [r[case] for r in runs["all"]]
     for out in outs:
@@ -184,3 +228,11 @@ def test_auto_mode_rings_when_a_rank_lacks_room_and_gathers_otherwise(runs):
     assert [o["roomy"] for o in outs] == ["gather", "gather"]
     for o in outs:
         assert o["cost"] == pytest.approx(o["roomy_cost"], rel=1e-10)
+
+
+def test_a_missed_tol_warns_on_every_rank(runs):
+    for out in (r["missed_tol"] for r in runs["all"]):
+        assert not (isinstance(out, tuple) and out[0] == "raised"), out
+        assert out["converged"] is False
+        assert [c for c, _ in out["warnings"]] == ["ConvergenceWarning"], out["warnings"]
+        assert "did not reach tol=1e-12" in out["warnings"][0][1]

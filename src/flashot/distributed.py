@@ -44,12 +44,15 @@ from flashot.costs import (
 from flashot.dual import row_mass
 from flashot.problem import check_positive, compute_dtype
 from flashot.solver import temperatures
-from flashot.stopping import FloorTolerance, resolve_stopping
+from flashot.caller import warn_at_caller
+from flashot.ot import ConvergenceWarning
+from flashot.stopping import FloorTolerance, _check_iterations, describe_miss, resolve_stopping
 
 __all__ = ["GATHER_SHARE", "DistributedPlan", "DistributedSinkhornResult", "free_bytes",
            "sinkhorn"]
 
 MODES = ("auto", "gather", "ring")
+UPDATES = ("auto", "alternating", "symmetric")
 #: ``mode="auto"`` gathers when the gathered clouds take at most this share of free memory
 GATHER_SHARE = 0.5
 
@@ -241,7 +244,40 @@ def _transform(comm: _Comm, engine: Backend, rows: _Side, cols: _Side, pot_cols,
     return lse, avg
 
 
-def _local_checks(x, y, a, b, mode, cost) -> tuple[str | None, tuple]:
+def _key(value) -> str:
+    """An option's value as compared across ranks (``repr``: NaN-safe, exact floats)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    return repr(value)
+
+
+def _option_error(x, eps, cost, max_iter, tol, check_every, update, eps_schedule, backend,
+                  precision) -> str | None:  # fmt: skip
+    """The first invalid option's message, found on this rank without raising."""
+    checks = (
+        lambda: check_positive(eps, "eps"),
+        lambda: get_cost(cost),
+        lambda: _check_iterations(max_iter, 0, None, check_every),
+        lambda: resolve_stopping(tol, "auto") if isinstance(tol, str) else
+        _check_iterations(1, 0, tol, 1),
+        lambda: _check_update(update),
+        lambda: temperatures(eps_schedule, check_positive(eps, "eps"), lambda: 1.0),
+        lambda: resolve_backend(backend, x.device, precision, compute_dtype(x.dtype)),
+    )
+    for check in checks:
+        try:
+            check()
+        except (ValueError, TypeError, RuntimeError, ImportError) as err:
+            return str(err)
+    return None
+
+
+def _check_update(update) -> None:
+    if update not in UPDATES:
+        raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+
+
+def _local_checks(x, y, a, b, mode) -> tuple[str | None, tuple]:
     """This rank's error (None if fine) and what must agree across ranks."""
     for t, name in ((x, "x_local"), (y, "y_local")):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.dtype.is_floating_point:
@@ -292,7 +328,10 @@ def _sides(comm: _Comm, cost: Cost, x, y, a, b, dtype, rounding):
             logs.append(torch.full((t.shape[0],), -math.log(total), dtype=dtype, device=t.device))
         else:
             w = w.to(dtype)
-            mass = comm.total(w.sum())
+            mass = comm.total(w.sum())  # (the same on every rank: all raise or none)
+            if not bool(mass > 0):
+                raise ValueError(f"{('a_local', 'b_local')[side]}: the weights sum to zero "
+                                 "over all ranks; give at least one point a positive weight")
             logs.append(torch.log(w / mass))
     return (q, alpha, logs[0]), (k, beta, logs[1]), diameter
 
@@ -302,7 +341,7 @@ def sinkhorn(
     x_local, y_local, a_local=None, b_local=None, *, eps: float, group=None,
     cost: str = "sqeuclidean", max_iter: int = 1000, tol: float | str | None = "auto",
     check_every: int = 10, update: str = "auto", eps_schedule=None, backend="auto",
-    precision: str = "auto", mode: str = "auto",
+    precision: str = "auto", mode: str = "auto", warn: bool = True,
 ) -> DistributedSinkhornResult:  # fmt: skip
     """Balanced entropic OT between clouds sharded by rows over a process group.
 
@@ -321,6 +360,13 @@ def sinkhorn(
             ``"ring"`` (pass the shards around every half-step), ``"auto"`` (gather when
             the gathered clouds take at most :data:`GATHER_SHARE` of every rank's free
             memory, else ring; decided collectively).
+        warn: emit :class:`flashot.ConvergenceWarning` (on every rank) when the global
+            error missed ``tol``.
+
+    Raises:
+        ValueError: on every rank alike, when any rank's inputs or options are invalid
+            (the message names the rank and the argument), when the ranks disagree on the
+            options or on d, dtype and device, or when all weights are zero.
 
     Returns:
         A :class:`DistributedSinkhornResult` (local potentials, global cost).
@@ -329,14 +375,16 @@ def sinkhorn(
         raise RuntimeError("flashot.distributed.sinkhorn needs an initialized process "
                            "group (torch.distributed.init_process_group, e.g. under "
                            "torchrun)")  # fmt: skip
+    error, shared = _local_checks(x_local, y_local, a_local, b_local, mode)
+    if error is None:
+        error = _option_error(x_local, eps, cost, max_iter, tol, check_every, update,
+                              eps_schedule, backend, precision)  # fmt: skip
+    opts = (("eps", _key(eps)), ("cost", _key(cost)), ("max_iter", _key(max_iter)),
+            ("tol", _key(tol)), ("check_every", _key(check_every)), ("update", _key(update)),
+            ("eps_schedule", _key(eps_schedule)), ("backend", _key(backend)),
+            ("precision", _key(precision)), ("mode", _key(mode)))  # fmt: skip
+    _agree(group, error, shared, opts)  # (below, every rank raises or none does)
     cost_obj = get_cost(cost)
-    error, shared = _local_checks(x_local, y_local, a_local, b_local, mode, cost_obj)
-    opts = (("eps", float(eps) if isinstance(eps, (int, float)) else repr(eps)),
-            ("cost", cost_obj.name), ("max_iter", max_iter), ("tol", repr(tol)),
-            ("check_every", check_every), ("update", update),
-            ("eps_schedule", repr(eps_schedule)), ("backend", repr(backend)),
-            ("precision", precision), ("mode", mode))  # fmt: skip
-    _agree(group, error, shared, opts)
     eps = check_positive(eps, "eps")
     sizes_t = torch.tensor([x_local.shape[0], y_local.shape[0]], device=x_local.device)
     world = dist.get_world_size(group)
@@ -355,7 +403,7 @@ def sinkhorn(
     cols = _Side(k.detach(), beta.detach(), log_b, 1)
     temps = temperatures(eps_schedule, eps, lambda: diameter)
     tol, update = resolve_stopping(tol, update, None, None)
-    if max_iter < len(temps):
+    if max_iter < len(temps):  # (the diameter is global: every rank raises)
         raise ValueError(f"max_iter={max_iter} is shorter than the eps schedule ({len(temps)})")
     f, g, n_iter, _ = _iterate(comm, engine, rows, cols, temps, max_iter, tol,
                                      check_every, update)  # fmt: skip
@@ -377,6 +425,10 @@ def sinkhorn(
         raise FloatingPointError("Sinkhorn produced non-finite potentials; try a larger eps or "
                                  "an eps_schedule")  # fmt: skip
     converged = None if tol is None else _met(tol, err, _floor(comm, fd, totals[2]))
+    if converged is False and warn:  # (on every rank: each is a caller)
+        warn_at_caller("flashot.distributed.sinkhorn: "
+                       + describe_miss("max_iter", tol, err, None, n_iter, dtype, update),
+                       ConvergenceWarning)  # fmt: skip
     plan = DistributedPlan(comm, rows, cols, fd, gd, eps, engine)
     return DistributedSinkhornResult(f_new, g_new, value, n_iter, converged, err, plan,
                                      comm.mode)  # fmt: skip
