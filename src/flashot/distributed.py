@@ -32,6 +32,7 @@ import torch.distributed as dist
 from flashot.autodiff.functions import soft_c_transform
 from flashot.backends import entry_point, resolve_backend
 from flashot.backends.base import Backend
+from flashot.caller import warn_at_caller
 from flashot.costs import (
     AttentionForm,
     Cost,
@@ -42,10 +43,9 @@ from flashot.costs import (
     joint_box,
 )
 from flashot.dual import row_mass
+from flashot.ot import ConvergenceWarning
 from flashot.problem import check_positive, compute_dtype
 from flashot.solver import temperatures
-from flashot.caller import warn_at_caller
-from flashot.ot import ConvergenceWarning
 from flashot.stopping import FloorTolerance, _check_iterations, describe_miss, resolve_stopping
 
 __all__ = ["GATHER_SHARE", "DistributedPlan", "DistributedSinkhornResult", "free_bytes",
@@ -425,7 +425,7 @@ def sinkhorn(
         raise FloatingPointError("Sinkhorn produced non-finite potentials; try a larger eps or "
                                  "an eps_schedule")  # fmt: skip
     converged = None if tol is None else _met(tol, err, _floor(comm, fd, totals[2]))
-    if converged is False and warn:  # (on every rank: each is a caller)
+    if converged is False and warn and tol is not None:  # (every rank: each is a caller)
         warn_at_caller("flashot.distributed.sinkhorn: "
                        + describe_miss("max_iter", tol, err, None, n_iter, dtype, update),
                        ConvergenceWarning)  # fmt: skip
