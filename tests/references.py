@@ -212,17 +212,22 @@ def entropic_ot_matrix(C, a, b, eps, self_problem=False):
     return primal(C, a, b, plan_dense(C, a, b, f, g, eps), eps)
 
 
-def bures_wasserstein_sq(x1, x2, diagonal=False):
-    """W² between Gaussian fits (ML covariances) of two clouds, by scipy's sqrtm (float64)."""
+def bures_wasserstein_sq(x1, x2, diagonal=False, unbiased=False):
+    """W² between Gaussian fits of two clouds, by scipy's sqrtm (float64).
+
+    ML covariances (1/n), or with ``unbiased`` microsoft/otdd's (1/(n − 1), its ``cov``).
+    """
     import numpy as np
     from scipy.linalg import sqrtm
 
     x1, x2 = x1.double().numpy(), x2.double().numpy()
     m1, m2 = x1.mean(0), x2.mean(0)
     if diagonal:
-        return float(((m1 - m2) ** 2).sum() + ((x1.std(0) - x2.std(0)) ** 2).sum())
-    s1 = np.cov(x1, rowvar=False, bias=True).reshape(x1.shape[1], x1.shape[1])
-    s2 = np.cov(x2, rowvar=False, bias=True).reshape(x2.shape[1], x2.shape[1])
+        ddof = 1 if unbiased else 0
+        return float(((m1 - m2) ** 2).sum()
+                     + ((x1.std(0, ddof=ddof) - x2.std(0, ddof=ddof)) ** 2).sum())  # fmt: skip
+    s1 = np.cov(x1, rowvar=False, bias=not unbiased).reshape(x1.shape[1], x1.shape[1])
+    s2 = np.cov(x2, rowvar=False, bias=not unbiased).reshape(x2.shape[1], x2.shape[1])
     r1 = sqrtm(s1).real
     cross = sqrtm(r1 @ s2 @ r1).real
     return float(((m1 - m2) ** 2).sum() + np.trace(s1 + s2 - 2 * cross))

@@ -104,3 +104,17 @@ def test_the_node_refuses_second_derivatives_and_keeps_eager_options_eager():
 
     loss = flashot.SamplesLoss(blur=0.1, backend=TorchBackend())
     assert loss._node_options is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["sinkhorn", "divergence", "samples_loss"])
+def test_the_node_fake_kernel_matches_the_real_one(kind, dtype):
+    """The fake kernel's value dtype is the dtype rule's (float32 for half inputs)."""
+    from flashot import ops
+
+    x = torch.randn(20, 3, dtype=dtype, requires_grad=True)
+    y = torch.randn(15, 3, dtype=dtype)
+    opts = {"blur": 0.5} if kind == "samples_loss" else {"eps": 0.5}
+    args = (x, y, None, None, kind, ops._encode(opts), True)
+    assert torch.library.opcheck(ops._loss_op, args, test_utils=("test_faketensor",)) == {
+        "test_faketensor": "SUCCESS"}

@@ -19,14 +19,14 @@ def datasets(seed, n=24, m=20, d=3, ka=3, kb=2, dtype=F64):
     return xa.to(dtype), ya, xb.to(dtype), yb
 
 
-def union_table(xa, ya, xb, yb, inner, diagonal=False, eps=None):
+def union_table(xa, ya, xb, yb, inner, diagonal=False, eps=None, unbiased=False):
     clouds = [xa[ya == c] for c in torch.unique(ya)] + [xb[yb == c] for c in torch.unique(yb)]
     k = len(clouds)
     t = torch.zeros(k, k, dtype=F64)
     for i in range(k):
         for j in range(k):
             if inner == "gaussian":
-                t[i, j] = bures_wasserstein_sq(clouds[i], clouds[j], diagonal)
+                t[i, j] = bures_wasserstein_sq(clouds[i], clouds[j], diagonal, unbiased)
             elif i != j:
                 u, v = clouds[i].double(), clouds[j].double()
                 ones = lambda z: torch.full((len(z),), 1 / len(z), dtype=F64)  # noqa: E731
@@ -61,6 +61,20 @@ def test_gaussian_table_matches_scipy_sqrtm(diagonal):
     ref = union_table(xa, ya, xb, yb, "gaussian", diagonal)
     assert torch.allclose(ours, ref, rtol=1e-9, atol=1e-10)
     assert torch.equal(ours, ours.T) and float(ours.diagonal().abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_unbiased_covariances_are_otdds_estimator(diagonal):
+    xa, ya, xb, yb = datasets(2, d=4)
+    ref = union_table(xa, ya, xb, yb, "gaussian", diagonal, unbiased=True)
+    out = dataset_distance(xa, ya, xb, yb, eps=0.7, diagonal=diagonal, unbiased=True)
+    assert torch.allclose(out.label_cost, ref, rtol=1e-9, atol=1e-10)
+    biased = union_table(xa, ya, xb, yb, "gaussian", diagonal)
+    assert not torch.allclose(out.label_cost, biased, rtol=1e-3)  # (the option does something)
+    with pytest.raises(ValueError, match="at least two points in every class"):
+        dataset_distance(xa, ya, xb[:1], yb[:1], eps=0.7, unbiased=True)
+    with pytest.raises(ValueError, match="unbiased applies to inner='gaussian'"):
+        dataset_distance(xa, ya, xb, yb, eps=0.7, inner="exact", unbiased=True)
 
 
 @pytest.mark.parametrize("inner, debias, lx, ly", [

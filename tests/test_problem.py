@@ -242,3 +242,54 @@ def test_an_eps_that_requires_grad_is_refused_not_detached(call):
     with pytest.raises(ValueError, match="requires grad"):
         call(eps)
     call(eps.detach())  # as a constant: fine
+
+
+_DTYPE_CASES = {
+    "sinkhorn.cost": lambda x, y: flashot.sinkhorn(x, y, eps=0.5).cost,
+    "sinkhorn.f": lambda x, y: flashot.sinkhorn(x, y, eps=0.5).f,
+    "relaxed.cost": lambda x, y: flashot.sinkhorn(x, y, eps=0.5, rho=1.0).cost,
+    "fixed.cost": lambda x, y: flashot.sinkhorn(x, y, eps=0.5, tol=None, max_iter=20).cost,
+    "transport_cost": lambda x, y: flashot.sinkhorn(x, y, eps=0.5).transport_cost,
+    "batched.cost": lambda x, y: flashot.sinkhorn(torch.stack([x, x]), torch.stack([y, y]),
+                                                  eps=0.5).cost,  # fmt: skip
+    "divergence": lambda x, y: flashot.sinkhorn_divergence(x, y, eps=0.5),
+    "SamplesLoss": lambda x, y: flashot.SamplesLoss(blur=0.5)(x, y),
+    "SamplesLoss.potentials": lambda x, y: flashot.SamplesLoss(blur=0.5, potentials=True)(x, y)[0],
+    "SamplesLoss.batched": lambda x, y: flashot.SamplesLoss(blur=0.5)(torch.stack([x, x]),
+                                                                      torch.stack([y, y])),  # fmt: skip
+    "ops.sinkhorn_cost": lambda x, y: flashot.ops.sinkhorn_cost(x, y, eps=0.5),
+    "otdd": lambda x, y: __import__("flashot.otdd").otdd.dataset_distance(
+        x, torch.arange(len(x)) % 2, y, torch.arange(len(y)) % 2, eps=0.5).distance,
+}
+_INPUT_SPACE = {  # tensors in the inputs' spaces follow the inputs
+    "plan @ V": lambda x, y: flashot.sinkhorn(x, y, eps=0.5).plan @ torch.ones_like(y),
+    "barycentric_map": lambda x, y: flashot.sinkhorn(x, y, eps=0.5).plan.barycentric_map(),
+    "gradient": lambda x, y: torch.autograd.grad(
+        flashot.sinkhorn_divergence(x.requires_grad_(), y, eps=0.5), x)[0],
+    "hvp": lambda x, y: flashot.hvp(x, y, torch.ones_like(x), eps=0.5),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("name", sorted(_DTYPE_CASES) + sorted(_INPUT_SPACE))
+def test_one_dtype_rule_for_every_entry_point(name, dtype):
+    """Values and potentials in the compute dtype (float32 for half inputs), input-space
+    tensors in the inputs' dtype; half-input values are their float32 inputs' to 1e-2."""
+    import warnings
+
+    gen = torch.Generator().manual_seed(0)
+    x32, y32 = torch.randn(20, 3, generator=gen), torch.randn(15, 3, generator=gen) + 0.5
+    x, y = x32.to(dtype), y32.to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", flashot.ConvergenceWarning)
+        if name in _DTYPE_CASES:
+            out = _DTYPE_CASES[name](x, y)
+            assert out.dtype == flashot.problem.compute_dtype(dtype)
+            ref = _DTYPE_CASES[name](x.float(), y.float())  # (the same rounded points)
+        else:
+            out = _INPUT_SPACE[name](x, y)
+            assert out.dtype == dtype
+            ref = _INPUT_SPACE[name](x.float(), y.float())
+    if name.endswith((".f", ".potentials")):  # (balanced potentials: up to a constant)
+        out, ref = out - out.mean(), ref - ref.mean()
+    assert torch.allclose(out.double(), ref.double(), rtol=2e-2, atol=2e-2)

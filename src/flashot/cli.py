@@ -318,6 +318,7 @@ def _otdd(args) -> int:
             out = dataset_distance(
                 xa, ya, xb, yb, eps=args.eps, lambda_x=args.lambda_x, lambda_y=args.lambda_y,
                 inner=args.inner, diagonal=args.diagonal, debias=not args.no_debias,
+                unbiased=args.unbiased,
                 eps_schedule=None if args.schedule == "none" else "geomloss",
                 backend=args.backend, precision=args.precision,
             )  # fmt: skip
@@ -539,6 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--inner", default="gaussian", choices=["gaussian", "exact"],
                    help="class-to-class distance (gaussian: Bures-Wasserstein)")  # fmt: skip
     o.add_argument("--diagonal", action="store_true", help="diagonal covariances (large d)")
+    o.add_argument("--unbiased", action="store_true",
+                   help="class covariances over n-1, as microsoft/otdd (default: over n)")
     o.add_argument("--no-debias", action="store_true", help="OT_eps instead of the divergence")
     o.add_argument("--schedule", default="geomloss", choices=["geomloss", "none"],
                    help="ε annealing")  # fmt: skip

@@ -22,6 +22,8 @@ from typing import ParamSpec, TypeVar, cast
 
 import torch
 
+from flashot.problem import compute_dtype
+
 __all__ = ["compiled_loss", "encodable", "node_when_compiling", "sinkhorn_cost"]
 
 P = ParamSpec("P")
@@ -97,7 +99,7 @@ def _loss_op(
 
 @_loss_op.register_fake
 def _loss_fake(x, y, a, b, kind, options, with_grad):
-    value = x.new_empty(x.shape[:-2])
+    value = x.new_empty(x.shape[:-2], dtype=compute_dtype(x.dtype))  # (the dtype rule)
     parts = [t if (with_grad and t is not None) else None for t in (x, y, a, b)]
     grads = [x.new_empty(_EMPTY) if t is None else torch.empty_like(t) for t in parts]
     return value, grads[0], grads[1], grads[2], grads[3]

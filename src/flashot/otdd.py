@@ -10,7 +10,9 @@ under the augmented cost
 where ``W(c, c')`` is a distance between the classes' feature distributions:
 
 - ``inner="gaussian"``: the Bures–Wasserstein distance between Gaussians with the
-  classes' means and (maximum-likelihood, 1/n_c) covariances,
+  classes' means and covariances (maximum-likelihood, 1/n_c, by default; with
+  ``unbiased=True`` 1/(n_c − 1), microsoft/otdd's estimator: its distances are those
+  of ``unbiased=True``, and the two differ by O(1/n_c) in each class's covariance),
   ``W² = |m − m'|² + tr(Σ + Σ' − 2 (Σ^{1/2} Σ' Σ^{1/2})^{1/2})``, or with
   ``diagonal=True`` ``|m − m'|² + |σ − σ'|²``;
 - ``inner="exact"``: the debiased Sinkhorn divergence between the classes' clouds
@@ -81,20 +83,29 @@ def _check_dataset(x, labels, name: str) -> tuple[torch.Tensor, torch.Tensor, to
     return x, classes, index
 
 
-def gaussian_table(feats: Sequence[torch.Tensor], diagonal: bool = False) -> torch.Tensor:
+def gaussian_table(feats: Sequence[torch.Tensor], diagonal: bool = False,
+                   unbiased: bool = False) -> torch.Tensor:  # fmt: skip
     """Bures–Wasserstein ``W²`` between Gaussian fits of clouds (float64, (K, K)).
 
     Args:
         feats: K clouds (n_c, d), each of at least one point.
         diagonal: use only the covariances' diagonals (for large d).
+        unbiased: covariances over ``n_c − 1`` (microsoft/otdd's) instead of ``n_c``;
+            every class then needs two points.
     """
+    _check_flag(unbiased, "unbiased")
     centers, moments = [], []
     for f in feats:  # one class at a time: a float64 copy of one class, not of all
         c = f.detach().double()
         del f
-        centers.append(column_sum(c) / c.shape[0])
+        count = c.shape[0]
+        if unbiased and count < 2:
+            raise ValueError(f"unbiased=True needs at least two points in every class; class "
+                             f"{len(centers)} of the union has {count}")  # fmt: skip
+        centers.append(column_sum(c) / count)
         c.sub_(centers[-1])  # in place: the copy is ours
-        moments.append(column_sum(c.square_()) / c.shape[0] if diagonal else c.T @ c / c.shape[0])
+        norm = count - 1 if unbiased else count
+        moments.append(column_sum(c.square_()) / norm if diagonal else c.T @ c / norm)
         del c
     means = torch.stack(centers)
     table = torch.cdist(means, means).square()
@@ -116,7 +127,8 @@ def gaussian_table(feats: Sequence[torch.Tensor], diagonal: bool = False) -> tor
 
 
 def class_table(feats: Sequence[torch.Tensor], inner: str = "gaussian", diagonal: bool = False,
-                eps: float | None = None, **sinkhorn_options) -> torch.Tensor:  # fmt: skip
+                eps: float | None = None, unbiased: bool = False,
+                **sinkhorn_options) -> torch.Tensor:  # fmt: skip
     """``W²`` between every pair of class clouds (float64, (K, K), zero diagonal).
 
     Args:
@@ -124,11 +136,15 @@ def class_table(feats: Sequence[torch.Tensor], inner: str = "gaussian", diagonal
         inner: ``"gaussian"`` (Bures–Wasserstein of Gaussian fits) or ``"exact"``
             (debiased Sinkhorn divergences at ``eps``, with ``sinkhorn_options``).
         diagonal: diagonal covariances (``"gaussian"`` only).
+        unbiased: covariances over ``n_c − 1`` (``"gaussian"`` only; see
+            :func:`gaussian_table`).
     """
     if inner not in INNER:
         raise ValueError(f"inner must be one of {INNER}, got {inner!r}")
     if inner == "gaussian":
-        return gaussian_table(feats, diagonal)
+        return gaussian_table(feats, diagonal, unbiased)
+    if unbiased:
+        raise ValueError("unbiased applies to inner='gaussian' (covariances) only")
     if eps is None:
         raise ValueError("inner='exact' needs the inner eps")
     k = len(feats)
@@ -161,10 +177,10 @@ class _ClassClouds(Sequence):
 
 
 def _label_cost(xa, index_a, ka, xb, index_b, kb, inner, diagonal, inner_eps, lambda_x,
-                lambda_y) -> flashot.LabeledCost:  # fmt: skip
+                lambda_y, unbiased: bool = False) -> flashot.LabeledCost:  # fmt: skip
     """The augmented cost of two datasets: ``W²`` over the union of their classes."""
     feats = _ClassClouds((xa, index_a, ka), (xb, index_b, kb))
-    table = class_table(feats, inner, diagonal, inner_eps)
+    table = class_table(feats, inner, diagonal, inner_eps, unbiased)
     return flashot.labeled_cost(table, lambda_x=lambda_x, lambda_y=lambda_y)
 
 
@@ -192,6 +208,11 @@ def _outer(xa, index_a, xb, index_b, cost, eps, debias, self_b=None, solve=None,
     return value, res, self_b
 
 
+def _check_flag(value, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def _prepare(xa, ya, xb, yb):
     xa, classes_a, index_a = _check_dataset(xa, ya, "a")
     xb, classes_b, index_b = _check_dataset(xb, yb, "b")
@@ -216,6 +237,7 @@ def dataset_distance(
     diagonal: bool = False,
     inner_eps: float | None = None,
     debias: bool = True,
+    unbiased: bool = False,
     **sinkhorn_options,
 ) -> DatasetDistance:
     """OTDD between labeled datasets A = (xa, ya) and B = (xb, yb) (see module).
@@ -230,6 +252,8 @@ def dataset_distance(
         diagonal: diagonal covariances for ``"gaussian"`` (large d).
         inner_eps: ε of the ``"exact"`` class-to-class divergences (default: eps).
         debias: the debiased divergence (else OT_ε(A, B)).
+        unbiased: class covariances over ``n_c − 1``, as microsoft/otdd computes them
+            (default: ``n_c``, the maximum-likelihood fit); ``"gaussian"`` only.
         **sinkhorn_options: passed to :func:`flashot.sinkhorn` for the outer problems
             (tol, max_iter, eps_schedule, backend, precision, ...).
 
@@ -240,7 +264,7 @@ def dataset_distance(
     xa, classes_a, index_a, xb, classes_b, index_b = _prepare(xa, ya, xb, yb)
     ka, kb = len(classes_a), len(classes_b)
     cost = _label_cost(xa, index_a, ka, xb, index_b, kb, inner, diagonal, inner_eps or eps,
-                       lambda_x, lambda_y)  # fmt: skip
+                       lambda_x, lambda_y, unbiased)  # fmt: skip
     value, res, _ = _outer(xa, index_a, xb, index_b + ka, cost, eps, debias, **sinkhorn_options)
     with torch.no_grad():
         onehot_b = torch.nn.functional.one_hot(index_b, kb).to(res.f.dtype)

@@ -239,10 +239,10 @@ class SamplesLoss(torch.nn.Module):
             f, g = pots.f, pots.g
             if self.debias:
                 f, g = f - pots.p, g - pots.q
-            f = f.to(x.dtype).reshape(shape_a) if shape_a is not None else f.to(x.dtype)
-            g = g.to(y.dtype).reshape(shape_b) if shape_b is not None else g.to(y.dtype)
-            return f, g
-        return pots.value(problem).to(x.dtype)
+            f = f.reshape(shape_a) if shape_a is not None else f
+            g = g.reshape(shape_b) if shape_b is not None else g
+            return f, g  # (in the compute dtype: the dtype rule, flashot.problem.compute_dtype)
+        return pots.value(problem)
 
 
     def _batched(self, a, x, b, y, temps):
@@ -275,7 +275,7 @@ class SamplesLoss(torch.nn.Module):
                 p = f[bsz * n : 2 * bsz * n] + g[bsz * m : bsz * (m + n)]
                 fs = fs - 0.5 * p.reshape(bsz, n)
                 gs = gs - 0.5 * (f[2 * bsz * n :] + g[bsz * (m + n) :]).reshape(bsz, m)
-            return fs.to(x.dtype), gs.to(y.dtype)
+            return fs, gs
         eps = self.blur**2
         value = dual_term(f, pp.a, eps, rho, seg.sum) + dual_term(g, pp.b, eps, rho, seg.T.sum)
         if torch.is_grad_enabled() and value.requires_grad:  # differentiable twice
@@ -284,7 +284,7 @@ class SamplesLoss(torch.nn.Module):
                                                             geomloss=True)])  # fmt: skip
         value = value.reshape(-1, bsz)
         value = value[0] - 0.5 * (value[1] + value[2]) if self.debias else value[0]
-        return value.to(x.dtype)
+        return value
 
 
 def _batch_item(w, i: int, name: str) -> torch.Tensor:
