@@ -244,19 +244,21 @@ def test_an_eps_that_requires_grad_is_refused_not_detached(call):
     call(eps.detach())  # as a constant: fine
 
 
+def _two(t):
+    return torch.stack([t, t])
+
+
 _DTYPE_CASES = {
     "sinkhorn.cost": lambda x, y: flashot.sinkhorn(x, y, eps=0.5).cost,
     "sinkhorn.f": lambda x, y: flashot.sinkhorn(x, y, eps=0.5).f,
     "relaxed.cost": lambda x, y: flashot.sinkhorn(x, y, eps=0.5, rho=1.0).cost,
     "fixed.cost": lambda x, y: flashot.sinkhorn(x, y, eps=0.5, tol=None, max_iter=20).cost,
     "transport_cost": lambda x, y: flashot.sinkhorn(x, y, eps=0.5).transport_cost,
-    "batched.cost": lambda x, y: flashot.sinkhorn(torch.stack([x, x]), torch.stack([y, y]),
-                                                  eps=0.5).cost,  # fmt: skip
+    "batched.cost": lambda x, y: flashot.sinkhorn(_two(x), _two(y), eps=0.5).cost,
     "divergence": lambda x, y: flashot.sinkhorn_divergence(x, y, eps=0.5),
     "SamplesLoss": lambda x, y: flashot.SamplesLoss(blur=0.5)(x, y),
     "SamplesLoss.potentials": lambda x, y: flashot.SamplesLoss(blur=0.5, potentials=True)(x, y)[0],
-    "SamplesLoss.batched": lambda x, y: flashot.SamplesLoss(blur=0.5)(torch.stack([x, x]),
-                                                                      torch.stack([y, y])),  # fmt: skip
+    "SamplesLoss.batched": lambda x, y: flashot.SamplesLoss(blur=0.5)(_two(x), _two(y)),
     "ops.sinkhorn_cost": lambda x, y: flashot.ops.sinkhorn_cost(x, y, eps=0.5),
     "otdd": lambda x, y: __import__("flashot.otdd").otdd.dataset_distance(
         x, torch.arange(len(x)) % 2, y, torch.arange(len(y)) % 2, eps=0.5).distance,

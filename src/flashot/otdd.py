@@ -94,7 +94,8 @@ def gaussian_table(feats: Sequence[torch.Tensor], diagonal: bool = False,
             every class then needs two points.
     """
     _check_flag(unbiased, "unbiased")
-    centers, moments = [], []
+    centers: list[torch.Tensor] = []
+    moments: list[torch.Tensor] = []
     for f in feats:  # one class at a time: a float64 copy of one class, not of all
         c = f.detach().double()
         del f
