@@ -302,3 +302,31 @@ def test_otdd_file_mistakes_are_one_line(tmp_path, capsys):
         assert main(argv + ["--device", "cpu"]) == 1, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and match in err, err
+
+
+def test_help_and_import_load_no_torch():
+    """``import flashot`` and ``flashot --help`` (every command's) parse with the standard
+    library: torch loads when something runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io, flashot, flashot.cli as cli\n"
+            "for argv in (['--help'], ['solve', '--help'], ['bench', '--help'],\n"
+            "             ['otdd', '--help'], ['demo', '--help'], ['tune', '--help']):\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            "        cli.main(argv)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[:500]
+
+
+def test_the_parsers_choices_are_the_librarys():
+    import flashot
+    from flashot.bench.options import PROVIDERS
+    from flashot.bench.providers import providers
+    from flashot.cli import COST_NAMES, DESCRIPTION
+
+    assert COST_NAMES == tuple(sorted(flashot.COSTS))
+    assert DESCRIPTION in flashot.__doc__.splitlines()[0]
+    cpu = [p.name for p in providers(torch.device("cpu"))]
+    assert set(cpu) <= set(PROVIDERS)

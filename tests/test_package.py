@@ -70,3 +70,19 @@ def test_public_entry_points_have_precise_types(tmp_path):
                         '"torch._tensor.Tensor | tuple[torch._tensor.Tensor, ...]"',
                         '"torch._tensor.Tensor"'], out + err  # fmt: skip
     assert 'Argument "eps" to "sinkhorn" has incompatible type "str"' in out, out
+
+
+def test_every_public_name_resolves_lazily_to_its_definition():
+    import importlib
+
+    import flashot
+
+    assert set(flashot.__all__) == {*flashot._SOURCES, *flashot._SUBMODULES, "__version__"}
+    for name in flashot._SOURCES:
+        obj = getattr(flashot, name)
+        assert obj is getattr(importlib.import_module(flashot._SOURCES[name]), name)
+    assert set(flashot.__all__) <= set(dir(flashot))
+    import pytest
+
+    with pytest.raises(AttributeError, match="no attribute 'sinkhorm'"):
+        _ = flashot.sinkhorm

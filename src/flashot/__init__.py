@@ -6,23 +6,36 @@ streams it tile by tile (PyTorch on any device, fused Triton kernels on GPUs)
 without ever storing an n × m matrix.
 """
 
-from flashot import linalg, ops, optim
-from flashot.autodiff.implicit import DualSolveInfo, DualSolveLog, record_dual_solves
-from flashot.backends import available_backends
-from flashot.batched import BatchedSinkhornResult, sinkhorn_varlen
-from flashot.costs import COSTS
-from flashot.divergence import sinkhorn_divergence
-from flashot.hessian import hvp
-from flashot.labeled import LabeledCost, labeled_cost
-from flashot.ot import ConvergenceWarning, sinkhorn
-from flashot.result import SinkhornResult, TransportPlan
-from flashot.samples_loss import SamplesLoss
-from flashot.solver import EpsilonScaling
+from __future__ import annotations
 
-# isort: split
-from flashot.shuffled import shuffled_regression  # (uses the names above)
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+#: public name → the module that defines it; imported on first use, so ``import flashot``
+#: (and ``flashot --help``) loads no torch until something is solved
+_SOURCES = {
+    "COSTS": "flashot.costs",
+    "BatchedSinkhornResult": "flashot.batched",
+    "ConvergenceWarning": "flashot.ot",
+    "DualSolveInfo": "flashot.autodiff.implicit",
+    "DualSolveLog": "flashot.autodiff.implicit",
+    "EpsilonScaling": "flashot.solver",
+    "LabeledCost": "flashot.labeled",
+    "SamplesLoss": "flashot.samples_loss",
+    "SinkhornResult": "flashot.result",
+    "TransportPlan": "flashot.result",
+    "available_backends": "flashot.backends",
+    "hvp": "flashot.hessian",
+    "labeled_cost": "flashot.labeled",
+    "record_dual_solves": "flashot.autodiff.implicit",
+    "shuffled_regression": "flashot.shuffled",
+    "sinkhorn": "flashot.ot",
+    "sinkhorn_divergence": "flashot.divergence",
+    "sinkhorn_varlen": "flashot.batched",
+}
+_SUBMODULES = ("linalg", "ops", "optim")
 
 __all__ = [
     "COSTS",
@@ -48,3 +61,34 @@ __all__ = [
     "sinkhorn_divergence",
     "sinkhorn_varlen",
 ]
+
+if TYPE_CHECKING:  # (what type checkers and IDEs read; at run time, __getattr__)
+    from flashot import linalg, ops, optim
+    from flashot.autodiff.implicit import DualSolveInfo, DualSolveLog, record_dual_solves
+    from flashot.backends import available_backends
+    from flashot.batched import BatchedSinkhornResult, sinkhorn_varlen
+    from flashot.costs import COSTS
+    from flashot.divergence import sinkhorn_divergence
+    from flashot.hessian import hvp
+    from flashot.labeled import LabeledCost, labeled_cost
+    from flashot.ot import ConvergenceWarning, sinkhorn
+    from flashot.result import SinkhornResult, TransportPlan
+    from flashot.samples_loss import SamplesLoss
+    from flashot.shuffled import shuffled_regression
+    from flashot.solver import EpsilonScaling
+
+
+def __getattr__(name: str):
+    """The public names, each imported on first access (PEP 562)."""
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"flashot.{name}")
+    elif name in _SOURCES:
+        value = getattr(importlib.import_module(_SOURCES[name]), name)
+    else:
+        raise AttributeError(f"module 'flashot' has no attribute {name!r}")
+    globals()[name] = value  # (later accesses skip this function)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

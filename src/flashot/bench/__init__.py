@@ -26,6 +26,14 @@ also gets the floor of its operation count at ceilings measured in the same run
     flashot bench --merge part1 part2 --out results  # one suite from runs of parts of it
 """
 
-from flashot.bench.harness import Row, run_suite
+from __future__ import annotations
 
 __all__ = ["Row", "run_suite"]
+
+
+def __getattr__(name: str):
+    if name in __all__:  # (the harness imports torch: loaded on use)
+        from flashot.bench import harness
+
+        return getattr(harness, name)
+    raise AttributeError(f"module 'flashot.bench' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""``flashot bench``: options and the run (registered by :mod:`flashot.cli`)."""
+"""``flashot bench``: the run (its options: :mod:`flashot.bench.options`)."""
 
 from __future__ import annotations
 
@@ -16,68 +16,11 @@ from flashot.bench.harness import (
     run_suite,
     skipped_by_a_smaller_budget,
 )
+from flashot.bench.options import FULL, QUICK, WORKLOADS
 from flashot.bench.providers import PROVIDERS, providers
 from flashot.bench.report import merge, plot, read, result_file, table, write
 
-__all__ = ["QUICK", "add_arguments", "run"]
-
-WORKLOADS = ("forward", "gradient", "converge", "plan", "hvp", "otdd")
-#: the default suite per device type: (sizes, dims); --full: FULL
-QUICK = {"cuda": ((10_000, 50_000), (64,)), "cpu": ((1_000, 4_000), (3, 64))}
-FULL = {"cuda": ((1_000, 10_000, 50_000, 200_000, 1_000_000), (3, 64, 512, 1024)),
-        "cpu": ((1_000, 4_000, 10_000, 30_000), (3, 64))}  # fmt: skip
-
-
-def _csv(kind):
-    def parse(text: str):
-        try:
-            return tuple(kind(v) for v in text.split(",") if v)
-        except ValueError:
-            msg = f"expected comma-separated values, got {text!r}"
-            raise argparse.ArgumentTypeError(msg) from None
-
-    return parse
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``bench`` options."""
-    p.add_argument("--full", action="store_true",
-                   help="the suite behind BENCHMARKS.md (sizes up to 1M on a GPU)")  # fmt: skip
-    p.add_argument("--workloads", type=_csv(str), default="forward,gradient",
-                   help=f"comma-separated, of {', '.join(WORKLOADS)}")  # fmt: skip
-    p.add_argument("--sizes", type=_csv(int), help="n = m, comma-separated (default: per device)")
-    p.add_argument("--dims", type=_csv(int), help="feature sizes d (default: per device)")
-    p.add_argument("--providers", type=_csv(str),
-                   help=f"comma-separated, run in this order, of {', '.join(PROVIDERS)} "
-                        "(default: all)")  # fmt: skip
-    p.add_argument("--eps", type=float, default=0.1, help="ε, for the cost |x − y|²")
-    p.add_argument("--iters", type=int, default=10, help="iterations of the fixed workloads")
-    p.add_argument("--tol", type=float, default=1e-3, help="marginal error of 'converge'")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device")  # fmt: skip
-    p.add_argument("--out", default="flashot_bench", help="folder for CSV, JSON and PNGs")
-    p.add_argument("--no-floor", action="store_true", help="skip measuring the GPU's ceilings")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument("--row-budget", type=float, default=30.0, metavar="SECONDS",
-                   help="skip a provider at a size where its previous size predicts calls "
-                        "over SECONDS (time × (n/n_prev)²)")  # fmt: skip
-    p.add_argument("--largest", type=float, default=0.0, metavar="SECONDS",
-                   help="also find the largest n each provider runs a workload at in one "
-                        "call of at most SECONDS (doubling n; 0: skip)")  # fmt: skip
-    p.add_argument("--merge", nargs="+", metavar="DIR",
-                   help="run nothing: merge the results of earlier runs (their --out folders, "
-                        "the same device) into --out, later runs' rows replacing earlier "
-                        "ones: a sweep split over several sessions")  # fmt: skip
-    p.add_argument("--resume", action="store_true",
-                   help="keep the rows --out already holds (a run cut short writes them as "
-                        "it goes) and run only the missing ones, and those a smaller "
-                        "--row-budget skipped; --largest reruns")  # fmt: skip
-    p.add_argument("--force", action="store_true",
-                   help="replace a result --out already holds (without it, a run into a "
-                        "folder with a result refuses to start)")  # fmt: skip
-    p.add_argument("--largest-cap", type=int, default=None, metavar="N",
-                   help="the largest n tried by --largest (default 4M on a GPU, 64k on a "
-                        "CPU)")  # fmt: skip
+__all__ = ["run"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
         inputs = {Path(path).resolve() for path in args.merge}
         _check_out(Path(args.out), args.force or Path(args.out).resolve() in inputs)
         return _report(rows, env, Path(args.out))
+    if args.device == "auto":  # (decided when running: parsing loads no torch)
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
     bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad:
@@ -149,8 +94,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_out(out: Path, replace: bool) -> None:
-    """Refuse an ``--out`` that is a file, cannot be written, or holds a result that this
-    run would replace without ``replace`` (``--force``, ``--resume`` or a merge into it)."""
+    """Refuse an ``--out`` that is a file, cannot be written, or holds a result.
+
+    A result is refused unless this run may replace it (``replace``: ``--force``,
+    ``--resume`` or a merge into it).
+    """
     from flashot.cli import CliError
 
     if out.exists() and not out.is_dir():

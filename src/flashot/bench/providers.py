@@ -25,6 +25,7 @@ from functools import partial
 import torch
 
 import flashot
+from flashot.bench.options import PROVIDERS
 
 __all__ = ["HVP_TOL", "PROVIDERS", "Problem", "Provider", "direction", "make_problem", "providers"]
 
@@ -543,7 +544,3 @@ def providers(device: torch.device, names=None) -> list[Provider]:
     return [p for p in out if device.type == "cuda" or not p.name.startswith("flashot-triton")]
 
 
-#: provider names accepted by ``--providers`` (flashot's precision rows included)
-PROVIDERS = ("flashot-torch", "flashot-triton", "flashot-triton-tf32", "flashot-triton-bf16",
-             "dense-torch", "geomloss-tensorized", "geomloss-online", "pot", "pot-lazy",
-             "flash-sinkhorn", "ott-dense", "ott-online")  # fmt: skip

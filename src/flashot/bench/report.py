@@ -64,8 +64,10 @@ def write(rows: list[Row], env: dict, out: Path, name: str = "bench") -> list[Pa
 
 
 def _replace_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file renamed over it: a run that
-    dies mid-write leaves the previous file whole."""
+    """Write ``text`` to ``path`` through a temporary file renamed over it.
+
+    A run that dies mid-write leaves the previous file whole.
+    """
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w", newline="") as fh:
         fh.write(text)
