@@ -147,7 +147,8 @@ def test_cli_bench_writes_rows_with_versions_and_plots(tmp_path, capsys):
     assert len(rows) == 6 and {r["provider"] for r in rows if r["skipped"]} == {"flash-sinkhorn"}
     timed = [r for r in rows if not r["skipped"]]
     assert all(r["ms"] > 0 and r["rel_error"] < 1e-5 for r in timed)
-    assert (tmp_path / "bench.csv").read_text().startswith("# device:")
+    assert (tmp_path / "bench.csv").read_text().startswith("workload,provider,")
+    assert json.loads((tmp_path / "bench.meta.json").read_text())["environment"]["device"]
     assert (tmp_path / "bench_forward.png").stat().st_size > 1000
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from flashot.bench.harness import Row
-from flashot.bench.report import merge, read, write
+from flashot.bench.report import COLUMNS, SCHEMA_VERSION, merge, read, write
 from flashot.cli import main
 
 ENV = dict(device="NVIDIA H200", versions={"flashot": "0.1", "torch": "2.11"},
@@ -24,8 +24,9 @@ def test_rows_read_back_as_written(tmp_path):
     assert got == rows and env == ENV and got[0].x_floor == 2.0
 
 
-def test_rows_read_back_from_the_csv_alone(tmp_path):
-    """A remote run may bring back only its CSV: the same rows and environment."""
+def test_rows_read_back_from_the_csv_and_its_metadata(tmp_path):
+    """A remote run may bring back only its CSV and sidecar: the same rows and environment;
+    the CSV is a header and rows, nothing else (schema 2)."""
     rows = [_row(1000), _row(2000, "flash-sinkhorn", skipped="not installed"),
             Row("gradient", "flashot-triton", 50_000, 3, ms=25.25, first_s=5.5, peak_mb=96.0,
                 value=0.601989030838, floor_ms=10.1, rel_error=6.1e-07,
@@ -35,6 +36,10 @@ def test_rows_read_back_from_the_csv_alone(tmp_path):
     got, env = read(tmp_path)
     assert got == rows and env == {**ENV, "partial": True}
     assert read(tmp_path / "bench.csv") == (got, env)
+    lines = (tmp_path / "bench.csv").read_text().splitlines()
+    assert lines[0].split(",") == list(COLUMNS) and len(lines) == 1 + len(rows)
+    meta = json.loads((tmp_path / "bench.meta.json").read_text())
+    assert meta["schema_version"] == SCHEMA_VERSION and meta["columns"] == COLUMNS
     (tmp_path / "bench.csv").write_text("workload,provider\nforward,x\n")
     with pytest.raises(ValueError, match=r"bench\.csv: not a flashot bench result"):
         read(tmp_path)
@@ -221,3 +226,11 @@ def test_results_are_replaced_atomically(tmp_path, monkeypatch):
         write([_row(1000), _row(2000)], ENV, tmp_path)
     after = (tmp_path / "bench.csv").read_text(), (tmp_path / "bench.json").read_text()
     assert after == before
+
+
+def test_a_schema_1_csv_with_comment_lines_still_reads(tmp_path):
+    lines = [f"# {k}: {json.dumps(v)}" for k, v in ENV.items()]
+    lines += ["workload,provider,n,d,ms", "forward,flashot-torch,1000,3,2.5"]
+    (tmp_path / "bench.csv").write_text("\n".join(lines) + "\n")
+    rows, env = read(tmp_path / "bench.csv")
+    assert env == ENV and rows == [Row("forward", "flashot-torch", 1000, 3, ms=2.5)]

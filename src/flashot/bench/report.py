@@ -12,7 +12,27 @@ from typing import Any
 
 from flashot.bench.harness import Row
 
-__all__ = ["merge", "plot", "read", "result_file", "table", "write"]
+__all__ = ["COLUMNS", "SCHEMA_VERSION", "merge", "plot", "read", "result_file", "table",
+           "write"]  # fmt: skip
+
+#: the result files' layout: 2 moved the CSV's environment comment lines to a sidecar
+SCHEMA_VERSION = 2
+#: every column of bench.csv and of the rows of bench.json (empty cell / null: not measured)
+COLUMNS = {
+    "workload": "forward, gradient, converge, plan, hvp or otdd (flashot.bench)",
+    "provider": "who computed the row (flashot.bench.options.PROVIDERS)",
+    "n": "points in each cloud (n = m)",
+    "d": "features per point",
+    "ms": "median time of one call, milliseconds (after warm-up)",
+    "first_s": "the first call's time (compilation, tuning), seconds",
+    "peak_mb": "peak device memory above the inputs during a call, MB",
+    "value": "the quantity computed (see 'computes'), for cross-checks",
+    "floor_ms": "the operation count's time at this GPU's measured ceilings, ms",
+    "rel_error": "relative error of 'value' against the float64 reference",
+    "skipped": "why the row did not run (then the measurements are empty)",
+    "computes": "what 'value' is in the provider's own convention",
+    "x_floor": "ms / floor_ms (derived)",
+}
 
 
 def _fmt(v, digits=3) -> str:
@@ -41,26 +61,26 @@ def table(rows: list[Row]) -> str:
 
 
 def write(rows: list[Row], env: dict, out: Path, name: str = "bench") -> list[Path]:
-    """Write ``name.csv`` and ``name.json``; returns their paths.
+    """Write ``name.csv``, ``name.meta.json`` and ``name.json``; returns their paths.
 
-    The CSV has one row per line after comment lines holding the environment; the JSON
-    is ``{"environment": ..., "rows": [...]}``.
+    - ``name.csv``: a header line (:data:`COLUMNS`) and one line per row, nothing else;
+    - ``name.meta.json``: ``{"schema_version", "columns", "environment"}``, the CSV's
+      metadata (a remote run may bring back these two alone);
+    - ``name.json``: the metadata and ``"rows"``, a list of objects with the columns.
     """
     out.mkdir(parents=True, exist_ok=True)
-    fields = [f.name for f in dataclasses.fields(Row)] + ["x_floor"]
-    csv_path, json_path = out / f"{name}.csv", out / f"{name}.json"
+    fields = list(COLUMNS)
+    paths = out / f"{name}.csv", out / f"{name}.meta.json", out / f"{name}.json"
     text = io.StringIO(newline="")
-    for key, value in env.items():
-        text.write(f"# {key}: {json.dumps(value)}\n")
     writer = csv.DictWriter(text, fieldnames=fields)
     writer.writeheader()
-    for r in rows:
-        writer.writerow({**dataclasses.asdict(r), "x_floor": r.x_floor})
-    payload = {"environment": env,
-               "rows": [{**dataclasses.asdict(r), "x_floor": r.x_floor} for r in rows]}  # fmt: skip
-    _replace_atomically(csv_path, text.getvalue())
-    _replace_atomically(json_path, json.dumps(payload, indent=1))
-    return [csv_path, json_path]
+    records = [{**dataclasses.asdict(r), "x_floor": r.x_floor} for r in rows]
+    writer.writerows(records)
+    meta = {"schema_version": SCHEMA_VERSION, "columns": COLUMNS, "environment": env}
+    _replace_atomically(paths[0], text.getvalue())
+    _replace_atomically(paths[1], json.dumps(meta, indent=1))
+    _replace_atomically(paths[2], json.dumps({**meta, "rows": records}, indent=1))
+    return list(paths)
 
 
 def _replace_atomically(path: Path, text: str) -> None:
@@ -79,11 +99,11 @@ def _replace_atomically(path: Path, text: str) -> None:
 def read(path: Path) -> tuple[list[Row], dict]:
     """The rows and environment a suite wrote (:func:`write`).
 
-    ``path``: its ``bench.json``, its ``bench.csv`` (the same rows, with the environment
-    in its comment lines: what a remote run may bring back alone) or the folder holding
-    them: the newer of the two (a CSV brought back over an older run's folder wins), the
-    JSON when written together. Raises ValueError naming the file when it is missing or
-    not a suite's.
+    ``path``: its ``bench.json``, its ``bench.csv`` (the same rows, the environment in
+    the ``bench.meta.json`` beside it, or, written before schema 2, in comment lines:
+    what a remote run may bring back alone) or the folder holding them: the newer of the
+    two (a CSV brought back over an older run's folder wins), the JSON when written
+    together. Raises ValueError naming the file when it is missing or not a suite's.
     """
     path = Path(path)
     file = path
@@ -110,14 +130,18 @@ def result_file(folder: Path) -> Path | None:
 def _read_csv(file: Path) -> tuple[list[Row], dict]:
     lines = file.read_text().splitlines()
     env: dict[str, Any] = {}
-    for line in lines:
+    for line in lines:  # (schema 1: the environment in comment lines)
         if not line.startswith("# "):
             break
         key, value = line[2:].split(": ", 1)
         env[key] = json.loads(value)
+    body = lines[len(env) :]
+    meta = file.with_name(file.name.removesuffix(".csv") + ".meta.json")
+    if not env and meta.exists():
+        env = json.loads(meta.read_text())["environment"]
     types = {f.name: str(f.type) for f in dataclasses.fields(Row)}
     rows = []
-    for record in csv.DictReader(lines[len(env) :]):
+    for record in csv.DictReader(body):
         given: dict[str, Any] = {}
         for key, text in record.items():
             if key not in types:
@@ -132,7 +156,7 @@ def _read_csv(file: Path) -> tuple[list[Row], dict]:
                 given[key] = text
         rows.append(Row(**given))
     if "device" not in env:
-        raise ValueError("no environment lines")
+        raise ValueError(f"no environment: {meta.name} is missing")
     return rows, env
 
 
