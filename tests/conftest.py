@@ -16,13 +16,20 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--run-slow", action="store_true", help="also run the tests marked slow (CI: a second step)"
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    slow = pytest.mark.skip(reason="slow: run with --run-slow (pytest -m slow --run-slow)")
+    gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
+            item.add_marker(slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(gpu)
 
 
 @pytest.fixture

@@ -39,8 +39,11 @@ class LiveTensors(TorchDispatchMode):
             self.where.pop(ptr, None)
 
     def _site(self, func) -> str:
-        frames = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}:{f.name}"
-                  for f in traceback.extract_stack()[:-2] if "flashot" in f.filename]
+        frames = [
+            f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}:{f.name}"
+            for f in traceback.extract_stack()[:-2]
+            if "flashot" in f.filename
+        ]
         return f"{func.__name__} < " + " < ".join(reversed(frames[-5:]))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -60,5 +60,6 @@ class RecordedGraph:
                 if isinstance(old, torch.Tensor):
                     now[id(old)] = new
         RecordedGraph.log.append("replay")
-        return tree_map(lambda t: here(t).clone() if isinstance(t, torch.Tensor) else t,
-                        self.outputs)
+        return tree_map(
+            lambda t: here(t).clone() if isinstance(t, torch.Tensor) else t, self.outputs
+        )

@@ -72,7 +72,9 @@ def primal(C, a, b, P, eps, rho=(None, None)):
     return val
 
 
-def entropic_ot(x, y, a, b, eps, cost="sqeuclidean", rho=(None, None), init_g=None, max_iter=100_000):
+def entropic_ot(
+    x, y, a, b, eps, cost="sqeuclidean", rho=(None, None), init_g=None, max_iter=100_000
+):
     """OT_eps by the dense reference, as the primal value of the converged plan."""
     C = dense_cost(x, y, cost)
     f, g = sinkhorn_dense(C, a, b, eps, rho, init_g=init_g, max_iter=max_iter)

@@ -43,7 +43,10 @@ SEEDS = st.integers(0, 2**16)
 
 @settings(max_examples=12, deadline=None)
 @given(
-    sizes=ragged_sizes(1, 12), eps=eps_lists(0.3, 3.0), weighted=st.booleans(), seed=SEEDS,
+    sizes=ragged_sizes(1, 12),
+    eps=eps_lists(0.3, 3.0),
+    weighted=st.booleans(),
+    seed=SEEDS,
 )
 def test_varlen_matches_per_problem_solves_and_the_dense_reference(sizes, eps, weighted, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -212,7 +215,6 @@ def test_samples_loss_batch_is_one_packed_solve_equal_to_the_loop(gen, reach):
         assert torch.allclose(g[1], g_ref[1], atol=1e-12)
 
 
-
 @pytest.mark.parametrize("blur", [0.05, 3.0])
 def test_packed_schedules_take_the_near_path_where_single_solves_do(gen, monkeypatch, blur):
     """A schedule's warm-up temperatures up to a few times a problem's cost bound take
@@ -238,6 +240,7 @@ def test_packed_schedules_take_the_near_path_where_single_solves_do(gen, monkeyp
     assert float(packed[0]) == pytest.approx(float(single), rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(sizes=ragged_sizes(1, 10, most=3), blur=st.sampled_from([0.05, 0.3, 2.0]),
        scaling=st.sampled_from([0.3, 0.7]), seed=SEEDS)  # fmt: skip
@@ -358,6 +361,7 @@ def test_shared_tables_hold_under_threads_and_evictions(monkeypatch):
         t.join(timeout=max(0.0, deadline - time.monotonic()))
     assert not errors and not any(t.is_alive() for t in threads)
 
+
 @pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
 def test_triton_segmented_kernel_matches_the_torch_backend(gen):
     """One launch over the packed blocks (rows of two problems never share a program)."""
@@ -463,7 +467,9 @@ def test_relaxed_batch_matches_per_problem_relaxed_solves(gen, rho):
 
 @settings(max_examples=8, deadline=None)
 @given(
-    sizes=ragged_sizes(2, 10, most=3), rel=eps_lists(0.05, 1.0, count=3), seed=SEEDS,
+    sizes=ragged_sizes(2, 10, most=3),
+    rel=eps_lists(0.05, 1.0, count=3),
+    seed=SEEDS,
 )
 def test_relative_eps_is_each_problems_own(sizes, rel, seed):
     """``relative_eps=True``: problem s is solved at ε_s = eps_s × its own mean cost,
@@ -517,10 +523,14 @@ def test_a_warm_start_from_a_converged_batch_converges_at_once(gen, packed):
     assert torch.allclose(warm.cost, cold.cost, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
 @settings(max_examples=6, deadline=None)
 @given(
-    sizes=ragged_sizes(1, 40), eps=eps_lists(0.2, 2.0), weighted=st.booleans(), seed=SEEDS,
+    sizes=ragged_sizes(1, 40),
+    eps=eps_lists(0.2, 2.0),
+    weighted=st.booleans(),
+    seed=SEEDS,
 )
 def test_triton_packed_solves_match_the_torch_backend(sizes, eps, weighted, seed):
     """Property over ragged batches (single points, blocks cut mid-problem, per-problem ε,

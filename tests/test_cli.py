@@ -79,8 +79,10 @@ def run(argv, capsys):
         (["solve", "{d}/complex.npy", "{d}/y.csv"], "complex"),
         (["solve", "{d}/x.npy", "{d}/y.csv", "--scaling", "0"], "scaling must be"),
         (["solve", "{d}/x.npy", "{d}/y.csv", "--device", "cuda:7"], "CUDA|cuda"),
-        (["solve", "{d}/both.npz", "{d}/y.csv", "--x-key", "x", "--save", "{d}/both.npz"],
-         "overwrite an input"),
+        (
+            ["solve", "{d}/both.npz", "{d}/y.csv", "--x-key", "x", "--save", "{d}/both.npz"],
+            "overwrite an input",
+        ),
         (["solve", "{d}/x.npy", "{d}/y.csv", "--save", "{d}/nodir/out.npz"], "no directory"),
         (["solve", "{d}/x.npy", "{d}/y.csv", "--save", "{d}/both.npz"], "exists; pass --force"),
         (["solve", "{d}/x.npy", "{d}/y.csv", "--eps", "1e-300", "--dtype", "float64"], "outside"),
@@ -254,7 +256,7 @@ def test_otdd_of_named_datasets(capsys):
     (["otdd", "missing.npz", "digits"], "missing.npz"),
 ])  # fmt: skip
 def test_otdd_mistakes_are_one_line(argv, match, capsys):
-    assert main(argv + ["--device", "cpu"]) == 1
+    assert main([*argv, "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and match in err
 
@@ -296,10 +298,12 @@ def test_otdd_file_mistakes_are_one_line(tmp_path, capsys):
     x = np.random.default_rng(0).normal(size=(20, 2))
     x[3, 1] = np.nan
     np.savez(tmp_path / "nan.npz", X=x, y=np.arange(20) % 3)
-    for argv, match in ((["otdd", str(tmp_path / "bad.npz"), "digits"], "not an .npz archive"),
-                        (["otdd", str(tmp_path / "nan.npz"), "digits"], "NaN or infinite"),
-                        (["solve", str(tmp_path), str(tmp_path / "nan.npz")], "is a folder")):
-        assert main(argv + ["--device", "cpu"]) == 1, argv
+    for argv, match in (
+        (["otdd", str(tmp_path / "bad.npz"), "digits"], "not an .npz archive"),
+        (["otdd", str(tmp_path / "nan.npz"), "digits"], "NaN or infinite"),
+        (["solve", str(tmp_path), str(tmp_path / "nan.npz")], "is a folder"),
+    ):
+        assert main([*argv, "--device", "cpu"]) == 1, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and match in err, err
 
@@ -310,12 +314,14 @@ def test_help_and_import_load_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, contextlib, io, flashot, flashot.cli as cli\n"
-            "for argv in (['--help'], ['solve', '--help'], ['bench', '--help'],\n"
-            "             ['otdd', '--help'], ['demo', '--help'], ['tune', '--help']):\n"
-            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
-            "        cli.main(argv)\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))\n")  # fmt: skip
+    code = (
+        "import sys, contextlib, io, flashot, flashot.cli as cli\n"
+        "for argv in (['--help'], ['solve', '--help'], ['bench', '--help'],\n"
+        "             ['otdd', '--help'], ['demo', '--help'], ['tune', '--help']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        cli.main(argv)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout[:500]
 
@@ -326,7 +332,7 @@ def test_the_parsers_choices_are_the_librarys():
     from flashot.bench.providers import providers
     from flashot.cli import COST_NAMES, DESCRIPTION
 
-    assert COST_NAMES == tuple(sorted(flashot.COSTS))
+    assert tuple(sorted(flashot.COSTS)) == COST_NAMES
     assert DESCRIPTION in flashot.__doc__.splitlines()[0]
     cpu = [p.name for p in providers(torch.device("cpu"))]
     assert set(cpu) <= set(PROVIDERS)

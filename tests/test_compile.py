@@ -117,4 +117,5 @@ def test_the_node_fake_kernel_matches_the_real_one(kind, dtype):
     opts = {"blur": 0.5} if kind == "samples_loss" else {"eps": 0.5}
     args = (x, y, None, None, kind, ops._encode(opts), True)
     assert torch.library.opcheck(ops._loss_op, args, test_utils=("test_faketensor",)) == {
-        "test_faketensor": "SUCCESS"}
+        "test_faketensor": "SUCCESS"
+    }

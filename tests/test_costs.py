@@ -120,9 +120,15 @@ def test_squared_norms_first_and_second_derivatives():
 
 
 @settings(max_examples=30, deadline=None)
-@given(name=st.sampled_from(sorted(COSTS)), n=st.integers(1, 40), d=st.integers(1, 6),
-       shift=st.sampled_from([0.0, 3.0, 1e3]), grad=st.booleans(),
-       rounding=st.sampled_from([None, "tf32", torch.bfloat16]), seed=st.integers(0, 99))  # fmt: skip
+@given(
+    name=st.sampled_from(sorted(COSTS)),
+    n=st.integers(1, 40),
+    d=st.integers(1, 6),
+    shift=st.sampled_from([0.0, 3.0, 1e3]),
+    grad=st.booleans(),
+    rounding=st.sampled_from([None, "tf32", torch.bfloat16]),
+    seed=st.integers(0, 99),
+)
 def test_self_form_is_the_form_of_the_cloud_with_itself(name, n, d, shift, grad, rounding, seed):
     """``self_attention_form(x)`` is ``attention_form(x, x.detach())`` from one centering:
     the same numbers (the column side a detached copy), an exactly symmetric matrix, the

@@ -65,8 +65,9 @@ def _solve_case(rank, mode="gather", update="auto"):
     x.requires_grad_()
     wide = []  # gathers of 2-D tensors during the solve: the features, once per side
     real = distributed._Comm.gather
-    distributed._Comm.gather = lambda self, t, side: (wide.append(t.dim() == 2)
-                                                      and False) or real(self, t, side)
+    distributed._Comm.gather = lambda self, t, side: (
+        (wide.append(t.dim() == 2) and False) or real(self, t, side)
+    )
     res = distributed.sinkhorn(x, y, a, eps=EPS, tol=1e-11, max_iter=3000, backend="torch",
                                mode=mode, update=update, eps_schedule="geomloss")  # fmt: skip
     (gx,) = torch.autograd.grad(res.cost, x)
@@ -90,8 +91,12 @@ def _auto_case(rank):
     finally:
         distributed.free_bytes = real
     roomy = distributed.sinkhorn(x, y, a, eps=EPS, tol=1e-11, max_iter=3000, backend="torch")
-    return dict(mode=res.mode, cost=float(res.cost.detach()), roomy=roomy.mode,
-                roomy_cost=float(roomy.cost.detach()))
+    return dict(
+        mode=res.mode,
+        cost=float(res.cost.detach()),
+        roomy=roomy.mode,
+        roomy_cost=float(roomy.cost.detach()),
+    )
 
 
 def _mismatch_case(rank):
@@ -197,7 +202,8 @@ def test_two_gloo_ranks_match_the_single_process_solve(case, runs):
     assert torch.allclose(g + shift, ref.g.detach(), atol=1e-8)
     if case != "ring":  # the clouds travel once (x's and y's features), however many iterations
         assert all(o["wide_gathers"] == 2 and o["iterations"] > 10 for o in outs), [
-            (o["wide_gathers"], o["iterations"]) for o in outs]
+            (o["wide_gathers"], o["iterations"]) for o in outs
+        ]
     for out in outs:  # the global value on every rank
         assert out["cost"] == pytest.approx(float(ref.cost.detach()), rel=1e-9)
         assert out["converged"] and out["error"] <= 1e-10
@@ -208,12 +214,17 @@ def test_two_gloo_ranks_match_the_single_process_solve(case, runs):
     assert torch.allclose(torch.cat([o["ptu"] for o in outs]), dense.T @ u, atol=1e-10)
 
 
-@pytest.mark.parametrize("case,match", [("mismatch", r"disagree on the options \['eps'\]"),
-                                        ("bad_input", "rank 1: x_local contains NaN"),
-                                        ("bad_option", "rank 1: .*cost.*euclid"),
-                                        ("nan_eps", "rank 0: eps must be finite"),
-                                        ("zero_weights", "a_local: the weights sum to zero"),
-                                        ("max_iter", "rank 0: max_iter must be a positive")])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("mismatch", r"disagree on the options \['eps'\]"),
+        ("bad_input", "rank 1: x_local contains NaN"),
+        ("bad_option", "rank 1: .*cost.*euclid"),
+        ("nan_eps", "rank 0: eps must be finite"),
+        ("zero_weights", "a_local: the weights sum to zero"),
+        ("max_iter", "rank 0: max_iter must be a positive"),
+    ],
+)
 def test_every_rank_gets_the_same_clear_error(case, match, runs):
     outs = [r[case] for r in runs["all"]]
     for out in outs:

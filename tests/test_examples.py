@@ -49,6 +49,7 @@ def test_quickstart_map_is_the_plans_barycenter(tmp_path):
     assert abs(float(res.cost) / float(ref.cost) - 1) < 1e-5 and out.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_shuffled_regression_hybrid_recovers_w_where_adam_does_not(tmp_path):
     out = tmp_path / "sr.png"
     prob, results = load("shuffled_regression").main(["--n", "100", "--steps", "8", "--monitor",

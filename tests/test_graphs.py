@@ -3,19 +3,17 @@ graph capture that replays the recorded ops (:mod:`tests.recorded_graphs`; the r
 capture runs in tests/test_gpu.py)."""
 
 import math
-import typing
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 import flashot
 from flashot import graphs, solver
 from flashot.backends.torch_backend import TorchBackend
 from tests.conftest import clouds, rel
 from tests.recorded_graphs import RecordedGraph
-
 
 # replays the recorded aten ops with their recorded scalars, as a CUDA graph would
 Replayer = RecordedGraph
@@ -149,7 +147,7 @@ def test_self_problems_to_a_tolerance_replay_blocks_with_the_eager_iterates(
     x, _ = clouds(gen, 20, 15, 3, dtype=dtype)
     form = attention_form(get_cost("sqeuclidean"), x, x)
     log_a = torch.full((20,), -math.log(20), dtype=dtype)
-    damping = (lambda e: 1.0) if rho is None else (lambda e: rho / (rho + e))  # noqa: E731
+    damping = (lambda e: 1.0) if rho is None else (lambda e: rho / (rho + e))
     args = (form, log_a, temps, damping, rho, TorchBackend())
     kw = dict(max_iter=max(max_iter, len(temps)), tol=tol, check_every=every, min_iter=min_iter)
     with pytest.MonkeyPatch.context() as mp:

@@ -140,7 +140,7 @@ def test_eisenstat_walker_forcing():
 def test_newton_hvps_follow_the_forcing():
     """Each Newton step's dual solves run to η/10 of that step (η from the previous
     gradient), so early steps are cheap; the minimum is reached all the same."""
-    params, closure, (A_true, t_true) = registration()
+    params, closure, (A_true, _t_true) = registration()
     opt = NewtonCG(params)
     tols = []
     for _ in range(8):

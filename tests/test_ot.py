@@ -308,11 +308,17 @@ def test_large_eps_relaxed_tends_to_the_scaled_independent_coupling(backend, pre
     a, b = torch.full((20,), 0.7 / 20, dtype=F64), torch.full((15,), 1.3 / 15, dtype=F64)
     C = dense_cost(x, y)
     ma, mb = 0.7, 1.3
-    limit = float(a @ C @ b) + rho * ma * (mb * math.log(mb) - mb + 1) + rho * mb * (
-        ma * math.log(ma) - ma + 1
+    limit = (
+        float(a @ C @ b)
+        + rho * ma * (mb * math.log(mb) - mb + 1)
+        + rho * mb * (ma * math.log(ma) - ma + 1)
     )
-    for dtype, rtol, eps in ((torch.float32, 2e-6, 1e8), (torch.float32, 2e-6, 1e20),
-                             (torch.float64, 1e-14, 1e20), (torch.float64, 1e-14, 1e200)):  # fmt: skip
+    for dtype, rtol, eps in (
+        (torch.float32, 2e-6, 1e8),
+        (torch.float32, 2e-6, 1e20),
+        (torch.float64, 1e-14, 1e20),
+        (torch.float64, 1e-14, 1e200),
+    ):
         if backend == "triton" and dtype == torch.float64:
             continue
         res = flashot.sinkhorn(x.to(dtype), y.to(dtype), a.to(dtype), b.to(dtype), eps=eps,

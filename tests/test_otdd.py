@@ -30,9 +30,11 @@ def union_table(xa, ya, xb, yb, inner, diagonal=False, eps=None, unbiased=False)
             elif i != j:
                 u, v = clouds[i].double(), clouds[j].double()
                 ones = lambda z: torch.full((len(z),), 1 / len(z), dtype=F64)  # noqa: E731
-                t[i, j] = (entropic_ot_matrix(dense_cost(u, v), ones(u), ones(v), eps)
-                           - 0.5 * entropic_ot_matrix(dense_cost(u, u), ones(u), ones(u), eps, True)
-                           - 0.5 * entropic_ot_matrix(dense_cost(v, v), ones(v), ones(v), eps, True))  # fmt: skip
+                t[i, j] = (
+                    entropic_ot_matrix(dense_cost(u, v), ones(u), ones(v), eps)
+                    - 0.5 * entropic_ot_matrix(dense_cost(u, u), ones(u), ones(u), eps, True)
+                    - 0.5 * entropic_ot_matrix(dense_cost(v, v), ones(v), ones(v), eps, True)
+                )
     return t
 
 
@@ -96,7 +98,9 @@ def test_class_mass_is_the_plan_summed_by_class():
     xa, ya, xb, yb = datasets(2)
     out = dataset_distance(xa, ya, xb, yb, eps=0.5, tol=1e-12, max_iter=20000)
     P = out.result.plan.dense()
-    ref = torch.stack([torch.stack([P[ya == c][:, yb == e].sum() for e in (7, 8)]) for c in range(3)])
+    ref = torch.stack(
+        [torch.stack([P[ya == c][:, yb == e].sum() for e in (7, 8)]) for c in range(3)]
+    )
     assert torch.allclose(out.class_mass, ref, atol=1e-12)
     assert float(out.class_mass.sum()) == pytest.approx(1.0, abs=1e-10)
 
@@ -109,7 +113,9 @@ def test_self_distance_is_zero_and_swapping_is_symmetric():
     same = dataset_distance(xa, ya, xa, ya, **kw)
     cross = same.result.cost
     assert abs(float(same.distance)) <= 1e-8 * abs(float(cross))
-    ab, ba = (dataset_distance(*args, **kw).distance for args in ((xa, ya, xb, yb), (xb, yb, xa, ya)))
+    ab, ba = (
+        dataset_distance(*args, **kw).distance for args in ((xa, ya, xb, yb), (xb, yb, xa, ya))
+    )
     assert float(ab) == pytest.approx(float(ba), rel=1e-9)
 
 
@@ -133,6 +139,7 @@ def test_gradient_reaches_the_features_and_matches_finite_differences():
         val = flashot.sinkhorn(la(z), lb, eps=0.8, cost=cost, tol=1e-12, max_iter=20000).cost
         return val - 0.5 * flashot.sinkhorn(la(z), la(z), eps=0.8, cost=cost, tol=1e-12,
                                              max_iter=20000).cost  # fmt: skip
+
     fd_frozen = (float(frozen(xa + h * v)) - float(frozen(xa - h * v))) / (2 * h)
     assert float((grad * v).sum()) == pytest.approx(fd_frozen, rel=1e-5)
     assert fd != pytest.approx(fd_frozen, rel=1e-6)  # the statistics' share is real
@@ -148,9 +155,12 @@ def test_mistakes_name_the_argument(args, match):
     xa, ya, xb, yb = datasets(5)
     kw = dict(xa=xa, ya=ya, xb=xb, yb=yb) | args
     with pytest.raises(ValueError, match=match):
-        dataset_distance(kw["xa"], kw["ya"], kw["xb"], kw["yb"], eps=0.5, inner=kw.get("inner", "gaussian"))
+        dataset_distance(
+            kw["xa"], kw["ya"], kw["xb"], kw["yb"], eps=0.5, inner=kw.get("inner", "gaussian")
+        )
 
 
+@pytest.mark.slow
 def test_the_kernels_agree_with_the_torch_backend():
     from flashot.backends import available_backends
 

@@ -1,10 +1,10 @@
 """Packaging: one version, the license, the typing marker and the data files ship."""
 
 import importlib.metadata
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 import flashot
 
@@ -20,7 +20,9 @@ def test_one_version():
 def test_license_typing_marker_and_data_files():
     assert (ROOT / "LICENSE").read_text().startswith("MIT License")
     assert (Path(flashot.__file__).parent / "py.typed").is_file()
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]
     assert "py.typed" in data["flashot"] and "tiles/*.json" in data["flashot.backends.triton"]
     assert list((Path(flashot.__file__).parent / "backends" / "triton" / "tiles").glob("sm_*.json"))
 
@@ -47,6 +49,7 @@ def test_the_sdist_carries_its_test_suite(tmp_path, monkeypatch):
     assert {"README.md", "LICENSE", "CHANGELOG.md", "pyproject.toml"} <= names
 
 
+@pytest.mark.slow
 def test_public_entry_points_have_precise_types(tmp_path):
     """mypy saw Any for flashot.sinkhorn(...), sinkhorn_divergence and hvp: their
     decorators were untyped (now ParamSpec-typed)."""

@@ -183,6 +183,7 @@ def dense_divergence(x, y, eps):
                  - 0.5 * entropic_ot(y, y, u(m), u(m), eps))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_ott_segmented_lattices():
     # OTT's segmented Sinkhorn and divergence at eps = 0.01 on integer lattices (ties).
     values, divs = [], []
@@ -196,8 +197,15 @@ def test_ott_segmented_lattices():
         assert abs(float(res.cost) - ref) <= 1e-9 * abs(ref)
         with warnings.catch_warnings():
             warnings.simplefilter("error", ConvergenceWarning)
-            div = flashot.sinkhorn_divergence(x, y, eps=0.01, tol=1e-10, max_iter=100_000,
-                                              eps_schedule="geomloss", update="alternating")
+            div = flashot.sinkhorn_divergence(
+                x,
+                y,
+                eps=0.01,
+                tol=1e-10,
+                max_iter=100_000,
+                eps_schedule="geomloss",
+                update="alternating",
+            )
         if not values:  # the dense divergence of the second pair takes ~20 s of Python loops
             assert abs(float(div) - dense_divergence(x, y, 0.01)) <= 1e-8 * abs(float(div))
         values.append(float(res.cost))

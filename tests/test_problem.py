@@ -201,10 +201,13 @@ def test_numpy_inputs_are_cpu_tensors_and_results_tensors():
         flashot.sinkhorn(np.ones((3, 2), dtype=np.int64), y, eps=0.5)
 
 
-@settings(max_examples=15, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # the same patch for all
-@given(sizes=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30)), min_size=1, max_size=4),
-       seed=st.integers(0, 2**16))
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)  # the same patch for all
+@given(
+    sizes=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30)), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
 def test_mean_costs_is_the_weighted_mean_of_the_dense_cost(monkeypatch, sizes, seed):
     """``mean_costs`` (closed form, float64 sums a block of rows at a time) against
     ``Σ a_i b_j C_ij / (Σa Σb)`` from the dense cost, per problem of a packed batch; blocks
@@ -221,8 +224,10 @@ def test_mean_costs_is_the_weighted_mean_of_the_dense_cost(monkeypatch, sizes, s
     ys = [torch.randn(m, 3, dtype=torch.float64, generator=g) + 1 for _, m in sizes]
     ws_a = [torch.rand(n, dtype=torch.float64, generator=g) + 0.1 for n, _ in sizes]
     ws_b = [torch.rand(m, dtype=torch.float64, generator=g) + 0.1 for _, m in sizes]
-    seg = Segments(tuple(np.cumsum([0] + [n for n, _ in sizes]).tolist()),
-                   tuple(np.cumsum([0] + [m for _, m in sizes]).tolist()))
+    seg = Segments(
+        tuple(np.cumsum([0] + [n for n, _ in sizes]).tolist()),
+        tuple(np.cumsum([0] + [m for _, m in sizes]).tolist()),
+    )
     form = _packed_form(get_cost("sqeuclidean"), torch.cat(xs), torch.cat(ys), seg, F64, None,
                         torch.ones(len(sizes), dtype=F64))[0]  # fmt: skip
     means = mean_costs(form, torch.cat(ws_a), torch.cat(ws_b))
@@ -260,14 +265,18 @@ _DTYPE_CASES = {
     "SamplesLoss.potentials": lambda x, y: flashot.SamplesLoss(blur=0.5, potentials=True)(x, y)[0],
     "SamplesLoss.batched": lambda x, y: flashot.SamplesLoss(blur=0.5)(_two(x), _two(y)),
     "ops.sinkhorn_cost": lambda x, y: flashot.ops.sinkhorn_cost(x, y, eps=0.5),
-    "otdd": lambda x, y: __import__("flashot.otdd").otdd.dataset_distance(
-        x, torch.arange(len(x)) % 2, y, torch.arange(len(y)) % 2, eps=0.5).distance,
+    "otdd": lambda x, y: (
+        __import__("flashot.otdd")
+        .otdd.dataset_distance(x, torch.arange(len(x)) % 2, y, torch.arange(len(y)) % 2, eps=0.5)
+        .distance
+    ),
 }
 _INPUT_SPACE = {  # tensors in the inputs' spaces follow the inputs
     "plan @ V": lambda x, y: flashot.sinkhorn(x, y, eps=0.5).plan @ torch.ones_like(y),
     "barycentric_map": lambda x, y: flashot.sinkhorn(x, y, eps=0.5).plan.barycentric_map(),
     "gradient": lambda x, y: torch.autograd.grad(
-        flashot.sinkhorn_divergence(x.requires_grad_(), y, eps=0.5), x)[0],
+        flashot.sinkhorn_divergence(x.requires_grad_(), y, eps=0.5), x
+    )[0],
     "hvp": lambda x, y: flashot.hvp(x, y, torch.ones_like(x), eps=0.5),
 }
 

@@ -41,5 +41,5 @@ def test_readme_snippets_run(seed, tmp_path, monkeypatch):
             warnings.simplefilter("error", flashot.ConvergenceWarning)
             try:
                 exec(compile(scaled(block), f"README block {i}", "exec"), namespace)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 pytest.fail(f"README python block {i} failed: {type(exc).__name__}: {exc}")

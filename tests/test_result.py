@@ -98,7 +98,9 @@ def test_plan_product_is_differentiable_in_v(gen):
     res = flashot.sinkhorn(x, y, eps=0.5, tol=1e-12, max_iter=5000)
     v = torch.randn(9, 2, generator=gen, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda v: res.plan @ v, (v,))
-    assert torch.autograd.gradcheck(lambda u: res.plan.T @ u, (torch.randn(12, 3, dtype=torch.float64, requires_grad=True),))
+    assert torch.autograd.gradcheck(
+        lambda u: res.plan.T @ u, (torch.randn(12, 3, dtype=torch.float64, requires_grad=True),)
+    )
 
 
 @pytest.mark.parametrize("name", ["torch", "triton"])
@@ -183,8 +185,12 @@ def test_inverse_transform_matches_pot(gen):
                                  tol=1e-12)  # fmt: skip
     st.fit(Xs=x.numpy(), Xt=y.numpy())
     new = torch.tensor([[0.3, -0.2], [2.0, 1.5]], dtype=torch.float64)
-    assert np.allclose(res.plan.T.barycentric_map(new).numpy(), st.inverse_transform(Xt=new.numpy()), atol=1e-6)
-    assert np.allclose(res.plan.T.barycentric_map().numpy(), st.inverse_transform(Xt=y.numpy()), atol=1e-6)
+    assert np.allclose(
+        res.plan.T.barycentric_map(new).numpy(), st.inverse_transform(Xt=new.numpy()), atol=1e-6
+    )
+    assert np.allclose(
+        res.plan.T.barycentric_map().numpy(), st.inverse_transform(Xt=y.numpy()), atol=1e-6
+    )
 
 
 def test_repr_is_one_short_line():

@@ -135,7 +135,9 @@ def test_huge_diameter_and_blur_stay_accurate_in_float32():
     x, y = torch.randn(20, 3).double(), torch.randn(15, 3).double()
     for kw in (dict(diameter=1e10), dict(blur=1e3)):
         ref = float(flashot.SamplesLoss(**kw)(x, y))
-        assert float(flashot.SamplesLoss(**kw)(x.float(), y.float())) == pytest.approx(ref, rel=1e-5)
+        assert float(flashot.SamplesLoss(**kw)(x.float(), y.float())) == pytest.approx(
+            ref, rel=1e-5
+        )
     half_gap = 0.5 * float(((x.mean(0) - y.mean(0)) ** 2).sum())
     assert float(flashot.SamplesLoss(blur=1e4)(x, y)) == pytest.approx(half_gap, rel=1e-7)
 
@@ -151,11 +153,18 @@ def test_geomloss_positional_order_and_keywords():
     x, y = torch.randn(30, 2, dtype=torch.float64), torch.randn(25, 2, dtype=torch.float64)
     # positional as GeomLoss: ("sinkhorn", 2, blur, reach, diameter, scaling, truncate, cost,
     # kernel, cluster_scale, debias) — debias=False is the 11th
-    ref = geomloss.SamplesLoss("sinkhorn", 2, 0.3, None, None, 0.7, 5, None, None, None, False)(x, y)
+    ref = geomloss.SamplesLoss("sinkhorn", 2, 0.3, None, None, 0.7, 5, None, None, None, False)(
+        x, y
+    )
     val = flashot.SamplesLoss("sinkhorn", 2, 0.3, None, None, 0.7, 5, None, None, None, False)(x, y)
     assert float(val) == pytest.approx(float(ref), rel=1e-6)
     base = float(flashot.SamplesLoss(blur=0.3)(x, y))
-    for kw in (dict(truncate=None), dict(truncate=3), dict(backend="tensorized"), dict(backend="online")):
+    for kw in (
+        dict(truncate=None),
+        dict(truncate=3),
+        dict(backend="tensorized"),
+        dict(backend="online"),
+    ):
         assert float(flashot.SamplesLoss(blur=0.3, **kw)(x, y)) == pytest.approx(base, rel=1e-9)
 
 

@@ -74,6 +74,7 @@ def test_zero_is_a_saddle_of_the_generated_problem():
     assert smallest_hessian_eigenvalue(loss, W) < -0.1
 
 
+@pytest.mark.slow
 def test_the_hybrid_escapes_the_saddle_where_adam_stops():
     """From W = 0 (a saddle, gradient ~1e-17) Adam's first-order test stops at once; the
     hybrid finds the negative curvature, picks the side of W*, and recovers it to 5 %."""

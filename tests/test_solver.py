@@ -4,16 +4,15 @@ cause truthfully. Checked on the reported cases and as a property over random pr
 import math
 import warnings
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashot
-from flashot.stopping import FloorTolerance
 from flashot import ConvergenceWarning
 from flashot.backends import available_backends
+from flashot.stopping import FloorTolerance
 from tests.references import dense_cost, entropic_ot
 
 F64 = torch.float64
@@ -81,7 +80,9 @@ def problems(draw, dtype=F64, max_n=60):
     seed = draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=gen, dtype=F64)
-    y = torch.randn(m, d, generator=gen, dtype=F64) * draw(st.floats(0.3, 2)) + draw(st.floats(0, 2))
+    y = torch.randn(m, d, generator=gen, dtype=F64) * draw(st.floats(0.3, 2)) + draw(
+        st.floats(0, 2)
+    )
     a = torch.rand(n, generator=gen, dtype=F64) + 0.05
     b = torch.rand(m, generator=gen, dtype=F64) + 0.05
     mean_cost = float(dense_cost(x, y).mean())
@@ -160,7 +161,7 @@ def test_a_miss_at_max_iter_is_named_from_the_last_errors(errors, cause):
     from flashot.stopping import _Stopping
 
     stop = _Stopping(1e-6, floor=lambda: 1e-12)
-    for it, e in enumerate([1.0] + errors):
+    for it, e in enumerate([1.0, *errors]):
         assert not stop.done(e, it)
     stop.finish()
     assert stop.cause == cause
@@ -184,8 +185,15 @@ def test_only_the_final_eps_takes_the_near_path(monkeypatch, update):
     diameter = math.sqrt(2 * bound)  # the first temperature, D², is above the bound
     for eps, near_final in ((0.5, False), (1e3, True)):
         calls.clear()
-        res, misses = solve(x, y, eps=eps, eps_schedule=flashot.EpsilonScaling(0.5, diameter=diameter),
-                            update=update, tol=1e-10, max_iter=3000)  # fmt: skip
+        res, misses = solve(
+            x,
+            y,
+            eps=eps,
+            eps_schedule=flashot.EpsilonScaling(0.5, diameter=diameter),
+            update=update,
+            tol=1e-10,
+            max_iter=3000,
+        )
         assert not misses
         assert all(e == eps for e in calls) and bool(calls) == near_final
         n, m = len(x), len(y)

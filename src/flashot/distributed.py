@@ -48,8 +48,7 @@ from flashot.problem import check_positive, compute_dtype
 from flashot.solver import temperatures
 from flashot.stopping import FloorTolerance, _check_iterations, describe_miss, resolve_stopping
 
-__all__ = ["GATHER_SHARE", "DistributedPlan", "DistributedSinkhornResult", "free_bytes",
-           "sinkhorn"]
+__all__ = ["GATHER_SHARE", "DistributedPlan", "DistributedSinkhornResult", "free_bytes", "sinkhorn"]
 
 MODES = ("auto", "gather", "ring")
 UPDATES = ("auto", "alternating", "symmetric")
@@ -258,8 +257,11 @@ def _option_error(x, eps, cost, max_iter, tol, check_every, update, eps_schedule
         lambda: check_positive(eps, "eps"),
         lambda: get_cost(cost),
         lambda: _check_iterations(max_iter, 0, None, check_every),
-        lambda: resolve_stopping(tol, "auto") if isinstance(tol, str) else
-        _check_iterations(1, 0, tol, 1),
+        lambda: (
+            resolve_stopping(tol, "auto")
+            if isinstance(tol, str)
+            else _check_iterations(1, 0, tol, 1)
+        ),
         lambda: _check_update(update),
         lambda: temperatures(eps_schedule, check_positive(eps, "eps"), lambda: 1.0),
         lambda: resolve_backend(backend, x.device, precision, compute_dtype(x.dtype)),
@@ -330,8 +332,10 @@ def _sides(comm: _Comm, cost: Cost, x, y, a, b, dtype, rounding):
             w = w.to(dtype)
             mass = comm.total(w.sum())  # (the same on every rank: all raise or none)
             if not bool(mass > 0):
-                raise ValueError(f"{('a_local', 'b_local')[side]}: the weights sum to zero "
-                                 "over all ranks; give at least one point a positive weight")
+                raise ValueError(
+                    f"{('a_local', 'b_local')[side]}: the weights sum to zero "
+                    "over all ranks; give at least one point a positive weight"
+                )
             logs.append(torch.log(w / mass))
     return (q, alpha, logs[0]), (k, beta, logs[1]), diameter
 

@@ -182,8 +182,9 @@ def debiased_potentials(
     scale = None if bound is None else bound / eps
     misses = tuple(
         f"{name}: "
-        + describe_miss(o.cause or "max_iter", tol or 0.0, o.error, o.floor, o.n_iter, dtype,
-                        update, scale)
+        + describe_miss(
+            o.cause or "max_iter", tol or 0.0, o.error, o.floor, o.n_iter, dtype, update, scale
+        )
         for name, o in outs
         if o.converged is False
     )
@@ -287,10 +288,23 @@ def sinkhorn_divergence(
                                       f"{', '.join(given)} yet: loop over the "
                                       "problems")  # fmt: skip
         return sinkhorn_divergence_batched(
-            cloud_tensor(x), cloud_tensor(y), a, b, eps=eps, cost=cost, max_iter=max_iter,
-            tol=tol, check_every=check_every, update=update, eps_schedule=eps_schedule,
-            backend=backend, precision=precision, min_iter=min_iter, warn=warn,
-            momentum=momentum, hvp_tol=hvp_tol,
+            cloud_tensor(x),
+            cloud_tensor(y),
+            a,
+            b,
+            eps=eps,
+            cost=cost,
+            max_iter=max_iter,
+            tol=tol,
+            check_every=check_every,
+            update=update,
+            eps_schedule=eps_schedule,
+            backend=backend,
+            precision=precision,
+            min_iter=min_iter,
+            warn=warn,
+            momentum=momentum,
+            hvp_tol=hvp_tol,
         )
     if rho is not None and not isinstance(rho, (int, float)):
         rx, ry = parse_rho(rho)

@@ -86,9 +86,7 @@ class GraphCache:
         self._seen: OrderedDict = OrderedDict()
         self._graphs: OrderedDict = OrderedDict()
 
-    def __call__(
-        self, key: Hashable, fn: Callable, inputs: Sequence[torch.Tensor]
-    ) -> tuple:
+    def __call__(self, key: Hashable, fn: Callable, inputs: Sequence[torch.Tensor]) -> tuple:
         """``fn(*inputs)``: eager on a key's first call, then captured and replayed."""
         captured = self._graphs.get(key)
         if captured is None:

@@ -10,9 +10,9 @@ including how the potentials move with the points: ``∇V`` is written as the ex
 gradient of the dual in the attention form, ``J_θᵀ ∂_θ L(z(θ), θ)``, with the
 potentials ``z(θ)`` from :mod:`flashot.autodiff.implicit`
 (:mod:`flashot.autodiff.second_order`); one reverse pass through it gives the
-product: :func:`hvp` is a double backward of ``sinkhorn(...).cost``. The cost: a solve, a few streaming passes, and a conjugate
-gradient solve of the dual system (two plan products per iteration). Memory stays
-O((n + m) d); nothing of size n × m or (nd)² is formed.
+product: :func:`hvp` is a double backward of ``sinkhorn(...).cost``. The cost: a
+solve, a few streaming passes, and a conjugate gradient solve of the dual system (two
+plan products per iteration). Memory stays O((n + m) d); nothing of size n × m or (nd)² is formed.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class CGWarning(UserWarning):
     """Conjugate gradients stopped above the requested tolerance."""
 
 
-class NegativeCurvature(RuntimeError):
+class NegativeCurvature(RuntimeError):  # noqa: N818  (a public name since 0.1 development)
     """The operator is not positive definite along a CG direction ``p`` (``⟨p, Ap⟩ ≤ 0``).
 
     Attributes:

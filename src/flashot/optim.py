@@ -397,8 +397,9 @@ class AdamNewton(_SecondOrder):
         newton_failed = False  # a Newton step on a positive-definite model found no decrease
         if self._newton_mode and gnorm > group["grad_tol"]:
             # in a convex basin: Newton steps while they descend, no eigenvalue estimate
-            direction, iters, kind = self._newton_direction(grad, hvp, group["cg_max_iter"],
-                                                            self._forcing.next(gnorm))
+            direction, iters, kind = self._newton_direction(
+                grad, hvp, group["cg_max_iter"], self._forcing.next(gnorm)
+            )
             if kind == "newton":
                 t, _ = self._line_search(closure, x, loss, grad, direction, 1.0, tries=12)
                 if t > 0:
@@ -438,8 +439,9 @@ class AdamNewton(_SecondOrder):
             self._newton_mode = True  # try Newton in the basin it stepped into
             self.log.append(dict(entry, step="negative_curvature", t=t))
             return loss
-        direction, iters, kind = self._newton_direction(grad, hvp, group["cg_max_iter"],
-                                                            self._forcing.next(gnorm))
+        direction, iters, kind = self._newton_direction(
+            grad, hvp, group["cg_max_iter"], self._forcing.next(gnorm)
+        )
         t, _ = self._line_search(closure, x, loss, grad, direction, 1.0, tries=12)
         self._newton_mode = kind == "newton" and t > 0
         # no negative curvature and no Newton step lowers the loss: the loss's own

@@ -38,8 +38,9 @@ class ConvergenceWarning(UserWarning):
 
 def resolve_schedule(eps_schedule, problem: Problem) -> list[float]:
     """The list of temperatures for ``eps_schedule`` (None, "geomloss", EpsilonScaling, floats)."""
-    return temperatures(eps_schedule, problem.eps,
-                        lambda: bounding_diameter(problem.cost, problem.x, problem.y))
+    return temperatures(
+        eps_schedule, problem.eps, lambda: bounding_diameter(problem.cost, problem.x, problem.y)
+    )
 
 
 def _check_init(init, a: torch.Tensor, b: torch.Tensor):
@@ -49,9 +50,7 @@ def _check_init(init, a: torch.Tensor, b: torch.Tensor):
     if not (isinstance(init, Sequence) and len(init) == 2):
         raise TypeError("init must be None or a pair (f, g) of tensors")
     out = []
-    for pot, like, name in zip(
-        init, (a, b), ("init[0] (f)", "init[1] (g)"), strict=True
-    ):
+    for pot, like, name in zip(init, (a, b), ("init[0] (f)", "init[1] (g)"), strict=True):
         if not isinstance(pot, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor")
         if pot.shape != like.shape:
@@ -83,8 +82,15 @@ def _piece(problem, f: torch.Tensor, g: torch.Tensor, spec, trajectory=None) -> 
         form = attention_form(cost, x, y, dtype, rounding, bound)
         return form.q, form.alpha, form.k, form.beta, a, b
 
-    return Piece(1.0, (problem.x, problem.y, problem.a, problem.b), f, g, spec, build=theta,
-                 trajectory=trajectory)
+    return Piece(
+        1.0,
+        (problem.x, problem.y, problem.a, problem.b),
+        f,
+        g,
+        spec,
+        build=theta,
+        trajectory=trajectory,
+    )
 
 
 @entry_point
@@ -205,10 +211,26 @@ def sinkhorn(
             raise NotImplementedError("batched (B, n, d) solves do not take history yet: "
                                       "loop over the problems for it")  # fmt: skip
         return sinkhorn_batched(  # type: ignore[return-value]
-            cloud_tensor(x), cloud_tensor(y), a, b, eps=eps, cost=cost, max_iter=max_iter,
-            tol=tol, check_every=check_every, update=update, eps_schedule=eps_schedule,
-            backend=backend, precision=precision, progress=progress, min_iter=min_iter,
-            warn=warn, momentum=momentum, rho=rho, relative_eps=relative_eps, init=init,
+            cloud_tensor(x),
+            cloud_tensor(y),
+            a,
+            b,
+            eps=eps,
+            cost=cost,
+            max_iter=max_iter,
+            tol=tol,
+            check_every=check_every,
+            update=update,
+            eps_schedule=eps_schedule,
+            backend=backend,
+            precision=precision,
+            progress=progress,
+            min_iter=min_iter,
+            warn=warn,
+            momentum=momentum,
+            rho=rho,
+            relative_eps=relative_eps,
+            init=init,
             hvp_tol=hvp_tol,
         )
     problem = make_problem(x, y, a, b, eps=eps, cost=cost, rho=rho, backend=backend,

@@ -197,8 +197,10 @@ def _outer(xa, index_a, xb, index_b, cost, eps, debias, self_b=None, solve=None,
     (the flows' warm starts).
     """
     if solve is None:
+
         def solve(x, y, c, name):
             return flashot.sinkhorn(x, y, eps=eps, cost=c, **sinkhorn_options)
+
     self_a = None
     if debias:
         self_a = solve(xa, xa, cost.with_labels(index_a, index_a), "aa").cost

@@ -80,8 +80,10 @@ def _weights(w, n: int, like, seg: Segments, name: str, checks: DeviceChecks,
         return seg.device_table(("uniform", str(like.device), dtype), uniform).clone()
     w = check_weights(w, n, like, name, checks)  # (one problem's checks, on the packing)
     mass = seg.sum(w.detach())
-    checks.add((mass > 0).all(),
-               ValueError(f"{name} sums to zero within a problem; every problem needs mass"))
+    checks.add(
+        (mass > 0).all(),
+        ValueError(f"{name} sums to zero within a problem; every problem needs mass"),
+    )
     w = w.to(compute_dtype(like.dtype))
     return w / seg.sum(w)[seg.row_ids(w.device)] if normalize else w
 
@@ -108,8 +110,10 @@ def _packed_form(cost: Cost, x, y, seg: Segments, dtype, rounding, shrink: torch
     with torch.no_grad():
         total = seg.sum(u.detach()) + seg.T.sum(v.detach())
         points = [r + c for r, c in zip(seg.row_counts, seg.T.row_counts, strict=True)]
-        sizes = seg.device_table(("points", str(u.device), dtype),
-                                 lambda: torch.tensor(points, dtype=dtype, device=u.device))
+        sizes = seg.device_table(
+            ("points", str(u.device), dtype),
+            lambda: torch.tensor(points, dtype=dtype, device=u.device),
+        )
         center = total / sizes[:, None]
         scaled = bool((shrink != 1).any())
         r = shrink.to(device=u.device, dtype=dtype)
@@ -229,8 +233,10 @@ def pack_problems(x, y, x_offsets, y_offsets, a=None, b=None, *, eps, cost="sqeu
     eps_all = _eps_per_problem(eps, seg.count)
     if cost.normalize:
         for cloud, name in ((x, "x"), (y, "y")):
-            checks.add((torch.linalg.vector_norm(cloud.detach(), dim=1) > 0).all(),
-                       ValueError(f"{name} has a zero vector; the cosine cost is undefined there"))
+            checks.add(
+                (torch.linalg.vector_norm(cloud.detach(), dim=1) > 0).all(),
+                ValueError(f"{name} has a zero vector; the cosine cost is undefined there"),
+            )
     a = _weights(a, x.shape[0], x, seg, "a", checks, normalize)
     b = _weights(b, y.shape[0], y, seg.T, "b", checks, normalize)
     checks.verify()
@@ -293,5 +299,3 @@ def pair_packing(x, y, wa, wb, debias: bool):
 
     packed_x, packed_y = torch.cat([p[0] for p in pairs]), torch.cat([p[3] for p in pairs])
     return packed_x, packed_y, rows, cols, packed(0), packed(3)
-
-

@@ -380,5 +380,3 @@ def _weighted_rows(seg: Segments, w: torch.Tensor, u: torch.Tensor) -> torch.Ten
     for lo, hi in _row_ranges(u.shape[0], u.shape[1]):
         out.index_add_(0, ids[lo:hi], w[lo:hi, None] * u[lo:hi].double())
     return out
-
-

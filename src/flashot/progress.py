@@ -45,8 +45,11 @@ class Progress:
         sys.stderr.flush()
 
     def close(self, done: int | None = None):
-        """End the line (or the bar); ``done``: the iterations run, when a tolerance ended
-        the solve before ``max_iter`` (the total then shows the work done, not the cap)."""
+        """End the line (or the bar).
+
+        ``done``: the iterations run, when a tolerance ended the solve before
+        ``max_iter`` (the total then shows the work done, not the cap).
+        """
         if done is not None and self.enabled and done < self.total:
             self.total = done
             if self.bar is not None:

@@ -480,8 +480,10 @@ class SinkhornResult:
         """One line: sizes, ε, the value and how the solve ended (no tensors printed)."""
         value = float(self.cost.detach())
         end = "" if self.cause is None else f", cause={self.cause!r}"
-        return (f"SinkhornResult(n={len(self.f)}, m={len(self.g)}, eps={self.eps:g}, "
-                f"cost={value:.6g}, n_iter={self.n_iter}, converged={self.converged}{end})")
+        return (
+            f"SinkhornResult(n={len(self.f)}, m={len(self.g)}, eps={self.eps:g}, "
+            f"cost={value:.6g}, n_iter={self.n_iter}, converged={self.converged}{end})"
+        )
 
     @functools.cached_property
     @entry_point

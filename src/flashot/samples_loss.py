@@ -119,8 +119,10 @@ class SamplesLoss(torch.nn.Module):
             raise ValueError("cluster_scale must be None: GeomLoss' multiscale approximation "
                              "is not offered (flashot streams the full problem)")  # fmt: skip
         if backend == "multiscale":
-            raise ValueError("backend='multiscale' is not offered (flashot streams the full "
-                             "problem): use 'auto', 'online', 'tensorized', 'torch' or 'triton'")  # fmt: skip
+            raise ValueError(
+                "backend='multiscale' is not offered (flashot streams the full problem): use "
+                "'auto', 'online', 'tensorized', 'torch' or 'triton'"
+            )
         if isinstance(backend, str):
             backend = {"tensorized": "torch", "online": "auto"}.get(backend, backend)
         if not isinstance(verbose, bool):
@@ -243,7 +245,6 @@ class SamplesLoss(torch.nn.Module):
             g = g.reshape(shape_b) if shape_b is not None else g
             return f, g  # (in the compute dtype: the dtype rule, flashot.problem.compute_dtype)
         return pots.value(problem)
-
 
     def _batched(self, a, x, b, y, temps):
         """A batch as one packed solve (balanced or with ``reach``).

@@ -49,6 +49,8 @@ __all__ = [
 UPDATES = ("symmetric", "alternating")
 #: warm-up temperatures take the near-uniform LSE from this multiple of the cost's bound
 WARM_NEAR_FROM = 4.0
+
+
 @dataclass(frozen=True)
 class SolverOutput:
     """The loop's final iterate (detached) and how it got there.
@@ -311,8 +313,9 @@ def warm_form(form: AttentionForm, eps_list: Sequence[float]) -> AttentionForm:
         return form
     # a packed form decides per problem, from its segments' bounds
     bound = None if form.cost_bound is None else WARM_NEAR_FROM * form.cost_bound
-    return replace(form, cost_bound=bound,
-                   segments=None if seg is None else seg.scaled_bounds(WARM_NEAR_FROM))
+    return replace(
+        form, cost_bound=bound, segments=None if seg is None else seg.scaled_bounds(WARM_NEAR_FROM)
+    )
 
 
 def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_iter, tol,

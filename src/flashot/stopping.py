@@ -17,13 +17,25 @@ import torch
 
 from flashot.costs import _row_blocks
 
-__all__ = ["AUTO_TOL", "CAUSES", "FloorTolerance", "describe_miss", "precision_floor",
-           "resolve_stopping"]
+__all__ = [
+    "AUTO_TOL",
+    "CAUSES",
+    "FloorTolerance",
+    "describe_miss",
+    "precision_floor",
+    "resolve_stopping",
+]
 
 
 #: causes a solve that missed ``tol`` can report (``SolverOutput.cause``)
-CAUSES = ("max_iter", "no_progress", "oscillation", "precision_floor", "eps_too_small",
-          "final_step")
+CAUSES = (
+    "max_iter",
+    "no_progress",
+    "oscillation",
+    "precision_floor",
+    "eps_too_small",
+    "final_step",
+)
 #: a stalled error is at the precision floor when within this factor of the estimate
 #: (float32 solves stalled at 0.01–0.25 of it on 48 random problems, both updates)
 FLOOR_FACTOR = 1.0
@@ -201,7 +213,7 @@ class _Stopping:
 
 def _swings(errors: list[float]) -> bool:
     """Whether a sequence of errors rises as often as it falls (no trend, an oscillation)."""
-    ups = sum(b > a for a, b in zip(errors, errors[1:], strict=False))
+    ups = sum(b > a for a, b in itertools.pairwise(errors))
     return ups >= (len(errors) - 1) // 2 and max(errors) - min(errors) > SWING * max(errors)
 
 
@@ -213,12 +225,17 @@ def describe_miss(cause: str, tol: float, error: float, floor: float | None, n_i
     ``scale`` is the cost's bound over ε, the iterations a flat error may still need.
     """
     other = "alternating" if update == "symmetric" else "symmetric"
-    head = f"Sinkhorn did not reach tol={tol:g} (marginal error {error:.3e} after {n_iter} iterations)"
+    head = (
+        f"Sinkhorn did not reach tol={tol:g} (marginal error {error:.3e} after {n_iter} iterations)"
+    )
     fl = "" if floor is None else f"{floor:.1e}"
     why = {
         "max_iter": "max_iter was not enough; increase max_iter or use an eps_schedule"
-        + (", or update='alternating' (fewer iterations at small eps)" if other == "alternating"
-           else ""),
+        + (
+            ", or update='alternating' (fewer iterations at small eps)"
+            if other == "alternating"
+            else ""
+        ),
         "no_progress": "the error has not changed over the last checks: the potentials move "
         "by about eps per iteration and may need up to cost scale / eps"
         + ("" if scale is None else f" = {scale:.1e}")

@@ -58,7 +58,9 @@ def test_plan_outputs_have_exact_gradients(rho, wrt):
 
     def reference(tt):
         args = dict(inputs, **{wrt: tt})
-        return torch.stack(scalars(dense_outputs(args["x"], args["y"], args["a"], args["b"], rho, V)))
+        return torch.stack(
+            scalars(dense_outputs(args["x"], args["y"], args["a"], args["b"], rho, V))
+        )
 
     expected = fd(reference, t, direction)
     leaf = t.clone().requires_grad_()
@@ -100,7 +102,9 @@ def test_plan_vjp_primitive_matches_dense_autograd():
     g = torch.randn(5, generator=gen, dtype=F64)
     V = torch.randn(5, 2, generator=gen, dtype=F64)
     D = torch.randn(7, 2, generator=gen, dtype=F64)
-    leaves = [t.clone().requires_grad_() for t in (form.q, form.alpha, form.k, form.beta, a, b, f, g, V)]
+    leaves = [
+        t.clone().requires_grad_() for t in (form.q, form.alpha, form.k, form.beta, a, b, f, g, V)
+    ]
     q, al, k, be, aa, bb, ff, gg, VV = leaves
     P = aa[:, None] * bb[None, :] * torch.exp((ff[:, None] + gg[None, :] - al[:, None] - be[None, :]
                                                + q @ k.T) / EPS)  # fmt: skip
@@ -118,8 +122,17 @@ def test_plan_product_asks_only_what_each_input_needs():
     x, y, a, b, gen = data(4, n=7, m=5, d=3)
     form = attention_form(get_cost("sqeuclidean"), x, y)
     spec = DualSpec(EPS, (None, None), TorchBackend(budget=6), None, 1e-10)
-    inputs = [form.q, form.alpha, form.k, form.beta, a, b, torch.randn(7, generator=gen, dtype=F64),
-              torch.randn(5, generator=gen, dtype=F64), torch.randn(5, 2, generator=gen, dtype=F64)]
+    inputs = [
+        form.q,
+        form.alpha,
+        form.k,
+        form.beta,
+        a,
+        b,
+        torch.randn(7, generator=gen, dtype=F64),
+        torch.randn(5, generator=gen, dtype=F64),
+        torch.randn(5, 2, generator=gen, dtype=F64),
+    ]
     D = torch.randn(7, 2, generator=gen, dtype=F64)
     dm = torch.randn(7, generator=gen, dtype=F64)
 

@@ -50,14 +50,29 @@ def variants():
         (dict(with_v, D_CHUNKS=4, SPLIT=True), False),
         (dict(with_v, BLOCK_M=64, BLOCK_D=32, BLOCK_P=256, D_CHUNKS=16, SPLIT=True), False),
         (dict(with_v, D_CHUNKS=1, SPLIT=False), True),
-        (dict(plain, D_CHUNKS=1, SPLIT=False, REPAIR=True, PRECISION="tf32x3", SEGMENTED=True),
-         False),
+        (
+            dict(plain, D_CHUNKS=1, SPLIT=False, REPAIR=True, PRECISION="tf32x3", SEGMENTED=True),
+            False,
+        ),
         (dict(with_v, D_CHUNKS=4, SPLIT=False, SEGMENTED=True), True),
         # the value chunks looped in one program (P_LOOP), split parts as the default reads
-        (dict(with_v, BLOCK_M=64, BLOCK_P=128, D_CHUNKS=16, SPLIT=False, P_LOOP=8,
-              PRESPLIT=True, V_SPLIT=True), True),
-        (dict(with_v, BLOCK_M=64, BLOCK_D=32, BLOCK_P=128, D_CHUNKS=16, SPLIT=True, P_LOOP=4),
-         False),
+        (
+            dict(
+                with_v,
+                BLOCK_M=64,
+                BLOCK_P=128,
+                D_CHUNKS=16,
+                SPLIT=False,
+                P_LOOP=8,
+                PRESPLIT=True,
+                V_SPLIT=True,
+            ),
+            True,
+        ),
+        (
+            dict(with_v, BLOCK_M=64, BLOCK_D=32, BLOCK_P=128, D_CHUNKS=16, SPLIT=True, P_LOOP=4),
+            False,
+        ),
     ):
         flags = dict(flags, V_PRECISION=flags["PRECISION"])
         flags.setdefault("SEGMENTED", False)
@@ -74,8 +89,16 @@ def variants():
                       PRECISION="tf32", SEGMENTED=segmented, PRESPLIT=False,
                       MULTIPLY=False, EXACT=False)  # fmt: skip
         yield K._plan_sums_kernel, consts, half
-    exact = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, D_CHUNKS=8, GATED=False, MULTIPLY=False,
-                 SEGMENTED=False, EXACT=True)  # the one-pass step of wide features
+    exact = dict(
+        BLOCK_M=128,
+        BLOCK_N=64,
+        BLOCK_D=64,
+        D_CHUNKS=8,
+        GATED=False,
+        MULTIPLY=False,
+        SEGMENTED=False,
+        EXACT=True,
+    )  # the one-pass step of wide features
     yield K._plan_sums_kernel, dict(exact, PRECISION="tf32x3", PRESPLIT=True), True
     yield K._plan_sums_kernel, dict(exact, PRECISION="tf32", PRESPLIT=False), False
     from flashot.backends.triton import COMBINE_TILE

@@ -17,13 +17,44 @@ def _probe(Q, K, OUT, n, m, d, q_lo, k_lo, BLOCK_D: tl.constexpr, D_CHUNKS: tl.c
     offs_m = tl.arange(0, 64)
     offs_n = tl.arange(0, 64)
     unused = tl.zeros((64, BLOCK_D), dtype=tl.float16)
-    s = _score_tile(Q, K, unused, unused, offs_m, offs_n, n, m, d, d, 1, d, 1, BLOCK_D,
-                    D_CHUNKS, False, "tf32", unused, unused, q_lo, k_lo, 0.5, True)
+    s = _score_tile(
+        Q,
+        K,
+        unused,
+        unused,
+        offs_m,
+        offs_n,
+        n,
+        m,
+        d,
+        d,
+        1,
+        d,
+        1,
+        BLOCK_D,
+        D_CHUNKS,
+        False,
+        "tf32",
+        unused,
+        unused,
+        q_lo,
+        k_lo,
+        0.5,
+        True,
+    )
     tl.store(OUT + offs_m[:, None] * 64 + offs_n[None, :], s)
 
 
 if __name__ == "__main__":
-    signature = {"Q": "*fp16", "K": "*fp16", "OUT": "*fp32", "n": "i32", "m": "i32",
-                 "d": "i32", "q_lo": "i32", "k_lo": "i32"}
+    signature = {
+        "Q": "*fp16",
+        "K": "*fp16",
+        "OUT": "*fp32",
+        "n": "i32",
+        "m": "i32",
+        "d": "i32",
+        "q_lo": "i32",
+        "k_lo": "i32",
+    }
     src = ASTSource(fn=_probe, signature=signature, constexprs={"BLOCK_D": 64, "D_CHUNKS": 3})
     print(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttgir"])

@@ -29,7 +29,9 @@ def test_autotuning_buckets_are_capped():
     assert _configs.bucket(1_000_000) == _configs.bucket(2**16) == _configs.BUCKET_CAP
 
 
-@pytest.mark.parametrize("p,expected", [(1, 16), (3, 16), (40, 64), (64, 64), (100, 128), (512, 128)])
+@pytest.mark.parametrize(
+    "p,expected", [(1, 16), (3, 16), (40, 64), (64, 64), (100, 128), (512, 128)]
+)
 def test_value_chunks_on_gpus(monkeypatch, p, expected):
     """Value chunks: at least 16 columns (tensor cores), at most VALUE_TILE_CAP."""
     from flashot.backends.triton import _configs

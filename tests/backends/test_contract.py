@@ -198,13 +198,22 @@ def dense_plan_vjp(form, f, g, a, b, eps, v, d, d0=None):
     U = d @ v.T if d0 is None else d @ v.T + d0.double().cpu()[:, None]
     T = E * U  # S / (a ⊗ b), defined where a weight is 0 too
     S = a[:, None] * b[None] * T
-    return dict(row=S.sum(1), row_k=S @ k, col=S.sum(0), col_q=S.T @ q, pt_d=P.T @ d,
-                per_a=T @ b, per_b=T.T @ a)
+    return dict(
+        row=S.sum(1),
+        row_k=S @ k,
+        col=S.sum(0),
+        col_q=S.T @ q,
+        pt_d=P.T @ d,
+        per_a=T @ b,
+        per_b=T.T @ a,
+    )
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("shape,p,eps", [((50, 37, 3), 2, 0.3), ((33, 70, 5), 6, 0.05),
-                                         ((1, 9, 2), 1, 1.0), ((40, 45, 20), 21, 0.5)])
+@pytest.mark.parametrize(
+    "shape,p,eps",
+    [((50, 37, 3), 2, 0.3), ((33, 70, 5), 6, 0.05), ((1, 9, 2), 1, 1.0), ((40, 45, 20), 21, 0.5)],
+)
 @pytest.mark.parametrize("splits", [None, 3])
 def test_plan_vjp_matches_dense(gen, name, shape, p, eps, splits):
     """Backend.plan_vjp near a fixed point (rows off by up to e^±2, a zero weight on
@@ -224,8 +233,11 @@ def test_plan_vjp_matches_dense(gen, name, shape, p, eps, splits):
         args = [t.to(device, dtype) for t in (f64, g64, a, b, v, dd)]
         d0 = torch.randn(n, generator=gen, dtype=torch.float64).to(device, dtype)
         if dtype == torch.float32:  # exponents of size X/ε are rounded to X/ε ulps (GPU)
-            size = (form.q.norm(dim=1).max() * form.k.norm(dim=1).max()
-                    + (args[0] - form.alpha).abs().max() + (args[1] - form.beta).abs().max())
+            size = (
+                form.q.norm(dim=1).max() * form.k.norm(dim=1).max()
+                + (args[0] - form.alpha).abs().max()
+                + (args[1] - form.beta).abs().max()
+            )
             tol = max(tol, 2.0**-21 * float(size) / eps)
         for row_sums in (None, d0):
             out = backend.plan_vjp(form, *args[:4], eps, *args[4:], d0=row_sums)

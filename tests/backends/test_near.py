@@ -15,6 +15,10 @@ from tests.conftest import clouds
 mpmath.mp.dps = 60
 
 
+def _dot(u, v):
+    return mpmath.fsum(mpmath.mpf(a) * b for a, b in zip(u, v, strict=True))
+
+
 def mp_lse(form, h, eps, log_w):
     """ε log Σ_j π_j exp((<q_i,k_j> + h_j)/ε) in 60 digits, π = w/Σw (weights within rounding
     of a probability vector are one: the contract of near_attend)."""
@@ -26,8 +30,8 @@ def mp_lse(form, h, eps, log_w):
     out = []
     for qi in q:
         terms = [
-            mpmath.exp(mpmath.mpf(w) + (mpmath.fsum(mpmath.mpf(u) * v for u, v in zip(qi, kj)) + hj) / e)
-            for kj, hj, w in zip(k, hs, lw)
+            mpmath.exp(mpmath.mpf(w) + (_dot(qi, kj) + hj) / e)
+            for kj, hj, w in zip(k, hs, lw, strict=False)
         ]
         out.append(float(e * mpmath.log(mpmath.fsum(terms))))
     return torch.tensor(out, dtype=torch.float64)

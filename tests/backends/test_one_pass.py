@@ -120,6 +120,7 @@ def test_one_pass_step_records_its_residual_range_for_the_gate(gen, one_pass):
     log_eps=st.floats(-3.0, 1.0),
     update=st.sampled_from(["symmetric", "alternating"]),
 )
+@pytest.mark.slow
 def test_one_pass_solves_equal_float64(n, m, d, log_eps, update):
     """Fixed-iteration solves (ε from 10^-3 to 10 of clouds ~2d apart) on the one-pass
     steps equal the float64 torch solve to float32 accuracy on the cost."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import ClassVar
 
 import pytest
 import torch
@@ -170,7 +171,7 @@ def test_a_worker_timing_out_as_a_pass_is_queued_still_serves_it(two_threads, mo
     import time
 
     class LateQueue(queue.SimpleQueue):
-        timed_out: set = set()
+        timed_out: ClassVar[set] = set()
 
         def get(self, block=True, timeout=None):
             me = threading.get_ident()

@@ -239,7 +239,7 @@ def test_split_chunks_are_summed_outside_the_mma():
     loop = re.search(r"scf\.for .*iter_args\((%[\w]+) = [^)]*\)", ir)
     assert loop, ir
     carried = loop.group(1)
-    body = ir[loop.end():]
+    body = ir[loop.end() :]
     mma = r"(?:ttng\.warp_group_dot|triton_nvidia_gpu\.warp_group_dot|tt\.dot)"
     dots = re.findall(mma + r" (%[\w#]+), (%[\w#]+), (%[\w#]+)", body)
     assert len(dots) == 3, dots  # hi·lo', lo·hi', hi·hi' per chunk

@@ -72,7 +72,7 @@ def test_an_unreadable_table_is_a_clear_error(tables):
     path = tables / "user" / "tiles_sm_90.json"
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    with pytest.raises(RuntimeError, match="tiles_sm_90.json.*flashot tune"):
+    with pytest.raises(RuntimeError, match=r"tiles_sm_90\.json.*flashot tune"):
         _tables.lookup(ATTEND, "sm_90")
 
 

@@ -94,7 +94,7 @@ def test_split_merge_of_wide_values_runs_in_bounded_tiles(gen, monkeypatch):
     lse, out = triton_backend(splits=2).row_attend(form, h, 0.4, v)
     ref_lse, ref_out = dense_attend(form, h, 0.4, v)
     assert rel(lse.cpu(), ref_lse.cpu()) < 2e-5 and rel(out.cpu(), ref_out.cpu()) < 2e-5
-    (grid, rows, cols), = launches
+    ((grid, rows, cols),) = launches
     assert rows * cols <= math.prod(tb.COMBINE_TILE)
     assert grid == (-(-n // rows), -(-p // cols))  # every row and value column merged
 
@@ -327,6 +327,7 @@ def test_packed_probe_samples_each_problem_against_its_own_columns(gen, monkeypa
     assert max(want) > 1.0  # far from the window: a real check
 
 
+@pytest.mark.slow
 def test_packed_launches_split_like_one_problems_launches(gen, monkeypatch):
     """A packed batch's attend (columns) and plan-sums (rows) launches split their moving
     side as a single problem's do, cut by the widest problem (a narrower problem's
@@ -498,6 +499,7 @@ def test_solver_on_triton_matches_torch(gen, update, rho):
     assert res.converged and rel(res.cost.cpu(), ref.cost) < 1e-5
 
 
+@pytest.mark.slow
 def test_fast_path_recovers_from_a_far_warm_start(gen, monkeypatch):
     """A warm start far from the fixed point: the gate keeps the first steps exact, the
     fused pass takes over once the residual is small, and the answer is the torch one."""

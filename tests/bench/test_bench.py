@@ -278,9 +278,25 @@ def test_cli_runs_a_named_triton_provider_on_any_device(tmp_path, capsys):
     """--providers names any known provider on any device: the default CPU suite leaves the
     Triton rows out, but a named one runs or says why (it was a KeyError). A size given
     twice runs once."""
-    code = main(["bench", "--sizes", "40,40", "--dims", "2", "--workloads", "forward", "--providers",
-                 "flashot-triton-tf32,flashot-torch", "--device", "cpu", "--out", str(tmp_path),
-                 "--quiet", "--no-floor"])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "--sizes",
+            "40,40",
+            "--dims",
+            "2",
+            "--workloads",
+            "forward",
+            "--providers",
+            "flashot-triton-tf32,flashot-torch",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+            "--quiet",
+            "--no-floor",
+        ]
+    )
     assert code == 0
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [r["provider"] for r in rows] == ["flashot-triton-tf32", "flashot-torch"]

@@ -112,7 +112,16 @@ def soft_c_transform(
         (n,) potential.
     """
     return SoftCTransform.apply(
-        form.q, form.alpha, form.k, h, log_w, eps, lam, backend, form.cost_bound, form.segments,
+        form.q,
+        form.alpha,
+        form.k,
+        h,
+        log_w,
+        eps,
+        lam,
+        backend,
+        form.cost_bound,
+        form.segments,
         parts,
     )
 
@@ -179,9 +188,11 @@ def grads_needed(form: AttentionForm) -> tuple[bool, bool]:
 
 
 def final_step_for(form: AttentionForm) -> bool | tuple[bool, bool]:
-    """What a solve on ``form`` runs as its final step (:func:`flashot.solver.solve`'s
-    ``final_step``): the whole step when autograd does not need it (True), else its
-    passes, with ``W k`` for the sides of :func:`grads_needed`."""
+    """What a solve on ``form`` runs as its final step (``final_step`` of the solver).
+
+    The whole step when autograd does not need it (True), else its passes, with ``W k``
+    for the sides of :func:`grads_needed` (:func:`flashot.solver.solve`).
+    """
     return grads_needed(form) if needs_grad(form) else True
 
 

@@ -22,9 +22,10 @@ negative dual Hessian
 (``D_r = diag(r)`` when balanced; the same for columns). :class:`ImplicitPotentials`
 returns z as a function of θ whose backward solves ``M w = z̄`` by conjugate
 gradients on the Schur complement ``S = D_c − Pᵀ D_r⁻¹ P`` (two plan products per
-iteration, preconditioned by ``D_c``, shifted by 100 ulps of ``D_c`` against rounding). When both sides are balanced, ``S`` has the
-null vector 1 (the potentials' constant shift); the solve adds ``c cᵀ / Σc``, which
-leaves ``S``'s range alone and picks the solution with ``⟨c, w_g⟩ = 0``.
+iteration, preconditioned by ``D_c``, shifted by 100 ulps of ``D_c`` against
+rounding). When both sides are balanced, ``S`` has the null vector 1 (the
+potentials' constant shift); the solve adds ``c cᵀ / Σc``, which leaves ``S``'s
+range alone and picks the solution with ``⟨c, w_g⟩ = 0``.
 :class:`PlanProduct` is ``P V`` as a function of θ, z and V whose backward is the
 streamed :meth:`~flashot.backends.base.Backend.plan_vjp`; with these, the exact
 gradient of the OT value (:func:`value_gradient`) is an ordinary differentiable
@@ -100,6 +101,7 @@ class DualSpec:
 
     @property
     def T(self) -> DualSpec:
+        """The spec of the transposed problem (rows and columns swapped)."""
         seg = None if self.segments is None else self.segments.T
         return DualSpec(self.eps, self.rho[::-1], self.backend, self.cost_bound, self.cg_tol,
                         self.cg_max_iter, seg)  # fmt: skip
@@ -111,8 +113,10 @@ def _form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:
 
 
 def problem_sums(t: torch.Tensor, segments: Segments | None) -> torch.Tensor:
-    """``Σ t`` over the problem of each entry, for every entry of t (n, ...) (unpacked: the
-    sum over all, shape ``t.shape[1:]``)."""
+    """``Σ t`` over the problem of each entry, for every entry of t (n, ...).
+
+    Unpacked (one problem): the sum over all, shape ``t.shape[1:]``.
+    """
     if segments is None:
         return t.sum(0)
     return segments.sum(t)[segments.row_ids(t.device)]
@@ -195,6 +199,7 @@ class PlanProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, alpha, k, beta, a, b, f, g, v, spec):
+        """``(P V, P 1)`` in one streaming pass."""
         form = _form(q, alpha, k, beta, spec)
         ctx.save_for_backward(q, alpha, k, beta, a, b, f, g, v)
         ctx.spec = spec
@@ -208,6 +213,7 @@ class PlanProduct(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     @entry_point
     def backward(ctx, dout, dmass):
+        """The cotangents of θ, f, g and V (two streaming passes)."""
         q, alpha, k, beta, a, b, f, g, v = ctx.saved_tensors
         spec, eps = ctx.spec, ctx.spec.eps
         if dout is None and dmass is None:
@@ -446,11 +452,13 @@ class DeferredSolves:
         self.nodes: dict = {}  # id(ctx) -> (saved tensors, spec, needs, {direction: (f̄, ḡ)})
 
     def record(self, ctx, f_bar, g_bar) -> None:
+        """Keep a node's cotangents (f̄, ḡ) under the current direction."""
         saved = ctx.saved_tensors
         entry = self.nodes.setdefault(id(ctx), (saved, ctx.spec, ctx.needs_input_grad[:6], {}))
         old = entry[3].get(self.direction)
-        entry[3][self.direction] = (f_bar, g_bar) if old is None else (old[0] + f_bar,
-                                                                       old[1] + g_bar)
+        entry[3][self.direction] = (
+            (f_bar, g_bar) if old is None else (old[0] + f_bar, old[1] + g_bar)
+        )
 
     def finish(self, inputs, count: int) -> list:
         """Per direction, the gradients w.r.t. ``inputs`` that the deferred solves owe."""
@@ -497,6 +505,7 @@ class ImplicitPotentials(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, alpha, k, beta, a, b, f, g, spec, check_gauge=True):
+        """Copies of the converged (f, g), now functions of θ."""
         ctx.save_for_backward(q, alpha, k, beta, a, b, f, g)
         ctx.spec, ctx.check_gauge = spec, check_gauge
         return f.detach().clone(), g.detach().clone()
@@ -505,6 +514,7 @@ class ImplicitPotentials(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     @entry_point
     def backward(ctx, f_bar, g_bar):
+        """θ̄ from a CG solve of the dual system (see the module)."""
         q, alpha, k, beta, a, b, f, g = ctx.saved_tensors
         spec = ctx.spec
         form = _form(q, alpha, k, beta, spec)

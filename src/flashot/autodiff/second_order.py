@@ -225,8 +225,10 @@ def exact_second_order(value: torch.Tensor, pieces: list[Piece]) -> torch.Tensor
 
 
 def packed_piece(pp, f, g, hvp_tol=None, trajectory=None, geomloss=False) -> Piece:
-    """The second-order piece of a packed batch (:class:`~flashot.packing.PackedProblem`):
-    its (B,) value weighs problem s by ``ε_s/ε_0`` (each solved at the common ε_0)."""
+    """The second-order piece of a packed batch (:class:`~flashot.packing.PackedProblem`).
+
+    Its (B,) value weighs problem s by ``ε_s/ε_0`` (each solved at the common ε_0).
+    """
     pf = pp.form
     tol, max_iter = _OPTIONS[-1]
     if tol is None:

@@ -101,10 +101,11 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 
 
 def _nondeterministic(what: str) -> None:
-    """Refuse (or, in warn-only mode, warn about) the Triton kernels under
-    ``torch.use_deterministic_algorithms(True)``, as PyTorch's own ops without a
-    deterministic implementation do: they sum columns with atomics, whose order varies
-    from run to run."""
+    """Refuse the Triton kernels under ``torch.use_deterministic_algorithms(True)``.
+
+    As PyTorch's own ops without a deterministic implementation do (a warning in
+    warn-only mode): they sum columns with atomics, whose order varies from run to run.
+    """
     if not torch.are_deterministic_algorithms_enabled():
         return
     message = (f"flashot's Triton kernels ({what}) sum with atomic adds, whose order varies "

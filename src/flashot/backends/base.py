@@ -280,7 +280,16 @@ class Backend:
         return lam[0] * (form.alpha - lse_r), lam[1] * (form.beta - lse_c)
 
     def plan_vjp(
-        self, form: AttentionForm, f, g, a, b, eps: float, v, d, need: frozenset = ALL,
+        self,
+        form: AttentionForm,
+        f,
+        g,
+        a,
+        b,
+        eps: float,
+        v,
+        d,
+        need: frozenset = ALL,
         d0=None,
     ) -> PlanVJP:
         r"""Reverse-mode product of the plan: reductions of ``S = P ⊙ (d⁰ 1ᵀ + D Vᵀ)``, ``Pᵀ D``.

@@ -18,8 +18,14 @@ import flashot
 from flashot.bench.floor import Ceilings, floor_ms, measure_ceilings
 from flashot.bench.providers import Flashot, Problem, Provider, direction, make_problem
 
-__all__ = ["Row", "environment", "largest_sizes", "median_ms", "run_suite",
-           "skipped_by_a_smaller_budget"]
+__all__ = [
+    "Row",
+    "environment",
+    "largest_sizes",
+    "median_ms",
+    "run_suite",
+    "skipped_by_a_smaller_budget",
+]
 
 #: points per cloud of the float64 accuracy reference (dense, on the CPU or the device)
 ACCURACY_N = 1000

@@ -67,5 +67,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--largest-cap", type=int, default=None, metavar="N",
                    help="the largest n tried by --largest (default 4M on a GPU, 64k on a "
                         "CPU)")  # fmt: skip
-
-

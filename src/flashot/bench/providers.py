@@ -372,8 +372,19 @@ class POTLazy(POT):
         def value_of(x):
             with torch.no_grad():
                 _, log = ot.bregman.empirical_sinkhorn2(
-                    x.detach(), pb.y, pb.eps, pb.a, pb.b, metric="sqeuclidean", numIterMax=iters,
-                    stopThr=stop, isLazy=True, batchSize=(rows, rows), log=True, warn=False)
+                    x.detach(),
+                    pb.y,
+                    pb.eps,
+                    pb.a,
+                    pb.b,
+                    metric="sqeuclidean",
+                    numIterMax=iters,
+                    stopThr=stop,
+                    isLazy=True,
+                    batchSize=(rows, rows),
+                    log=True,
+                    warn=False,
+                )
             f, g = log["u"], log["v"]  # log-scalings: P = exp(f_i + g_j − C_ij / ε)
             value = x.new_tensor(pb.eps)
             for lo in range(0, x.shape[0], rows):  # the plan's value, a block of rows at a time
@@ -542,5 +553,3 @@ def providers(device: torch.device, names=None) -> list[Provider]:
         by_name = {p.name: p for p in out}
         return [by_name[name] for name in dict.fromkeys(names)]
     return [p for p in out if device.type == "cuda" or not p.name.startswith("flashot-triton")]
-
-

@@ -187,9 +187,12 @@ def merge(runs: list[tuple[list[Row], dict]]) -> tuple[list[Row], dict]:
             if key not in rows or not r.skipped or rows[key].skipped:
                 rows[key] = r
     dates = [env["date"] for _, env in runs]
-    env = dict(device=first_env["device"], versions=versions,
-               command=" ; ".join(env["command"] for _, env in runs),
-               date=min(dates) if len(set(dates)) == 1 else f"{min(dates)} … {max(dates)}")
+    env = dict(
+        device=first_env["device"],
+        versions=versions,
+        command=" ; ".join(env["command"] for _, env in runs),
+        date=min(dates) if len(set(dates)) == 1 else f"{min(dates)} … {max(dates)}",
+    )
     if settings:
         env["settings"] = settings
     if any(run_env.get("partial") for _, run_env in runs):  # cut short: rows may be missing

@@ -115,8 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ground cost")  # fmt: skip
     s.add_argument("--rho", type=float, help="KL marginal relaxation ρ (default: balanced)")
     s.add_argument("--max-iter", type=int, default=1000, help="iterations at most")
-    s.add_argument("--tol", type=_tolerance, default="auto",
-                   help="L1 marginal error to reach, or 'auto' (1e-6 or float32's floor)")
+    s.add_argument(
+        "--tol",
+        type=_tolerance,
+        default="auto",
+        help="L1 marginal error to reach, or 'auto' (1e-6 or float32's floor)",
+    )
     s.add_argument("--update", default="auto", choices=["auto", "symmetric", "alternating"],
                    help="averaged Jacobi (GeomLoss) or Gauss-Seidel (POT) updates")  # fmt: skip
     s.add_argument("--schedule", default="geomloss", choices=["geomloss", "none"],
@@ -156,8 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--inner", default="gaussian", choices=["gaussian", "exact"],
                    help="class-to-class distance (gaussian: Bures-Wasserstein)")  # fmt: skip
     o.add_argument("--diagonal", action="store_true", help="diagonal covariances (large d)")
-    o.add_argument("--unbiased", action="store_true",
-                   help="class covariances over n-1, as microsoft/otdd (default: over n)")
+    o.add_argument(
+        "--unbiased",
+        action="store_true",
+        help="class covariances over n-1, as microsoft/otdd (default: over n)",
+    )
     o.add_argument("--no-debias", action="store_true", help="OT_eps instead of the divergence")
     o.add_argument("--schedule", default="geomloss", choices=["geomloss", "none"],
                    help="ε annealing")  # fmt: skip
@@ -172,13 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="tune the Triton kernels' tiles on this GPU (kept on disk)",
                        formatter_class=_HelpFormatter)  # fmt: skip
-    t.add_argument("--precision", type=_names,
-                   help="precision modes, comma-separated (default: fp32, tf32, bf16)")
+    t.add_argument(
+        "--precision",
+        type=_names,
+        help="precision modes, comma-separated (default: fp32, tf32, bf16)",
+    )
     t.add_argument("--d", type=_sizes,
                    help="feature sizes, comma-separated (default: 3, 64, 128, 512: one per "
                         "regime of the kernels' feature tile)")  # fmt: skip
-    t.add_argument("--n", type=_sizes,
-                   help="cloud sizes n = m, comma-separated (default: 10000, 50000)")
+    t.add_argument(
+        "--n", type=_sizes, help="cloud sizes n = m, comma-separated (default: 10000, 50000)"
+    )
     t.add_argument("--out", help="table to write (default: this user's table for the GPU)")
     t.add_argument("--no-hvp", action="store_true", help="skip the Hessian-vector product")
     t.add_argument("--device", default="cuda", help="the CUDA device")

@@ -25,8 +25,22 @@ __all__ = ["_combine_kernel"]
     do_not_specialize_on_alignment=CONTROL_POINTERS["_combine_kernel"],
 )
 def _combine_kernel(
-    PART_MAX, PART_SUM, PART_ACC, LSE, OUT, n, p, splits, eps, TEMP, temp_at, stride_on, stride_op,
-    BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, HAS_V: tl.constexpr,
+    PART_MAX,
+    PART_SUM,
+    PART_ACC,
+    LSE,
+    OUT,
+    n,
+    p,
+    splits,
+    eps,
+    TEMP,
+    temp_at,
+    stride_on,
+    stride_op,
+    BLOCK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    HAS_V: tl.constexpr,
     UNIT_SUMS: tl.constexpr = False,
 ):
     """Merge column-split partials: ``M = max_s m_s``, ``L = Σ_s l_s 2^{m_s − M}``, same for acc.

@@ -51,8 +51,9 @@ class OperandCache:
 
     def __getstate__(self) -> dict:
         """Options only (pickling): the cached half operands are rebuilt on demand."""
-        return {key: value for key, value in self.__dict__.items()
-                if key not in ("_halves", "_scopes")}
+        return {
+            key: value for key, value in self.__dict__.items() if key not in ("_halves", "_scopes")
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _halves=[], _scopes=0)

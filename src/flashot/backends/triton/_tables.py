@@ -144,10 +144,7 @@ def _find(key: tuple, arch_name: str | None, exact_only: bool = False):
 def heuristic(key: tuple) -> triton.Config:
     """Tiles for a GPU without a table: the H200's usual winners, by feature size."""
     kernel, d = key[0], key[1]
-    if kernel == "plan_sums" or d > 128:
-        tiles = (64, 64, 4, 3)
-    else:
-        tiles = (128, 64, 4, 3)
+    tiles = (64, 64, 4, 3) if kernel == "plan_sums" or d > 128 else (128, 64, 4, 3)
     bm, bn, warps, stages = tiles
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 

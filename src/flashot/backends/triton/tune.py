@@ -50,7 +50,9 @@ def tune(
 
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
-        raise RuntimeError("flashot tune needs a CUDA GPU: tiles are tuned on the GPU that runs them")
+        raise RuntimeError(
+            "flashot tune needs a CUDA GPU: tiles are tuned on the GPU that runs them"
+        )
     arch = _tables.arch(dev.index or 0)
     path = Path(out) if out is not None else _tables.user_table_path(arch)
     gen = torch.Generator(device=dev).manual_seed(0)
