@@ -1,4 +1,5 @@
 """Color transfer: move one picture's colors onto another's palette by entropic OT.
+================================================================================
 
 The pixels of each picture are a cloud in RGB space. A Sinkhorn solve between samples
 of both clouds gives an entropic map (``TransportPlan.barycentric_map`` at new points),
@@ -32,7 +33,7 @@ def picture(name: str, side: int) -> np.ndarray:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--source", default="grace_hopper.jpg")
     p.add_argument("--target", default="Minduka_Present_Blue_Pack.png")
     p.add_argument("--side", type=int, default=256, help="picture height after subsampling")

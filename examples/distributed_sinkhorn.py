@@ -1,4 +1,5 @@
 """One entropic OT problem sharded over the ranks of a torchrun job (flashot.distributed).
+=======================================================================================
 
 Each rank draws its own slice of two clouds (rows split evenly), solves the global
 problem with ``flashot.distributed.sinkhorn``, and rank 0 prints the global cost, the
@@ -27,7 +28,7 @@ from flashot import distributed
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--points", type=int, default=20_000,
                    help="points per cloud, all ranks together")
     p.add_argument("--dim", type=int, default=16, help="feature dimension")

@@ -1,4 +1,5 @@
 """OTDD between MNIST digits and their rotated copy, then a dataset flow toward it.
+================================================================================
 
 Dataset A: MNIST images; B: the same digits turned a quarter turn (another sample).
 Prints the distance and the class-to-class mass, then moves A's images down the
@@ -19,7 +20,7 @@ from flashot.otdd import dataset_distance
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--source", default="mnist5k", help="mnist, mnist-test, mnist5k")
     p.add_argument("--n", type=int, default=2000, help="images per dataset")
     p.add_argument("--eps", type=float, default=5.0, help="MNIST costs are ~10-100: eps ~5")

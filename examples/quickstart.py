@@ -1,4 +1,5 @@
 """Quickstart: entropic OT between two point clouds, its plan and its map, in a figure.
+====================================================================================
 
 Solves OT_ε between two 2-D clouds, prints the cost, the marginal error and the
 duality gap, and draws the strongest couplings of the (lazy, never stored) plan
@@ -25,7 +26,7 @@ def clouds(n: int, seed: int = 0):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--n", type=int, default=300, help="points per cloud")
     p.add_argument("--eps", type=float, default=0.05)
     p.add_argument("--out", default="quickstart.png", help="the figure ('' for none)")

@@ -1,4 +1,5 @@
 """Point-cloud registration: fit an affine map with Newton-CG on a Sinkhorn divergence.
+====================================================================================
 
 A cloud X is registered onto Y = X A* + t* (the points unpaired) by minimizing
 S_ε(X A + t, Y) over (A, t): Newton-CG (exact Hessian-vector products through double
@@ -49,7 +50,7 @@ def fit(X, Y, method: str, steps: int, eps: float, lr: float = 0.05):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--n", type=int, default=200, help="points in the cloud")
     p.add_argument("--eps", type=float, default=0.5)
     p.add_argument("--newton-steps", type=int, default=10)

@@ -1,4 +1,5 @@
 """Shuffled regression: Adam stops at a saddle, Adam–Newton escapes it and recovers W*.
+====================================================================================
 
 Y = Π X W* + noise with the pairing Π lost; W is fit by minimizing OT_ε(XW, Y). With
 centered, skewed features (``flashot.shuffled.make_shuffled_regression``) the start
@@ -23,7 +24,7 @@ from flashot.shuffled import make_shuffled_regression, shuffled_regression
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--n", type=int, default=300, help="rows of X and Y")
     p.add_argument("--q", type=int, default=2, help="responses (columns of Y)")
     p.add_argument("--noise", type=float, default=0.1)
