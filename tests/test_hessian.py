@@ -358,9 +358,12 @@ def test_double_backward_at_the_defaults_is_within_the_accuracy_contract(
         assert float((got.double() - want).norm()) <= bound * scale
 
 
-def test_hvp_tol_sets_the_accuracy_as_documented():
+def test_hvp_tol_sets_the_accuracy_as_documented(monkeypatch):
     """hvp_tol is the relative error asked for: the dual solve reaches hvp_tol / 10 and the
     product lands within hvp_tol of the tight one; a looser one takes fewer iterations."""
+    from flashot.autodiff import dense_dual
+
+    monkeypatch.setattr(dense_dual, "DENSE_UP_TO", 0)  # (the CG, not a direct solve)
     x, y, a, b, vx, _ = problem(11, n=30, m=25, d=3)
     ref = hvp(x, y, vx, a, b, eps=0.05, cg_tol=1e-13, **TIGHT)
     iters = []
@@ -374,8 +377,11 @@ def test_hvp_tol_sets_the_accuracy_as_documented():
     assert iters[0] < iters[1] < iters[2]
 
 
-def test_an_unreached_dual_tolerance_warns_naming_the_cause():
+def test_an_unreached_dual_tolerance_warns_naming_the_cause(monkeypatch):
+    from flashot.autodiff import dense_dual
     from flashot.linalg import CGWarning
+
+    monkeypatch.setattr(dense_dual, "DENSE_UP_TO", 0)  # (the CG, not a direct solve)
 
     x, y, a, b, vx, _ = problem(12, n=30, m=25, d=3)
     with flashot.record_dual_solves() as log, pytest.warns(CGWarning, match="iteration") as rec:
@@ -394,3 +400,34 @@ def test_hvp_tol_is_checked():
         flashot.sinkhorn(x, y, eps=0.5, hvp_tol=2.0)
     with pytest.raises(ValueError, match="hvp_tol"):
         flashot.sinkhorn(x[None], y[None], eps=0.5, hvp_tol=-1.0)
+
+
+def test_a_hessian_operator_solves_once_and_equals_hvp(monkeypatch):
+    """HessianOperator: one Sinkhorn solve, then H v for any v (flat matvec and batches
+    too) equal to hvp's; lanczos over its matvec finds the top eigenvalue of the
+    assembled Hessian."""
+    from flashot import HessianOperator, linalg
+
+    x, y, a, b, vx, vy = problem(21, n=12, m=9, d=2)
+    solves = []
+    real = flashot.hessian.sinkhorn
+    monkeypatch.setattr(
+        flashot.hessian, "sinkhorn", lambda *s, **k: solves.append(1) or real(*s, **k)
+    )
+    for wrt, v in (("x", vx), ("xy", (vx, vy))):
+        H = HessianOperator(x, y, a, b, wrt=wrt, eps=0.5, **TIGHT)
+        for scale in (1.0, -2.0):
+            w = v if wrt == "x" else tuple(scale * t for t in v)
+            got, want = H(w), hvp(x, y, w, a, b, wrt=wrt, eps=0.5, **TIGHT)
+            for g_, w_ in zip(got if wrt == "xy" else (got,), want if wrt == "xy" else (want,),
+                              strict=True):  # fmt: skip
+                assert torch.allclose(g_, w_, rtol=1e-9, atol=1e-12)
+    assert len(solves) == 2 + 4  # one per operator, one per hvp call
+    H = HessianOperator(x, y, a, b, eps=0.5, **TIGHT)
+    dense = torch.stack([H.matvec(e) for e in torch.eye(H.shape[0], dtype=x.dtype)], 1)
+    assert torch.allclose(H.matvec(torch.eye(H.shape[0], dtype=x.dtype)), dense, atol=1e-12)
+    assert torch.allclose(dense, dense.T, atol=1e-8)
+    top = linalg.lanczos(H.matvec, H.shape[0], k=1, which="largest").values[0]
+    assert float(top) == pytest.approx(float(torch.linalg.eigvalsh(dense)[-1]), rel=1e-8)
+    with pytest.raises(ValueError, match=r"v must have shape \(24,\)"):
+        H.matvec(torch.ones(5, dtype=x.dtype))

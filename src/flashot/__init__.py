@@ -22,6 +22,7 @@ _SOURCES = {
     "DualSolveInfo": "flashot.autodiff.implicit",
     "DualSolveLog": "flashot.autodiff.implicit",
     "EpsilonScaling": "flashot.solver",
+    "HessianOperator": "flashot.hessian",
     "LabeledCost": "flashot.labeled",
     "SamplesLoss": "flashot.samples_loss",
     "SinkhornResult": "flashot.result",
@@ -44,6 +45,7 @@ __all__ = [
     "DualSolveInfo",
     "DualSolveLog",
     "EpsilonScaling",
+    "HessianOperator",
     "LabeledCost",
     "SamplesLoss",
     "SinkhornResult",
@@ -69,7 +71,7 @@ if TYPE_CHECKING:  # (what type checkers and IDEs read; at run time, __getattr__
     from flashot.batched import BatchedSinkhornResult, sinkhorn_varlen
     from flashot.costs import COSTS
     from flashot.divergence import sinkhorn_divergence
-    from flashot.hessian import hvp
+    from flashot.hessian import HessianOperator, hvp
     from flashot.labeled import LabeledCost, labeled_cost
     from flashot.ot import ConvergenceWarning, sinkhorn
     from flashot.result import SinkhornResult, TransportPlan

@@ -163,9 +163,11 @@ def test_dual_solves_replay_kept_captures_with_new_data(monkeypatch, rho):
     # later dual solves of the same shapes replay the blocks captured by the first (here
     # a stand-in re-running the first solve's closures on the refreshed buffers): each HVP
     # equals the eager one, and one capture per block length serves all
-    from flashot.autodiff import implicit
+    from flashot.autodiff import dense_dual, implicit
     from flashot.graphs import GraphCache
     from tests.test_graphs import Replayer
+
+    monkeypatch.setattr(dense_dual, "DENSE_UP_TO", 0)  # (the CG's blocks, not a direct solve)
 
     Replayer.log = []
     monkeypatch.setattr(implicit, "_GRAPHS", GraphCache(capture=Replayer))

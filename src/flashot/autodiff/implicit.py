@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashot.autodiff import dense_dual
 from flashot.backends import entry_point
 from flashot.backends.base import Backend
 from flashot.backends.near import is_near_uniform
@@ -137,7 +138,8 @@ class DualSolveInfo:
     """What one dual solve of a second derivative did.
 
     Attributes:
-        n_iter: CG iterations (two streaming plan products each).
+        n_iter: CG iterations (two streaming plan products each); 0 for a small
+            problem's direct solve (:mod:`flashot.autodiff.dense_dual`).
         residual: the true relative residual ``‖b − S w‖ / ‖b‖`` reached (the worst
             column of a batch of directions).
         tol: the residual asked for (the accuracy option over
@@ -275,9 +277,14 @@ _BUFFERS: OrderedDict = OrderedDict()
 
 
 def clear_dual_graphs() -> None:
-    """Drop the captured dual-CG blocks and their buffers (their GPU memory)."""
+    """Drop the captured dual-CG blocks, their buffers and the kept dense factor.
+
+    The blocks and buffers hold GPU memory; the factor is the last small problem's dual
+    system (:mod:`flashot.autodiff.dense_dual`).
+    """
     _GRAPHS.clear()
     _BUFFERS.clear()
+    dense_dual.clear_dense_factors()
 
 
 def _captures(backend: Backend, form: AttentionForm) -> bool:
@@ -325,6 +332,17 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     """
     eps, (rho_x, rho_y), backend = spec.eps, spec.rho, spec.backend
     columns = f_bar.dim() == 2
+    # S is PSD, but its smallest eigenvalues drown in rounding: a shift of 100 ulps of
+    # D_c keeps CG's curvatures positive and costs ~100 ulps of relative accuracy there
+    shift = 100 * torch.finfo(f.dtype).eps
+    if dense_dual.fits(form):  # small: one factorization, kept for the next solves
+        system = dense_dual.dense_dual(form, f, g, a, b, eps, spec.rho, shift, problem_sums)
+        if system is not None:
+            w_f, w_g, residual = system.solve(f_bar, g_bar, eps)
+            _log(DualSolveInfo(0, residual, spec.cg_tol, residual <= spec.cg_tol,
+                               f_bar.shape[1] if columns else 1, float(eps),
+                               (form.q.shape[0], form.k.shape[0])))  # fmt: skip
+            return w_f, w_g
     log_a, log_b = torch.log(a), torch.log(b)
     r, c = backend.marginals(form, f, g, log_a, log_b, eps)
     d_r = r if rho_x is None else r + (eps / rho_x) * _relaxed_weight(f, a, rho_x)
@@ -357,10 +375,6 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
         def pt_times(u):  # Pᵀ u: (n,) -> (m,)
             return backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, u=u)[1]
 
-    # S is PSD, but its smallest eigenvalues drown in rounding: a shift of 100 ulps of
-    # D_c keeps CG's curvatures positive and costs ~100 ulps of relative accuracy there
-    shift = 100 * torch.finfo(d_c.dtype).eps
-
     def schur(w):
         out = (1 + shift) * d_c * w - pt_times(d_r_inv * p_times(w))
         if deflate:
@@ -380,13 +394,17 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     return w_f, w_g
 
 
+def _log(info: DualSolveInfo) -> None:
+    for log in _LOGS:
+        log.append(info)
+
+
 def _report(res, spec: DualSpec, form: AttentionForm, columns: bool, f_bar) -> None:
     """Log the solve (:func:`record_dual_solves`); warn, naming the cause, if it missed."""
     info = DualSolveInfo(res.n_iter, res.residual, spec.cg_tol, res.converged,
                          f_bar.shape[1] if columns else 1, float(spec.eps),
                          (form.q.shape[0], form.k.shape[0]))  # fmt: skip
-    for log in _LOGS:
-        log.append(info)
+    _log(info)
     if res.converged:
         return
     dtype = form.q.dtype
