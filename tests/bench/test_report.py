@@ -186,7 +186,7 @@ def test_resume_with_a_larger_budget_runs_the_rows_a_smaller_one_skipped(tmp_pat
 def test_a_second_run_into_a_result_refuses_before_running(tmp_path, capsys, monkeypatch):
     """An --out holding a result is neither replaced silently nor appended to without
     --resume: the run refuses at once (no row runs); --force replaces it."""
-    import flashot.bench.cli as bench_cli
+    import flashot.cli.bench as bench_cli
 
     assert main([*BENCH, "--sizes", "40", "--out", str(tmp_path)]) == 0
     before = (tmp_path / "bench.json").read_text()

@@ -1,7 +1,7 @@
 """The ``flashot`` command line: ``solve``, ``otdd``, ``tune``, ``info``, ``bench``, ``demo``.
 
 This module parses with the standard library only, so ``flashot --help`` answers at
-once; the commands (:mod:`flashot.cli.commands`, :mod:`flashot.bench.cli`) import
+once; the commands (:mod:`flashot.cli.commands`, :mod:`flashot.cli.bench`) import
 torch when they run. Uses the public API only.
 """
 
@@ -221,7 +221,7 @@ def _command(args) -> int:
 
 
 def _bench(args) -> int:
-    from flashot.bench.cli import run
+    from flashot.cli.bench import run
 
     return run(args)
 

@@ -1,4 +1,4 @@
-"""``flashot bench``: the run (its options: :mod:`flashot.bench.options`)."""
+"""``flashot bench``: the run (options: :mod:`flashot.bench.options`; suite: :mod:`flashot.bench`)."""
 
 from __future__ import annotations
 
@@ -19,14 +19,13 @@ from flashot.bench.harness import (
 from flashot.bench.options import FULL, QUICK, WORKLOADS
 from flashot.bench.providers import PROVIDERS, providers
 from flashot.bench.report import merge, plot, read, result_file, table, write
+from flashot.cli import CliError
 
 __all__ = ["run"]
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the suite; print the table; write the files. Returns the exit code."""
-    from flashot.cli import CliError
-
     if args.merge:
         try:
             rows, env = merge([read(Path(path)) for path in args.merge])
@@ -99,8 +98,6 @@ def _check_out(out: Path, replace: bool) -> None:
     A result is refused unless this run may replace it (``replace``: ``--force``,
     ``--resume`` or a merge into it).
     """
-    from flashot.cli import CliError
-
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out} is a file, not a folder")
     if not replace and result_file(out) is not None:
@@ -119,8 +116,6 @@ def _earlier(out: Path, env: dict) -> list[Row]:
 
     A result from another device, other versions or other settings is refused.
     """
-    from flashot.cli import CliError
-
     if result_file(out) is None:
         return []
     try:
