@@ -1,4 +1,4 @@
-"""``flashot bench``: the run (options: :mod:`flashot.bench.options`; suite: :mod:`flashot.bench`)."""
+"""``flashot bench`` (options: :mod:`flashot.bench.options`, suite: :mod:`flashot.bench`)."""
 
 from __future__ import annotations
 
