@@ -24,9 +24,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from flashot import datasets  # noqa: E402
-from flashot.flows import dataset_flow  # noqa: E402
-from flashot.otdd import dataset_distance  # noqa: E402
+from flashot.tasks import datasets  # noqa: E402
+from flashot.tasks.flows import dataset_flow  # noqa: E402
+from flashot.tasks.otdd import dataset_distance  # noqa: E402
 
 SIZES = [int(s) for s in os.environ.get("SIZES", "60000").split(",")]
 DENSE_N = int(os.environ.get("DENSE_N", "10000"))

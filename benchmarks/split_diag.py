@@ -19,14 +19,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 import flashot
-from flashot import datasets
+from flashot.tasks import datasets
 from flashot.backends.torch_backend import TorchBackend
 from flashot.backends.triton import (
     TritonBackend,
     _split,
 )
 from flashot.costs import attention_form
-from flashot.otdd import _label_cost, _prepare
+from flashot.tasks.otdd import _label_cost, _prepare
 
 N = int(os.environ.get("N", "8192"))
 EPS = 5.0

@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
-from flashot import datasets
+from flashot.tasks import datasets
 from flashot.backends.triton._split import split_operand
 from flashot.costs import attention_form
-from flashot.otdd import _label_cost, _prepare
+from flashot.tasks.otdd import _label_cost, _prepare
 
 
 @triton.jit

@@ -14,9 +14,9 @@ import argparse
 
 import torch
 
-from flashot import datasets
-from flashot.flows import dataset_flow
-from flashot.otdd import dataset_distance
+from flashot.tasks import datasets
+from flashot.tasks.flows import dataset_flow
+from flashot.tasks.otdd import dataset_distance
 
 
 def main():

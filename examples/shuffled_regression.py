@@ -2,7 +2,7 @@
 ====================================================================================
 
 Y = Π X W* + noise with the pairing Π lost; W is fit by minimizing OT_ε(XW, Y). With
-centered, skewed features (``flashot.shuffled.make_shuffled_regression``) the start
+centered, skewed features (``flashot.tasks.shuffled.make_shuffled_regression``) the start
 W = 0 is a saddle: its gradient vanishes up to rounding, so Adam's first-order
 stopping test accepts it, and Adam run for a fixed budget leaves it in whichever
 direction the rounding noise points. The hybrid measures the smallest Hessian
@@ -20,7 +20,7 @@ import warnings
 import torch
 
 import flashot
-from flashot.shuffled import make_shuffled_regression, shuffled_regression
+from flashot.tasks.shuffled import make_shuffled_regression, shuffled_regression
 
 
 def main(argv=None):

@@ -224,7 +224,7 @@ def test_tune_without_a_gpu_is_one_line(capsys):
 
 
 def test_otdd_of_npz_files_matches_the_api(tmp_path, capsys):
-    from flashot.otdd import dataset_distance
+    from flashot.tasks.otdd import dataset_distance
 
     g = torch.Generator().manual_seed(0)
     xa, xb = torch.randn(40, 3, generator=g), torch.randn(30, 3, generator=g) + 0.5

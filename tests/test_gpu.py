@@ -423,7 +423,7 @@ def test_split_operands_converge_like_3xtf32_on_an_otdd_problem():
     import warnings
 
     from flashot import ConvergenceWarning, datasets
-    from flashot.otdd import dataset_distance
+    from flashot.tasks.otdd import dataset_distance
 
     (xa, ya), (xb, yb) = (datasets.gaussian_mixture(4096, 784, 10, seed=s, spread=3.0,
                                                     device="cuda") for s in (0, 1))  # fmt: skip

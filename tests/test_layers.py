@@ -6,8 +6,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: the top of the house: they use the public API; nothing below imports them
-TASKS = ("flashot.otdd", "flashot.flows", "flashot.shuffled", "flashot.datasets",
-         "flashot.demo", "flashot.compat", "flashot.cli", "flashot.bench")  # fmt: skip
+TASKS = ("flashot.tasks", "flashot.compat", "flashot.cli", "flashot.bench")
 
 
 def _modules() -> dict[str, Path]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashot
-import flashot.otdd
+import flashot.tasks.otdd
 from flashot import ConvergenceWarning, EpsilonScaling
 from tests.conftest import clouds, rel, weights
 from tests.references import (
@@ -438,7 +438,7 @@ def test_autocast_does_not_change_results(gen, dtype):
             div=flashot.sinkhorn_divergence(x, y, eps=0.1),
             loss=flashot.SamplesLoss(blur=0.2)(x, y), hvp=flashot.hvp(x, y, v_x, eps=0.1),
             cosine=flashot.sinkhorn(x, y, eps=0.1, cost="cosine").cost,
-            otdd=flashot.otdd.dataset_distance(x, labels_a, y, labels_b, eps=0.5).distance,
+            otdd=flashot.tasks.otdd.dataset_distance(x, labels_a, y, labels_b, eps=0.5).distance,
         )  # fmt: skip
 
     want = run()

@@ -266,8 +266,10 @@ _DTYPE_CASES = {
     "SamplesLoss.batched": lambda x, y: flashot.SamplesLoss(blur=0.5)(_two(x), _two(y)),
     "ops.sinkhorn_cost": lambda x, y: flashot.ops.sinkhorn_cost(x, y, eps=0.5),
     "otdd": lambda x, y: (
-        __import__("flashot.otdd")
-        .otdd.dataset_distance(x, torch.arange(len(x)) % 2, y, torch.arange(len(y)) % 2, eps=0.5)
+        __import__("flashot.tasks.otdd")
+        .tasks.otdd.dataset_distance(
+            x, torch.arange(len(x)) % 2, y, torch.arange(len(y)) % 2, eps=0.5
+        )
         .distance
     ),
 }

@@ -319,7 +319,7 @@ def cost_of(cost, z, y):
 
 
 def _mode_calls():
-    from flashot.otdd import dataset_distance
+    from flashot.tasks.otdd import dataset_distance
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(40, 2, generator=g), torch.randn(30, 2, generator=g) + 0.5

@@ -31,7 +31,7 @@ _SOURCES = {
     "hvp": "flashot.hessian",
     "labeled_cost": "flashot.labeled",
     "record_dual_solves": "flashot.autodiff.implicit",
-    "shuffled_regression": "flashot.shuffled",
+    "shuffled_regression": "flashot.tasks.shuffled",
     "sinkhorn": "flashot.ot",
     "sinkhorn_divergence": "flashot.divergence",
     "sinkhorn_varlen": "flashot.batched",
@@ -76,8 +76,8 @@ if TYPE_CHECKING:  # (what type checkers and IDEs read; at run time, __getattr__
     from flashot.ot import ConvergenceWarning, sinkhorn
     from flashot.result import SinkhornResult, TransportPlan
     from flashot.samples_loss import SamplesLoss
-    from flashot.shuffled import shuffled_regression
     from flashot.solver import EpsilonScaling
+    from flashot.tasks.shuffled import shuffled_regression
 
 
 def __getattr__(name: str):

@@ -63,7 +63,7 @@ class LabeledCost(Cost):
         """This cost between plain feature clouds x (n, d) and y (m, d) with these labels.
 
         The points then carry no label column, so no (n, d + 1) labeled copy of a cloud
-        is made (what :mod:`flashot.otdd` and the flows use at scale). New points given
+        is made (what :mod:`flashot.tasks.otdd` and the flows use at scale). New points given
         to a plan's feature maps still carry their label in the last column.
 
         Args:

@@ -155,7 +155,7 @@ def _reference(pb: Problem, workload: str) -> float:
     kw: dict[str, Any] = dict(eps=pb.eps, backend="torch", warn=False)
     if workload == "otdd":
         from flashot.bench.providers import otdd_labels
-        from flashot.otdd import dataset_distance
+        from flashot.tasks.otdd import dataset_distance
 
         ya, yb = otdd_labels(pb)
         return float(dataset_distance(x, ya, y, yb, diagonal=True, tol=None, max_iter=pb.iters,

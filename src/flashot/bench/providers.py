@@ -86,7 +86,7 @@ def otdd_table(pb: Problem) -> torch.Tensor:
 
     The label table the ``otdd`` workload's providers share (flashot's own, held fixed).
     """
-    from flashot.otdd import class_table
+    from flashot.tasks.otdd import class_table
 
     ya, yb = otdd_labels(pb)
     feats = [pb.x[ya == c] for c in range(OTDD_CLASSES)] + [
@@ -157,7 +157,7 @@ class Flashot(Provider):
     def prepare(self, workload, pb):
         kw = dict(eps=pb.eps, backend=self.backend, precision=self.precision)
         if workload == "otdd":  # debiased, diagonal Gaussian inner, fixed iterations
-            from flashot.otdd import dataset_distance
+            from flashot.tasks.otdd import dataset_distance
 
             ya, yb = otdd_labels(pb)
             return lambda: dataset_distance(pb.x, ya, pb.y, yb, diagonal=True, tol=None,

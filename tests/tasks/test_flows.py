@@ -1,4 +1,4 @@
-"""Dataset flows (flashot.flows): Euler steps of the OTDD gradient flow."""
+"""Dataset flows (flashot.tasks.flows): Euler steps of the OTDD gradient flow."""
 
 import itertools
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashot.flows import dataset_flow
-from flashot.otdd import dataset_distance
+from flashot.tasks.flows import dataset_flow
+from flashot.tasks.otdd import dataset_distance
 
 F64 = torch.float64
 

@@ -22,7 +22,7 @@ import torch
 import flashot
 from flashot.backends import entry_point
 from flashot.backends.base import _given
-from flashot.otdd import _label_cost, _outer, _prepare
+from flashot.tasks.otdd import _label_cost, _outer, _prepare
 
 __all__ = ["FlowResult", "dataset_flow", "save_grid"]
 
@@ -188,7 +188,7 @@ def dataset_flow(
         xb: (m, d) features of B.  yb: (m,) labels of B.
         eps: ε of the outer problems.
         steps: Euler steps.  step_size: τ.
-        lambda_x, lambda_y, inner, diagonal: as in :func:`flashot.otdd.dataset_distance`.
+        lambda_x, lambda_y, inner, diagonal: as in :func:`flashot.tasks.otdd.dataset_distance`.
         recompute_stats: recompute the class table from the moved features each step.
         snapshot_every: write a PNG grid every this many steps (0: none); needs
             ``snapshot_dir`` and matplotlib.

@@ -1,10 +1,10 @@
-"""OTDD (flashot.otdd) against an independent float64 dense reference of its definition."""
+"""OTDD (flashot.tasks.otdd) against an independent float64 dense reference of its definition."""
 
 import pytest
 import torch
 
 import flashot
-from flashot.otdd import dataset_distance, gaussian_table
+from flashot.tasks.otdd import dataset_distance, gaussian_table
 from tests.references import bures_wasserstein_sq, dense_cost, entropic_ot_matrix
 
 F64 = torch.float64
@@ -182,7 +182,7 @@ def test_peak_memory_in_clouds(flow, monkeypatch):
     twice, three forms). A flow step: one problem's graph at a time (5.1; it was 10)."""
     import flashot.costs
     from flashot.backends.torch_backend import TorchBackend
-    from flashot.flows import dataset_flow
+    from flashot.tasks.flows import dataset_flow
     from tests.live_memory import LiveTensors
 
     monkeypatch.setattr(flashot.costs, "_BLOCK", 1 << 12)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashot
-from flashot.shuffled import (
+from flashot.tasks.shuffled import (
     make_shuffled_regression,
     shuffled_regression,
     smallest_hessian_eigenvalue,

@@ -1,0 +1,7 @@
+"""Tasks built on the public API, as a user would build them.
+
+:mod:`~flashot.tasks.otdd` (dataset distances), :mod:`~flashot.tasks.flows` (gradient
+flows of datasets), :mod:`~flashot.tasks.shuffled` (regression without pairings),
+:mod:`~flashot.tasks.datasets` (bundled data), :mod:`~flashot.tasks.demo` (color
+transfer). Nothing below this layer imports it (tests/test_layers.py).
+"""
