@@ -1,8 +1,10 @@
-"""The package's imports go one way: no circles at import time, and no climbs into the
-tasks (they use the library like a user; nothing below them imports them)."""
+"""The package's imports go one way: no circles (at import time or inside functions), and
+no climbs into the tasks (they use the library like a user; nothing below imports them)."""
 
 import ast
 from pathlib import Path
+
+import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: the top of the house: they use the public API; nothing below imports them
@@ -42,9 +44,14 @@ def _is_task(name: str) -> bool:
     return any(name == t or name.startswith(t + ".") for t in TASKS)
 
 
-def test_no_circle_among_import_time_imports():
+@pytest.mark.parametrize("module_level", [True, False])
+def test_no_circle_among_imports(module_level):
+    """Import-time imports, and also those inside functions (deferred to break a circle
+    are still a circle of the design). The face (``flashot/__init__``) is left out: it
+    names every public module lazily, by design."""
     mods = _modules()
-    graph = {m: _imports(p, mods, module_level=True) - {m} for m, p in mods.items()}
+    graph = {m: _imports(p, mods, module_level) - {m} for m, p in mods.items()}
+    graph["flashot"] = set()
     state: dict[str, int] = {}  # 1: on the path, 2: done
 
     def visit(m, path):

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 _SOURCES = {
     "COSTS": "flashot.costs",
     "BatchedSinkhornResult": "flashot.batched",
-    "ConvergenceWarning": "flashot.ot",
+    "ConvergenceWarning": "flashot.stopping",
     "DualSolveInfo": "flashot.autodiff.implicit",
     "DualSolveLog": "flashot.autodiff.implicit",
     "EpsilonScaling": "flashot.solver",
@@ -73,10 +73,11 @@ if TYPE_CHECKING:  # (what type checkers and IDEs read; at run time, __getattr__
     from flashot.divergence import sinkhorn_divergence
     from flashot.hessian import HessianOperator, hvp
     from flashot.labeled import LabeledCost, labeled_cost
-    from flashot.ot import ConvergenceWarning, sinkhorn
+    from flashot.ot import sinkhorn
     from flashot.result import SinkhornResult, TransportPlan
     from flashot.samples_loss import SamplesLoss
     from flashot.solver import EpsilonScaling
+    from flashot.stopping import ConvergenceWarning
     from flashot.tasks.shuffled import shuffled_regression
 
 

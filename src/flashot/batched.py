@@ -37,12 +37,13 @@ from flashot.caller import warn_at_caller
 from flashot.dual import phi_sum
 from flashot.packing import PackedProblem, _eps_per_problem, pack_problems, pair_packing
 from flashot.problem import (
+    check_init,
     weights_tensor,
 )
 from flashot.result import TransportPlan
 from flashot.segments import Segments
 from flashot.solver import EpsilonScaling, temperatures
-from flashot.stopping import FloorTolerance, precision_floor, resolve_stopping
+from flashot.stopping import ConvergenceWarning, FloorTolerance, precision_floor, resolve_stopping
 
 __all__ = [
     "BatchedPlan",
@@ -280,8 +281,6 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
                   progress=False, rho=None, relative_eps=False, init=None,
                   hvp_tol=None) -> BatchedSinkhornResult:  # fmt: skip
     """The solve behind :func:`sinkhorn_varlen` and :func:`sinkhorn_batched`."""
-    from flashot.ot import ConvergenceWarning, _check_init  # (flashot.ot routes batches here)
-
     if not isinstance(warn, bool):
         raise TypeError(f"warn must be True or False, got {warn!r}")
     pp = pack_problems(x, y, x_offsets, y_offsets, a, b, eps=eps, cost=cost, backend=backend,
@@ -298,7 +297,7 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
         if batch is not None and isinstance(init, Sequence) and len(init) == 2:
             init = tuple(t.reshape(-1) if isinstance(t, torch.Tensor) and t.dim() == 2 else t
                          for t in init)  # fmt: skip
-        init = pp.from_own_eps(*_check_init(init, pp.a, pp.b))
+        init = pp.from_own_eps(*check_init(init, pp.a, pp.b))
     f, g, out = pp.potentials(temps, max_iter=max_iter, tol=tol, check_every=check_every,
                               update=update, progress=progress, min_iter=min_iter,
                               momentum=momentum, init=init)  # fmt: skip

@@ -43,10 +43,15 @@ from flashot.costs import (
     joint_box,
 )
 from flashot.dual import row_mass
-from flashot.ot import ConvergenceWarning
 from flashot.problem import check_positive, compute_dtype
 from flashot.solver import temperatures
-from flashot.stopping import FloorTolerance, _check_iterations, describe_miss, resolve_stopping
+from flashot.stopping import (
+    ConvergenceWarning,
+    FloorTolerance,
+    _check_iterations,
+    describe_miss,
+    resolve_stopping,
+)
 
 __all__ = ["GATHER_SHARE", "DistributedPlan", "DistributedSinkhornResult", "free_bytes", "sinkhorn"]
 

@@ -34,9 +34,10 @@ from flashot.batched import sinkhorn_divergence_batched
 from flashot.caller import warn_at_caller
 from flashot.costs import attention_form, self_attention_form
 from flashot.ops import node_when_compiling
-from flashot.ot import ConvergenceWarning, _check_init, resolve_schedule, sinkhorn
+from flashot.ot import resolve_schedule, sinkhorn
 from flashot.problem import (
     Problem,
+    check_init,
     cloud_tensor,
     compute_dtype,
     make_problem,
@@ -44,7 +45,7 @@ from flashot.problem import (
     weights_tensor,
 )
 from flashot.solver import final_potentials, solve, solve_self
-from flashot.stopping import describe_miss, resolve_stopping
+from flashot.stopping import ConvergenceWarning, describe_miss, resolve_stopping
 
 __all__ = ["DebiasedPotentials", "debiased_potentials", "sinkhorn_divergence"]
 
@@ -322,7 +323,7 @@ def sinkhorn_divergence(
     temps = resolve_schedule(eps_schedule, problem)
     options: dict[str, Any] = dict(max_iter=max_iter, tol=tol, check_every=check_every,
                                    min_iter=min_iter, momentum=momentum)  # fmt: skip
-    init = _check_init(init, problem.a, problem.b)
+    init = check_init(init, problem.a, problem.b)
     pots = debiased_potentials(problem, temps, update=update, init=init, **options)
     if pots.converged is False and warn:
         warn_at_caller("sinkhorn_divergence: " + "; ".join(pots.misses), ConvergenceWarning)

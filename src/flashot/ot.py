@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 
 import torch
 
@@ -18,11 +17,12 @@ from flashot.batched import sinkhorn_batched
 from flashot.caller import warn_at_caller
 from flashot.costs import attention_form, bounding_diameter
 from flashot.dual import phi_sum
-from flashot.problem import Problem, cloud_tensor, make_problem
+from flashot.problem import Problem, check_init, cloud_tensor, make_problem
 from flashot.result import SinkhornResult, SolveHistory, TransportPlan
 from flashot.solver import final_potentials, solve, temperatures
 from flashot.stopping import (
     FLOOR_FACTOR,
+    ConvergenceWarning,
     FloorTolerance,
     describe_miss,
     precision_floor,
@@ -32,35 +32,11 @@ from flashot.stopping import (
 __all__ = ["ConvergenceWarning", "resolve_schedule", "sinkhorn"]
 
 
-class ConvergenceWarning(UserWarning):
-    """Sinkhorn missed ``tol``; the message names the cause and what to try."""
-
-
 def resolve_schedule(eps_schedule, problem: Problem) -> list[float]:
     """The list of temperatures for ``eps_schedule`` (None, "geomloss", EpsilonScaling, floats)."""
     return temperatures(
         eps_schedule, problem.eps, lambda: bounding_diameter(problem.cost, problem.x, problem.y)
     )
-
-
-def _check_init(init, a: torch.Tensor, b: torch.Tensor):
-    """``init`` checked against the weights ``a`` (n,), ``b`` (m,): (f, g) detached, or None."""
-    if init is None:
-        return None
-    if not (isinstance(init, Sequence) and len(init) == 2):
-        raise TypeError("init must be None or a pair (f, g) of tensors")
-    out = []
-    for pot, like, name in zip(init, (a, b), ("init[0] (f)", "init[1] (g)"), strict=True):
-        if not isinstance(pot, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor")
-        if pot.shape != like.shape:
-            raise ValueError(f"{name} must have shape {tuple(like.shape)}, got {tuple(pot.shape)}")
-        if pot.device != like.device:
-            raise ValueError(f"{name} is on {pot.device} but the data is on {like.device}")
-        if not bool(torch.isfinite(pot).all()):
-            raise ValueError(f"{name} contains NaN or infinite values")
-        out.append(pot.detach().to(like.dtype))
-    return tuple(out)
 
 
 def _piece(problem, f: torch.Tensor, g: torch.Tensor, spec, trajectory=None) -> Piece:
@@ -239,7 +215,7 @@ def sinkhorn(
     engine = problem.engine
     tol, update = resolve_stopping(tol, update, problem, momentum)
     temps = resolve_schedule(eps_schedule, problem)
-    init = _check_init(init, problem.a, problem.b)
+    init = check_init(init, problem.a, problem.b)
     form = problem.form.detach()
     log_a, log_b = problem.log_a, problem.log_b
     rhos = (problem.rho_x, problem.rho_y)

@@ -39,6 +39,7 @@ __all__ = [
     "Problem",
     "check_cloud",
     "check_eps_range",
+    "check_init",
     "check_positive",
     "cloud_tensor",
     "eps_range",
@@ -380,3 +381,23 @@ def _weighted_rows(seg: Segments, w: torch.Tensor, u: torch.Tensor) -> torch.Ten
     for lo, hi in _row_ranges(u.shape[0], u.shape[1]):
         out.index_add_(0, ids[lo:hi], w[lo:hi, None] * u[lo:hi].double())
     return out
+
+
+def check_init(init, a: torch.Tensor, b: torch.Tensor):
+    """``init`` checked against the weights ``a`` (n,), ``b`` (m,): (f, g) detached, or None."""
+    if init is None:
+        return None
+    if not (isinstance(init, Sequence) and len(init) == 2):
+        raise TypeError("init must be None or a pair (f, g) of tensors")
+    out = []
+    for pot, like, name in zip(init, (a, b), ("init[0] (f)", "init[1] (g)"), strict=True):
+        if not isinstance(pot, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor")
+        if pot.shape != like.shape:
+            raise ValueError(f"{name} must have shape {tuple(like.shape)}, got {tuple(pot.shape)}")
+        if pot.device != like.device:
+            raise ValueError(f"{name} is on {pot.device} but the data is on {like.device}")
+        if not bool(torch.isfinite(pot).all()):
+            raise ValueError(f"{name} contains NaN or infinite values")
+        out.append(pot.detach().to(like.dtype))
+    return tuple(out)

@@ -20,11 +20,16 @@ from flashot.costs import _row_blocks
 __all__ = [
     "AUTO_TOL",
     "CAUSES",
+    "ConvergenceWarning",
     "FloorTolerance",
     "describe_miss",
     "precision_floor",
     "resolve_stopping",
 ]
+
+
+class ConvergenceWarning(UserWarning):
+    """Sinkhorn missed ``tol``; the message names the cause and what to try."""
 
 
 #: causes a solve that missed ``tol`` can report (``SolverOutput.cause``)

@@ -11,7 +11,6 @@ import contextlib
 import functools
 import importlib.util
 import inspect
-import os
 import warnings
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar, cast
@@ -19,6 +18,7 @@ from typing import ParamSpec, TypeVar, cast
 import torch
 
 from flashot.backends.base import PRECISIONS, Backend
+from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.torch_backend import TorchBackend
 
 __all__ = [
@@ -34,20 +34,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 BACKENDS = ("auto", "torch", "triton")
-
-
-def triton_interpreted() -> bool:
-    """Whether Triton runs in interpreter mode (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def on_device(device: torch.device):
-    """Make ``device`` the current CUDA device for a block (a no-op off CUDA).
-
-    Triton launches kernels, and CUDA graphs capture and replay, on the current device:
-    tensors on another GPU (``cuda:1`` while ``cuda:0`` is current) need this.
-    """
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def entry_point(fn: Callable[P, R]) -> Callable[P, R]:

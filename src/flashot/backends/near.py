@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from flashot.backends.row_pool import run_row_blocks
+from flashot.backends.row_pool import run_row_blocks, tile_sizes
 
 __all__ = ["is_near_uniform", "log_mass", "near_attend"]
 
@@ -88,7 +88,6 @@ def near_attend(form, h, eps, v=None, log_w=None, budget: int | None = None):
         log_total = torch.tensor(math.log(m), dtype=torch.float64, device=dev)
     else:
         log_pi, log_total = log_mass(log_w)
-    from flashot.backends.torch_backend import tile_sizes  # (its module imports this one)
 
     pi = torch.exp(log_pi)
     budget = budget or (1 << 22 if q.is_cuda else 1 << 20)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashot.backends.row_pool import tile_sizes
+
 __all__ = ["ALL", "PlanVJP", "outputs_for", "plan_vjp_tiles"]
 
 #: every output of a plan_vjp: row (with per_a), row_k, col (with per_b), col_q, pt_d
@@ -77,8 +79,6 @@ def plan_vjp_tiles(
         need: the outputs to form (a subset of :data:`ALL`).
         d0: (n,) cotangent of the row sums ``P 1``, or None.
     """
-    from flashot.backends.torch_backend import tile_sizes  # (its module imports base)
-
     q, k = form.q, form.k
     n, m = q.shape[0], k.shape[0]
     dtype = q.dtype

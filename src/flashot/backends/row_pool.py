@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["run_row_blocks"]
+__all__ = ["run_row_blocks", "tile_sizes"]
 
 #: below this many score elements per pass, handing blocks to threads costs more than it saves
 MIN_ELEMENTS = 1 << 19
@@ -166,3 +166,10 @@ def run_row_blocks(
     job.done.wait()
     if job.error is not None:
         raise job.error
+
+
+def tile_sizes(n: int, m: int, budget: int) -> tuple[int, int]:
+    """Pick (BLOCK_M, BLOCK_N) so that one score tile holds at most ``budget`` elements."""
+    block_n = min(m, 8192)
+    block_m = max(1, min(n, budget // block_n))
+    return block_m, block_n

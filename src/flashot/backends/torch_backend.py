@@ -17,20 +17,13 @@ from __future__ import annotations
 import torch
 
 from flashot.backends.base import Backend
-from flashot.backends.row_pool import run_row_blocks
+from flashot.backends.row_pool import run_row_blocks, tile_sizes
 
 __all__ = ["TorchBackend"]
 
 # exp(t) for t below this is < 1e-34 (float32) / 1e-304 (float64) of the row's largest
 # term: clamping there changes no sum, and keeps exp off the subnormal path (10x slower).
 _EXP_FLOOR = {torch.float32: -80.0, torch.float64: -700.0}
-
-
-def tile_sizes(n: int, m: int, budget: int) -> tuple[int, int]:
-    """Pick (BLOCK_M, BLOCK_N) so that one score tile holds at most ``budget`` elements."""
-    block_n = min(m, 8192)
-    block_m = max(1, min(n, budget // block_n))
-    return block_m, block_n
 
 
 class TorchBackend(Backend):

@@ -11,6 +11,8 @@ import argparse
 import math
 import sys
 
+from flashot.cli.common import EXIT_ERROR, EXIT_NOT_CONVERGED, JSON_SCHEMA, CliError
+
 __all__ = ["EXIT_ERROR", "EXIT_NOT_CONVERGED", "CliError", "build_parser", "load_array", "main"]
 
 DESCRIPTION = "IO-aware entropic optimal transport (FlashSinkhorn) for large point clouds."
@@ -18,19 +20,6 @@ DESCRIPTION = "IO-aware entropic optimal transport (FlashSinkhorn) for large poi
 COST_NAMES = ("cosine", "half_sqeuclidean", "sqeuclidean")
 DTYPE_NAMES = ("float32", "float64")
 PRECISION_CHOICES = ["auto", "fp32", "tf32", "bf16", "fp16"]
-
-
-#: exit codes: 0 solved and converged, 1 a user mistake (one-line message), 2 bad
-#: arguments (argparse), 3 solved but not converged
-EXIT_ERROR, EXIT_NOT_CONVERGED = 1, 3
-#: version of the ``--json`` objects: every one holds ``schema`` and ``command``; the
-#: solves name values as the API does (``cost`` is the OT value) and report the
-#: ``backend`` and ``precision`` that ran (2: renamed ``ot_cost``, added those keys)
-JSON_SCHEMA = 2
-
-
-class CliError(Exception):
-    """A user mistake: printed as one line, exit code :data:`EXIT_ERROR`."""
 
 
 def _tolerance(text: str):

@@ -19,7 +19,7 @@ from flashot.bench.harness import (
 from flashot.bench.options import FULL, QUICK, WORKLOADS
 from flashot.bench.providers import PROVIDERS, providers
 from flashot.bench.report import merge, plot, read, result_file, table, write
-from flashot.cli import CliError
+from flashot.cli.common import CliError
 
 __all__ = ["run"]
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import flashot
-from flashot.cli import EXIT_NOT_CONVERGED, JSON_SCHEMA, CliError
+from flashot.cli.common import EXIT_NOT_CONVERGED, JSON_SCHEMA, CliError
 
 __all__ = ["load_array", "run"]
 

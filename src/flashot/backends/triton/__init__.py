@@ -19,8 +19,8 @@ import os
 import torch
 import triton
 
-from flashot.backends import on_device, triton_interpreted
 from flashot.backends.base import Backend
+from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.near import NEAR_FROM, is_near_uniform
 from flashot.backends.plan_vjp import ALL
 from flashot.backends.triton import _configs

@@ -15,7 +15,7 @@ import math
 import torch
 import triton
 
-from flashot.backends import triton_interpreted
+from flashot.backends.device import triton_interpreted
 
 __all__ = [
     "attend_configs",

@@ -15,7 +15,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from flashot.backends import on_device, triton_interpreted
+from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.triton import _configs, _tables
 from flashot.backends.triton._kernels import _attend_kernel, _plan_sums_kernel
 from flashot.temperature import READ_DAMPING, READ_RATIO, READ_ROW, Temperature

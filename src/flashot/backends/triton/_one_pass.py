@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashot.backends import on_device
+from flashot.backends.device import on_device
 from flashot.backends.triton import _configs
 from flashot.backends.triton._combine import _combine_kernel
 from flashot.backends.triton._kernels import _plan_sums_kernel

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from flashot.backends import triton_interpreted
+from flashot.backends.device import triton_interpreted
 from flashot.backends.triton._split import SplitOperand, split_operand
 from flashot.backends.triton._triples import TRIPLE_UP_TO, triple_pair
 

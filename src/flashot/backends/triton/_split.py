@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashot.backends import on_device
+from flashot.backends.device import on_device
 
 __all__ = ["SplitOperand", "split_operand"]
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashot.backends import on_device
+from flashot.backends.device import on_device
 
 __all__ = ["TRIPLE_UP_TO", "TRIPLE_WIDTH", "triple_operand", "triple_pair"]
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashot.backends import on_device, triton_interpreted
+from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.plan_vjp import ALL, PlanVJP
 from flashot.backends.triton import _configs
 from flashot.backends.triton._kernels import _load_tile, _score_tile
