@@ -319,6 +319,7 @@ def cost_of(cost, z, y):
 
 
 def _mode_calls():
+    from flashot.compat import pot
     from flashot.tasks.otdd import dataset_distance
 
     g = torch.Generator().manual_seed(0)
@@ -347,6 +348,11 @@ def _mode_calls():
         "batched-divergence": lambda: [flashot.sinkhorn_divergence(xb, yb, eps=0.2)],
         "otdd": lambda: distance(dataset_distance(x, lx, y, ly, eps=0.5)),
         "hvp": lambda: [flashot.hvp(x, y, d, eps=0.5)],
+        "hessian_operator": lambda: [flashot.HessianOperator(x, y, eps=0.5)(d)],
+        "pot": lambda: [
+            torch.as_tensor(pot.empirical_sinkhorn2(x, y, 0.5)),
+            pot.solve_sample(x, y, reg=0.5).value,
+        ],
     }  # fmt: skip
 
 
