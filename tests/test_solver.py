@@ -241,3 +241,17 @@ def test_progress_total_is_the_work_done_when_tol_stops_early(capsys):
     assert res.n_iter < 2000
     last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     assert f"{res.n_iter}/{res.n_iter}" in last and "/2000" not in last
+
+
+@given(n_temps=st.integers(1, 30), check_every=st.integers(1, 12), it=st.integers(1, 400))
+def test_one_check_schedule(n_temps, check_every, it):
+    """The rule every loop follows (solver, self problems, replayed schedules, the sharded
+    solve): checks every check_every iterations at the final ε, counted from its first."""
+    from flashot.stopping import CheckSchedule
+
+    s, last = CheckSchedule(n_temps, check_every), n_temps - 1
+    grid = [j for j in range(1, 401) if s.on_grid(j)]
+    assert grid == list(range(last + check_every, 401, check_every))
+    assert s.on_grid(it) == (it - 1 >= last and (it - last) % check_every == 0)
+    assert s.before(it) == (it >= last and (it + 1 - last) % check_every == 0)
+    assert s.in_warmup(it) == (it - 1 < last and it % check_every == 0)

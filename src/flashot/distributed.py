@@ -46,6 +46,7 @@ from flashot.dual import row_mass
 from flashot.problem import check_positive, compute_dtype
 from flashot.solver import temperatures
 from flashot.stopping import (
+    CheckSchedule,
     ConvergenceWarning,
     FloorTolerance,
     _check_iterations,
@@ -516,7 +517,7 @@ def _iterate(comm, engine, rows: _Side, cols: _Side, temps, max_iter, tol, check
     error, it = math.inf, 0
     for it in range(1, max_iter + 1):
         eps = temps[min(it - 1, last)]
-        check = tol is not None and it - 1 >= last and (it - last) % check_every == 0
+        check = tol is not None and CheckSchedule(len(temps), check_every).on_grid(it)
         check = check and (update == "symmetric" or it > 1)  # (exact columns from step 2)
         lse_r, _ = _transform(comm, engine, rows, cols, g, eps)
         f_new = rows.offset - lse_r

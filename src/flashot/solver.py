@@ -32,7 +32,7 @@ from flashot.graphs import GRAPHS
 from flashot.momentum import Relaxation, check_momentum
 from flashot.progress import Progress
 from flashot.schedule import EpsilonScaling, geomloss_schedule, temperatures
-from flashot.stopping import _check_iterations, _Stopping, precision_floor
+from flashot.stopping import CheckSchedule, _check_iterations, _Stopping, precision_floor
 from flashot.temperature import device_damping, schedule_table, temperatures_on
 
 __all__ = [
@@ -277,7 +277,8 @@ def _in_blocks(key, tensors, start, block, *, form, eps_list, damping, max_iter,
         ``(potentials, iterations, error, stopping)`` (a :class:`_Stopping`, finished).
     """
     last = len(eps_list) - 1
-    checks = [it for it in range(last + check_every, max_iter + 1, check_every) if it >= min_iter]
+    schedule = CheckSchedule(len(eps_list), check_every)
+    checks = [it for it in range(1, max_iter + 1) if schedule.on_grid(it) and it >= min_iter]
     checked_at = set(checks)
     ends = sorted(checked_at | {max_iter} | ({last} if last > 0 else set()))
     pots = tuple(start)
@@ -343,6 +344,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
     bar = Progress(progress, max_iter)
     stop = _Stopping(tol, lambda: precision_floor(form, f, g, log_a, log_b, eps_list[-1]))
     last = len(eps_list) - 1
+    schedule = CheckSchedule(len(eps_list), check_every)
     # a backend's fast path (one exponential per element for both updates) keeps its
     # own device-side state; it falls back to exact updates row by row, never via the host
     state = backend.fast_state(f.device) if update == "symmetric" else None
@@ -353,10 +355,10 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
     for it in range(first, final_it + 1):
         eps = eps_list[min(it - 1, last)]
         lam = damping(eps)
-        on_grid = it - 1 >= last and (it - last) % check_every == 0  # at the final ε
+        on_grid = schedule.on_grid(it)  # at the final ε
         stopping = tol is not None and on_grid and it >= min_iter
         # a record also checks the warm-up, every check_every iterations
-        check = stopping or (record and (on_grid or (it - 1 < last and it % check_every == 0)))
+        check = stopping or (record and (on_grid or schedule.in_warmup(it)))
         closing = check_end and it == final_it
         check = check or closing
         step_form = form if it - 1 >= last else warm
@@ -375,7 +377,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
             lse_c, _ = backend.row_attend(step_form.T, f - q_alpha, eps, log_w=log_a)
             g_new = lam[1] * (k_beta - lse_c)
             # plain before a check: exact columns, so the row error is the whole error
-            before_check = it >= last and (it + 1 - last) % check_every == 0
+            before_check = schedule.before(it)
             g = g_new if omega == 1.0 or before_check else torch.lerp(g, g_new, omega)
         if closing:
             pending = err  # (read by the caller, after the block: no wait in a capture)
@@ -556,6 +558,7 @@ def _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol
     alpha = form.alpha
     first, final_it = span or (1, max_iter)
     last = len(eps_list) - 1
+    schedule = CheckSchedule(len(eps_list), check_every)
     warm = warm_form(form, eps_list)
     if init is None:
         assert first == 1, "a block after the first starts from the previous one's potential"
@@ -568,8 +571,7 @@ def _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol
     for it in range(first, final_it + 1):
         eps = eps_list[min(it - 1, last)]
         lse, _ = backend.row_attend(form if it - 1 >= last else warm, p - alpha, eps, log_w=log_a)
-        check = tol is not None and it - 1 >= last and (it - last) % check_every == 0
-        check = check and it >= min_iter
+        check = tol is not None and schedule.on_grid(it) and it >= min_iter
         closing = check_end and it == final_it
         if check or closing:
             err = 2.0 * marginal_error(p, row_mass(p, lse, alpha, log_a, eps), log_a, rho)

@@ -12,6 +12,7 @@ import collections
 import itertools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,12 +21,48 @@ from flashot.costs import _row_blocks
 __all__ = [
     "AUTO_TOL",
     "CAUSES",
+    "CheckSchedule",
     "ConvergenceWarning",
     "FloorTolerance",
     "describe_miss",
     "precision_floor",
     "resolve_stopping",
 ]
+
+
+@dataclass(frozen=True)
+class CheckSchedule:
+    """When a solve measures its marginal error: the one rule every loop follows.
+
+    Iteration ``it`` (from 1) runs at temperature ``temps[min(it − 1, last)]``, with
+    ``last = n_temps − 1``. Checks at the final ε fall every ``check_every`` iterations
+    counted from its first one; a recorded history also checks the warm-up every
+    ``check_every`` iterations.
+    """
+
+    n_temps: int
+    check_every: int
+
+    @property
+    def last(self) -> int:
+        """The index of the final ε in the schedule."""
+        return self.n_temps - 1
+
+    def at_final(self, it: int) -> bool:
+        """Iteration ``it`` runs at the final ε."""
+        return it - 1 >= self.last
+
+    def on_grid(self, it: int) -> bool:
+        """A check at the final ε (where ``tol`` may stop the solve)."""
+        return self.at_final(it) and (it - self.last) % self.check_every == 0
+
+    def in_warmup(self, it: int) -> bool:
+        """A recorded check of the warm-up (``history=True``)."""
+        return not self.at_final(it) and it % self.check_every == 0
+
+    def before(self, it: int) -> bool:
+        """The next iteration checks (its columns must then be exact)."""
+        return self.on_grid(it + 1)
 
 
 class ConvergenceWarning(UserWarning):

@@ -36,6 +36,7 @@ import torch
 from flashot.autodiff.implicit import DualSpec, other_masses
 from flashot.backends import entry_point
 from flashot.costs import AttentionForm
+from flashot.stopping import CheckSchedule
 
 __all__ = ["Trajectory", "Transform", "envelope_gradient", "transform", "unrolled_potentials"]
 
@@ -257,7 +258,7 @@ def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec):
         f_new = rows(g, e)
         f = f_new if omega == 1.0 else torch.lerp(f, f_new, omega)
         g_new = cols(f, e)
-        before_check = it >= last and (it + 1 - last) % traj.check_every == 0
+        before_check = CheckSchedule(len(temps), traj.check_every).before(it)
         g = g_new if omega == 1.0 or before_check else torch.lerp(g, g_new, omega)
     return f, g
 
