@@ -19,8 +19,8 @@ _SOURCES = {
     "COSTS": "flashot.costs",
     "BatchedSinkhornResult": "flashot.batched",
     "ConvergenceWarning": "flashot.stopping",
-    "DualSolveInfo": "flashot.autodiff.implicit",
-    "DualSolveLog": "flashot.autodiff.implicit",
+    "DualSolveInfo": "flashot.autodiff.dual_log",
+    "DualSolveLog": "flashot.autodiff.dual_log",
     "EpsilonScaling": "flashot.solver",
     "HessianOperator": "flashot.hessian",
     "LabeledCost": "flashot.labeled",
@@ -30,7 +30,7 @@ _SOURCES = {
     "available_backends": "flashot.backends",
     "hvp": "flashot.hessian",
     "labeled_cost": "flashot.labeled",
-    "record_dual_solves": "flashot.autodiff.implicit",
+    "record_dual_solves": "flashot.autodiff.dual_log",
     "shuffled_regression": "flashot.tasks.shuffled",
     "sinkhorn": "flashot.ot",
     "sinkhorn_divergence": "flashot.divergence",
@@ -66,7 +66,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # (what type checkers and IDEs read; at run time, __getattr__)
     from flashot import linalg, ops, optim
-    from flashot.autodiff.implicit import DualSolveInfo, DualSolveLog, record_dual_solves
+    from flashot.autodiff.dual_log import DualSolveInfo, DualSolveLog, record_dual_solves
     from flashot.backends import available_backends
     from flashot.batched import BatchedSinkhornResult, sinkhorn_varlen
     from flashot.costs import COSTS

@@ -15,6 +15,7 @@ __all__ = [
     "mass_excess",
     "phi_sum",
     "plan_times",
+    "relaxed_weight",
     "row_mass",
 ]
 
@@ -112,3 +113,8 @@ def phi_sum(pot: torch.Tensor, weights: torch.Tensor, rho: float | None,
     if rho is None:
         return total(weights * pot)
     return -rho * total(weights * torch.expm1(-pot.detach() / rho))
+
+
+def relaxed_weight(pot, w, rho):
+    """``w e^{−f/ρ}``, the target of a relaxed side's marginal (w when balanced)."""
+    return w if rho is None else w * torch.exp(-pot / rho)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Segments"]
+__all__ = ["Segments", "other_masses", "problem_sums"]
 
 #: device tables shared by packings of the same offsets (a training loop packs its batch
 #: anew each call: without this, every call copied its tables from the host again)
@@ -186,3 +186,23 @@ class Segments:
     def near(self, eps: float, near_from: float) -> bool:
         """Whether any problem takes the near-uniform LSE at ``eps``."""
         return self.bounds is not None and eps >= near_from * min(self.bounds, default=0.0)
+
+
+def problem_sums(t: torch.Tensor, segments: Segments | None) -> torch.Tensor:
+    """``Σ t`` over the problem of each entry, for every entry of t (n, ...).
+
+    Unpacked (one problem): the sum over all, shape ``t.shape[1:]``.
+    """
+    if segments is None:
+        return t.sum(0)
+    return segments.sum(t)[segments.row_ids(t.device)]
+
+
+def other_masses(w: torch.Tensor, segments: Segments | None, like: torch.Tensor):
+    """The mass of the other side's weights ``w`` in the problem of each entry of ``like``.
+
+    ``segments``: the packing seen from ``like``'s side (None: ``w.sum()``).
+    """
+    if segments is None:
+        return w.sum()
+    return segments.T.sum(w)[segments.row_ids(like.device)]

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from flashot.costs import AttentionForm
+from flashot.dual import relaxed_weight
+from flashot.segments import problem_sums
 
 __all__ = ["DENSE_COLUMNS", "DENSE_UP_TO", "DenseDual", "clear_dense_factors", "dense_dual"]
 
@@ -75,11 +77,10 @@ def fits(form: AttentionForm) -> bool:
     return form.q.device.type == "cpu" and n * m <= DENSE_UP_TO and m <= DENSE_COLUMNS
 
 
-def dense_dual(form: AttentionForm, f, g, a, b, eps: float, rho, shift: float,
-               problem_sums) -> DenseDual | None:  # fmt: skip
+def dense_dual(form: AttentionForm, f, g, a, b, eps: float, rho,
+               shift: float) -> DenseDual | None:  # fmt: skip
     """The factored system of a problem (the cached one when its inputs are the same).
 
-    ``problem_sums(t, segments)`` sums over each entry's problem (packed batches);
     ``shift`` is the relative shift of ``D_c`` the CG uses. None when the factorization
     fails (S not positive definite to rounding): the caller falls back to CG.
     """
@@ -88,7 +89,7 @@ def dense_dual(form: AttentionForm, f, g, a, b, eps: float, rho, shift: float,
            float(eps), rho, id(form.segments), shift)  # fmt: skip
     if _LAST and _LAST[0][0] == key:
         return _LAST[0][2]
-    system = _factor(form, f, g, a, b, eps, rho, shift, problem_sums)
+    system = _factor(form, f, g, a, b, eps, rho, shift)
     _LAST.clear()
     if system is not None:
         _LAST.append((key, tensors, system))
@@ -100,7 +101,7 @@ def clear_dense_factors() -> None:
     _LAST.clear()
 
 
-def _factor(form, f, g, a, b, eps, rho, shift, problem_sums) -> DenseDual | None:
+def _factor(form, f, g, a, b, eps, rho, shift) -> DenseDual | None:
     rho_x, rho_y = rho
     d64 = AttentionForm(form.q.double(), form.k.double(), form.alpha.double(),
                         form.beta.double(), segments=form.segments)  # fmt: skip
@@ -109,8 +110,8 @@ def _factor(form, f, g, a, b, eps, rho, shift, problem_sums) -> DenseDual | None
     log_p = log_p + (f[:, None] + g[None, :] - d64.dense()) / eps
     plan = torch.exp(log_p)  # (+inf costs between packed problems: exactly 0)
     r, c = plan.sum(1), plan.sum(0)
-    d_r = r if rho_x is None else r + (eps / rho_x) * _relaxed(f, a, rho_x)
-    d_c = c if rho_y is None else c + (eps / rho_y) * _relaxed(g, b, rho_y)
+    d_r = r if rho_x is None else r + (eps / rho_x) * relaxed_weight(f, a, rho_x)
+    d_c = c if rho_y is None else c + (eps / rho_y) * relaxed_weight(g, b, rho_y)
     d_r_inv = torch.where(d_r > 0, 1.0 / d_r, torch.zeros_like(d_r))
     schur = torch.diag((1 + shift) * d_c) - plan.T @ (d_r_inv[:, None] * plan)
     project = None
@@ -130,8 +131,3 @@ def _factor(form, f, g, a, b, eps, rho, shift, problem_sums) -> DenseDual | None
     if int(info) != 0:
         return None
     return DenseDual(plan, d_r_inv, factor, project)
-
-
-def _relaxed(pot, w, rho):
-    """``a e^{−f/ρ}``: the relaxed side's term of ``D`` (as in the CG's system)."""
-    return w * torch.exp(-pot / rho)

@@ -42,15 +42,16 @@ from dataclasses import dataclass
 import torch
 
 from flashot.autodiff import dense_dual
+from flashot.autodiff.dual_log import DualSolveInfo, DualSolveLog, log_solve, record_dual_solves
 from flashot.backends import entry_point
 from flashot.backends.base import Backend
 from flashot.backends.near import is_near_uniform
 from flashot.backends.plan_vjp import outputs_for
 from flashot.costs import AttentionForm
-from flashot.dual import marginal_error, plan_times, row_mass
+from flashot.dual import marginal_error, plan_times, relaxed_weight, row_mass
 from flashot.graphs import GraphCache, capture_or_eager
 from flashot.linalg import CGWarning, cg
-from flashot.segments import Segments
+from flashot.segments import Segments, other_masses, problem_sums
 
 __all__ = [
     "DeferredSolves",
@@ -113,85 +114,6 @@ def _form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:
                          cost_bound=spec.cost_bound, segments=spec.segments)  # fmt: skip
 
 
-def problem_sums(t: torch.Tensor, segments: Segments | None) -> torch.Tensor:
-    """``Σ t`` over the problem of each entry, for every entry of t (n, ...).
-
-    Unpacked (one problem): the sum over all, shape ``t.shape[1:]``.
-    """
-    if segments is None:
-        return t.sum(0)
-    return segments.sum(t)[segments.row_ids(t.device)]
-
-
-def other_masses(w: torch.Tensor, segments: Segments | None, like: torch.Tensor):
-    """The mass of the other side's weights ``w`` in the problem of each entry of ``like``.
-
-    ``segments``: the packing seen from ``like``'s side (None: ``w.sum()``).
-    """
-    if segments is None:
-        return w.sum()
-    return segments.T.sum(w)[segments.row_ids(like.device)]
-
-
-@dataclass(frozen=True)
-class DualSolveInfo:
-    """What one dual solve of a second derivative did.
-
-    Attributes:
-        n_iter: CG iterations (two streaming plan products each); 0 for a small
-            problem's direct solve (:mod:`flashot.autodiff.dense_dual`).
-        residual: the true relative residual ``‖b − S w‖ / ‖b‖`` reached (the worst
-            column of a batch of directions).
-        tol: the residual asked for (the accuracy option over
-            :data:`~flashot.autodiff.second_order.RESIDUAL_PER_ERROR`).
-        converged: ``residual ≤ tol``.
-        columns: right-hand sides solved together (directions of one ``hvp`` call).
-        eps: ε of the problem.  shape: (n, m).
-    """
-
-    n_iter: int
-    residual: float
-    tol: float
-    converged: bool
-    columns: int
-    eps: float
-    shape: tuple[int, int]
-
-
-class DualSolveLog(list):
-    """The :class:`DualSolveInfo` of every dual solve run inside :func:`record_dual_solves`."""
-
-    @property
-    def last(self) -> DualSolveInfo | None:
-        """The latest solve's record, or None before any."""
-        return self[-1] if self else None
-
-
-_LOGS: list[DualSolveLog] = []
-
-
-@contextlib.contextmanager
-def record_dual_solves():
-    """Record the dual solves run in the block: a :class:`DualSolveLog` is yielded.
-
-    Every dual solve (second derivatives after a solve to a tolerance: ``flashot.hvp``,
-    double backward of ``sinkhorn``/``sinkhorn_divergence``) appends its
-    :class:`DualSolveInfo`. Blocks nest; each sees the solves run inside it.
-
-    Example::
-
-        with flashot.record_dual_solves() as log:
-            hv = flashot.hvp(x, y, v, eps=0.1)
-        log.last.n_iter, log.last.residual, log.last.converged
-    """
-    log = DualSolveLog()
-    _LOGS.append(log)
-    try:
-        yield log
-    finally:
-        _LOGS.remove(log)
-
-
 class PlanProduct(torch.autograd.Function):
     """``(P V, P 1)``, differentiable once in q, α, k, β, a, b, f, g and V.
 
@@ -249,11 +171,6 @@ def plan_product(theta, z, v, spec: DualSpec, transpose: bool = False, with_mass
     else:
         out = PlanProduct.apply(q, alpha, k, beta, a, b, f, g, v, spec)
     return out if with_mass else out[0]
-
-
-def _relaxed_weight(pot, w, rho):
-    """``w e^{−f/ρ}``, the target of a relaxed side's marginal (w when balanced)."""
-    return w if rho is None else w * torch.exp(-pot / rho)
 
 
 class _Buffers:
@@ -336,17 +253,17 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     # D_c keeps CG's curvatures positive and costs ~100 ulps of relative accuracy there
     shift = 100 * torch.finfo(f.dtype).eps
     if dense_dual.fits(form):  # small: one factorization, kept for the next solves
-        system = dense_dual.dense_dual(form, f, g, a, b, eps, spec.rho, shift, problem_sums)
+        system = dense_dual.dense_dual(form, f, g, a, b, eps, spec.rho, shift)
         if system is not None:
             w_f, w_g, residual = system.solve(f_bar, g_bar, eps)
-            _log(DualSolveInfo(0, residual, spec.cg_tol, residual <= spec.cg_tol,
+            log_solve(DualSolveInfo(0, residual, spec.cg_tol, residual <= spec.cg_tol,
                                f_bar.shape[1] if columns else 1, float(eps),
                                (form.q.shape[0], form.k.shape[0])))  # fmt: skip
             return w_f, w_g
     log_a, log_b = torch.log(a), torch.log(b)
     r, c = backend.marginals(form, f, g, log_a, log_b, eps)
-    d_r = r if rho_x is None else r + (eps / rho_x) * _relaxed_weight(f, a, rho_x)
-    d_c = c if rho_y is None else c + (eps / rho_y) * _relaxed_weight(g, b, rho_y)
+    d_r = r if rho_x is None else r + (eps / rho_x) * relaxed_weight(f, a, rho_x)
+    d_c = c if rho_y is None else c + (eps / rho_y) * relaxed_weight(g, b, rho_y)
     d_r_inv = torch.where(d_r > 0, 1.0 / d_r, torch.zeros_like(d_r))
     d_c_inv = torch.where(d_c > 0, 1.0 / d_c, torch.zeros_like(d_c))
     deflate = rho_x is None and rho_y is None
@@ -394,17 +311,12 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
     return w_f, w_g
 
 
-def _log(info: DualSolveInfo) -> None:
-    for log in _LOGS:
-        log.append(info)
-
-
 def _report(res, spec: DualSpec, form: AttentionForm, columns: bool, f_bar) -> None:
     """Log the solve (:func:`record_dual_solves`); warn, naming the cause, if it missed."""
     info = DualSolveInfo(res.n_iter, res.residual, spec.cg_tol, res.converged,
                          f_bar.shape[1] if columns else 1, float(spec.eps),
                          (form.q.shape[0], form.k.shape[0]))  # fmt: skip
-    _log(info)
+    log_solve(info)
     if res.converged:
         return
     dtype = form.q.dtype
@@ -448,9 +360,9 @@ def _theta_grads(form, f, g, a, b, spec: DualSpec, w_f, w_g, needs) -> tuple:
     row, col = _over_(vjp.row, eps), _over_(vjp.col, eps)
     grad_a = grad_b = None
     if needs[4]:
-        grad_a = _relaxed_weight(f, ones_n, spec.rho[0]) * w_f - vjp.per_a
+        grad_a = relaxed_weight(f, ones_n, spec.rho[0]) * w_f - vjp.per_a
     if needs[5]:
-        grad_b = _relaxed_weight(g, ones_m, spec.rho[1]) * w_g - vjp.per_b
+        grad_b = relaxed_weight(g, ones_m, spec.rho[1]) * w_g - vjp.per_b
     row_k = None if vjp.row_k is None else vjp.row_k.div_(-eps)
     col_q = None if vjp.col_q is None else vjp.col_q.div_(-eps)
     return (row_k, row, col_q, col, grad_a, grad_b)
