@@ -25,7 +25,7 @@ import torch
 
 from flashot.autodiff.functions import extrapolate, extrapolation_parts, transform_parts
 from flashot.backends.base import Backend
-from flashot.backends.near import is_near_uniform
+from flashot.backends.near import WARM_NEAR_FROM, is_near_uniform
 from flashot.costs import AttentionForm
 from flashot.dual import marginal_error, row_mass
 from flashot.graphs import GRAPHS
@@ -47,8 +47,6 @@ __all__ = [
 ]
 
 UPDATES = ("symmetric", "alternating")
-#: warm-up temperatures take the near-uniform LSE from this multiple of the cost's bound
-WARM_NEAR_FROM = 4.0
 
 
 @dataclass(frozen=True)

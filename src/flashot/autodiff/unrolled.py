@@ -35,6 +35,7 @@ import torch
 
 from flashot.autodiff.implicit import DualSpec, other_masses
 from flashot.backends import entry_point
+from flashot.backends.near import WARM_NEAR_FROM
 from flashot.costs import AttentionForm
 from flashot.stopping import CheckSchedule
 
@@ -72,8 +73,16 @@ def _form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:
                          cost_bound=spec.cost_bound, segments=spec.segments)  # fmt: skip
 
 
-def _at(spec: DualSpec, eps: float) -> DualSpec:
-    return spec if eps == spec.eps else dataclasses.replace(spec, eps=eps)
+def _at(spec: DualSpec, eps: float, warm: bool = False) -> DualSpec:
+    """``spec`` at ``eps``; ``warm``: a warm-up temperature, which takes the near-uniform
+    LSE from :data:`WARM_NEAR_FROM` × the bound, as the solve did (the same function;
+    the usual path is cheaper, and the schedule's first temperatures sit in between)."""
+    if not warm:
+        return spec if eps == spec.eps else dataclasses.replace(spec, eps=eps)
+    seg = spec.segments
+    bound = None if spec.cost_bound is None else WARM_NEAR_FROM * spec.cost_bound
+    return dataclasses.replace(spec, eps=eps, cost_bound=bound,
+                               segments=None if seg is None else seg.scaled_bounds(WARM_NEAR_FROM))  # fmt: skip
 
 
 class Transform(torch.autograd.Function):
@@ -238,26 +247,28 @@ def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec):
     log_a, log_b = torch.log(a), torch.log(b)
     (rho_x, rho_y), temps, traj = spec.rho, trajectory.temps, trajectory
 
-    def rows(g, e):  # λ_x T(g)
-        return damping(rho_x, e) * transform(q, alpha, k, beta, log_b, g, _at(spec, e))
+    last = len(temps) - 1
 
-    def cols(f, e):  # λ_y Tᵀ(f)
-        return damping(rho_y, e) * transform(k, beta, q, alpha, log_a, f, _at(spec.T, e))
+    def rows(g, e, warm):  # λ_x T(g)
+        return damping(rho_x, e) * transform(q, alpha, k, beta, log_b, g, _at(spec, e, warm))
+
+    def cols(f, e, warm):  # λ_y Tᵀ(f)
+        return damping(rho_y, e) * transform(k, beta, q, alpha, log_a, f, _at(spec.T, e, warm))
 
     if traj.init is None:
-        f, g = rows(torch.zeros_like(beta), temps[0]), cols(torch.zeros_like(alpha), temps[0])
+        zf, zg = torch.zeros_like(alpha), torch.zeros_like(beta)
+        f, g = rows(zg, temps[0], last > 0), cols(zf, temps[0], last > 0)
     else:
         f, g = traj.init
-    last = len(temps) - 1
     for it in range(1, traj.iterations + 1):
-        e = temps[min(it - 1, last)]
+        e, warm = temps[min(it - 1, last)], it - 1 < last
         if traj.update == "symmetric":
-            f, g = 0.5 * (f + rows(g, e)), 0.5 * (g + cols(f, e))
+            f, g = 0.5 * (f + rows(g, e, warm)), 0.5 * (g + cols(f, e, warm))
             continue
-        omega = traj.momentum if traj.momentum is not None and it - 1 >= last else 1.0
-        f_new = rows(g, e)
+        omega = traj.momentum if traj.momentum is not None and not warm else 1.0
+        f_new = rows(g, e, warm)
         f = f_new if omega == 1.0 else torch.lerp(f, f_new, omega)
-        g_new = cols(f, e)
+        g_new = cols(f, e, warm)
         before_check = CheckSchedule(len(temps), traj.check_every).before(it)
         g = g_new if omega == 1.0 or before_check else torch.lerp(g, g_new, omega)
     return f, g

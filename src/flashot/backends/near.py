@@ -39,10 +39,13 @@ import torch
 
 from flashot.backends.row_pool import run_row_blocks, tile_sizes
 
-__all__ = ["is_near_uniform", "log_mass", "near_attend"]
+__all__ = ["NEAR_FROM", "WARM_NEAR_FROM", "is_near_uniform", "log_mass", "near_attend"]
 
 #: the near-uniform path runs when ε ≥ NEAR_FROM × (bound on the cost)
 NEAR_FROM = 1.0
+#: a schedule's warm-up temperatures take it from this multiple of the bound only
+#: (:func:`flashot.solver.warm_form`; a replay of the schedule follows the same rule)
+WARM_NEAR_FROM = 4.0
 
 
 def is_near_uniform(form, eps: float) -> bool:
