@@ -74,15 +74,17 @@ def _form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:
 
 
 def _at(spec: DualSpec, eps: float, warm: bool = False) -> DualSpec:
-    """``spec`` at ``eps``; ``warm``: a warm-up temperature, which takes the near-uniform
-    LSE from :data:`WARM_NEAR_FROM` × the bound, as the solve did (the same function;
-    the usual path is cheaper, and the schedule's first temperatures sit in between)."""
+    """``spec`` at ``eps``, a warm-up temperature's when ``warm``.
+
+    A warm-up temperature takes the near-uniform LSE from :data:`WARM_NEAR_FROM` × the
+    bound, as the solve did: the same function, and the usual path is cheaper.
+    """
     if not warm:
         return spec if eps == spec.eps else dataclasses.replace(spec, eps=eps)
     seg = spec.segments
     bound = None if spec.cost_bound is None else WARM_NEAR_FROM * spec.cost_bound
-    return dataclasses.replace(spec, eps=eps, cost_bound=bound,
-                               segments=None if seg is None else seg.scaled_bounds(WARM_NEAR_FROM))  # fmt: skip
+    seg = None if seg is None else seg.scaled_bounds(WARM_NEAR_FROM)
+    return dataclasses.replace(spec, eps=eps, cost_bound=bound, segments=seg)
 
 
 class Transform(torch.autograd.Function):
