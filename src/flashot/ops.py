@@ -22,6 +22,7 @@ from typing import ParamSpec, TypeVar, cast
 
 import torch
 
+from flashot.backends import constant_when_compiled
 from flashot.problem import compute_dtype
 
 __all__ = ["compiled_loss", "encodable", "node_when_compiling", "sinkhorn_cost"]
@@ -153,7 +154,7 @@ def compiled_loss(kind: str, x, y, a=None, b=None, **options) -> torch.Tensor:
     return _loss_op(x, y, a, b, kind, encoded, with_grad)[0]
 
 
-@torch.compiler.assume_constant_result
+@constant_when_compiled
 def _encode(options: dict) -> str:
     """The options as the node's JSON string (a trace-time constant under torch.compile)."""
     try:
@@ -202,6 +203,6 @@ def node_when_compiling(kind: str) -> Callable[[Callable[P, R]], Callable[P, R]]
     return decorate
 
 
-@torch.compiler.assume_constant_result
+@constant_when_compiled
 def _plain(options: dict) -> bool:
     return encodable(options)

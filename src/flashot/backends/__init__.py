@@ -25,6 +25,8 @@ __all__ = [
     "PRECISIONS",
     "Backend",
     "available_backends",
+    "constant_when_compiled",
+    "eager_only",
     "entry_point",
     "on_device",
     "resolve_backend",
@@ -65,9 +67,52 @@ def entry_point(fn: Callable[P, R]) -> Callable[P, R]:
               "cannot be traced), so fullgraph=True cannot hold it: for a loss use "
               "flashot.ops.sinkhorn_cost, sinkhorn_divergence or SamplesLoss, one graph "
               "node each, or compile without fullgraph (one graph break)")  # fmt: skip
-    if "reason" in inspect.signature(torch.compiler.disable).parameters:
-        return cast(Callable[P, R], torch.compiler.disable(wrapper, reason=reason))
-    return cast(Callable[P, R], torch.compiler.disable(wrapper))  # (torch < 2.8: generic)
+    return cast(Callable[P, R], eager_only(wrapper, reason))
+
+
+try:  # (part of torch._C: no import of torch._dynamo, whose Python side takes seconds)
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
+except ImportError:  # pragma: no cover (a torch without it: the public decorator)
+    _set_eval_frame = None
+
+
+def eager_only(fn: Callable[P, R], reason: str) -> Callable[P, R]:
+    """``torch.compiler.disable(fn, reason=reason)``, without importing ``torch._dynamo``.
+
+    The public decorator imports TorchDynamo's Python side (1 s on a CPU, several on a
+    GPU machine) at import time, for every entry point. This wrapper does what it does:
+    TorchDynamo sees the ``_torchdynamo_disable`` marks and breaks the graph at the call
+    (or names ``reason`` under ``fullgraph=True``), and the call runs with the frame
+    evaluation hook off, so nothing inside it is traced. Where torch lacks the hook's
+    switch, the public decorator is applied.
+    """
+    if _set_eval_frame is None:  # pragma: no cover
+        if "reason" in inspect.signature(torch.compiler.disable).parameters:
+            return torch.compiler.disable(fn, reason=reason)
+        return torch.compiler.disable(fn)
+    switch = _set_eval_frame
+
+    @functools.wraps(fn)
+    def eager(*args, **kwargs):
+        prior = switch(None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            switch(prior)
+
+    marks = {"_torchdynamo_disable": True, "_torchdynamo_disable_msg": reason,
+             "_torchdynamo_orig_callable": fn, "_torchdynamo_disable_recursive": True,
+             "_torchdynamo_wrapper_id": id(eager)}  # fmt: skip
+    for key, value in marks.items():
+        setattr(eager, key, value)
+    return cast(Callable[P, R], eager)
+
+
+def constant_when_compiled(fn: Callable[P, R]) -> Callable[P, R]:
+    """``torch.compiler.assume_constant_result``, which only marks ``fn``, without
+    importing ``torch._dynamo`` (see :func:`eager_only`)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def triton_available() -> bool:
