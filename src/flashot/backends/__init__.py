@@ -109,8 +109,10 @@ def eager_only(fn: Callable[P, R], reason: str) -> Callable[P, R]:
 
 
 def constant_when_compiled(fn: Callable[P, R]) -> Callable[P, R]:
-    """``torch.compiler.assume_constant_result``, which only marks ``fn``, without
-    importing ``torch._dynamo`` (see :func:`eager_only`)."""
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo``.
+
+    That decorator only marks ``fn``; see :func:`eager_only` for why the import matters.
+    """
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 
