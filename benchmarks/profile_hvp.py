@@ -25,6 +25,37 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
 ev = prof.key_averages()
+# one row pass and one plan_vjp as the replay makes them, timed alone
+from triton.testing import do_bench  # noqa: E402
+
+from flashot.backends import resolve_backend  # noqa: E402
+from flashot.costs import AttentionForm  # noqa: E402
+
+be = resolve_backend("auto", x.device)
+q, k = 2**0.5 * x, 2**0.5 * y
+al, bl = (x * x).sum(1), (y * y).sum(1)
+form = AttentionForm(q, k, al, bl, cost_bound=float(4 * (al.max() + bl.max())))
+h, lw = (
+    torch.zeros(N, device="cuda"),
+    torch.full((N,), -float(torch.log(torch.tensor(N))), device="cuda"),
+)
+ra = do_bench(lambda: be.row_attend(form, h - bl, 0.09, log_w=lw), return_mode="median")
+r = -be.row_attend(form, h - bl, 0.09, log_w=lw)[0]
+pv = do_bench(
+    lambda: be.plan_vjp(
+        form,
+        r,
+        h,
+        torch.ones_like(r),
+        torch.exp(lw),
+        0.09,
+        r.new_ones(N, 1),
+        r[:, None],
+        frozenset({"row_k", "col"}),
+    ),
+    return_mode="median",
+)
+print(f"one row_attend {ra:.3f} ms, one plan_vjp {pv:.3f} ms")
 dev = sum(e.self_device_time_total for e in ev) / 1e3
 print(f"wall {wall * 1e3:.1f} ms, device kernels {dev:.1f} ms")
 print(ev.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
