@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _harness as H
 
 from flashot.backends.triton import TritonBackend
-from flashot.costs import attention_form, get_cost
-from flashot.solver import solve
+from flashot.geometry.costs import attention_form, get_cost
+from flashot.solver.loop import solve
 
 
 def main():

@@ -20,7 +20,7 @@ import _harness as H
 import flashot
 from flashot.backends.base import Backend
 from flashot.backends.triton import TritonBackend, _vjp
-from flashot.costs import attention_form, get_cost
+from flashot.geometry.costs import attention_form, get_cost
 
 SIZES = [tuple(map(int, c.split("x")))
          for c in os.environ.get("SIZES", "10000x64,50000x64").split(",")]  # fmt: skip

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import flashot
 from flashot.backends.triton import TritonBackend, _configs
-from flashot.costs import AttentionForm
+from flashot.geometry.costs import AttentionForm
 
 CASES = [tuple(int(v) for v in c.split("x")) for c in
          os.environ.get("CASES", "10000x512,50000x64").split(",")]  # fmt: skip

@@ -21,7 +21,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flashot  # noqa: E402
-import flashot.linalg  # noqa: E402
+import flashot.numerics.linalg  # noqa: E402
 from flashot.autodiff.second_order import dual_solve_options  # noqa: E402
 from tests.references import dense_hvp_implicit  # noqa: E402
 

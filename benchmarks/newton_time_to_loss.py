@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flashot
-from flashot.optim import AdamNewton, NewtonCG, TrustRegion
+from flashot.numerics.optim import AdamNewton, NewtonCG, TrustRegion
 
 warnings.simplefilter("ignore")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -76,7 +76,7 @@ def exact_at(be, tiles, form, f, g, la, lb):
 def passes():
     """One pass of each kernel, in a solve's operand scope (split operands), ms."""
     from flashot.backends.triton import TritonBackend, _one_pass
-    from flashot.costs import attention_form, get_cost
+    from flashot.geometry.costs import attention_form, get_cost
 
     for n, d in PASSES:
         be = TritonBackend()

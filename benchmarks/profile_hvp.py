@@ -29,7 +29,7 @@ ev = prof.key_averages()
 from triton.testing import do_bench  # noqa: E402
 
 from flashot.backends import resolve_backend  # noqa: E402
-from flashot.costs import AttentionForm  # noqa: E402
+from flashot.geometry.costs import AttentionForm  # noqa: E402
 
 be = resolve_backend("auto", x.device)
 q, k = 2**0.5 * x, 2**0.5 * y

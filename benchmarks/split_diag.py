@@ -25,7 +25,7 @@ from flashot.backends.triton import (
     TritonBackend,
     _split,
 )
-from flashot.costs import attention_form
+from flashot.geometry.costs import attention_form
 from flashot.tasks.otdd import _label_cost, _prepare
 
 N = int(os.environ.get("N", "8192"))

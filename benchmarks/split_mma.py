@@ -27,7 +27,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 from flashot.tasks import datasets
 from flashot.backends.triton._split import split_operand
-from flashot.costs import attention_form
+from flashot.geometry.costs import attention_form
 from flashot.tasks.otdd import _label_cost, _prepare
 
 

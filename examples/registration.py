@@ -14,7 +14,7 @@ import argparse
 import torch
 
 import flashot
-from flashot.optim import NewtonCG
+from flashot.numerics.optim import NewtonCG
 
 
 def problem(n: int, seed: int = 0):

@@ -33,7 +33,7 @@ class _Record(TorchDispatchMode):
 
 
 class RecordedGraph:
-    """``capture(fn, inputs)`` for :class:`flashot.graphs.GraphCache` (see module)."""
+    """``capture(fn, inputs)`` for :class:`flashot.solver.graphs.GraphCache` (see module)."""
 
     log: typing.ClassVar[list] = []
 

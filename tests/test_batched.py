@@ -218,7 +218,7 @@ def test_samples_loss_batch_is_one_packed_solve_equal_to_the_loop(gen, reach):
 @pytest.mark.parametrize("blur", [0.05, 3.0])
 def test_packed_schedules_take_the_near_path_where_single_solves_do(gen, monkeypatch, blur):
     """A schedule's warm-up temperatures up to a few times a problem's cost bound take
-    the usual LSE (:func:`flashot.solver.warm_form`); a packed batch decides per problem
+    the usual LSE (:func:`flashot.solver.loop.warm_form`); a packed batch decides per problem
     from its segments' bounds, and took the near path (torch tiles, one problem at a
     time) at its first temperature, D², which single solves did not (H200: the GeomLoss
     call as a batch of one ran 40–80× slower). Both now take it at the same temperatures:
@@ -273,7 +273,7 @@ def test_packed_debiased_schedules_match_the_dense_loop(sizes, blur, scaling, se
 
 
 def test_sampled_rows_take_every_problems_first_row_and_each_step_after():
-    from flashot.segments import Segments
+    from flashot.geometry.segments import Segments
 
     seg = Segments((0, 3, 3, 10, 11), (0, 2, 4, 6, 9), (1.0, 2.0, 3.0, 4.0))
     index, sub = seg.sample_rows(3, torch.device("cpu"))
@@ -283,7 +283,7 @@ def test_sampled_rows_take_every_problems_first_row_and_each_step_after():
 
 
 def test_scaled_bounds_keep_the_packing_and_its_tables():
-    from flashot.segments import Segments
+    from flashot.geometry.segments import Segments
 
     seg = Segments((0, 3, 7), (0, 2, 6), (1.0, 2.0))
     table = seg.blocks(2, torch.device("cpu"))
@@ -299,8 +299,8 @@ def test_packings_of_the_same_offsets_share_their_device_tables(gen, monkeypatch
     built before instead of copying them from the host again; other offsets, sizes or
     bounds get their own, the shared store keeps the latest SHARED_TABLES, and a packed
     loss reads the same with shared tables as with new ones."""
-    from flashot import segments
-    from flashot.segments import Segments
+    from flashot.geometry import segments
+    from flashot.geometry.segments import Segments
 
     monkeypatch.setattr(segments, "_SHARED", type(segments._SHARED)())
     cpu = torch.device("cpu")
@@ -331,8 +331,8 @@ def test_shared_tables_hold_under_threads_and_evictions(monkeypatch):
     import threading
     import time
 
-    from flashot import segments
-    from flashot.segments import Segments
+    from flashot.geometry import segments
+    from flashot.geometry.segments import Segments
 
     monkeypatch.setattr(segments, "_SHARED", type(segments._SHARED)())
     monkeypatch.setattr(segments, "SHARED_TABLES", 2)

@@ -3,7 +3,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashot.costs import COSTS, attention_form, bounding_diameter, column_box, column_sum, get_cost
+from flashot.geometry.costs import (
+    COSTS,
+    attention_form,
+    bounding_diameter,
+    column_box,
+    column_sum,
+    get_cost,
+)
 from tests.conftest import clouds, rel
 from tests.references import dense_cost
 
@@ -51,7 +58,7 @@ def test_unknown_cost_names_argument():
 )
 def test_column_box_equals_one_reduction(n, d, block, specials, seed):
     """Blocks of a few rows give the one-reduction extremes, NaN and ±inf included."""
-    import flashot.costs
+    import flashot.geometry.costs
 
     gen = torch.Generator().manual_seed(seed)
     u = torch.randn(n, d, generator=gen)
@@ -59,7 +66,7 @@ def test_column_box_equals_one_reduction(n, d, block, specials, seed):
         i, j = torch.randint(n, (1,), generator=gen), torch.randint(d, (1,), generator=gen)
         u[i, j] = value
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flashot.costs, "_BLOCK", block)
+        patch.setattr(flashot.geometry.costs, "_BLOCK", block)
         box = column_box(u)
     expected = torch.stack(torch.aminmax(u, dim=0))
     assert box.shape == (2, d)
@@ -74,9 +81,9 @@ def test_column_box_of_no_rows_is_an_error():
 
 @pytest.mark.parametrize("block", [1, 5, 1 << 20])
 def test_column_sum_is_the_sum_over_rows(monkeypatch, gen, block):
-    import flashot.costs
+    import flashot.geometry.costs
 
-    monkeypatch.setattr(flashot.costs, "_BLOCK", block)
+    monkeypatch.setattr(flashot.geometry.costs, "_BLOCK", block)
     u = torch.randn(37, 3, generator=gen, dtype=torch.float64)
     assert torch.allclose(column_sum(u), u.sum(0), rtol=1e-14, atol=1e-13)
 
@@ -90,7 +97,7 @@ def test_bounding_diameter_is_box_diagonal():
 @pytest.mark.parametrize("rounding", [None, "tf32", torch.bfloat16, torch.float16])
 def test_in_place_form_equals_the_autograd_form(gen, rounding):
     """Without autograd the form is built in place, block by block; same numbers."""
-    from flashot.costs import _round_in_place
+    from flashot.geometry.costs import _round_in_place
 
     x = torch.randn(40_000, 3, generator=gen) * 3 + 1  # more rows than one rounding block
     y = torch.randn(50, 3, generator=gen)
@@ -109,7 +116,7 @@ def test_in_place_form_equals_the_autograd_form(gen, rounding):
 
 def test_squared_norms_first_and_second_derivatives():
     """|w|² by its own autograd Function: gradcheck and gradgradcheck in float64, batched too."""
-    from flashot.costs import _SquaredNorms
+    from flashot.geometry.costs import _SquaredNorms
 
     gen = torch.Generator().manual_seed(0)
     for shape in [(5, 3), (2, 4, 3)]:
@@ -133,7 +140,7 @@ def test_self_form_is_the_form_of_the_cloud_with_itself(name, n, d, shift, grad,
     """``self_attention_form(x)`` is ``attention_form(x, x.detach())`` from one centering:
     the same numbers (the column side a detached copy), an exactly symmetric matrix, the
     float64 cost, and gradients to the row side only."""
-    from flashot.costs import self_attention_form
+    from flashot.geometry.costs import self_attention_form
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=gen, dtype=torch.float32) + shift

@@ -31,7 +31,7 @@ def data(n, m, d, seed=0):
     "n,m,d", [(3000, 2500, 3), (2048, 3000, 64), (1000, 1100, 700), (500, 600, 4099)]
 )
 def test_converged_solve_matches_float64(precision, n, m, d):
-    from flashot.costs import round_operands
+    from flashot.geometry.costs import round_operands
 
     x, y = data(n, m, d)
     eps = 0.1 * d
@@ -156,8 +156,9 @@ def test_repeated_fixed_iteration_solves_replay_a_cuda_graph(precision, monkeypa
     """New data each call (the bf16 copies must be remade inside the graph); replays
     equal eager solves; a warm start is another key. The second step's probe runs
     inside the graph too."""
-    from flashot import graphs, solver
     from flashot.backends import triton as backend
+    from flashot.solver import graphs
+    from flashot.solver import loop as solver
 
     cache = graphs.GraphCache()
     monkeypatch.setattr(solver, "GRAPHS", cache)
@@ -179,7 +180,8 @@ def test_repeated_fixed_iteration_solves_replay_a_cuda_graph(precision, monkeypa
 def test_solves_to_a_tolerance_replay_their_blocks_as_cuda_graphs(monkeypatch):
     """A solve with ``tol`` replays its blocks of iterations (each ending at a check):
     the same iterations, error and potentials as the eager loop, on new data each call."""
-    from flashot import graphs, solver
+    from flashot.solver import graphs
+    from flashot.solver import loop as solver
 
     cache = graphs.GraphCache()
     monkeypatch.setattr(solver, "GRAPHS", cache)
@@ -210,7 +212,8 @@ def _replayed_and_eager_loss(x, y, kw):
 def test_debiased_divergence_replays_its_three_loops_as_cuda_graphs(monkeypatch):
     """The GeomLoss call (fixed ε schedule, debiased): the problem's loop and both self
     problems' loops are captured and replayed, with values and gradients as eager."""
-    from flashot import graphs, solver
+    from flashot.solver import graphs
+    from flashot.solver import loop as solver
 
     cache = graphs.GraphCache()
     monkeypatch.setattr(solver, "GRAPHS", cache)
@@ -233,7 +236,8 @@ def test_the_geomloss_call_on_moving_data_replays_its_loops(monkeypatch, reach):
     training loop): other warm-up temperatures, the same schedule length. The three loops
     read their temperatures (and, unbalanced, their damping) from the device, so their
     graphs replay from the second call on; values and gradients are the eager ones."""
-    from flashot import graphs, solver
+    from flashot.solver import graphs
+    from flashot.solver import loop as solver
 
     cache = graphs.GraphCache()
     monkeypatch.setattr(solver, "GRAPHS", cache)
@@ -252,9 +256,10 @@ def test_a_replayed_divergence_never_waits_for_the_device(monkeypatch):
     autograd on x and y) queues its work without one host wait: a wait would serialize
     the host's Python with the previous replay (v33: three blocking copies of the
     temperature table did). Gradients as eager ones, for x and y."""
-    from flashot import graphs, solver
     from flashot.divergence import debiased_potentials
     from flashot.problem import make_problem
+    from flashot.solver import graphs
+    from flashot.solver import loop as solver
 
     monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache())
     gen = torch.Generator("cuda").manual_seed(3)
@@ -326,9 +331,9 @@ def test_dual_cg_replays_its_blocks_as_a_cuda_graph(monkeypatch):
     """The dual solve of an HVP captures its CG blocks (Triton kernels inside) once and
     replays them in later HVPs of the same shapes with new data, giving the eager solve's
     answers; a plain CG captures too."""
-    import flashot.linalg as linalg
-    from flashot import graphs
+    import flashot.numerics.linalg as linalg
     from flashot.autodiff import implicit
+    from flashot.solver import graphs
 
     implicit.clear_dual_graphs()
     captured = []
@@ -461,7 +466,7 @@ def test_split_scores_are_as_accurate_as_3xtf32_on_large_scores(d):
     drifted by 2^-18 of the score (6.6e-4 on MNIST's self scores of 250, 3xTF32 4e-5),
     which stalled OTDD's float32 solves at 1e-4. Self scores of nonnegative features
     grow chunk after chunk, the case that drifts."""
-    from flashot.costs import COSTS, attention_form
+    from flashot.geometry.costs import COSTS, attention_form
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.rand(256, d, device="cuda", generator=g) * 2.0
@@ -506,7 +511,7 @@ def test_gate_views_at_any_offset_share_one_compiled_kernel():
     kernel is not compiled again per offset (CONTROL_POINTERS: the GeomLoss call's first
     call built one set of constexprs three times)."""
     from flashot.backends.triton import _kernels
-    from flashot.costs import attention_form, get_cost
+    from flashot.geometry.costs import attention_form, get_cost
 
     be = TritonBackend("fp32", autotune=False)
     x, y = data(512, 384, 8)
@@ -574,7 +579,7 @@ def test_samples_loss_double_backward_on_triton_matches_float64(blur, scaling, d
 
 
 def test_lanczos_keeps_its_basis_on_the_operator_device():
-    from flashot import linalg
+    from flashot.numerics import linalg
 
     gen = torch.Generator("cuda").manual_seed(0)
     Q, _ = torch.linalg.qr(torch.randn(300, 300, device="cuda", dtype=torch.float64,

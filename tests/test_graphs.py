@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashot
-from flashot import graphs, solver
 from flashot.backends.torch_backend import TorchBackend
+from flashot.solver import graphs
+from flashot.solver import loop as solver
 from tests.conftest import clouds, rel
 from tests.recorded_graphs import RecordedGraph
 
@@ -140,7 +141,7 @@ def test_self_problems_to_a_tolerance_replay_blocks_with_the_eager_iterates(
     replayed blocks: the eager loop's potential, iterations, error and cause, bit for bit."""
     from hypothesis import assume
 
-    from flashot.costs import attention_form, get_cost
+    from flashot.geometry.costs import attention_form, get_cost
 
     assume(min_iter <= max_iter)
     gen = torch.Generator().manual_seed(len(temps) + every + max_iter)
@@ -301,7 +302,7 @@ def test_self_problem_replays_are_keyed_by_their_near_steps(gen, monkeypatch):
     Replayer.log = []
     monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=Replayer))
     monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form: ("torch",))
-    from flashot.costs import attention_form, get_cost
+    from flashot.geometry.costs import attention_form, get_cost
 
     x, _ = clouds(gen, 20, 15, 3)
     log_a = torch.full((20,), -math.log(20), dtype=torch.float64)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import flashot
 from flashot.backends import available_backends
 from flashot.hessian import hvp
-from flashot.linalg import lanczos
+from flashot.numerics.linalg import lanczos
 from tests.conftest import rel
 from tests.references import dense_gradient, dense_hvp_fd
 
@@ -229,9 +229,9 @@ def test_torch_func_transforms_of_hvp_are_a_clear_error():
 
 
 def test_public_names():
-    # the issue's API: flashot.hvp, flashot.linalg.{cg, lanczos}, flashot.optim
-    assert flashot.hvp is hvp and flashot.linalg.lanczos is lanczos
-    assert {"NewtonCG", "TrustRegion", "AdamNewton"} <= set(dir(flashot.optim))
+    # the issue's API: flashot.hvp, flashot.numerics.linalg.{cg, lanczos}, flashot.numerics.optim
+    assert flashot.hvp is hvp and flashot.numerics.linalg.lanczos is lanczos
+    assert {"NewtonCG", "TrustRegion", "AdamNewton"} <= set(dir(flashot.numerics.optim))
 
 
 def test_numpy_inputs():
@@ -379,7 +379,7 @@ def test_hvp_tol_sets_the_accuracy_as_documented(monkeypatch):
 
 def test_an_unreached_dual_tolerance_warns_naming_the_cause(monkeypatch):
     from flashot.autodiff import dense_dual
-    from flashot.linalg import CGWarning
+    from flashot.numerics.linalg import CGWarning
 
     monkeypatch.setattr(dense_dual, "DENSE_UP_TO", 0)  # (the CG, not a direct solve)
 
@@ -406,7 +406,8 @@ def test_a_hessian_operator_solves_once_and_equals_hvp(monkeypatch):
     """HessianOperator: one Sinkhorn solve, then H v for any v (flat matvec and batches
     too) equal to hvp's; lanczos over its matvec finds the top eigenvalue of the
     assembled Hessian."""
-    from flashot import HessianOperator, linalg
+    from flashot import HessianOperator
+    from flashot.numerics import linalg
 
     x, y, a, b, vx, vy = problem(21, n=12, m=9, d=2)
     solves = []

@@ -1,4 +1,4 @@
-"""Labeled costs (flashot.labeled) against the dense augmented cost, on every backend."""
+"""Labeled costs (flashot.geometry.labeled) against the dense augmented cost, on every backend."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import flashot
 from flashot.backends import available_backends
-from flashot.costs import attention_form
+from flashot.geometry.costs import attention_form
 from tests.references import dense_cost, entropic_ot_matrix
 
 F64 = torch.float64

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashot.linalg import CGWarning, LanczosWarning, NegativeCurvature, cg, lanczos
+from flashot.numerics.linalg import CGWarning, LanczosWarning, NegativeCurvature, cg, lanczos
 
 F64 = torch.float64
 
@@ -124,7 +124,7 @@ def test_cg_kept_capture_is_replayed_by_later_calls_reading_refreshed_buffers():
     # capture=(cache, key): blocks captured in one call are replayed by the next, whose
     # operator reads the same buffer with new contents (Replayer stands in for a graph
     # and replays the first call's closure, as a CUDA graph would)
-    from flashot.graphs import GraphCache
+    from flashot.solver.graphs import GraphCache
     from tests.test_graphs import Replayer
 
     Replayer.log = []

@@ -1,4 +1,4 @@
-"""Over-relaxed alternating updates (flashot.momentum, ``sinkhorn(momentum=...)``)."""
+"""Over-relaxed alternating updates (flashot.solver.momentum, ``sinkhorn(momentum=...)``)."""
 
 import math
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashot
-from flashot.momentum import RATE_CAP, Relaxation
+from flashot.solver.momentum import RATE_CAP, Relaxation
 from tests.conftest import rel
 from tests.references import dense_cost, entropic_ot, plan_dense
 

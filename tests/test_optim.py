@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import flashot
-from flashot.optim import AdamNewton, NewtonCG, TrustRegion
+from flashot.numerics.optim import AdamNewton, NewtonCG, TrustRegion
 
 F64 = torch.float64
 
@@ -119,7 +119,7 @@ def test_newton_on_a_quadratic_is_one_step():
 
 
 def test_eisenstat_walker_forcing():
-    from flashot.optim import Forcing
+    from flashot.numerics.optim import Forcing
 
     ew = Forcing()
     assert ew.next(1.0) == 0.5  # first step: η_max

@@ -240,7 +240,7 @@ def test_reduced_precision_solves_the_rounded_problem_exactly(gen, precision, dt
 
 @pytest.mark.parametrize("rounding", ["tf32", torch.bfloat16, torch.float16])
 def test_rounded_operands_are_representable(gen, rounding):
-    from flashot.costs import attention_form, get_cost, round_operands
+    from flashot.geometry.costs import attention_form, get_cost, round_operands
 
     x, y = clouds(gen, 20, 20, 5, dtype=torch.float32)
     form = attention_form(get_cost("sqeuclidean"), x, y, rounding=rounding)
@@ -378,7 +378,7 @@ def test_default_tol_accepts_float32s_floor_and_nothing_looser():
     """tol='auto' (the default) converges where float32 stalls at its precision floor near
     1e-6; the same solve with an explicit tol=1e-6 misses and says why; ε far too small
     for float32 still warns (eps_too_small)."""
-    from flashot.stopping import FloorTolerance, precision_floor  # noqa: F401
+    from flashot.solver.stopping import FloorTolerance, precision_floor  # noqa: F401
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(300, 3, generator=gen)

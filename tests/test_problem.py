@@ -212,13 +212,13 @@ def test_mean_costs_is_the_weighted_mean_of_the_dense_cost(monkeypatch, sizes, s
     """``mean_costs`` (closed form, float64 sums a block of rows at a time) against
     ``Σ a_i b_j C_ij / (Σa Σb)`` from the dense cost, per problem of a packed batch; blocks
     of a few rows, so every sum spans several blocks."""
-    import flashot.costs
-    from flashot.costs import get_cost
+    import flashot.geometry.costs
+    from flashot.geometry.costs import get_cost
+    from flashot.geometry.segments import Segments
     from flashot.packing import _packed_form
     from flashot.problem import mean_costs
-    from flashot.segments import Segments
 
-    monkeypatch.setattr(flashot.costs, "_BLOCK", 8)
+    monkeypatch.setattr(flashot.geometry.costs, "_BLOCK", 8)
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(n, 3, dtype=torch.float64, generator=g) for n, _ in sizes]
     ys = [torch.randn(m, 3, dtype=torch.float64, generator=g) + 1 for _, m in sizes]

@@ -82,8 +82,10 @@ def test_float32_matches_geomloss_float64(gen):
 def test_cosine_extension_matches_dense_loop(gen):
     x, y = clouds(gen, 30, 20, 4)
     loss = flashot.SamplesLoss(blur=0.2, cost="cosine", debias=False, backend="torch")
-    schedule = flashot.solver.geomloss_schedule(
-        flashot.costs.bounding_diameter(flashot.costs.get_cost("cosine"), x, y), 0.04, 0.5
+    schedule = flashot.solver.loop.geomloss_schedule(
+        flashot.geometry.costs.bounding_diameter(flashot.geometry.costs.get_cost("cosine"), x, y),
+        0.04,
+        0.5,
     )
     a, b = torch.full((30,), 1 / 30, dtype=F64), torch.full((20,), 1 / 20, dtype=F64)
     f, g = geomloss_loop(x, y, a, b, schedule, cost="cosine")
@@ -217,9 +219,9 @@ def test_the_schedule_takes_the_diameter_from_the_problems_checks(n, m, d, scale
     """The single call's ε schedule starts from the joint box's diagonal, read with the
     problem's input checks (one wait for the device, not two): GeomLoss' schedule from
     bounding_diameter, to rounding."""
-    from flashot.costs import bounding_diameter
+    from flashot.geometry.costs import bounding_diameter
     from flashot.problem import make_problem
-    from flashot.solver import geomloss_schedule
+    from flashot.solver.loop import geomloss_schedule
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=gen, dtype=dtype) * scale + shift

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import flashot
 from flashot import ConvergenceWarning
 from flashot.backends import available_backends
-from flashot.stopping import FloorTolerance
+from flashot.solver.stopping import FloorTolerance
 from tests.references import dense_cost, entropic_ot
 
 F64 = torch.float64
@@ -158,7 +158,7 @@ def test_never_a_converged_wrong_answer_on_the_kernels(problem):
     ],
 )
 def test_a_miss_at_max_iter_is_named_from_the_last_errors(errors, cause):
-    from flashot.stopping import _Stopping
+    from flashot.solver.stopping import _Stopping
 
     stop = _Stopping(1e-6, floor=lambda: 1e-12)
     for it, e in enumerate([1.0, *errors]):
@@ -178,7 +178,7 @@ def test_only_the_final_eps_takes_the_near_path(monkeypatch, update):
     calls = []
     real = base.near_attend
     monkeypatch.setattr(base, "near_attend", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
-    from flashot.costs import attention_form, get_cost
+    from flashot.geometry.costs import attention_form, get_cost
 
     x, y = d0()
     bound = attention_form(get_cost("sqeuclidean"), x, y).cost_bound
@@ -205,7 +205,7 @@ def test_only_the_final_eps_takes_the_near_path(monkeypatch, update):
 def test_an_oscillation_miss_still_suggests_more_iterations():
     # seen: n = 100, eps = 0.05 with a schedule needed 2057 alternating iterations, and
     # the miss at 1000 read as an oscillation whose advice left max_iter out
-    from flashot.stopping import describe_miss
+    from flashot.solver.stopping import describe_miss
 
     text = describe_miss("oscillation", 1e-6, 7e-5, None, 1000, torch.float32, "alternating")
     assert "oscillates" in text and "increase max_iter" in text and "update='symmetric'" in text
@@ -215,11 +215,11 @@ def test_a_self_problem_is_recognized_a_block_of_rows_at_a_time(monkeypatch):
     """Same points (one storage, or equal copies compared a block of rows at a time:
     no boolean copy of the cloud), same weights and ρ: a self problem; one differing
     entry in the last block, other weights or another ρ: not one."""
-    import flashot.costs
+    import flashot.geometry.costs
     from flashot.problem import make_problem
-    from flashot.stopping import _is_self_problem
+    from flashot.solver.stopping import _is_self_problem
 
-    monkeypatch.setattr(flashot.costs, "_BLOCK", 12)  # 4 rows of 3 per block
+    monkeypatch.setattr(flashot.geometry.costs, "_BLOCK", 12)  # 4 rows of 3 per block
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10, 3, generator=g, dtype=torch.float64)
     copy = x.clone()
@@ -247,7 +247,7 @@ def test_progress_total_is_the_work_done_when_tol_stops_early(capsys):
 def test_one_check_schedule(n_temps, check_every, it):
     """The rule every loop follows (solver, self problems, replayed schedules, the sharded
     solve): checks every check_every iterations at the final ε, counted from its first."""
-    from flashot.stopping import CheckSchedule
+    from flashot.solver.stopping import CheckSchedule
 
     s, last = CheckSchedule(n_temps, check_every), n_temps - 1
     grid = [j for j in range(1, 401) if s.on_grid(j)]

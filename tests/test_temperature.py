@@ -1,5 +1,5 @@
 """Temperatures on the device: the table's rows, and replays that serve any schedule of one
-structure (:mod:`flashot.temperature`), under the stand-in capture that replays recorded
+structure (:mod:`flashot.backends.temperature`), under the stand-in capture that replays recorded
 ops with their recorded scalars (:mod:`tests.recorded_graphs`)."""
 
 import math
@@ -10,10 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashot
-from flashot import graphs, solver
-from flashot.backends.torch_backend import TorchBackend
-from flashot.schedule import geomloss_schedule
-from flashot.temperature import (
+from flashot.backends.temperature import (
     LOG2E,
     Temperature,
     device_damping,
@@ -21,6 +18,10 @@ from flashot.temperature import (
     schedule_table,
     temperatures_on,
 )
+from flashot.backends.torch_backend import TorchBackend
+from flashot.solver import graphs
+from flashot.solver import loop as solver
+from flashot.solver.schedule import geomloss_schedule
 from tests.conftest import clouds, rel
 from tests.recorded_graphs import RecordedGraph
 
@@ -70,7 +71,7 @@ def test_a_schedule_table_is_shared_by_solves_of_the_same_schedule():
     """One device table per schedule, dtype and damping (a divergence's three solves, a
     repeated call): the same tensor again, a new one when any of them differs, and only
     the last TABLES_KEPT kept."""
-    from flashot import temperature
+    from flashot.backends import temperature
 
     cpu = torch.device("cpu")
     first = schedule_table([4.0, 1.0, 0.25], cpu)
@@ -149,7 +150,7 @@ def test_a_near_warm_up_step_keys_its_temperature(gen, monkeypatch):
     temperature in the key even where the backend reads cells: a schedule that differs
     there is another capture, and each replay equals its eager solve."""
     monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=RecordedGraph))
-    from flashot.costs import attention_form, get_cost
+    from flashot.geometry.costs import attention_form, get_cost
 
     x, y = clouds(gen, 20, 15, 3)
     form = attention_form(get_cost("sqeuclidean"), x, y)
@@ -177,7 +178,7 @@ def test_solver_loops_replay_other_warm_ups_with_their_eager_iterates(gen, monke
     schedules that differ in their warm-up values replay the first one's graphs, with the
     eager solve's potentials (the damping λ(ε) read from the rows too)."""
     monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=RecordedGraph))
-    from flashot.costs import attention_form, get_cost
+    from flashot.geometry.costs import attention_form, get_cost
 
     x, y = clouds(gen, 20, 15, 3)
     form = attention_form(get_cost("sqeuclidean"), x, y).detach()
@@ -215,7 +216,7 @@ def test_blocks_replay_across_moving_warm_ups_with_the_eager_iterates(
     every field of the result is this call's eager loop's, bit for bit."""
     from hypothesis import assume
 
-    from flashot.costs import attention_form, get_cost
+    from flashot.geometry.costs import attention_form, get_cost
 
     assume(min_iter <= max_iter)
     gen = torch.Generator().manual_seed(len(warm) + every + max_iter)

@@ -9,6 +9,10 @@ without ever storing an n × m matrix.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -16,27 +20,69 @@ __version__ = "0.1.0"
 #: public name → the module that defines it; imported on first use, so ``import flashot``
 #: (and ``flashot --help``) loads no torch until something is solved
 _SOURCES = {
-    "COSTS": "flashot.costs",
+    "COSTS": "flashot.geometry.costs",
     "BatchedSinkhornResult": "flashot.batched",
-    "ConvergenceWarning": "flashot.stopping",
+    "ConvergenceWarning": "flashot.solver.stopping",
     "DualSolveInfo": "flashot.autodiff.dual_log",
     "DualSolveLog": "flashot.autodiff.dual_log",
-    "EpsilonScaling": "flashot.solver",
+    "EpsilonScaling": "flashot.solver.loop",
     "HessianOperator": "flashot.hessian",
-    "LabeledCost": "flashot.labeled",
+    "LabeledCost": "flashot.geometry.labeled",
     "SamplesLoss": "flashot.samples_loss",
     "SinkhornResult": "flashot.result",
     "TransportPlan": "flashot.result",
     "available_backends": "flashot.backends",
     "hvp": "flashot.hessian",
-    "labeled_cost": "flashot.labeled",
+    "labeled_cost": "flashot.geometry.labeled",
     "record_dual_solves": "flashot.autodiff.dual_log",
     "shuffled_regression": "flashot.tasks.shuffled",
     "sinkhorn": "flashot.ot",
     "sinkhorn_divergence": "flashot.divergence",
     "sinkhorn_varlen": "flashot.batched",
 }
-_SUBMODULES = ("linalg", "ops", "optim")
+#: public submodules, as attributes of the package: name → module
+_SUBMODULES = {"linalg": "flashot.numerics.linalg", "ops": "flashot.ops",
+               "optim": "flashot.numerics.optim"}  # fmt: skip
+
+#: modules that moved when the package was layered (0.2): old path → new path. Importing
+#: an old path gives the new module, with a DeprecationWarning naming it.
+MOVED = {
+    "flashot.costs": "flashot.geometry.costs",
+    "flashot.segments": "flashot.geometry.segments",
+    "flashot.labeled": "flashot.geometry.labeled",
+    "flashot.labeled_operands": "flashot.geometry.labeled_operands",
+    "flashot.temperature": "flashot.backends.temperature",
+    "flashot.dual": "flashot.backends.dual",
+    "flashot.schedule": "flashot.solver.schedule",
+    "flashot.stopping": "flashot.solver.stopping",
+    "flashot.momentum": "flashot.solver.momentum",
+    "flashot.graphs": "flashot.solver.graphs",
+    "flashot.progress": "flashot.solver.progress",
+    "flashot.linalg": "flashot.numerics.linalg",
+    "flashot.optim": "flashot.numerics.optim",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves the old paths of :data:`MOVED` to the modules themselves."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec):
+        new = MOVED[spec.name]
+        # (warnings skips the import system's frames: level 2 is the importing line)
+        warnings.warn(f"{spec.name} moved to {new}; import it from there",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        return importlib.import_module(new)
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.append(_MovedModules())
 
 __all__ = [
     "COSTS",
@@ -65,26 +111,27 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # (what type checkers and IDEs read; at run time, __getattr__)
-    from flashot import linalg, ops, optim
+    from flashot import ops
     from flashot.autodiff.dual_log import DualSolveInfo, DualSolveLog, record_dual_solves
     from flashot.backends import available_backends
     from flashot.batched import BatchedSinkhornResult, sinkhorn_varlen
-    from flashot.costs import COSTS
     from flashot.divergence import sinkhorn_divergence
+    from flashot.geometry.costs import COSTS
+    from flashot.geometry.labeled import LabeledCost, labeled_cost
     from flashot.hessian import HessianOperator, hvp
-    from flashot.labeled import LabeledCost, labeled_cost
+    from flashot.numerics import linalg, optim
     from flashot.ot import sinkhorn
     from flashot.result import SinkhornResult, TransportPlan
     from flashot.samples_loss import SamplesLoss
-    from flashot.solver import EpsilonScaling
-    from flashot.stopping import ConvergenceWarning
+    from flashot.solver.loop import EpsilonScaling
+    from flashot.solver.stopping import ConvergenceWarning
     from flashot.tasks.shuffled import shuffled_regression
 
 
 def __getattr__(name: str):
     """The public names, each imported on first access (PEP 562)."""
     if name in _SUBMODULES:
-        value = importlib.import_module(f"flashot.{name}")
+        value = importlib.import_module(_SUBMODULES[name])
     elif name in _SOURCES:
         value = getattr(importlib.import_module(_SOURCES[name]), name)
     else:

@@ -1,7 +1,7 @@
 r"""Many problems in one solve: batched (B, n, d) clouds and ragged (packed) batches.
 
-The B problems are packed end to end (:mod:`flashot.segments`) into one block-diagonal
-problem, which the one Sinkhorn loop (:func:`flashot.solver.solve`) iterates as a
+The B problems are packed end to end (:mod:`flashot.geometry.segments`) into one block-diagonal
+problem, which the one Sinkhorn loop (:func:`flashot.solver.loop.solve`) iterates as a
 whole: each step is one streaming pass per side over the diagonal blocks only (one
 kernel launch for the batch on the Triton backend), and since the packed cost is
 ``+inf`` between problems, the packed iterates are the B problems' own iterates.
@@ -33,17 +33,22 @@ from flashot.autodiff.functions import relaxed_side
 from flashot.autodiff.second_order import exact_second_order, packed_piece
 from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
+from flashot.backends.dual import phi_sum
 from flashot.caller import warn_at_caller
-from flashot.dual import phi_sum
+from flashot.geometry.segments import Segments
 from flashot.packing import PackedProblem, _eps_per_problem, pack_problems, pair_packing
 from flashot.problem import (
     check_init,
     weights_tensor,
 )
 from flashot.result import TransportPlan
-from flashot.segments import Segments
-from flashot.solver import EpsilonScaling, temperatures
-from flashot.stopping import ConvergenceWarning, FloorTolerance, precision_floor, resolve_stopping
+from flashot.solver.loop import EpsilonScaling, temperatures
+from flashot.solver.stopping import (
+    ConvergenceWarning,
+    FloorTolerance,
+    precision_floor,
+    resolve_stopping,
+)
 
 __all__ = [
     "BatchedPlan",
@@ -146,7 +151,7 @@ class BatchedPlan:
 def _errors(seg: Segments, r, c, f, g, log_a, log_b, rho=(None, None)) -> torch.Tensor:
     """(B,) float64 L1 marginal errors of packed problems from the plan's marginals r, c.
 
-    A relaxed side's target is ``a e^{−f/ρ}`` (:func:`flashot.dual.marginal_error`).
+    A relaxed side's target is ``a e^{−f/ρ}`` (:func:`flashot.backends.dual.marginal_error`).
     """
     ta = torch.exp(log_a if rho[0] is None else log_a - f / rho[0])
     tb = torch.exp(log_b if rho[1] is None else log_b - g / rho[1])

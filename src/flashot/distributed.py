@@ -32,8 +32,9 @@ import torch.distributed as dist
 from flashot.autodiff.functions import soft_c_transform
 from flashot.backends import entry_point, resolve_backend
 from flashot.backends.base import Backend
+from flashot.backends.dual import row_mass
 from flashot.caller import warn_at_caller
-from flashot.costs import (
+from flashot.geometry.costs import (
     AttentionForm,
     Cost,
     _centered,
@@ -42,10 +43,9 @@ from flashot.costs import (
     get_cost,
     joint_box,
 )
-from flashot.dual import row_mass
 from flashot.problem import check_positive, compute_dtype
-from flashot.solver import temperatures
-from flashot.stopping import (
+from flashot.solver.loop import temperatures
+from flashot.solver.stopping import (
     CheckSchedule,
     ConvergenceWarning,
     FloorTolerance,
@@ -479,7 +479,7 @@ def _final(comm, engine, side: _Side, other: _Side, pot_other, eps: float) -> to
 def _local_check(rows: _Side, cols: _Side, f, g, lse_r, lse_c, eps: float):
     """This rank's shares of the L1 marginal error at (f, g) and of the precision floor.
 
-    The floor's share is its sum term (:func:`flashot.stopping.precision_floor`, without
+    The floor's share is its sum term (:func:`flashot.solver.stopping.precision_floor`, without
     the log terms).
     """
     r = row_mass(f, lse_r, rows.offset, rows.log_w, eps)

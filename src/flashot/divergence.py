@@ -32,7 +32,7 @@ from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
 from flashot.batched import sinkhorn_divergence_batched
 from flashot.caller import warn_at_caller
-from flashot.costs import attention_form, self_attention_form
+from flashot.geometry.costs import attention_form, self_attention_form
 from flashot.ops import node_when_compiling
 from flashot.ot import resolve_schedule, sinkhorn
 from flashot.problem import (
@@ -44,8 +44,8 @@ from flashot.problem import (
     parse_rho,
     weights_tensor,
 )
-from flashot.solver import final_potentials, solve, solve_self
-from flashot.stopping import ConvergenceWarning, describe_miss, resolve_stopping
+from flashot.solver.loop import final_potentials, solve, solve_self
+from flashot.solver.stopping import ConvergenceWarning, describe_miss, resolve_stopping
 
 __all__ = ["DebiasedPotentials", "debiased_potentials", "sinkhorn_divergence"]
 
@@ -127,7 +127,7 @@ def debiased_potentials(
         problem: the (a, x) ↔ (b, y) problem; its rho must be symmetric.
         temps: ε schedule ending at ``problem.eps``.
         debias: also solve the two self problems.
-        max_iter, tol, check_every, update, min_iter: as in :func:`flashot.solver.solve`.
+        max_iter, tol, check_every, update, min_iter: as in :func:`flashot.solver.loop.solve`.
         momentum: as there, for OT(a, b) (the self problems take symmetric steps).
         init: a checked warm start (f, g) of OT(a, b), or None.
     """

@@ -71,7 +71,7 @@ def hvp(
             1e-8 in float64): the dual system is solved to the relative residual
             ``hvp_tol / 10``; see :func:`flashot.sinkhorn`. Diagnostics:
             :func:`flashot.record_dual_solves`; a solve that stops above its residual
-            warns (:class:`~flashot.linalg.CGWarning`), naming the cause.
+            warns (:class:`~flashot.numerics.linalg.CGWarning`), naming the cause.
         cg_tol: the dual solve's relative residual itself, instead of ``hvp_tol``.
         cg_max_iter: CG iterations at most.
         **sinkhorn_options: passed to :func:`flashot.sinkhorn` (cost, rho, tol,
@@ -130,7 +130,7 @@ class HessianOperator:
     ``H = HessianOperator(x, y, eps=0.1)`` solves once and keeps the first-order graph;
     each ``H(v)`` (or ``H @ v``) is then one double backward: the dual solve of
     :func:`hvp` without a new Sinkhorn solve. For iterative eigensolvers and Newton
-    inner loops (:func:`flashot.linalg.lanczos`, :func:`flashot.linalg.cg` take
+    inner loops (:func:`flashot.numerics.linalg.lanczos`, :func:`flashot.numerics.linalg.cg` take
     :meth:`matvec`). Small problems on a CPU solve the dual system directly and keep
     its factor (:mod:`flashot.autodiff.dense_dual`), so later products cost
     milliseconds. Arguments as :func:`hvp`; ``v`` as there (a batch ``(k, *shape)``

@@ -13,14 +13,14 @@ from flashot.autodiff.implicit import implicit_potentials
 from flashot.autodiff.second_order import Piece, check_hvp_tol, exact_second_order, spec_of
 from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
+from flashot.backends.dual import phi_sum
 from flashot.batched import sinkhorn_batched
 from flashot.caller import warn_at_caller
-from flashot.costs import attention_form, bounding_diameter
-from flashot.dual import phi_sum
+from flashot.geometry.costs import attention_form, bounding_diameter
 from flashot.problem import Problem, check_init, cloud_tensor, make_problem
 from flashot.result import SinkhornResult, SolveHistory, TransportPlan
-from flashot.solver import final_potentials, solve, temperatures
-from flashot.stopping import (
+from flashot.solver.loop import final_potentials, solve, temperatures
+from flashot.solver.stopping import (
     FLOOR_FACTOR,
     ConvergenceWarning,
     FloorTolerance,
@@ -129,7 +129,7 @@ def sinkhorn(
         tol: stop once the L1 marginal error is ≤ tol, checked every
             ``check_every`` iterations; None runs exactly ``max_iter`` iterations.
             ``"auto"``: 1e-6, or the dtype's precision floor when that is within 10×
-            of it (:class:`~flashot.stopping.FloorTolerance`); a number is strict.
+            of it (:class:`~flashot.solver.stopping.FloorTolerance`); a number is strict.
         check_every: iterations between two checks (a check is free: it reuses the
             iteration's reductions).
         update: ``"symmetric"`` (averaged Jacobi updates, GeomLoss) or
@@ -160,7 +160,7 @@ def sinkhorn(
             ``momentum``): None (plain), a float ω in (0, 2), or ``"auto"`` (ω from the
             measured convergence rate, Lehmann et al. 2021; needs a ``tol``). Same
             solution, fewer iterations where plain Sinkhorn is slow (small ε); see
-            :mod:`flashot.momentum`.
+            :mod:`flashot.solver.momentum`.
         hvp_tol: the relative error asked of second derivatives through ``cost``
             (Hessian-vector products by double backward): their dual system is solved
             by CG to the relative residual ``hvp_tol / 10`` (measured errors were 0.1–1.6
@@ -314,7 +314,7 @@ def _dual_value(problem: Problem, f, g, excess) -> torch.Tensor:
     ``⟨a, φ(f)⟩ + ⟨b, φ(g)⟩ − ε (m(P) − m(a) m(b))``, written as
     :func:`~flashot.autodiff.functions.relaxed_side` terms (whose derivatives are the
     envelope ones) plus a detached correction that restores the exact value.
-    ``excess`` is ``m(P) − m(a) m(b)`` (:func:`~flashot.dual.mass_excess`).
+    ``excess`` is ``m(P) − m(a) m(b)`` (:func:`~flashot.backends.dual.mass_excess`).
     """
     a, b, eps = problem.a, problem.b, problem.eps
     if problem.balanced:

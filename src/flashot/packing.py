@@ -18,7 +18,8 @@ from flashot.autodiff.functions import extrapolate
 from flashot.backends import resolve_backend
 from flashot.backends.base import Backend
 from flashot.backends.near import NEAR_FROM
-from flashot.costs import AttentionForm, Cost, _centered, get_cost
+from flashot.geometry.costs import AttentionForm, Cost, _centered, get_cost
+from flashot.geometry.segments import Segments
 from flashot.problem import (
     DeviceChecks,
     check_cloud,
@@ -29,8 +30,7 @@ from flashot.problem import (
     mean_costs,
     parse_rho,
 )
-from flashot.segments import Segments
-from flashot.solver import solve
+from flashot.solver.loop import solve
 
 __all__ = ["PackedProblem", "pack_problems", "pair_packing"]
 
@@ -185,7 +185,7 @@ class PackedProblem:
     def potentials(self, temps, **solve_options):
         """Solve, then the differentiable final step: ``(f, g, SolverOutput)`` at ε_0.
 
-        ``solve_options``: those of :func:`flashot.solver.solve` (``max_iter``, ``tol``, …).
+        ``solve_options``: those of :func:`flashot.solver.loop.solve` (``max_iter``, ``tol``, …).
         """
         log_a, log_b = torch.log(self.a.detach()), torch.log(self.b.detach())
         detached, engine = self.form.detach(), self.engine

@@ -23,7 +23,7 @@ import torch
 from flashot.autodiff.functional import TRANSFORM_HELP
 from flashot.backends import resolve_backend
 from flashot.backends.base import Backend
-from flashot.costs import (
+from flashot.geometry.costs import (
     AttentionForm,
     Cost,
     _row_ranges,
@@ -32,7 +32,7 @@ from flashot.costs import (
     column_box,
     get_cost,
 )
-from flashot.segments import Segments
+from flashot.geometry.segments import Segments
 
 __all__ = [
     "DeviceChecks",
@@ -300,7 +300,7 @@ def make_problem(
         a: (n,) nonnegative source weights, or None for uniform.
         b: (m,) nonnegative target weights, or None for uniform.
         eps: ε > 0.
-        cost: a cost name or :class:`~flashot.costs.Cost`.
+        cost: a cost name or :class:`~flashot.geometry.costs.Cost`.
         rho: None, a float, or a pair ``(rho_x, rho_y)``.
         normalize: rescale balanced weights to probability vectors (GeomLoss does not).
         backend: backend name or instance (see :func:`flashot.backends.resolve_backend`).
@@ -357,7 +357,7 @@ def mean_costs(form, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     In attention form ``C_ij = α_i + β_j − ⟨q_i, k_j⟩`` it is
     ``⟨â, α⟩ + ⟨b̂, β⟩ − ⟨qᵀâ, kᵀb̂⟩`` with weights normalized within each problem:
     O((n + m) d), no pass (OTT's ``relative_epsilon="mean"`` scale). (B,) float64 on the
-    host for a packed form (:mod:`flashot.segments`), (1,) for one problem; waits for
+    host for a packed form (:mod:`flashot.geometry.segments`), (1,) for one problem; waits for
     the device.
     """
     seg = form.segments or Segments((0, len(a)), (0, len(b)))

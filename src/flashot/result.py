@@ -23,8 +23,8 @@ import torch
 from flashot.autodiff.implicit import DualSpec, implicit_potentials, plan_product
 from flashot.backends import entry_point
 from flashot.backends.base import Backend, _given
-from flashot.costs import AttentionForm
-from flashot.dual import marginal_error, mass_excess, phi_sum, plan_times, row_mass
+from flashot.backends.dual import marginal_error, mass_excess, phi_sum, plan_times, row_mass
+from flashot.geometry.costs import AttentionForm
 
 __all__ = ["SinkhornResult", "SolveHistory", "TransportPlan"]
 
@@ -176,7 +176,7 @@ class TransportPlan:
         """``(r, c, m(P) − m(a) m(b))``: the marginals and the mass excess (detached).
 
         One fused pass, and a second at ε above the cost's bound (see
-        :func:`~flashot.dual.mass_excess`).
+        :func:`~flashot.backends.dual.mass_excess`).
         """
         form, f, g, log_a, log_b = self._form, self._f, self._g, self._log_a, self._log_b
         with torch.no_grad():
@@ -448,7 +448,7 @@ class SinkhornResult:
         measured_error: the marginal error if the solve measured it (it does when it
             had a ``tol`` or a relaxed side), else None: :attr:`marginal_error` then
             measures it on first access.
-        cause: why ``tol`` was missed, one of ``flashot.stopping.CAUSES``
+        cause: why ``tol`` was missed, one of ``flashot.solver.stopping.CAUSES``
             (``"max_iter"``, ``"no_progress"``, ``"oscillation"``, ``"precision_floor"``,
             ``"eps_too_small"``, ``"final_step"``); None when converged or without tol.
             The :class:`ConvergenceWarning` says the same in words.

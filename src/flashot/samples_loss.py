@@ -18,8 +18,8 @@ from flashot.autodiff.functions import dual_term
 from flashot.autodiff.second_order import exact_second_order, packed_piece
 from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
-from flashot.costs import bounding_diameter, box_diameter, get_cost
 from flashot.divergence import debiased_potentials
+from flashot.geometry.costs import bounding_diameter, box_diameter, get_cost
 from flashot.ops import compiled_loss, encodable
 from flashot.packing import pack_problems, pair_packing
 from flashot.problem import (
@@ -30,7 +30,7 @@ from flashot.problem import (
     make_problem,
     weights_tensor,
 )
-from flashot.solver import geomloss_schedule
+from flashot.solver.loop import geomloss_schedule
 
 __all__ = ["SamplesLoss"]
 
@@ -48,7 +48,7 @@ class SamplesLoss(torch.nn.Module):
             solves of a repeated call (a training loop) replay as CUDA graphs while the
             schedule keeps its length: a measured diameter moves its warm-up
             temperatures, which the kernels read from the device
-            (:mod:`flashot.temperature`); a fixed one also keeps the length.
+            (:mod:`flashot.backends.temperature`); a fixed one also keeps the length.
         scaling: ratio of successive blurs in the ε schedule, in (0, 1).
         truncate: accepted for GeomLoss compatibility (None or > 0) and without
             effect: it truncates kernels in GeomLoss' multiscale mode, and flashot

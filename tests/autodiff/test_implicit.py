@@ -7,7 +7,7 @@ import torch
 import flashot
 from flashot.autodiff.implicit import GAUGE, DualSpec, PlanProduct
 from flashot.backends.torch_backend import TorchBackend
-from flashot.costs import attention_form, get_cost
+from flashot.geometry.costs import attention_form, get_cost
 from tests.conftest import rel
 from tests.references import dense_cost, plan_dense, sinkhorn_dense
 
@@ -164,7 +164,7 @@ def test_dual_solves_replay_kept_captures_with_new_data(monkeypatch, rho):
     # a stand-in re-running the first solve's closures on the refreshed buffers): each HVP
     # equals the eager one, and one capture per block length serves all
     from flashot.autodiff import dense_dual, implicit
-    from flashot.graphs import GraphCache
+    from flashot.solver.graphs import GraphCache
     from tests.test_graphs import Replayer
 
     monkeypatch.setattr(dense_dual, "DENSE_UP_TO", 0)  # (the CG's blocks, not a direct solve)

@@ -18,7 +18,7 @@ from flashot.autodiff.implicit import DualSpec
 from flashot.autodiff.unrolled import dual_partials, transform
 from flashot.backends import available_backends
 from flashot.backends.torch_backend import TorchBackend
-from flashot.solver import geomloss_schedule
+from flashot.solver.loop import geomloss_schedule
 from tests.conftest import rel
 from tests.references import geomloss_gradient, jacobian_fd
 

@@ -7,7 +7,7 @@ import torch
 
 from flashot.backends import available_backends, resolve_backend
 from flashot.backends.torch_backend import TorchBackend
-from flashot.costs import attention_form, get_cost
+from flashot.geometry.costs import attention_form, get_cost
 from tests.conftest import rel
 
 BACKENDS = ["torch", "triton"]

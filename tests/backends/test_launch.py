@@ -93,7 +93,7 @@ def test_packed_batches_step_down_with_their_block_tables(monkeypatch):
 
 
 def _form(x, y):
-    from flashot.costs import attention_form, get_cost
+    from flashot.geometry.costs import attention_form, get_cost
 
     form = attention_form(get_cost("sqeuclidean"), x, y)
     return form, torch.zeros(len(y), device=x.device)

@@ -9,7 +9,7 @@ import torch
 from flashot.backends import available_backends
 from flashot.backends.near import is_near_uniform, log_mass, near_attend
 from flashot.backends.torch_backend import TorchBackend
-from flashot.costs import attention_form, get_cost
+from flashot.geometry.costs import attention_form, get_cost
 from tests.conftest import clouds
 
 mpmath.mp.dps = 60

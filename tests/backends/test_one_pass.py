@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 import flashot
 from flashot.backends import available_backends
+from flashot.backends.dual import log_residual
 from flashot.backends.torch_backend import TorchBackend
-from flashot.costs import attention_form, get_cost
-from flashot.dual import log_residual
+from flashot.geometry.costs import attention_form, get_cost
 from tests.conftest import clouds, rel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

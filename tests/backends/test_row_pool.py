@@ -11,7 +11,7 @@ import torch
 from flashot.backends import row_pool
 from flashot.backends.row_pool import MIN_ELEMENTS, run_row_blocks
 from flashot.backends.torch_backend import TorchBackend
-from flashot.costs import AttentionForm
+from flashot.geometry.costs import AttentionForm
 
 
 def threads_seen_by_a_new_thread() -> int:

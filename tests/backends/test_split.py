@@ -115,7 +115,9 @@ def test_split_operands_live_only_while_a_solve_runs():
     flashot.sinkhorn(x, y, eps=0.5, max_iter=30, tol=None, backend=backend)
     assert backend._halves == [] and len(seen) == 2  # q and k once (aliases hit: final step)
     with backend.operand_scope():
-        form = flashot.costs.attention_form(flashot.costs.get_cost("sqeuclidean"), x, y)
+        form = flashot.geometry.costs.attention_form(
+            flashot.geometry.costs.get_cost("sqeuclidean"), x, y
+        )
         first = backend._operand(form.q)
         assert isinstance(first, SplitOperand) and backend._operand(form.q) is first
     assert backend._halves == []
@@ -161,21 +163,21 @@ def test_split_values_average_like_float64(log_v, eps, seed):
     v = torch.randn(29, 3, generator=gen) * 2.0**log_v
     v[:, 0] = 0.0
     h = torch.randn(29, generator=gen)
-    cost = flashot.costs.get_cost("sqeuclidean")
+    cost = flashot.geometry.costs.get_cost("sqeuclidean")
     backend = TritonBackend(presplit=True)
     splits = []
     real = backend._split_parts
     backend._split_parts = lambda t: splits.append(t) or real(t)
     with backend.operand_scope():
-        lse, out = backend.row_attend(flashot.costs.attention_form(cost, x, y), h, eps, v)
+        lse, out = backend.row_attend(flashot.geometry.costs.attention_form(cost, x, y), h, eps, v)
     assert len(splits) == 3  # q, k and the values: the split path ran
-    form64 = flashot.costs.attention_form(cost, x.double(), y.double())
+    form64 = flashot.geometry.costs.attention_form(cost, x.double(), y.double())
     ref_lse, ref = TorchBackend().row_attend(form64, h.double(), eps,
                                                  v.double())  # fmt: skip
     plain = TritonBackend(presplit=False)
-    f32 = plain.row_attend(flashot.costs.attention_form(cost, x, y), h, eps, v)[1]
+    f32 = plain.row_attend(flashot.geometry.costs.attention_form(cost, x, y), h, eps, v)[1]
     err32 = float((f32.double() - ref).abs().max())
-    form = flashot.costs.attention_form(cost, x, y)
+    form = flashot.geometry.costs.attention_form(cost, x, y)
     delta = 2.0**-21 * float((form.q.abs() @ form.k.abs().T).max())
     bound = 2.0**-20 + 2.0 * delta / eps
     assert (out.double() - ref).abs().max() <= 4.0 * err32 + bound * float(v.abs().max())
@@ -209,7 +211,7 @@ def test_default_presplit_follows_the_launch_size():
 
 def test_a_packed_batch_counts_the_work_of_its_diagonal_blocks():
     """presplit=None on a packed batch weighs Σ n_s m_s, not the packed N·M."""
-    from flashot.segments import Segments
+    from flashot.geometry.segments import Segments
 
     seg = Segments((0, 3, 10), (0, 4, 6))
     assert seg.elements == 3 * 4 + 7 * 2 == seg.T.elements

@@ -1,4 +1,4 @@
-"""The Triton kernels read a temperature's device row (:mod:`flashot.temperature`) as they
+"""The Triton kernels read a temperature's device row (:mod:`flashot.backends.temperature`) as they
 would its scalars: the same bits for the attends (split or not, with values), the update
 and a whole solve; the gate's limit scaled by the row's ratio. Run in Triton's
 interpreter on CPU and natively on a GPU."""
@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from flashot import solver
 from flashot.backends import available_backends
-from flashot.temperature import schedule_table, temperatures_on
+from flashot.backends.temperature import schedule_table, temperatures_on
+from flashot.solver import loop as solver
 from tests.backends.test_contract import problem
 from tests.backends.test_triton import _step_setup, triton_backend
 

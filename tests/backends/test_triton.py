@@ -9,7 +9,7 @@ import torch
 
 import flashot
 from flashot.backends import available_backends
-from flashot.costs import attention_form, get_cost
+from flashot.geometry.costs import attention_form, get_cost
 from tests.backends.test_contract import dense_attend, problem
 from tests.conftest import clouds, rel
 

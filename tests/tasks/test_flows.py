@@ -112,11 +112,11 @@ def test_a_flow_step_keeps_under_four_and_a_half_clouds(monkeypatch):
     (the first gradient beside the second problem's barycenters), 8.3 before that.
     In-place passes work in blocks of ``_BLOCK`` elements: set small here so that,
     as at full size, a block is far below a cloud."""
-    import flashot.costs
+    import flashot.geometry.costs
     from flashot.backends.torch_backend import TorchBackend
     from tests.live_memory import LiveTensors
 
-    monkeypatch.setattr(flashot.costs, "_BLOCK", 1 << 12)
+    monkeypatch.setattr(flashot.geometry.costs, "_BLOCK", 1 << 12)
     n, d = 300, 120
     g = torch.Generator().manual_seed(0)
     xa, xb = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g) + 0.3

@@ -180,12 +180,12 @@ def test_peak_memory_in_clouds(flow, monkeypatch):
     form and the class statistics' temporaries (2.2 clouds here; it was 5.3
     with two labeled copies and a centered one, and 10 before: every class in float64
     twice, three forms). A flow step: one problem's graph at a time (5.1; it was 10)."""
-    import flashot.costs
+    import flashot.geometry.costs
     from flashot.backends.torch_backend import TorchBackend
     from flashot.tasks.flows import dataset_flow
     from tests.live_memory import LiveTensors
 
-    monkeypatch.setattr(flashot.costs, "_BLOCK", 1 << 12)
+    monkeypatch.setattr(flashot.geometry.costs, "_BLOCK", 1 << 12)
     gen = torch.Generator().manual_seed(0)
     n, d = 400, 60
     xa, xb = torch.rand(n, d, generator=gen), torch.rand(n, d, generator=gen)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flashot.costs import AttentionForm
-from flashot.dual import relaxed_weight
-from flashot.segments import problem_sums
+from flashot.backends.dual import relaxed_weight
+from flashot.geometry.costs import AttentionForm
+from flashot.geometry.segments import problem_sums
 
 __all__ = ["DENSE_COLUMNS", "DENSE_UP_TO", "DenseDual", "clear_dense_factors", "dense_dual"]
 

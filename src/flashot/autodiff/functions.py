@@ -24,7 +24,7 @@ import torch
 
 from flashot.backends import entry_point
 from flashot.backends.base import Backend
-from flashot.costs import AttentionForm
+from flashot.geometry.costs import AttentionForm
 
 __all__ = [
     "SECOND_ORDER",
@@ -191,7 +191,7 @@ def final_step_for(form: AttentionForm) -> bool | tuple[bool, bool]:
     """What a solve on ``form`` runs as its final step (``final_step`` of the solver).
 
     The whole step when autograd does not need it (True), else its passes, with ``W k``
-    for the sides of :func:`grads_needed` (:func:`flashot.solver.solve`).
+    for the sides of :func:`grads_needed` (:func:`flashot.solver.loop.solve`).
     """
     return grads_needed(form) if needs_grad(form) else True
 
@@ -297,7 +297,7 @@ def dual_term(
         eps: ε.
         rho: ρ or None.
         total: the sum to take (default: over all entries; a packed batch's
-            per-problem sums, :meth:`flashot.segments.Segments.sum`, give (B,) values).
+            per-problem sums, :meth:`flashot.geometry.segments.Segments.sum`, give (B,) values).
     """
     total = total or torch.sum
     if rho is None:

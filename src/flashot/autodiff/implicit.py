@@ -45,13 +45,13 @@ from flashot.autodiff import dense_dual
 from flashot.autodiff.dual_log import DualSolveInfo, DualSolveLog, log_solve, record_dual_solves
 from flashot.backends import entry_point
 from flashot.backends.base import Backend
+from flashot.backends.dual import marginal_error, plan_times, relaxed_weight, row_mass
 from flashot.backends.near import is_near_uniform
 from flashot.backends.plan_vjp import outputs_for
-from flashot.costs import AttentionForm
-from flashot.dual import marginal_error, plan_times, relaxed_weight, row_mass
-from flashot.graphs import GraphCache, capture_or_eager
-from flashot.linalg import CGWarning, cg
-from flashot.segments import Segments, other_masses, problem_sums
+from flashot.geometry.costs import AttentionForm
+from flashot.geometry.segments import Segments, other_masses, problem_sums
+from flashot.numerics.linalg import CGWarning, cg
+from flashot.solver.graphs import GraphCache, capture_or_eager
 
 __all__ = [
     "DeferredSolves",
@@ -89,7 +89,7 @@ class DualSpec:
         eps: ε.  rho: (ρ_x, ρ_y), None for a balanced side.
         backend: the streaming primitives.  cost_bound: the form's bound on the cost.
         cg_tol: relative residual of the dual solves.  cg_max_iter: their iterations at most.
-        segments: the packing of a batch of problems (:mod:`flashot.segments`), or None:
+        segments: the packing of a batch of problems (:mod:`flashot.geometry.segments`), or None:
             every sum over the weights, and the dual system's null vectors, per problem.
     """
 

@@ -36,8 +36,8 @@ import torch
 from flashot.autodiff.implicit import DualSpec, other_masses
 from flashot.backends import entry_point
 from flashot.backends.near import WARM_NEAR_FROM
-from flashot.costs import AttentionForm
-from flashot.stopping import CheckSchedule
+from flashot.geometry.costs import AttentionForm
+from flashot.solver.stopping import CheckSchedule
 
 __all__ = ["Trajectory", "Transform", "envelope_gradient", "transform", "unrolled_potentials"]
 
@@ -235,7 +235,7 @@ def damping(rho: float | None, eps: float) -> float:
 def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec):
     """The solve's last iterate ``(f_K (n,), g_K (m,))`` as a differentiable function of θ.
 
-    Replays :func:`flashot.solver.solve`'s loop (initialization, symmetric or alternating
+    Replays :func:`flashot.solver.loop.solve`'s loop (initialization, symmetric or alternating
     updates, damping, momentum) with :func:`transform`; the warm-up temperatures'
     near-uniform evaluation is the same function, evaluated otherwise.
 

@@ -6,7 +6,7 @@ A backend evaluates reductions of the biased score matrix
 
     S_{ij} = \frac{\langle q_i, k_j \rangle + h_j}{\varepsilon}
 
-of an :class:`~flashot.costs.AttentionForm` without ever storing it. Two
+of an :class:`~flashot.geometry.costs.AttentionForm` without ever storing it. Two
 primitives cover the whole library; everything else (column updates, plan
 products, marginals, transport cost, gradients) is built on them in Python:
 
@@ -29,11 +29,11 @@ from dataclasses import fields
 
 import torch
 
+from flashot.backends.dual import marginal_error, row_mass
 from flashot.backends.near import NEAR_FROM, is_near_uniform, near_attend
 from flashot.backends.plan_vjp import ALL, PlanVJP, plan_vjp_tiles
-from flashot.costs import AttentionForm
-from flashot.dual import marginal_error, row_mass
-from flashot.temperature import device_damping, device_value
+from flashot.backends.temperature import device_damping, device_value
+from flashot.geometry.costs import AttentionForm
 
 __all__ = ["PRECISIONS", "Backend"]
 
@@ -56,7 +56,7 @@ class Backend:
     capturable = False
     #: precisions this backend implements, besides ``"auto"``.
     precisions: tuple[str, ...] = ("fp32",)
-    #: :meth:`_row_attend` streams packed forms (:mod:`flashot.segments`) in one pass;
+    #: :meth:`_row_attend` streams packed forms (:mod:`flashot.geometry.segments`) in one pass;
     #: otherwise :meth:`row_attend` runs their problems one by one
     segmented = False
 
@@ -72,7 +72,7 @@ class Backend:
 
     @property
     def rounding(self):
-        """How :func:`~flashot.costs.attention_form` rounds operands for this precision."""
+        """How :func:`~flashot.geometry.costs.attention_form` rounds operands for this precision."""
         return ROUNDING[self.precision]
 
     def __repr__(self) -> str:
@@ -249,9 +249,9 @@ class Backend:
     def reads_temperatures(self, form: AttentionForm) -> bool:
         """Whether a solver step's launches on ``form`` read a temperature's device row.
 
-        That is, every launch of a step given a :class:`~flashot.temperature.Temperature`
+        That is, every launch of a step given a :class:`~flashot.backends.temperature.Temperature`
         reads ε from its cell, none from its float value. Then a replayed solve
-        (:mod:`flashot.graphs`) keys its warm-up by structure, not by value, and serves
+        (:mod:`flashot.solver.graphs`) keys its warm-up by structure, not by value, and serves
         every schedule of that structure (the data's diameter moves a GeomLoss
         schedule). Steps on the near-uniform path are still keyed by value. The
         default, False, keys every temperature by value.
@@ -261,7 +261,7 @@ class Backend:
     def graph_key(self, form: AttentionForm):
         """A key if fixed-iteration solves on ``form`` should replay as CUDA graphs, or None.
 
-        See :mod:`flashot.graphs`. The key names what, besides shapes and the solver's
+        See :mod:`flashot.solver.graphs`. The key names what, besides shapes and the solver's
         options, fixes this backend's launch sequence. Only backends whose primitives
         never wait for the host may return one.
         """

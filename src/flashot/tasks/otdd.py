@@ -36,7 +36,7 @@ import torch
 import flashot
 from flashot.autodiff.functional import refuse_transforms
 from flashot.backends import entry_point
-from flashot.costs import column_sum
+from flashot.geometry.costs import column_sum
 
 __all__ = ["DatasetDistance", "class_table", "dataset_distance", "gaussian_table"]
 
@@ -190,7 +190,7 @@ def _outer(xa, index_a, xb, index_b, cost, eps, debias, self_b=None, solve=None,
     """``(value, result of OT(A, B), OT(B, B) or None)`` of labeled datasets.
 
     ``index_b`` already offset past A's classes. The cost holds each problem's labels
-    (:meth:`~flashot.labeled.LabeledCost.with_labels`): no labeled copy of a cloud. The
+    (:meth:`~flashot.geometry.labeled.LabeledCost.with_labels`): no labeled copy of a cloud. The
     self problems go first: a solve's attention form is two cloud-sized operands, and
     only the cross problem's stays (its result holds the lazy plan). ``solve(x, y,
     cost, name)`` (``name`` ``"aa"``, ``"bb"`` or ``"ab"``) replaces ``flashot.sinkhorn``

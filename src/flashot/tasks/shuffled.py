@@ -14,12 +14,13 @@ When the law of ``X`` is (nearly) symmetric under a permutation ``P`` of its fea
 ``W`` and ``P W`` fit (nearly) equally well, the set ``{P W = W}`` is (nearly)
 invariant under any coordinate-wise optimizer, and a run that starts on it, e.g.
 from ``W = 0``, crawls to the best symmetric fit: a saddle, where Adam stalls. The
-hybrid ``method="adam-newton"`` (:class:`flashot.optim.AdamNewton`) sees the plateau,
+hybrid ``method="adam-newton"`` (:class:`flashot.numerics.optim.AdamNewton`) sees the plateau,
 finds the negative curvature by Lanczos on streamed Hessian-vector products, steps
 off along it and finishes with Newton steps.
 
 Everything here uses the public API only: :func:`flashot.sinkhorn`,
-:mod:`flashot.optim`, :func:`flashot.linalg.lanczos` and PyTorch's double backward.
+:mod:`flashot.numerics.optim`, :func:`flashot.numerics.linalg.lanczos` and PyTorch's double
+backward.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from typing import Any
 import torch
 
 import flashot
-from flashot.linalg import lanczos
-from flashot.optim import AdamNewton, NewtonCG
+from flashot.numerics.linalg import lanczos
+from flashot.numerics.optim import AdamNewton, NewtonCG
 
 __all__ = [
     "METHODS",

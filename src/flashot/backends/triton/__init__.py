@@ -21,8 +21,10 @@ import triton
 
 from flashot.backends.base import Backend
 from flashot.backends.device import on_device, triton_interpreted
+from flashot.backends.dual import log_residual
 from flashot.backends.near import NEAR_FROM, is_near_uniform
 from flashot.backends.plan_vjp import ALL
+from flashot.backends.temperature import LOG2E, Temperature, device_value, follows
 from flashot.backends.triton import _configs
 from flashot.backends.triton._combine import _combine_kernel
 from flashot.backends.triton._gate import _HI, _LO_PER_TERM, Gate, sum_ranges
@@ -31,8 +33,6 @@ from flashot.backends.triton._launch import _ATTEND, _PLAN_SUMS, TunedLaunches, 
 from flashot.backends.triton._one_pass import exact_lse
 from flashot.backends.triton._operands import OperandCache, split_work
 from flashot.backends.triton._vjp import FUSED_UP_TO, fused_plan_vjp
-from flashot.dual import log_residual
-from flashot.temperature import LOG2E, Temperature, device_value, follows
 
 __all__ = ["TritonBackend"]
 
@@ -79,9 +79,9 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             when the environment variable ``FLASHOT_AUTOTUNE`` is ``1``.
         splits: force the number of column splits (tests); None chooses from the GPU.
         graphs: replay repeated solves of launch-bound size (n·m ≤ 2^28) as CUDA
-            graphs (:mod:`flashot.graphs`; to a tolerance, in blocks between checks);
+            graphs (:mod:`flashot.solver.graphs`; to a tolerance, in blocks between checks);
             each capture keeps a copy of its inputs and its memory pool. The process
-            keeps the 8 most recent; ``flashot.graphs.GRAPHS.clear()`` frees them.
+            keeps the 8 most recent; ``flashot.solver.graphs.GRAPHS.clear()`` frees them.
         presplit: in ``"fp32"``, split the score operands once per solve
             (:mod:`._split`; a copy of each cloud's size in half precision while a
             solve runs) instead of per tile by 3xTF32. Passes outside a solve
@@ -141,7 +141,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         ``repair=(sums, lo, hi)`` computes only the row blocks holding a sum outside
         ``(lo[0], hi)`` (``lo`` a 1-element tensor; other rows' outputs are then
         meaningless). ``keep_q``: cache q's half copy (False for a one-off sample).
-        ``segments``: a packed batch (:mod:`flashot.segments`); the grid then runs over
+        ``segments``: a packed batch (:mod:`flashot.geometry.segments`); the grid then runs over
         its table of row blocks, each streaming its own problem's columns, split as one
         problem's are (the widest problem's columns set the splits; a narrower problem's
         programs past its columns stream nothing).
@@ -277,7 +277,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             mul: optional ``(u (n,), w (m,))``: weights ``a ⊙ u`` and ``b ⊙ w`` instead
                 (then ``a ⊙ R = P w`` and ``b ⊙ C = Pᵀ u``).
             ratio: ``limit`` is scaled on the device by ``eps``'s ratio to the schedule's
-                previous temperature (a :class:`~flashot.temperature.Temperature`).
+                previous temperature (a :class:`~flashot.backends.temperature.Temperature`).
 
         Returns:
             ``(R (n,), C (m,))``; with ``mul``, ``(R, C, R₀, C₀)`` with ``R₀``, ``C₀`` the
@@ -571,7 +571,7 @@ def _near(form, eps: float) -> bool:
 def _generic(form, eps: float) -> bool:
     """Whether a plan product takes the base class's path.
 
-    That is near-uniform forms, and packed ones (:mod:`flashot.segments`), whose
+    That is near-uniform forms, and packed ones (:mod:`flashot.geometry.segments`), whose
     products run one problem at a time.
     """
     return form.segments is not None or is_near_uniform(form, eps)

@@ -30,10 +30,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashot import temperature as _row
+from flashot.backends import temperature as _row
 
-LOG2E = tl.constexpr(_row.LOG2E)  # (the host's, :mod:`flashot.temperature`)
-#: a temperature row's columns and the bits of ``temp_at`` (:mod:`flashot.temperature`)
+LOG2E = tl.constexpr(_row.LOG2E)  # (the host's, :mod:`flashot.backends.temperature`)
+#: a temperature row's columns and the bits of ``temp_at`` (:mod:`flashot.backends.temperature`)
 EPS, SCALE, RATIO, LAM_X, LAM_Y = (tl.constexpr(c) for c in (_row.EPS, _row.SCALE, _row.RATIO,
                                                             _row.LAM_X, _row.LAM_Y))  # fmt: skip
 READ_RATIO, READ_DAMPING = tl.constexpr(_row.READ_RATIO), tl.constexpr(_row.READ_DAMPING)
@@ -50,7 +50,8 @@ CONTROL_POINTERS = {
 #: integer arguments that change between launches of one set of constexprs: Triton
 #: compiles an int again when it is 1 or a multiple of 16 (a flag 0/1, a split count)
 #: (the combine's row count too: a 2 µs merge, rebuilt for a count not a multiple of 16)
-#: (``temp_at``: read the temperature from ``TEMP``, a device row, :mod:`flashot.temperature`)
+#: (``temp_at``: read the temperature from ``TEMP``, a device row,
+#: :mod:`flashot.backends.temperature`)
 RUNTIME_INTS = {"_attend_kernel": ["temp_at"], "_combine_kernel": ["n", "splits", "temp_at"],
                 "_plan_sums_kernel": ["gate_span", "temp_at"], "_update_kernel": ["temp_at"]}
 
@@ -280,7 +281,7 @@ def _attend_kernel(
     2 is 1), each tile's weights computed once, and keeps the running products in OUT
     (or its split's PART_ACC) instead of registers: a chunk costs a load and a store of
     (BLOCK_M, BLOCK_P) floats per tile, where a program per chunk recomputes the scores.
-    SEGMENTED (a packed batch, :mod:`flashot.segments`): program ``pid_m`` reads its rows
+    SEGMENTED (a packed batch, :mod:`flashot.geometry.segments`): program ``pid_m`` reads its rows
     ``[r0, r1)`` and its problem's columns ``[c0, c1)`` from the table ``BLOCKS``.
     ``temp_at`` ≠ 0: ε and ``scale`` are read from the row ``TEMP`` (``_from_row``).
     """

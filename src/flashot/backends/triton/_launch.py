@@ -16,9 +16,9 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from flashot.backends.device import on_device, triton_interpreted
+from flashot.backends.temperature import READ_DAMPING, READ_RATIO, READ_ROW, Temperature
 from flashot.backends.triton import _configs, _tables
 from flashot.backends.triton._kernels import _attend_kernel, _plan_sums_kernel
-from flashot.temperature import READ_DAMPING, READ_RATIO, READ_ROW, Temperature
 
 __all__ = ["FINALISTS", "TunedLaunches", "temp_args"]
 
@@ -27,7 +27,7 @@ def temp_args(eps: float, unused: torch.Tensor, ratio: bool = False,
               damped: bool = False) -> tuple:  # fmt: skip
     """A launch's ``(TEMP, temp_at)``: a temperature's device row, or ``(unused, 0)``.
 
-    For a :class:`~flashot.temperature.Temperature` the kernel reads ε from its row
+    For a :class:`~flashot.backends.temperature.Temperature` the kernel reads ε from its row
     (``ratio``: its ratio to the last temperature scales the gate's limit too;
     ``damped``: its damping scales the update's weights of T); for a float it takes the
     scalar arguments.

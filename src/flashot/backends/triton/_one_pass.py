@@ -26,11 +26,11 @@ import torch
 import triton
 
 from flashot.backends.device import on_device
+from flashot.backends.temperature import LOG2E
 from flashot.backends.triton import _configs
 from flashot.backends.triton._combine import _combine_kernel
 from flashot.backends.triton._kernels import _plan_sums_kernel
 from flashot.backends.triton._launch import temp_args
-from flashot.temperature import LOG2E
 
 __all__ = ["exact_lse", "partials_budget"]
 

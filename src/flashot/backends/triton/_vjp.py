@@ -8,7 +8,7 @@ score tiles once and never storing one:
   (``row_k / a_i``);
 * columns, on the transposed form with (d, v) swapped: ``per_b`` and ``col_q / b_j``;
 
-and ``Pᵀ D`` is one value pass (:func:`~flashot.dual.plan_times` on the transposed
+and ``Pᵀ D`` is one value pass (:func:`~flashot.backends.dual.plan_times` on the transposed
 form). Each launch and pass runs only when one of its outputs is asked for, and the
 product with the keys only for ``row_k`` / ``col_q``. The kernel
 (``_plan_vjp_kernel``) holds the features in one chunk and streams values wider than
@@ -23,11 +23,11 @@ import triton
 import triton.language as tl
 
 from flashot.backends.device import on_device, triton_interpreted
+from flashot.backends.dual import plan_times
 from flashot.backends.plan_vjp import ALL, PlanVJP
+from flashot.backends.temperature import LOG2E
 from flashot.backends.triton import _configs
 from flashot.backends.triton._kernels import _load_tile, _score_tile
-from flashot.dual import plan_times
-from flashot.temperature import LOG2E
 
 __all__ = ["FUSED_UP_TO", "fused_plan_vjp"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashot.costs import (
+from flashot.geometry.costs import (
     COSTS,
     AttentionForm,
     Cost,
@@ -39,7 +39,7 @@ from flashot.costs import (
     joint_span,
     round_operands,
 )
-from flashot.labeled_operands import augmented_rows
+from flashot.geometry.labeled_operands import augmented_rows
 
 __all__ = ["LabeledCost", "labeled_cost"]
 
@@ -108,7 +108,7 @@ class LabeledCost(Cost):
         """The attention form of labeled clouds (``costs.attention_form`` delegates here).
 
         q and k are built in one allocation each, features and label parts together
-        (:func:`~flashot.labeled_operands.augmented_rows`): no centered or concatenated
+        (:func:`~flashot.geometry.labeled_operands.augmented_rows`): no centered or concatenated
         temporary of a cloud's size.
         """
         (fx, lx), (fy, ly) = self.split(x, "x", self.labels_x), self.split(y, "y", self.labels_y)

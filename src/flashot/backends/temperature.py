@@ -1,6 +1,6 @@
 r"""Temperatures that also live on the device, so that one CUDA graph serves any schedule.
 
-A replayed solve (:mod:`flashot.graphs`) repeats its captured launches with their
+A replayed solve (:mod:`flashot.solver.graphs`) repeats its captured launches with their
 captured scalars. With ε passed as a scalar, a graph serves only the ε schedule it was
 captured with, and GeomLoss' schedule starts from the data's diameter: in a training
 loop, where the clouds move every step, it never repeats. A :class:`Temperature` is a

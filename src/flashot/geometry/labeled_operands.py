@@ -1,7 +1,7 @@
 r"""The operands of a labeled cost's attention form, one allocation per cloud.
 
 Row side (``factor = 2s``, ``extra = −λ_y T``) and column side (``factor = 1``,
-``extra`` the identity) of :class:`flashot.labeled.LabeledCost`:
+``extra`` the identity) of :class:`flashot.geometry.labeled.LabeledCost`:
 
 .. math::
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from flashot.costs import _centered_into, _round_block, _row_ranges, round_operands
+from flashot.geometry.costs import _centered_into, _round_block, _row_ranges, round_operands
 
 __all__ = ["augmented_rows"]
 

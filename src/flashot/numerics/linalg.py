@@ -190,7 +190,7 @@ def cg(
         capture: on a GPU, capture a block of ``check_every`` iterations as a CUDA graph
             and replay it (``matvec`` and ``preconditioner`` must then launch only
             asynchronous work with fixed shapes); falls back to eager launches if the
-            capture fails. A pair ``(cache, key)`` (a :class:`~flashot.graphs.GraphCache`
+            capture fails. A pair ``(cache, key)`` (a :class:`~flashot.solver.graphs.GraphCache`
             and a hashable) keeps the capture in ``cache`` for later calls with the same
             key, which then replay every block: their ``matvec`` and ``preconditioner``
             must read the same buffers (refreshed in place by the caller) as the

@@ -25,15 +25,15 @@ import torch
 
 from flashot.autodiff.functions import extrapolate, extrapolation_parts, transform_parts
 from flashot.backends.base import Backend
+from flashot.backends.dual import marginal_error, row_mass
 from flashot.backends.near import WARM_NEAR_FROM, is_near_uniform
-from flashot.costs import AttentionForm
-from flashot.dual import marginal_error, row_mass
-from flashot.graphs import GRAPHS
-from flashot.momentum import Relaxation, check_momentum
-from flashot.progress import Progress
-from flashot.schedule import EpsilonScaling, geomloss_schedule, temperatures
-from flashot.stopping import CheckSchedule, _check_iterations, _Stopping, precision_floor
-from flashot.temperature import device_damping, schedule_table, temperatures_on
+from flashot.backends.temperature import device_damping, schedule_table, temperatures_on
+from flashot.geometry.costs import AttentionForm
+from flashot.solver.graphs import GRAPHS
+from flashot.solver.momentum import Relaxation, check_momentum
+from flashot.solver.progress import Progress
+from flashot.solver.schedule import EpsilonScaling, geomloss_schedule, temperatures
+from flashot.solver.stopping import CheckSchedule, _check_iterations, _Stopping, precision_floor
 
 __all__ = [
     "EpsilonScaling",
@@ -59,8 +59,10 @@ class SolverOutput:
         n_iter: iterations run (the initialization and final extrapolation not counted).
         converged: whether the error reached ``tol`` (None when ``tol`` is None).
         error: the last measured error (NaN if never measured).
-        cause: why ``tol`` was missed (one of :data:`flashot.stopping.CAUSES`), None otherwise.
-        floor: the precision floor estimate (:func:`flashot.stopping.precision_floor`) if computed.
+        cause: why ``tol`` was missed (one of :data:`flashot.solver.stopping.CAUSES`),
+            None otherwise.
+        floor: the precision floor estimate
+            (:func:`flashot.solver.stopping.precision_floor`) if computed.
         final: the final extrapolation ``(λ_x T(g), λ_y T(f))`` at the last ε, when
             asked for (``final_step=True``), or its streaming passes (``final_step`` a
             pair of flags; :func:`solve_self`'s ``final``); None otherwise.
@@ -134,7 +136,7 @@ def solve(
             each record waits for the device.
         min_iter: iterations at least before ``tol`` may stop the solve.
         momentum: over-relaxation of the alternating updates at the final ε (None,
-            ``"auto"`` or ω in (0, 2); :mod:`flashot.momentum`).
+            ``"auto"`` or ω in (0, 2); :mod:`flashot.solver.momentum`).
     """
     if update not in UPDATES:
         raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
@@ -496,14 +498,14 @@ def _replay_key(backend_key, form, tensors, eps_list, damping, cells) -> tuple:
 
 
 def _table(backend, form, eps_list, dtype, damping):
-    """The schedule's device table (:mod:`flashot.temperature`) where ``backend`` reads it."""
+    """The schedule's device table (:mod:`~flashot.backends.temperature`), where read."""
     if not backend.reads_temperatures(form):
         return None
     return schedule_table(eps_list, form.q.device, dtype, damping)
 
 
 def _temperatures(eps_list, table):
-    """The schedule reading ``table``'s rows (:mod:`flashot.temperature`), or as given."""
+    """The schedule reading ``table``'s rows (:mod:`flashot.backends.temperature`), or as given."""
     return eps_list if table is None else temperatures_on(eps_list, table)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashot.segments import Segments
+from flashot.geometry.segments import Segments
 
 __all__ = [
     "COSTS",
@@ -60,7 +60,7 @@ class AttentionForm:
         cost_bound: a host bound on ``max C_ij`` (None if unknown; up to the operands'
             rounding in reduced precision); backends use it to pick the near-uniform
             LSE at large ε (:mod:`flashot.backends.near`).
-        segments: a :class:`~flashot.segments.Segments` packing of independent
+        segments: a :class:`~flashot.geometry.segments.Segments` packing of independent
             problems (the cost is ``+inf`` between them), or None for one problem.
     """
 
@@ -381,7 +381,7 @@ def attention_form(
     Returns:
         The attention form; the joint center is detached (C does not depend on it).
     """
-    if hasattr(cost, "compile"):  # costs with more than features (flashot.labeled)
+    if hasattr(cost, "compile"):  # costs with more than features (flashot.geometry.labeled)
         return cost.compile(x, y, dtype, rounding, cost_bound)
     dtype = dtype or x.dtype
     u, v = cost.embed(x.to(dtype)), cost.embed(y.to(dtype))

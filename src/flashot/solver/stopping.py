@@ -1,6 +1,6 @@
 """When a Sinkhorn solve stops, and what it says when it misses its tolerance.
 
-The solver (:mod:`flashot.solver`) checks the L1 marginal error every few iterations;
+The solver (:mod:`flashot.solver.loop`) checks the L1 marginal error every few iterations;
 :class:`_Stopping` ends the solve at ``tol``, or early only at the dtype's precision
 floor (:func:`precision_floor`), and names the cause of a miss (:data:`CAUSES`), which
 :func:`describe_miss` turns into the warning a user reads.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashot.costs import _row_blocks
+from flashot.geometry.costs import _row_blocks
 
 __all__ = [
     "AUTO_TOL",
@@ -164,7 +164,7 @@ def precision_floor(form, f, g, log_a, log_b, eps: float, per_problem: bool = Fa
     it). A solve whose error stalls under :data:`FLOOR_FACTOR` times it has stopped for
     precision, not for lack of iterations.
 
-    With ``per_problem``, a packed form's (:mod:`flashot.segments`) floors of each of its
+    With ``per_problem``, a packed form's (:mod:`flashot.geometry.segments`) floors of each of its
     problems, (B,) float64 on the host; otherwise one float.
     """
     u = torch.finfo(f.dtype).eps

@@ -38,7 +38,7 @@ import torch
 
 from flashot.autodiff.implicit import RESIDUAL_PER_ERROR
 from flashot.autodiff.second_order import dual_solve_options
-from flashot.linalg import cg, lanczos
+from flashot.numerics.linalg import cg, lanczos
 
 __all__ = ["AdamNewton", "NewtonCG", "TrustRegion"]
 
