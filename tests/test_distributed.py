@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 import flashot
 from flashot import distributed
+from flashot.backends import sharded
 
 WORLD = 2
 EPS = 1.0  # (a few dozen iterations: every one is a collective)
@@ -64,8 +65,8 @@ def _solve_case(rank, mode="gather", update="auto"):
     x, y, a = _slices(rank)
     x.requires_grad_()
     wide = []  # gathers of 2-D tensors during the solve: the features, once per side
-    real = distributed._Comm.gather
-    distributed._Comm.gather = lambda self, t, side: (
+    real = sharded.Comm.gather
+    sharded.Comm.gather = lambda self, t, side: (
         (wide.append(t.dim() == 2) and False) or real(self, t, side)
     )
     res = distributed.sinkhorn(x, y, a, eps=EPS, tol=1e-11, max_iter=3000, backend="torch",
@@ -73,7 +74,7 @@ def _solve_case(rank, mode="gather", update="auto"):
     (gx,) = torch.autograd.grad(res.cost, x)
     v, u = _values()
     v, u = v[Y_CUT[rank] : Y_CUT[rank + 1]], u[X_CUT[rank] : X_CUT[rank + 1]]
-    distributed._Comm.gather = real
+    sharded.Comm.gather = real
     return dict(wide_gathers=sum(wide), iterations=res.n_iter,
                 f=res.f.detach(), g=res.g.detach(), cost=float(res.cost.detach()), gx=gx,
                 pv=res.plan @ v, ptu=res.plan.T @ u, converged=res.converged,

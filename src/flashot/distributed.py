@@ -15,6 +15,11 @@ are all-gathered once when they fit (``mode="gather"``), or passed around the ri
 ranks every half-step (``mode="ring"``, memory O((n + m)/W · d) per rank, traffic
 O((n + m) d) per iteration). Works with NCCL (GPUs) and gloo (CPUs) under ``torchrun``.
 
+The iterations are flashot's one Sinkhorn loop (:func:`flashot.solver.loop.solve`) on
+a :class:`~flashot.backends.sharded.ShardedBackend`, whose row passes reduce over the
+ranks: unbalanced sides (``rho``), ε schedules, ``min_iter``, momentum and ``history``
+work as in :func:`flashot.sinkhorn`, with the same warnings.
+
 Failures do not hang: inputs and options are checked on each rank, then every rank
 learns every rank's verdict (one collective) and raises the same error. Collectives
 otherwise wait for at most the process group's timeout (``init_process_group(timeout=)``).
@@ -22,6 +27,7 @@ otherwise wait for at most the process group's timeout (``init_process_group(tim
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -29,28 +35,29 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flashot.autodiff.functions import soft_c_transform
+from flashot.autodiff.functions import relaxed_side, soft_c_transform
 from flashot.backends import entry_point, resolve_backend
-from flashot.backends.base import Backend
-from flashot.backends.dual import row_mass
+from flashot.backends.dual import marginal_error, phi_sum, row_mass
+from flashot.backends.sharded import Comm, ShardedBackend
 from flashot.caller import warn_at_caller
 from flashot.geometry.costs import (
     AttentionForm,
     Cost,
     _centered,
+    box_cost_bound,
     column_box,
     column_sum,
     get_cost,
-    joint_box,
 )
-from flashot.problem import check_positive, compute_dtype
-from flashot.solver.loop import temperatures
+from flashot.problem import check_eps_range, check_positive, compute_dtype, parse_rho
+from flashot.result import SolveHistory
+from flashot.solver.loop import solve, temperatures
+from flashot.solver.momentum import check_momentum
 from flashot.solver.stopping import (
-    CheckSchedule,
     ConvergenceWarning,
-    FloorTolerance,
     _check_iterations,
-    describe_miss,
+    final_verdict,
+    precision_floor,
     resolve_stopping,
 )
 
@@ -86,16 +93,6 @@ def _auto_mode(group, sizes, x_local: torch.Tensor) -> str:
 
 
 @dataclass(frozen=True)
-class _Side:
-    """One rank's share of a cloud in attention form: features, offsets, log weights."""
-
-    feat: torch.Tensor
-    offset: torch.Tensor
-    log_w: torch.Tensor
-    index: int  # 0: a share of the rows (x), 1: of the columns (y)
-
-
-@dataclass(frozen=True)
 class DistributedSinkhornResult:
     """What :func:`sinkhorn` returns on each rank.
 
@@ -109,6 +106,8 @@ class DistributedSinkhornResult:
         marginal_error: the global L1 marginal error, equal on every rank.
         plan: the sharded lazy plan (:class:`DistributedPlan`).
         mode: ``"gather"`` or ``"ring"``, the mode that ran.
+        cause: why ``tol`` was missed (as :attr:`flashot.SinkhornResult.cause`), or None.
+        history: the error at each check (``history=True``), or None.
     """
 
     f: torch.Tensor
@@ -119,6 +118,8 @@ class DistributedSinkhornResult:
     marginal_error: float
     plan: DistributedPlan
     mode: str = "gather"
+    cause: str | None = None
+    history: SolveHistory | None = None
 
 
 class DistributedPlan:
@@ -128,125 +129,30 @@ class DistributedPlan:
     call the product (it is a collective). ``plan.T @ U_local`` likewise.
     """
 
-    def __init__(self, comm: _Comm, rows: _Side, cols: _Side, f, g, eps: float, engine):
-        self._comm, self._rows, self._cols = comm, rows, cols
-        self._f, self._g, self._eps, self._engine = f, g, eps, engine
+    def __init__(self, backend: ShardedBackend, form: AttentionForm, f, g, log_a, log_b,
+                 eps: float):  # fmt: skip
+        self._backend, self._form = backend, form
+        self._f, self._g, self._log_a, self._log_b, self._eps = f, g, log_a, log_b, eps
 
     @property
     def T(self) -> DistributedPlan:
         """The transposed plan."""
-        return DistributedPlan(self._comm, self._cols, self._rows, self._g, self._f, self._eps,
-                               self._engine)  # fmt: skip
+        return DistributedPlan(self._backend, self._form.T, self._g, self._f, self._log_b,
+                               self._log_a, self._eps)  # fmt: skip
 
     def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
+        m_local = self._form.k.shape[0]
         if not isinstance(v, torch.Tensor) or v.dim() not in (1, 2):
             raise ValueError("V_local must be a (m_local, p) or (m_local,) tensor")
-        if v.shape[0] != self._cols.feat.shape[0]:
-            raise ValueError(f"V_local must have {self._cols.feat.shape[0]} rows (this rank's "
-                             f"columns), got {v.shape[0]}")  # fmt: skip
+        if v.shape[0] != m_local:
+            raise ValueError(f"V_local must have {m_local} rows (this rank's columns), got "
+                             f"{v.shape[0]}")  # fmt: skip
         vv = v.detach().to(self._f.dtype).reshape(v.shape[0], -1)
+        form, eps = self._form, self._eps
         with torch.no_grad():
-            lse, avg = _transform(self._comm, self._engine, self._rows, self._cols, self._g,
-                                  self._eps, vv)  # fmt: skip
-            r = row_mass(self._f, lse, self._rows.offset, self._rows.log_w, self._eps)
-            out = r[:, None] * avg
-        return out.reshape((*v.shape[0:0], len(out), *v.shape[1:])).to(v.dtype)
-
-
-class _Comm:
-    """The group's collectives, with shard sizes known on every rank."""
-
-    def __init__(self, group, mode: str, sizes: list[tuple[int, int]]):
-        self.group, self.mode = group, mode
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.sizes = sizes  # [(n_r, m_r)] for every rank
-        self._kept: list = []  # (tensor, side, gathered): the solve's constant gathers
-
-    def gather_once(self, t: torch.Tensor, side: int) -> torch.Tensor:
-        """:meth:`gather` of a tensor fixed through the solve (features, log weights).
-
-        Gathered on first use, then kept: gather mode's copy of the other cloud.
-        """
-        for src, s, out in self._kept:
-            if src is t and s == side:
-                return out
-        out = self.gather(t, side)
-        self._kept.append((t, side, out))
-        return out
-
-    def gather(self, t: torch.Tensor, side: int) -> torch.Tensor:
-        """Concatenate every rank's (size_r, ...) slice of a side (0: rows, 1: columns).
-
-        Slices are padded to the largest (gloo gathers equal sizes only).
-        """
-        top = max(s[side] for s in self.sizes)
-        mine = t.detach().contiguous()
-        if len(mine) < top:
-            mine = torch.cat([mine, mine.new_zeros((top - len(mine), *mine.shape[1:]))])
-        parts = [mine.new_empty(mine.shape) for _ in self.sizes]
-        dist.all_gather(parts, mine, group=self.group)
-        return torch.cat([p[: s[side]] for p, s in zip(parts, self.sizes, strict=True)])
-
-    def total(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """The all-reduced value of a tensor (a copy)."""
-        out = t.detach().clone()
-        dist.all_reduce(out, op=op, group=self.group)
-        return out
-
-    def ring(self, parts: tuple[torch.Tensor, ...], side: int):
-        """Yield every rank's version of ``parts`` (this rank's first), passed around the ring."""
-        cur = tuple(p.contiguous() for p in parts)
-        owner = self.rank
-        for step in range(self.world):
-            yield cur
-            if step == self.world - 1:
-                return
-            nxt_owner = (owner - 1) % self.world
-            size = self.sizes[nxt_owner][side]
-            nxt = tuple(p.new_empty((size, *p.shape[1:])) for p in cur)
-            dst, src = (self.rank + 1) % self.world, (self.rank - 1) % self.world
-            ops = []
-            for send, recv in zip(cur, nxt, strict=True):
-                ops += [dist.P2POp(dist.isend, send, self._global(dst), self.group),
-                        dist.P2POp(dist.irecv, recv, self._global(src), self.group)]  # fmt: skip
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-            cur, owner = nxt, nxt_owner
-
-    def _global(self, group_rank: int) -> int:
-        if self.group is None:
-            return group_rank
-        return dist.get_global_rank(self.group, group_rank)
-
-
-def _transform(comm: _Comm, engine: Backend, rows: _Side, cols: _Side, pot_cols, eps: float,
-               v: torch.Tensor | None = None):  # fmt: skip
-    """Row LSE ``ε log Σ_j w_j e^{(⟨q_i, k_j⟩ + g_j − β_j)/ε}`` over all ranks' columns.
-
-    Also the softmax average of ``v`` (this rank's (m_local, p) values) when given.
-    """
-    h_local = pot_cols - cols.offset
-    if comm.mode == "gather":
-        feat = comm.gather_once(cols.feat, cols.index)
-        log_w = comm.gather_once(cols.log_w, cols.index)
-        h_all = comm.gather(h_local, cols.index)  # per call: O(n + m) per iteration
-        shards = [(feat, h_all, log_w, *(() if v is None else (comm.gather(v, cols.index),)))]
-    else:
-        shards = comm.ring((cols.feat, h_local, cols.log_w, *(() if v is None else (v,))),
-                           cols.index)  # fmt: skip
-    lse = avg = None
-    for feat, h, log_w, *vals in shards:
-        form = AttentionForm(rows.feat, feat, rows.offset, torch.zeros_like(h))
-        part, out = engine.row_attend(form, h, eps, vals[0] if vals else None, log_w)
-        if lse is None:
-            lse, avg = part, out
-            continue
-        top = torch.maximum(lse, part)
-        w_old, w_new = torch.exp((lse - top) / eps), torch.exp((part - top) / eps)
-        if out is not None and avg is not None:
-            avg = (avg * w_old[:, None] + out * w_new[:, None]) / (w_old + w_new)[:, None]
-        lse = top + eps * torch.log(w_old + w_new)
-    return lse, avg
+            lse, avg = self._backend.row_attend(form, self._g - form.beta, eps, vv, self._log_b)
+            out = row_mass(self._f, lse, form.alpha, self._log_a, eps)[:, None] * avg
+        return out.reshape((len(out), *v.shape[1:])).to(v.dtype)
 
 
 def _key(value) -> str:
@@ -256,19 +162,26 @@ def _key(value) -> str:
     return repr(value)
 
 
-def _option_error(x, eps, cost, max_iter, tol, check_every, update, eps_schedule, backend,
-                  precision) -> str | None:  # fmt: skip
+def _option_error(x, eps, cost, rho, max_iter, tol, check_every, update, eps_schedule, backend,
+                  precision, min_iter, momentum, history) -> str | None:  # fmt: skip
     """The first invalid option's message, found on this rank without raising."""
     checks = (
         lambda: check_positive(eps, "eps"),
         lambda: get_cost(cost),
-        lambda: _check_iterations(max_iter, 0, None, check_every),
+        lambda: parse_rho(rho),
+        lambda: _check_iterations(max_iter, 0, None, check_every, min_iter),
         lambda: (
             resolve_stopping(tol, "auto")
             if isinstance(tol, str)
             else _check_iterations(1, 0, tol, 1)
         ),
         lambda: _check_update(update),
+        lambda: check_momentum(
+            momentum,
+            resolve_stopping(tol if tol != "auto" else 1.0, update, None, momentum)[1],
+            tol,
+        ),
+        lambda: _check_flag(history, "history"),
         lambda: temperatures(eps_schedule, check_positive(eps, "eps"), lambda: 1.0),
         lambda: resolve_backend(backend, x.device, precision, compute_dtype(x.dtype)),
     )
@@ -278,6 +191,11 @@ def _option_error(x, eps, cost, max_iter, tol, check_every, update, eps_schedule
         except (ValueError, TypeError, RuntimeError, ImportError) as err:
             return str(err)
     return None
+
+
+def _check_flag(flag, name: str) -> None:
+    if not isinstance(flag, bool):
+        raise TypeError(f"{name} must be True or False, got {flag!r}")
 
 
 def _check_update(update) -> None:
@@ -312,10 +230,12 @@ def _local_checks(x, y, a, b, mode) -> tuple[str | None, tuple]:
     return None, (x.shape[1], str(x.dtype), x.device.type, a is None, b is None)
 
 
-def _sides(comm: _Comm, cost: Cost, x, y, a, b, dtype, rounding):
+def _sides(comm: Comm, cost: Cost, x, y, a, b, dtype, rounding, normalize: bool):
     """Both local sides in attention form around the global center.
 
-    Also the weights normalized by their global sums and the global bounding-box diagonal.
+    Returns ``(q, α, a), (k, β, b), diameter, bound``: the weights (uniform 1/n over all
+    ranks when None; normalized by their global sums when ``normalize``), the global
+    bounding-box diagonal (for ε schedules) and the cost's bound (the near-uniform rule).
     """
     u, v = cost.embed(x.to(dtype)), cost.embed(y.to(dtype))
     with torch.no_grad():
@@ -323,53 +243,58 @@ def _sides(comm: _Comm, cost: Cost, x, y, a, b, dtype, rounding):
         count = sum(n + m for n, m in comm.sizes)
         d = u.shape[1]
         center = (sums[:d] + sums[d:]) / count
-        box = joint_box(u.detach(), v.detach())
-        lo = comm.total(box[0], dist.ReduceOp.MIN)
-        hi = comm.total(box[1], dist.ReduceOp.MAX)
+        boxes = []
+        for t in (u, v, x, y):
+            box = column_box(t.detach())
+            boxes.append(torch.stack([comm.total(box[0], dist.ReduceOp.MIN),
+                                      comm.total(box[1], dist.ReduceOp.MAX)]))  # fmt: skip
+        lo, hi = torch.minimum(boxes[0][0], boxes[1][0]), torch.maximum(boxes[0][1], boxes[1][1])
         diameter = float(torch.linalg.vector_norm((hi - lo).double()))
+        bound = float(box_cost_bound(cost, boxes[2], boxes[3]))
     q, alpha = _centered(u, center, rounding, 2.0 * cost.scale, cost.scale)
     k, beta = _centered(v, center, rounding, 1.0, cost.scale)
-    logs = []
+    weights = []
     for w, t, side in ((a, x, 0), (b, y, 1)):
-        total = sum(s[side] for s in comm.sizes)
+        total = comm.total_size(side)
         if w is None:
-            logs.append(torch.full((t.shape[0],), -math.log(total), dtype=dtype, device=t.device))
-        else:
-            w = w.to(dtype)
-            mass = comm.total(w.sum())  # (the same on every rank: all raise or none)
-            if not bool(mass > 0):
-                raise ValueError(
-                    f"{('a_local', 'b_local')[side]}: the weights sum to zero "
-                    "over all ranks; give at least one point a positive weight"
-                )
-            logs.append(torch.log(w / mass))
-    return (q, alpha, logs[0]), (k, beta, logs[1]), diameter
+            weights.append(torch.full((t.shape[0],), 1.0 / total, dtype=dtype, device=t.device))
+            continue
+        w = w.to(dtype)
+        mass = comm.total(w.sum())  # (the same on every rank: all raise or none)
+        if not bool(mass > 0):
+            raise ValueError(f"{('a_local', 'b_local')[side]}: the weights sum to zero over "
+                             "all ranks; give at least one point a positive weight")  # fmt: skip
+        weights.append(w / mass if normalize else w)
+    return (q, alpha, weights[0]), (k, beta, weights[1]), diameter, bound
 
 
 @entry_point
 def sinkhorn(
     x_local, y_local, a_local=None, b_local=None, *, eps: float, group=None,
-    cost: str = "sqeuclidean", max_iter: int = 1000, tol: float | str | None = "auto",
+    cost: str = "sqeuclidean", rho=None, max_iter: int = 1000, tol: float | str | None = "auto",
     check_every: int = 10, update: str = "auto", eps_schedule=None, backend="auto",
-    precision: str = "auto", mode: str = "auto", warn: bool = True,
+    precision: str = "auto", mode: str = "auto", min_iter: int = 0,
+    momentum: float | str | None = None, history: bool = False, warn: bool = True,
 ) -> DistributedSinkhornResult:  # fmt: skip
-    """Balanced entropic OT between clouds sharded by rows over a process group.
+    """Entropic OT between clouds sharded by rows over a process group.
 
     Call it on every rank of ``group`` (default: the world) with that rank's slices;
     see the module for the communication. Options are those of :func:`flashot.sinkhorn`
-    and must be equal on every rank (checked).
+    and must be equal on every rank (checked); the solve is its loop, on every rank.
 
     Args:
         x_local: (n_r, d) this rank's source points.  y_local: (m_r, d) its target points.
         a_local: (n_r,) its source weights or None (uniform over all n points).
         b_local: (m_r,) its target weights or None.
         eps: ε > 0.  group: a process group, None for the default one.
-        cost, max_iter, tol, check_every, update, eps_schedule, backend, precision: as in
-            :func:`flashot.sinkhorn` (``tol`` is checked on the global error).
+        cost, rho, max_iter, tol, check_every, update, eps_schedule, backend, precision,
+            min_iter, momentum, history: as in :func:`flashot.sinkhorn` (``tol`` is
+            checked on the global error; balanced weights are normalized by their sum
+            over all ranks, relaxed ones kept).
         mode: ``"gather"`` (all-gather both clouds' features once per solve),
-            ``"ring"`` (pass the shards around every half-step), ``"auto"`` (gather when
-            the gathered clouds take at most :data:`GATHER_SHARE` of every rank's free
-            memory, else ring; decided collectively).
+            ``"ring"`` (pass the shards around at every row pass), ``"auto"`` (gather
+            when the gathered clouds take at most :data:`GATHER_SHARE` of every rank's
+            free memory, else ring; decided collectively).
         warn: emit :class:`flashot.ConvergenceWarning` (on every rank) when the global
             error missed ``tol``.
 
@@ -387,61 +312,82 @@ def sinkhorn(
                            "torchrun)")  # fmt: skip
     error, shared = _local_checks(x_local, y_local, a_local, b_local, mode)
     if error is None:
-        error = _option_error(x_local, eps, cost, max_iter, tol, check_every, update,
-                              eps_schedule, backend, precision)  # fmt: skip
-    opts = (("eps", _key(eps)), ("cost", _key(cost)), ("max_iter", _key(max_iter)),
-            ("tol", _key(tol)), ("check_every", _key(check_every)), ("update", _key(update)),
-            ("eps_schedule", _key(eps_schedule)), ("backend", _key(backend)),
-            ("precision", _key(precision)), ("mode", _key(mode)))  # fmt: skip
-    _agree(group, error, shared, opts)  # (below, every rank raises or none does)
-    cost_obj = get_cost(cost)
-    eps = check_positive(eps, "eps")
+        error = _option_error(x_local, eps, cost, rho, max_iter, tol, check_every, update,
+                              eps_schedule, backend, precision, min_iter, momentum,
+                              history)  # fmt: skip
+    named = dict(eps=eps, cost=cost, rho=rho, max_iter=max_iter, tol=tol,
+                 check_every=check_every, update=update, eps_schedule=eps_schedule,
+                 backend=backend, precision=precision, mode=mode, min_iter=min_iter,
+                 momentum=momentum, history=history)  # fmt: skip
+    _agree(group, error, shared, tuple((k, _key(v)) for k, v in named.items()))
+    # (below, every rank raises or none does: the options are equal and valid)
+    cost_obj, eps, rhos = get_cost(cost), check_positive(eps, "eps"), parse_rho(rho)
     sizes_t = torch.tensor([x_local.shape[0], y_local.shape[0]], device=x_local.device)
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(sizes_t) for _ in range(world)]
+    gathered = [torch.empty_like(sizes_t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, sizes_t, group=group)
     sizes = [(int(t[0]), int(t[1])) for t in gathered]
-    if mode == "auto":
-        mode = _auto_mode(group, sizes, x_local)
-    comm = _Comm(group, mode, sizes)
+    comm = Comm(group, _auto_mode(group, sizes, x_local) if mode == "auto" else mode, sizes)
     dtype = compute_dtype(x_local.dtype)
     engine = resolve_backend(backend, x_local.device, precision, dtype)
-    (q, alpha, log_a), (k, beta, log_b), diameter = _sides(
-        comm, cost_obj, x_local, y_local, a_local, b_local, dtype, engine.rounding
+    balanced = rhos == (None, None)
+    (q, alpha, a), (k, beta, b), diameter, bound = _sides(
+        comm, cost_obj, x_local, y_local, a_local, b_local, dtype, engine.rounding, balanced
     )
-    rows = _Side(q.detach(), alpha.detach(), log_a, 0)
-    cols = _Side(k.detach(), beta.detach(), log_b, 1)
+    check_eps_range(eps, bound, dtype, "eps")
+    log_a, log_b = torch.log(a), torch.log(b)
+    form = AttentionForm(q.detach(), k.detach(), alpha.detach(), beta.detach(), cost_bound=bound)
+    sharded = ShardedBackend(engine, comm, form.q, form.k)
     temps = temperatures(eps_schedule, eps, lambda: diameter)
-    tol, update = resolve_stopping(tol, update, None, None)
-    if max_iter < len(temps):  # (the diameter is global: every rank raises)
-        raise ValueError(f"max_iter={max_iter} is shorter than the eps schedule ({len(temps)})")
-    f, g, n_iter, _ = _iterate(comm, engine, rows, cols, temps, max_iter, tol,
-                                     check_every, update)  # fmt: skip
+    tol, update = resolve_stopping(tol, update, None, momentum)
+
+    def damping(e: float) -> tuple[float, float]:
+        return tuple(1.0 if r is None else r / (r + e) for r in rhos)  # type: ignore[return-value]
+
+    out = solve(form, log_a, log_b, temps, damping, rhos, sharded, max_iter=max_iter, tol=tol,
+                check_every=check_every, update=update, record=history, min_iter=min_iter,
+                momentum=momentum)  # fmt: skip
     # the differentiated final step: local rows (columns) with the other potential fixed
-    g_all_h = g.detach()
-    f_new = _final(comm, engine, _Side(q, alpha, log_a, 0), cols, g_all_h, eps)
-    f_fixed = f_new.detach() if update == "alternating" else f.detach()
-    g_new = _final(comm, engine, _Side(k, beta, log_b, 1), rows, f_fixed, eps)
+    lam_x, lam_y = damping(eps)
+    f_new = _final(comm, engine, (q, alpha), (form.k, form.beta, log_b, 1), out.g, eps, lam_x)
+    f_fixed = f_new.detach() if update == "alternating" else out.f
+    g_new = _final(comm, engine, (k, beta), (form.q, form.alpha, log_a, 0), f_fixed, eps, lam_y)
     fd, gd = f_new.detach(), g_new.detach()
-    with torch.no_grad():
-        lse_r, _ = _transform(comm, engine, rows, cols, gd, eps)
-        lse_c, _ = _transform(comm, engine, cols, rows, fd, eps)
-        local_err, local_floor = _local_check(rows, cols, fd, gd, lse_r, lse_c, eps)
-    local = (log_a.exp() * f_new).sum() + (log_b.exp() * g_new).sum()
-    totals = comm.total(torch.stack([local.detach(), local_err, local_floor]).double())
-    value = local + (totals[0].to(local.dtype) - local.detach())
-    err = float(totals[1])
-    if not math.isfinite(err):
+    with torch.no_grad():  # the global error, plan mass and value at the final potentials
+        lse_r, _ = sharded.row_attend(form, gd - form.beta, eps, log_w=log_b)
+        lse_c, _ = sharded.row_attend(form.T, fd - form.alpha, eps, log_w=log_a)
+        r, c = (
+            row_mass(fd, lse_r, form.alpha, log_a, eps),
+            row_mass(gd, lse_c, form.beta, log_b, eps),
+        )
+        err = marginal_error(fd, r, log_a, rhos[0]) + marginal_error(gd, c, log_b, rhos[1])
+        local = torch.stack([phi_sum(fd, a, rhos[0]) + phi_sum(gd, b, rhos[1]), err, r.sum(),
+                             a.sum(), b.sum()]).double()  # fmt: skip
+        value_t, err_t, mass_p, m_a, m_b = sharded.reduce(local).tolist()
+    if balanced:  # ⟨a, f⟩ + ⟨b, g⟩, envelope gradients through the final step
+        grads = (a * f_new).sum() + (b * g_new).sum()
+    else:  # the dual objective (as flashot.sinkhorn), with ε (m(P) − m(a) m(b))
+        grads = relaxed_side(f_new, a, eps, rhos[0]) + relaxed_side(g_new, b, eps, rhos[1])
+        value_t -= eps * (mass_p - m_a * m_b)
+    value = grads + (torch.tensor(value_t, dtype=grads.dtype, device=grads.device) - grads.detach())
+    if not (math.isfinite(err_t) and bool(torch.isfinite(fd).all() & torch.isfinite(gd).all())):
         raise FloatingPointError("Sinkhorn produced non-finite potentials; try a larger eps or "
                                  "an eps_schedule")  # fmt: skip
-    converged = None if tol is None else _met(tol, err, _floor(comm, fd, totals[2]))
-    if converged is False and warn and tol is not None:  # (every rank: each is a caller)
-        warn_at_caller("flashot.distributed.sinkhorn: "
-                       + describe_miss("max_iter", tol, err, None, n_iter, dtype, update),
-                       ConvergenceWarning)  # fmt: skip
-    plan = DistributedPlan(comm, rows, cols, fd, gd, eps, engine)
-    return DistributedSinkhornResult(f_new, g_new, value, n_iter, converged, err, plan,
-                                     comm.mode)  # fmt: skip
+    floor_now = functools.cache(
+        lambda: precision_floor(form, fd, gd, log_a, log_b, eps, backend=sharded)
+    )
+    converged, cause, why = final_verdict(tol, err_t if tol is not None else None, out,
+                                          floor_now, dtype, update,
+                                          None if bound is None else bound / eps)  # fmt: skip
+    if why is not None and warn:  # (every rank: each is a caller)
+        warn_at_caller("flashot.distributed.sinkhorn: " + why, ConvergenceWarning)
+    record = None
+    if history:
+        checks = out.checks or ()
+        record = SolveHistory([c[0] for c in checks], [c[1] for c in checks],
+                              [c[2] for c in checks], [float(t) for t in temps])  # fmt: skip
+    plan = DistributedPlan(sharded, form, fd, gd, log_a, log_b, eps)
+    return DistributedSinkhornResult(f_new, g_new, value, out.n_iter, converged, err_t, plan,
+                                     comm.mode, cause, record)  # fmt: skip
 
 
 def _agree(group, error: str | None, shared: tuple, opts: tuple) -> None:
@@ -463,83 +409,15 @@ def _agree(group, error: str | None, shared: tuple, opts: tuple) -> None:
                              f"{[opt[i] for i in diff]}")  # fmt: skip
 
 
-def _final(comm, engine, side: _Side, other: _Side, pot_other, eps: float) -> torch.Tensor:
-    """The differentiable soft c-transform of this rank's ``side`` over all of ``other``.
+def _final(comm: Comm, engine, own, other, pot_other, eps: float, lam: float) -> torch.Tensor:
+    """``λ T(pot_other)``: the differentiable soft c-transform of this rank's side.
 
-    It gathers the other side in both modes: the backward needs the whole softmax
-    average, which one pass gives.
+    ``own = (features, offsets)`` with their autograd history; ``other = (features,
+    offsets, log weights, side)`` this rank's shard of the other side (detached). The
+    other side is gathered in both modes: the backward needs the whole softmax average,
+    which one pass gives.
     """
-    h = comm.gather(pot_other - other.offset, other.index)
-    feat = comm.gather_once(other.feat, other.index)
-    log_w = comm.gather_once(other.log_w, other.index)
-    form = AttentionForm(side.feat, feat, side.offset, torch.zeros_like(h))
-    return soft_c_transform(form, h, log_w, eps, 1.0, engine)
-
-
-def _local_check(rows: _Side, cols: _Side, f, g, lse_r, lse_c, eps: float):
-    """This rank's shares of the L1 marginal error at (f, g) and of the precision floor.
-
-    The floor's share is its sum term (:func:`flashot.solver.stopping.precision_floor`, without
-    the log terms).
-    """
-    r = row_mass(f, lse_r, rows.offset, rows.log_w, eps)
-    c = row_mass(g, lse_c, cols.offset, cols.log_w, eps)
-    a, b = rows.log_w.exp(), cols.log_w.exp()
-    err = (r - a).abs().sum() + (c - b).abs().sum()
-    size = (a * (f.abs() + rows.offset.abs())).sum() + (b * (g.abs() + cols.offset.abs())).sum()
-    return err, size * (2.0 / eps)
-
-
-def _floor(comm: _Comm, f: torch.Tensor, size_total) -> float:
-    """The global precision floor from the all-reduced size term."""
-    n, m = (sum(s[i] for s in comm.sizes) for i in (0, 1))
-    return torch.finfo(f.dtype).eps * (float(size_total) + math.log(max(m, 2))
-                                       + math.log(max(n, 2)))  # fmt: skip
-
-
-def _met(tol, error: float, floor: float) -> bool:
-    """``tol`` reached: strictly, or for ``tol="auto"`` at the dtype's floor near it."""
-    if error <= tol:
-        return True
-    return isinstance(tol, FloorTolerance) and tol.reached(error, lambda: floor)
-
-
-def _iterate(comm, engine, rows: _Side, cols: _Side, temps, max_iter, tol, check_every, update):
-    """Sinkhorn iterations on the shards.
-
-    GeomLoss' start at the first temperature, then symmetric (averaged Jacobi) or
-    alternating updates; the global error every ``check_every`` iterations at the final ε.
-    """
-    last = len(temps) - 1
-    zero_f, zero_g = torch.zeros_like(rows.offset), torch.zeros_like(cols.offset)
-    f = -_transform(comm, engine, rows, cols, zero_g, temps[0])[0] + rows.offset
-    g = -_transform(comm, engine, cols, rows, zero_f, temps[0])[0] + cols.offset
-    error, it = math.inf, 0
-    for it in range(1, max_iter + 1):
-        eps = temps[min(it - 1, last)]
-        check = tol is not None and CheckSchedule(len(temps), check_every).on_grid(it)
-        check = check and (update == "symmetric" or it > 1)  # (exact columns from step 2)
-        lse_r, _ = _transform(comm, engine, rows, cols, g, eps)
-        f_new = rows.offset - lse_r
-        f_old, g_old = f, g
-        if update == "alternating":
-            f = f_new
-        lse_c, _ = _transform(comm, engine, cols, rows, f, eps)
-        if check:  # at (f_old, g_old); alternating: its columns are exact, lse_c is unused
-            # (alternating: exact columns, T(f_old) = g_old)
-            lse_c_old = cols.offset - g_old if update == "alternating" else lse_c
-            local = torch.stack(_local_check(rows, cols, f_old, g_old, lse_r, lse_c_old, eps))
-        g_new = cols.offset - lse_c
-        if update == "alternating":
-            g = g_new
-        else:
-            f, g = 0.5 * (f + f_new), 0.5 * (g + g_new)
-        if check:
-            totals = comm.total(local.double())
-            error = float(totals[0])
-            if not math.isfinite(error):
-                raise FloatingPointError(f"Sinkhorn diverged at iteration {it}; try a larger "
-                                         "eps or an eps_schedule")  # fmt: skip
-            if _met(tol, error, _floor(comm, f, totals[1])):
-                break
-    return f, g, it, error
+    feat, offset, log_w, side = other
+    h = comm.gather(pot_other - offset, side)
+    form = AttentionForm(own[0], comm.gather_once(feat, side), own[1], torch.zeros_like(h))
+    return soft_c_transform(form, h, comm.gather_once(log_w, side), eps, lam, engine)

@@ -21,10 +21,8 @@ from flashot.problem import Problem, check_init, cloud_tensor, make_problem
 from flashot.result import SinkhornResult, SolveHistory, TransportPlan
 from flashot.solver.loop import final_potentials, solve, temperatures
 from flashot.solver.stopping import (
-    FLOOR_FACTOR,
     ConvergenceWarning,
-    FloorTolerance,
-    describe_miss,
+    final_verdict,
     precision_floor,
     resolve_stopping,
 )
@@ -276,27 +274,11 @@ def sinkhorn(
             "or float64 inputs"
         )
     floor_now = functools.cache(lambda: precision_floor(form, fd, gd, log_a, log_b, eps))
-    converged: bool | None = None
-    if tol is not None:
-        assert error is not None  # (measured whenever there is a tol)
-        if isinstance(tol, FloorTolerance):
-            converged = tol.reached(error, floor_now)
-        else:
-            converged = error <= tol
-    cause = None
-    if converged is False:
-        assert tol is not None and error is not None
-        cause, floor = out.cause or "max_iter", out.floor
-        if out.converged:  # the loop met tol; the final (extrapolated) potentials do not
-            floor = floor_now()
-            # (or, with tol="auto", the loop stopped at the floor above tol)
-            at_floor = error <= FLOOR_FACTOR * floor or out.error > tol
-            cause = "precision_floor" if at_floor else "final_step"
-        bound = problem.form.cost_bound
-        why = describe_miss(cause, tol, error, floor, out.n_iter, problem.form.q.dtype, update,
-                            None if bound is None else bound / eps)  # fmt: skip
-        if warn:
-            warn_at_caller(why, ConvergenceWarning)
+    bound = problem.form.cost_bound
+    converged, cause, why = final_verdict(tol, error, out, floor_now, problem.form.q.dtype, update,
+                                          None if bound is None else bound / eps)  # fmt: skip
+    if why is not None and warn:
+        warn_at_caller(why, ConvergenceWarning)
     f_out, g_out = (f, g) if exact is None else implicit_potentials(theta, fd, gd, exact[1])
     record = None
     if history:

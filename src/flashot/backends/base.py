@@ -215,10 +215,23 @@ class Backend:
                 row_mass(g, lse_c, form.beta, log_b, eps),
             )
             err = marginal_error(f, r, log_a, rho[0]) + marginal_error(g, c, log_b, rho[1])
+            err = self.reduce(err)
         lam = device_damping(eps, lam)  # (a replayed schedule's row)
         f_new = 0.5 * (f + lam[0] * (form.alpha - lse_r))
         g_new = 0.5 * (g + lam[1] * (form.beta - lse_c))
         return f_new, g_new, err
+
+    def reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of ``t`` over every part of the problem (the identity here).
+
+        A solve sharded over ranks (:class:`~flashot.backends.sharded.ShardedBackend`)
+        sums over them: the loop reduces its errors and floors with it.
+        """
+        return t
+
+    def global_shape(self, form: AttentionForm) -> tuple[int, int]:
+        """``(n, m)`` of the whole problem ``form`` is part of (its own shape here)."""
+        return form.shape
 
     def fast_state(self, device: torch.device):
         """Per-solve state of the fast path of :meth:`jacobi_step`, or None (no fast path).

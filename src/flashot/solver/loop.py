@@ -342,7 +342,8 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
     else:
         f, g = init
     bar = Progress(progress, max_iter)
-    stop = _Stopping(tol, lambda: precision_floor(form, f, g, log_a, log_b, eps_list[-1]))
+    stop = _Stopping(tol, lambda: precision_floor(form, f, g, log_a, log_b, eps_list[-1],
+                                                  backend=backend))  # fmt: skip
     last = len(eps_list) - 1
     schedule = CheckSchedule(len(eps_list), check_every)
     # a backend's fast path (one exponential per element for both updates) keeps its
@@ -370,6 +371,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
             lse_r, _ = backend.row_attend(step_form, g - k_beta, eps, log_w=log_b)
             if check:  # columns are exact after the previous g-update
                 err = marginal_error(f, row_mass(f, lse_r, q_alpha, log_a, eps), log_a, rho[0])
+                err = backend.reduce(err)
             lam = device_damping(eps, lam)
             f_new = lam[0] * (q_alpha - lse_r)
             omega = relax.omega if relax is not None and it - 1 >= last else 1.0

@@ -147,7 +147,8 @@ def _is_self_problem(problem) -> bool:
     return all(torch.equal(u, v) for u, v in zip(_row_blocks(x), _row_blocks(y), strict=True))
 
 
-def precision_floor(form, f, g, log_a, log_b, eps: float, per_problem: bool = False):
+def precision_floor(form, f, g, log_a, log_b, eps: float, per_problem: bool = False,
+                    backend=None):  # fmt: skip
     r"""The smallest L1 marginal error the dtype can attain at these potentials.
 
     A row's log residual ``ln R_i = (f_i − α_i + ℓ_i)/ε`` is formed from terms of size
@@ -164,21 +165,27 @@ def precision_floor(form, f, g, log_a, log_b, eps: float, per_problem: bool = Fa
     it). A solve whose error stalls under :data:`FLOOR_FACTOR` times it has stopped for
     precision, not for lack of iterations.
 
-    With ``per_problem``, a packed form's (:mod:`flashot.geometry.segments`) floors of each of its
-    problems, (B,) float64 on the host; otherwise one float.
+    ``backend``: sums and sizes over a sharded problem's ranks
+    (:meth:`~flashot.backends.base.Backend.reduce`). With ``per_problem``, a packed
+    form's (:mod:`flashot.geometry.segments`) floors of each of its problems, (B,) float64
+    on the host; otherwise one float.
     """
     u = torch.finfo(f.dtype).eps
-    n, m = f.shape[0], g.shape[0]
+    n, m = (f.shape[0], g.shape[0]) if backend is None else backend.global_shape(form)
     seg = form.segments if per_problem else None
     with torch.no_grad():
         if seg is None:
             parts = []
-            for pot, offset, log_w, other in ((f, form.alpha, log_a, m),
-                                              (g, form.beta, log_b, n)):  # fmt: skip
+            for pot, offset, log_w in ((f, form.alpha, log_a), (g, form.beta, log_b)):
                 w = torch.exp(log_w)
-                size = (w * (pot.abs() + offset.abs())).sum() * (2.0 / eps)
-                parts.append(size + w.sum() * math.log(max(other, 2)))
-            return u * float(sum(parts))
+                parts += [(w * (pot.abs() + offset.abs())).sum() * (2.0 / eps), w.sum()]
+            sums = torch.stack(parts)
+            size_f, mass_a, size_g, mass_b = (
+                sums if backend is None else backend.reduce(sums)
+            ).tolist()
+            return u * (
+                size_f + mass_a * math.log(max(m, 2)) + size_g + mass_b * math.log(max(n, 2))
+            )
         out = torch.zeros(seg.count, dtype=torch.float64)
         for side, pot, offset, log_w in ((seg, f, form.alpha, log_a),
                                          (seg.T, g, form.beta, log_b)):  # fmt: skip
@@ -257,6 +264,31 @@ def _swings(errors: list[float]) -> bool:
     """Whether a sequence of errors rises as often as it falls (no trend, an oscillation)."""
     ups = sum(b > a for a, b in itertools.pairwise(errors))
     return ups >= (len(errors) - 1) // 2 and max(errors) - min(errors) > SWING * max(errors)
+
+
+def final_verdict(tol, error: float | None, out, floor_now, dtype: torch.dtype, update: str,
+                  scale: float | None) -> tuple[bool | None, str | None, str | None]:  # fmt: skip
+    """``(converged, cause, message)`` of a solve's final potentials against ``tol``.
+
+    The loop's output ``out`` (a :class:`~flashot.solver.loop.SolverOutput`) tells why it
+    stopped; the error at the final extrapolation decides. A loop that met ``tol`` whose
+    extrapolation misses it stopped at the precision floor (within
+    :data:`FLOOR_FACTOR` of ``floor_now()``, or above tol at the floor) or lost it in
+    the final step. ``message`` is the warning text (:func:`describe_miss`), None when
+    converged or without ``tol``; ``scale`` the cost's bound over ε.
+    """
+    if tol is None:
+        return None, None, None
+    assert error is not None  # (measured whenever there is a tol)
+    converged = tol.reached(error, floor_now) if isinstance(tol, FloorTolerance) else error <= tol
+    if converged:
+        return True, None, None
+    cause, floor = out.cause or "max_iter", out.floor
+    if out.converged:  # the loop met tol; the final (extrapolated) potentials do not
+        floor = floor_now()
+        at_floor = error <= FLOOR_FACTOR * floor or out.error > tol
+        cause = "precision_floor" if at_floor else "final_step"
+    return False, cause, describe_miss(cause, tol, error, floor, out.n_iter, dtype, update, scale)
 
 
 def describe_miss(cause: str, tol: float, error: float, floor: float | None, n_iter: int,
