@@ -81,6 +81,26 @@ def _solve_case(rank, mode="gather", update="auto"):
                 error=res.marginal_error)  # fmt: skip
 
 
+#: options the one loop brings to sharded solves: relaxed sides, ε-scaling, min_iter,
+#: momentum, history (each compared with flashot.sinkhorn on the whole problem)
+LOOP_OPTIONS = {
+    "unbalanced": dict(rho=0.5, eps_schedule="geomloss", min_iter=60, tol=1e-10, history=True),
+    "semi_unbalanced": dict(rho=(None, 0.7), update="symmetric", tol=1e-10, max_iter=4000),
+    "momentum": dict(momentum=1.3, tol=1e-10, min_iter=25),
+}
+
+
+def _options_case(rank, name):
+    x, y, a = _slices(rank)
+    x.requires_grad_()
+    res = distributed.sinkhorn(x, y, a, eps=EPS, backend="torch", **LOOP_OPTIONS[name])
+    (gx,) = torch.autograd.grad(res.cost, x)
+    hist = res.history
+    return dict(f=res.f.detach(), g=res.g.detach(), cost=float(res.cost.detach()), gx=gx,
+                n_iter=res.n_iter, error=res.marginal_error, converged=res.converged,
+                history=None if hist is None else (hist.iterations, hist.errors))  # fmt: skip
+
+
 def _auto_case(rank):
     """mode="auto" with too little free memory on rank 1 only: both ranks take the ring."""
     x, y, a = _slices(rank)
@@ -170,6 +190,7 @@ _CASES = {
         "zero_weights": _raised(_zero_weights_case, rank),
         "max_iter": _raised(_max_iter_case, rank),
         "missed_tol": _raised(_missed_tol_case, rank),
+        **{name: _raised(lambda r, n=name: _options_case(r, n), rank) for name in LOOP_OPTIONS},
     },
 }
 
@@ -243,8 +264,46 @@ def test_auto_mode_rings_when_a_rank_lacks_room_and_gathers_otherwise(runs):
 
 
 def test_a_missed_tol_warns_on_every_rank(runs):
+    """The single-process solve's warning, on every rank."""
+    import warnings
+
+    x, y, a = _data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flashot.sinkhorn(x, y, a, eps=0.05, backend="torch", max_iter=20, tol=1e-12,
+                         check_every=1)  # fmt: skip
+    (single,) = [str(w.message) for w in caught]
     for out in (r["missed_tol"] for r in runs["all"]):
         assert not (isinstance(out, tuple) and out[0] == "raised"), out
         assert out["converged"] is False
         assert [c for c, _ in out["warnings"]] == ["ConvergenceWarning"], out["warnings"]
-        assert "did not reach tol=1e-12" in out["warnings"][0][1]
+        assert out["warnings"][0][1] == "flashot.distributed.sinkhorn: " + single
+
+
+@pytest.mark.parametrize("name", sorted(LOOP_OPTIONS))
+def test_the_sharded_solve_is_the_single_process_loop(name, runs):
+    """Relaxed sides, ε-scaling, min_iter, momentum and history over two ranks: the same
+    iterations, potentials, value, gradient and checks as the whole problem's solve."""
+    outs = [r[name] for r in runs["all"]]
+    for out in outs:
+        assert not (isinstance(out, tuple) and out[0] == "raised"), out
+    x, y, a = _data()
+    x = x.clone().requires_grad_()
+    ref = flashot.sinkhorn(x, y, a, eps=EPS, backend="torch", **LOOP_OPTIONS[name])
+    (gx,) = torch.autograd.grad(ref.cost, x)
+    f, g = torch.cat([o["f"] for o in outs]), torch.cat([o["g"] for o in outs])
+    if LOOP_OPTIONS[name].get("rho") is None:  # (balanced: potentials up to a constant)
+        shift = (f - ref.f.detach()).mean()
+        f, g = f - shift, g + shift
+    assert torch.allclose(f, ref.f.detach(), atol=1e-8, rtol=0)
+    assert torch.allclose(g, ref.g.detach(), atol=1e-8, rtol=0)
+    assert torch.allclose(torch.cat([o["gx"] for o in outs]), gx, atol=1e-8, rtol=0)
+    for out in outs:
+        assert out["n_iter"] == ref.n_iter
+        assert out["cost"] == pytest.approx(float(ref.cost.detach()), rel=1e-9, abs=1e-12)
+        assert out["converged"] is ref.converged is True
+        assert out["error"] == pytest.approx(ref.marginal_error, rel=1e-6, abs=1e-13)
+        if ref.history is not None:
+            its, errs = out["history"]
+            assert list(its) == list(ref.history.iterations)
+            assert errs == pytest.approx(list(ref.history.errors), rel=1e-6, abs=1e-13)
