@@ -9,9 +9,12 @@ from hypothesis import strategies as st
 
 import flashot
 from flashot.backends import TorchBackend, available_backends
+from flashot.backends.device import triton_interpreted
 from tests.conftest import rel
 
 pytestmark = pytest.mark.skipif("triton" not in available_backends(), reason="needs triton")
+#: the kernels' device: CPU tensors in the interpreter (CI), the GPU otherwise
+DEV = "cpu" if triton_interpreted() else "cuda"
 
 
 @settings(max_examples=60, deadline=None)
@@ -26,8 +29,8 @@ def test_split_parts_rebuild_the_features(log_scale, n, d, seed, zeros):
     x = torch.randn(n, d, generator=gen) * 2.0**log_scale
     if zeros:
         x[0] = 0.0
-    s = split_operand(x)
-    hi, lo = s.parts.double()
+    s = split_operand(x.to(DEV))
+    hi, lo = s.parts.double().cpu()
     assert s.parts.dtype == torch.float16 and torch.isfinite(s.parts).all()
     scale = 1.0 / float(s.inv)
     assert float(torch.log2(torch.tensor(scale))) == round(float(torch.log2(torch.tensor(scale))))
@@ -66,17 +69,17 @@ def test_split_kernel_matches_the_definition_bit_for_bit(k, ulps, n, d, seed, tr
     x = x / x.abs().max() * peak.float() if float(peak) > 0 else x * 0
     if not torch.isfinite(x).all():
         return
-    s = split_operand(x)
+    s = split_operand(x.to(DEV))
     parts, inv = reference_split(x)
-    assert torch.equal(s.parts.view(torch.int16), parts.view(torch.int16))
+    assert torch.equal(s.parts.cpu().view(torch.int16), parts.view(torch.int16))
     assert float(s.inv) == inv
 
 
 def test_split_of_zeros_is_zero():
     from flashot.backends.triton._split import split_operand
 
-    s = split_operand(torch.zeros(4, 3))
-    assert torch.equal(s.parts.float(), torch.zeros(2, 4, 3)) and float(s.inv) == 1.0
+    s = split_operand(torch.zeros(4, 3, device=DEV))
+    assert torch.equal(s.parts.float().cpu(), torch.zeros(2, 4, 3)) and float(s.inv) == 1.0
 
 
 @pytest.mark.parametrize("scale,presplit", [(1e-3, True), (300.0, True), (1.0, False)])
@@ -86,8 +89,8 @@ def test_presplit_and_per_tile_3xtf32_agree_with_float64(scale, presplit):
     from flashot.backends.triton import TritonBackend
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(40, 5, generator=gen) * scale
-    y = (torch.randn(30, 5, generator=gen) + 0.5) * scale
+    x = (torch.randn(40, 5, generator=gen) * scale).to(DEV)
+    y = ((torch.randn(30, 5, generator=gen) + 0.5) * scale).to(DEV)
     eps = 0.5 * scale**2
     ref = flashot.sinkhorn(x.double(), y.double(), eps=eps, max_iter=40, tol=None,
                            backend="torch").cost  # fmt: skip
@@ -103,7 +106,7 @@ def test_split_operands_live_only_while_a_solve_runs():
 
     backend = TritonBackend(presplit=True)  # (None would not split at this size)
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(30, 4, generator=gen), torch.randn(20, 4, generator=gen)
+    x, y = torch.randn(30, 4, generator=gen).to(DEV), torch.randn(20, 4, generator=gen).to(DEV)
     seen = []
     real = backend._split_parts
 
@@ -131,7 +134,8 @@ def test_the_differentiated_step_splits_q_and_k_once():
 
     backend = TritonBackend(presplit=True)
     gen = torch.Generator().manual_seed(2)
-    x, y = torch.randn(30, 4, generator=gen).requires_grad_(), torch.randn(20, 4, generator=gen)
+    x = torch.randn(30, 4, generator=gen).to(DEV).requires_grad_()
+    y = torch.randn(20, 4, generator=gen).to(DEV)
     seen = []
     real = backend._split_parts
     backend._split_parts = lambda t: seen.append(t) or real(t)
@@ -159,10 +163,10 @@ def test_split_values_average_like_float64(log_v, eps, seed):
     from flashot.backends.triton import TritonBackend
 
     gen = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(37, 5, generator=gen), torch.randn(29, 5, generator=gen)
-    v = torch.randn(29, 3, generator=gen) * 2.0**log_v
+    x, y = torch.randn(37, 5, generator=gen).to(DEV), torch.randn(29, 5, generator=gen).to(DEV)
+    v = (torch.randn(29, 3, generator=gen) * 2.0**log_v).to(DEV)
     v[:, 0] = 0.0
-    h = torch.randn(29, generator=gen)
+    h = torch.randn(29, generator=gen).to(DEV)
     cost = flashot.geometry.costs.get_cost("sqeuclidean")
     backend = TritonBackend(presplit=True)
     splits = []
@@ -199,7 +203,7 @@ def test_default_presplit_follows_the_launch_size():
     assert not auto._splits(split_work(10_000**2, 3))
     assert auto._splits(split_work(10_000**2, 64)) and auto._splits(split_work(50_000**2, 3))
     gen = torch.Generator().manual_seed(2)
-    x, y = torch.randn(30, 4, generator=gen), torch.randn(20, 4, generator=gen)
+    x, y = torch.randn(30, 4, generator=gen).to(DEV), torch.randn(20, 4, generator=gen).to(DEV)
     seen = []
     real = auto._split_parts
     auto._split_parts = lambda t: seen.append(t) or real(t)

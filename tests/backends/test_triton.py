@@ -62,6 +62,8 @@ def test_looped_value_chunks_match_a_program_per_chunk(gen, monkeypatch, splits,
     form, h = problem(gen, n, m, d, torch.float32, DEVICE)
     form = nan_padded(form)
     v = torch.randn(m, p, generator=gen).to(DEVICE)
+    # chunks of 16 on every device (a GPU takes up to VALUE_TILE_CAP: one chunk of 40)
+    monkeypatch.setattr(_configs, "VALUE_TILE_CAP", 16)
     chunked = triton_backend(splits=splits).row_attend(form, h, 0.4, v)
     monkeypatch.setattr(_configs, "VALUE_LOOP_FROM", 1)
     assert _configs.value_loop(p) == math.ceil(p / _configs.block_p(p)) > 1

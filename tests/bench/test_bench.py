@@ -20,6 +20,7 @@ CPU = torch.device("cpu")
 def test_fixed_iteration_providers_agree_with_float64(d, workload):
     """flashot, the dense loop and GeomLoss' own loop run the same symmetric updates: after
     10 iterations their values agree with flashot's float64 value to float32 accuracy."""
+    pytest.importorskip("geomloss")  # (a test extra: the GPU image lacks it)
     pb = make_problem(150, 120, d, CPU, eps=0.5 * d, seed=3)
     x, y, a, b = (t.double() for t in (pb.x, pb.y, pb.a, pb.b))
     want = float(flashot.sinkhorn(x, y, a, b, eps=pb.eps, tol=None, max_iter=pb.iters,
@@ -82,6 +83,7 @@ def test_ott_provider_runs_alternating_fixed_iterations_and_converges():
 
 
 def test_converge_providers_reach_the_dense_solution():
+    pytest.importorskip("ot")
     pb = make_problem(100, 100, 3, CPU, eps=0.5, tol=1e-7, seed=4, dtype=torch.float64)
     want = float(entropic_ot(*(t.double() for t in (pb.x, pb.y, pb.a, pb.b)), pb.eps))
     for prov in (Flashot("torch"), POT()):
@@ -300,7 +302,10 @@ def test_cli_runs_a_named_triton_provider_on_any_device(tmp_path, capsys):
     assert code == 0
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [r["provider"] for r in rows] == ["flashot-triton-tf32", "flashot-torch"]
-    assert "needs the triton backend on a GPU" in rows[0]["skipped"]
+    # (the interpreter offers the backend on the CPU, so the precision is what is missing;
+    # on a GPU machine the backend itself is not offered for CPU tensors)
+    reasons = ("needs the triton backend on a GPU", "'triton' is not available on cpu")
+    assert any(r in rows[0]["skipped"] for r in reasons), rows[0]["skipped"]
     assert rows[1]["ms"] > 0
 
 

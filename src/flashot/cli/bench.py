@@ -19,7 +19,7 @@ from flashot.bench.harness import (
 from flashot.bench.options import FULL, QUICK, WORKLOADS
 from flashot.bench.providers import PROVIDERS, providers
 from flashot.bench.report import merge, plot, read, result_file, table, write
-from flashot.cli.common import CliError
+from flashot.cli.common import CliError, parse_device
 
 __all__ = ["run"]
 
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         return _report(rows, env, Path(args.out))
     if args.device == "auto":  # (decided when running: parsing loads no torch)
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
+    device = parse_device(args.device)
     bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad:
         raise CliError(
@@ -56,8 +56,6 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--row-budget must be > 0 seconds, got {args.row_budget}")
     if not args.largest >= 0:
         raise CliError(f"--largest must be ≥ 0 seconds, got {args.largest}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CliError("--device cuda: no CUDA device is available")
     sizes, dims = (FULL if args.full else QUICK)["cuda" if device.type == "cuda" else "cpu"]
     sizes, dims = tuple(dict.fromkeys(args.sizes or sizes)), tuple(dict.fromkeys(args.dims or dims))
     if min(sizes) < 2 or min(dims) < 1:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import flashot
-from flashot.cli.common import EXIT_NOT_CONVERGED, JSON_SCHEMA, CliError
+from flashot.cli.common import EXIT_NOT_CONVERGED, JSON_SCHEMA, CliError, parse_device
 
 __all__ = ["load_array", "run"]
 
@@ -169,13 +169,7 @@ def _save_target(args) -> Path | None:
 
 
 def _device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise CliError(f"--device {name!r}: {err}") from err
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CliError(f"--device {name}: CUDA is not available on this machine")
-    return device
+    return parse_device(name)
 
 
 def _solve(args) -> int:
