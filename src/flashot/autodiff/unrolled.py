@@ -117,8 +117,9 @@ class Transform(torch.autograd.Function):
             return (None,) * 7
         q, k, beta, log_w, h, r = ctx.saved_tensors
         u = u_t if u_r is None else (u_r if u_t is None else u_t + u_r)
-        grads = transform_vjp((q, None, k, beta, log_w, h), r, u, u_t, ctx.spec,
-                              ctx.needs_input_grad[:6])  # fmt: skip
+        with ctx.spec.backend.operand_scope():  # (a large pass splits its operands once)
+            grads = transform_vjp((q, None, k, beta, log_w, h), r, u, u_t, ctx.spec,
+                                  ctx.needs_input_grad[:6])  # fmt: skip
         return (*grads, None)
 
 
@@ -203,9 +204,10 @@ class RowAverage(torch.autograd.Function):
         want |= {"col_q"} if needs[1] else set()
         want |= {"col"} if any(needs[2:5]) else set()
         want |= {"pt_d"} if needs[5] else set()
-        vjp = spec.backend.plan_vjp(_form(q, zero, k, beta, spec), -lse, h,
-                                    torch.ones_like(lse), torch.exp(log_w), eps, v, d,
-                                    frozenset(want), d0=-(d * out).sum(1))  # fmt: skip
+        with spec.backend.operand_scope():
+            vjp = spec.backend.plan_vjp(_form(q, zero, k, beta, spec), -lse, h,
+                                        torch.ones_like(lse), torch.exp(log_w), eps, v, d,
+                                        frozenset(want), d0=-(d * out).sum(1))  # fmt: skip
         col = vjp.col
         return (None if vjp.row_k is None else vjp.row_k.div_(eps),
                 None if vjp.col_q is None else vjp.col_q.div_(eps),
@@ -257,22 +259,24 @@ def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec):
     def cols(f, e, warm):  # λ_y Tᵀ(f)
         return damping(rho_y, e) * transform(k, beta, q, alpha, log_a, f, _at(spec.T, e, warm))
 
-    if traj.init is None:
-        zf, zg = torch.zeros_like(alpha), torch.zeros_like(beta)
-        f, g = rows(zg, temps[0], last > 0), cols(zf, temps[0], last > 0)
-    else:
-        f, g = traj.init
-    for it in range(1, traj.iterations + 1):
-        e, warm = temps[min(it - 1, last)], it - 1 < last
-        if traj.update == "symmetric":
-            f, g = 0.5 * (f + rows(g, e, warm)), 0.5 * (g + cols(f, e, warm))
-            continue
-        omega = traj.momentum if traj.momentum is not None and not warm else 1.0
-        f_new = rows(g, e, warm)
-        f = f_new if omega == 1.0 else torch.lerp(f, f_new, omega)
-        g_new = cols(f, e, warm)
-        before_check = CheckSchedule(len(temps), traj.check_every).before(it)
-        g = g_new if omega == 1.0 or before_check else torch.lerp(g, g_new, omega)
+    # one scope: the replay's passes share the split operands of the accurate mode
+    with spec.backend.operand_scope():
+        if traj.init is None:
+            zf, zg = torch.zeros_like(alpha), torch.zeros_like(beta)
+            f, g = rows(zg, temps[0], last > 0), cols(zf, temps[0], last > 0)
+        else:
+            f, g = traj.init
+        for it in range(1, traj.iterations + 1):
+            e, warm = temps[min(it - 1, last)], it - 1 < last
+            if traj.update == "symmetric":
+                f, g = 0.5 * (f + rows(g, e, warm)), 0.5 * (g + cols(f, e, warm))
+                continue
+            omega = traj.momentum if traj.momentum is not None and not warm else 1.0
+            f_new = rows(g, e, warm)
+            f = f_new if omega == 1.0 else torch.lerp(f, f_new, omega)
+            g_new = cols(f, e, warm)
+            before_check = CheckSchedule(len(temps), traj.check_every).before(it)
+            g = g_new if omega == 1.0 or before_check else torch.lerp(g, g_new, omega)
     return f, g
 
 
