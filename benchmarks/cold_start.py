@@ -47,7 +47,8 @@ for n in (10_000, 50_000):
 ONLY = os.environ.get("ONLY")  # a substring of the case names to run
 # COMPILES=1: each first call also lists its kernel compilations (Triton's JIT hooks), with
 # the constexprs that made each one a new specialization and its seconds
-HOOKS = """
+HOOKS = (
+    """
 import time as _t
 from triton import knobs as _knobs
 _start = {}
@@ -64,7 +65,10 @@ def _post(*, key, fn, compile, **_):
         flags = repr(err)
     print(f"  compile {fn.name} {secs:.2f}s {flags}", flush=True)
 _knobs.runtime.jit_cache_hook, _knobs.runtime.jit_post_compile_hook = _pre, _post
-""" if os.environ.get("COMPILES") == "1" else ""
+"""
+    if os.environ.get("COMPILES") == "1"
+    else ""
+)
 TIMER = """
 import time, torch, flashot, warnings
 warnings.simplefilter("ignore")

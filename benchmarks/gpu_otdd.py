@@ -18,15 +18,13 @@ by cumulative time, to find where a slow first call spends it).
 """
 
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from flashot.tasks import datasets  # noqa: E402
-from flashot.tasks.flows import dataset_flow  # noqa: E402
-from flashot.tasks.otdd import dataset_distance  # noqa: E402
+from flashot.tasks import datasets
+from flashot.tasks.flows import dataset_flow
+from flashot.tasks.otdd import dataset_distance
 
 SIZES = [int(s) for s in os.environ.get("SIZES", "60000").split(",")]
 DENSE_N = int(os.environ.get("DENSE_N", "10000"))
@@ -56,6 +54,7 @@ def timed(fn):
 
 def dense_otdd(xa, ya, xb, yb, table, eps, iters=2000):
     """The tensorized formula: full (n, m) costs, alternating log-domain Sinkhorn."""
+
     def ot(x, lx, y, ly):
         C = torch.cdist(x, y).square() + table[lx][:, ly].float()
         la = torch.full((len(x),), -torch.log(torch.tensor(float(len(x)))), device=x.device)
@@ -65,6 +64,7 @@ def dense_otdd(xa, ya, xb, yb, table, eps, iters=2000):
             f = -eps * torch.logsumexp(lb[None] + (g[None] - C) / eps, 1)
             g = -eps * torch.logsumexp(la[:, None] + (f[:, None] - C) / eps, 0)
         return f.mean() + g.mean()  # the dual value at the fixed point (uniform weights)
+
     ka = int(ya.max()) + 1
     return ot(xa, ya, xb, yb + ka) - 0.5 * ot(xa, ya, xa, ya) - 0.5 * ot(xb, yb + ka, xb, yb + ka)
 
@@ -74,7 +74,7 @@ if os.environ.get("TRACE_PEAK"):  # what is alive at each call's peak, and where
 
     _timed = timed
 
-    def timed(fn):  # noqa: F811
+    def timed(fn):
         with LiveTensors(2**20 * int(os.environ["TRACE_PEAK"]), sites=True) as live:
             out = _timed(fn)
         print(f"  traced peak {live.peak / 2**20:.0f} MB:", flush=True)
@@ -86,7 +86,7 @@ if os.environ.get("TRACE_PEAK"):  # what is alive at each call's peak, and where
 if os.environ.get("ALLOCATOR_PEAK"):  # the caching allocator's own record: every block
     _timed_plain = timed
 
-    def timed(fn):  # noqa: F811
+    def timed(fn):
         torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
         out = _timed_plain(fn)
         snap = torch.cuda.memory._snapshot()
@@ -103,8 +103,11 @@ if os.environ.get("ALLOCATOR_PEAK"):  # the caching allocator's own record: ever
         print(f"  allocator peak {peak / 2**20:.0f} MB; blocks of 1 MB or more alive there:")
         for e in sorted(at_peak, key=lambda e: -e["size"]):
             if e["size"] >= 2**20:
-                frames = [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}"
-                          for f in e["frames"] if "flashot" in f["filename"]][:5]
+                frames = [
+                    f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}"
+                    for f in e["frames"]
+                    if "flashot" in f["filename"]
+                ][:5]
                 print(f"    {e['size'] / 2**20:7.1f} MB  {' < '.join(frames)}", flush=True)
         return out
 
@@ -115,7 +118,7 @@ if os.environ.get("PROFILE") == "1":  # where a call's time goes, Python's view
 
     _timed_unprofiled = timed
 
-    def timed(fn):  # noqa: F811
+    def timed(fn):
         prof = cProfile.Profile()
         out = prof.runcall(_timed_unprofiled, fn)
         pstats.Stats(prof).sort_stats("cumulative").print_stats(28)
@@ -131,12 +134,14 @@ for n in SIZES:
     xa, ya = datasets.load("mnist", n=n, seed=0)
     xb, yb = datasets.load("mnist:rot90", n=n, seed=0)
     xa, ya, xb, yb = (t.cuda() for t in (xa, ya, xb, yb))
-    first, t_first, mb_first = timed(lambda: dataset_distance(xa, ya, xb, yb, **KW))  # noqa: B023
-    print(f"n={n} d=784 {PRECISION}: OTDD {float(first.distance):.6g}  first call {t_first:.1f} s, "
-          f"peak {mb_first:.0f} MB above the inputs ({PEAK_TOTAL:.0f} MB in all), {first.result}",
-          flush=True)
+    first, t_first, mb_first = timed(lambda: dataset_distance(xa, ya, xb, yb, **KW))
+    print(
+        f"n={n} d=784 {PRECISION}: OTDD {float(first.distance):.6g}  first call {t_first:.1f} s, "
+        f"peak {mb_first:.0f} MB above the inputs ({PEAK_TOTAL:.0f} MB in all), {first.result}",
+        flush=True,
+    )
     if AGAIN:
-        out, secs, mb = timed(lambda: dataset_distance(xa, ya, xb, yb, **KW))  # noqa: B023
+        out, secs, mb = timed(lambda: dataset_distance(xa, ya, xb, yb, **KW))
         print(f"  again: {secs:.2f} s, peak {mb:.0f} MB", flush=True)
     first = out = None  # their lazy plans keep the operands: not the flow's memory
     if FLOW:
@@ -146,22 +151,30 @@ for n in SIZES:
         # (gradient and update), the totals add the distance after the step
         cloud = xa.numel() * xa.element_size() / 2**20
         runs = os.environ.get("FLOW_RUNS", "first,later").split(",")
-        for what, start in (("first", lambda: xa), ("later", lambda: xa.clone())):  # noqa: B023
+        for what, start in (("first", lambda: xa), ("later", lambda: xa.clone())):
             if what not in runs:
                 continue
-            flow, secs, mb = timed(lambda: dataset_flow(start(), ya, xb, yb, steps=1,  # noqa: B023
-                                                        step_size=STEP, **KW))
-            print(f"  a {what} flow step (step {STEP}) and the distance after it: {secs:.2f} s, "
-                  f"peak {mb:.0f} MB above the inputs = {mb / cloud:.2f} clouds of "
-                  f"{cloud:.0f} MB ({PEAK_TOTAL:.0f} MB in all); "
-                  f"OTDD {flow.distances[0]:.6g} -> {flow.distances[1]:.6g}", flush=True)
+            flow, secs, mb = timed(
+                lambda: dataset_flow(start(), ya, xb, yb, steps=1, step_size=STEP, **KW)
+            )
+            print(
+                f"  a {what} flow step (step {STEP}) and the distance after it: {secs:.2f} s, "
+                f"peak {mb:.0f} MB above the inputs = {mb / cloud:.2f} clouds of "
+                f"{cloud:.0f} MB ({PEAK_TOTAL:.0f} MB in all); "
+                f"OTDD {flow.distances[0]:.6g} -> {flow.distances[1]:.6g}",
+                flush=True,
+            )
             flow = None
     if DENSE_N and n >= DENSE_N:
         sub = slice(0, DENSE_N)
-        ours, secs, mb = timed(lambda: dataset_distance(xa[sub], ya[sub], xb[sub], yb[sub], **KW))  # noqa: B023
-        print(f"  n={DENSE_N}: flashot {secs:.2f} s, {mb:.0f} MB, OTDD {float(ours.distance):.5g}",
-              flush=True)
+        ours, secs, mb = timed(lambda: dataset_distance(xa[sub], ya[sub], xb[sub], yb[sub], **KW))
+        print(
+            f"  n={DENSE_N}: flashot {secs:.2f} s, {mb:.0f} MB, OTDD {float(ours.distance):.5g}",
+            flush=True,
+        )
         table = ours.label_cost.cuda()
-        ref, secs, mb = timed(lambda: dense_otdd(xa[sub], ya[sub], xb[sub], yb[sub], table, EPS))  # noqa: B023
-        print(f"  n={DENSE_N}: dense formula {secs:.2f} s, {mb:.0f} MB, OTDD {float(ref):.5g}",
-              flush=True)
+        ref, secs, mb = timed(lambda: dense_otdd(xa[sub], ya[sub], xb[sub], yb[sub], table, EPS))
+        print(
+            f"  n={DENSE_N}: dense formula {secs:.2f} s, {mb:.0f} MB, OTDD {float(ref):.5g}",
+            flush=True,
+        )

@@ -19,16 +19,14 @@ Prints a short table last; rows also go to $OUT/second_order.json when OUT is se
 
 import json
 import os
-import sys
 import time
 import warnings
 
 import torch
+from tests.references import dense_hvp_implicit
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import flashot  # noqa: E402
-from tests.references import dense_hvp_implicit  # noqa: E402
+import flashot
 
 warnings.simplefilter("ignore")
 PARTS = os.environ.get("PARTS", "A,B,C").split(",")
@@ -38,7 +36,7 @@ DENSE_MAX = int(os.environ.get("DENSE_MAX", "10000"))
 TOLS = [float(t) for t in os.environ.get("TOLS", "1e-2,1e-3,1e-4").split(",")]
 try:
     from flash_sinkhorn import SamplesLoss as PeerLoss
-except Exception as exc:  # noqa: BLE001
+except Exception as exc:
     PeerLoss = None
     print("peer unavailable:", exc)
 rows: list[dict] = []
@@ -138,7 +136,7 @@ def part_c():
         for tol in TOLS:
             with flashot.record_dual_solves() as log:
                 h = flashot.hvp(x, y, v, eps=eps, hvp_tol=tol)
-            ms = bench(lambda: flashot.hvp(x, y, v, eps=eps, hvp_tol=tol))  # noqa: B023
+            ms = bench(lambda: flashot.hvp(x, y, v, eps=eps, hvp_tol=tol))
             row = dict(part="C", case=f"hvp n={n} d={d} eps={eps}", who=f"hvp_tol={tol:g}",
                        ms=ms, cg=log.last.n_iter, res=log.last.residual,
                        err=None if ref is None else rel(h, ref))  # fmt: skip
@@ -151,7 +149,7 @@ for part, fn in (("A", part_a), ("B", part_b), ("C", part_c)):
     if part in PARTS:
         try:
             fn()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             print(f"part {part} failed: {type(exc).__name__}: {exc}", flush=True)
 if os.environ.get("OUT"):
     with open(os.path.join(os.environ["OUT"], "second_order.json"), "w") as fh:
@@ -160,5 +158,7 @@ print("\npart | case | who | ms | grad ms | hvp ms | err | other")
 for r in rows:
     other = {k: v for k, v in r.items() if k not in ("part", "case", "who", "ms", "grad_ms",
                                                     "hvp_ms", "err")}  # fmt: skip
-    print(f"{r['part']} | {r['case']} | {r['who']} | {r.get('ms', 0):.1f} | "
-          f"{r.get('grad_ms') or 0:.1f} | {r.get('hvp_ms') or 0:.1f} | {r.get('err')} | {other}")
+    print(
+        f"{r['part']} | {r['case']} | {r['who']} | {r.get('ms', 0):.1f} | "
+        f"{r.get('grad_ms') or 0:.1f} | {r.get('hvp_ms') or 0:.1f} | {r.get('err')} | {other}"
+    )

@@ -36,7 +36,7 @@ case $part in
            --providers flashot-triton,flashot-triton-tf32,flashot-triton-bf16) ;;
   g) args=(--workloads converge --tol 1e-5 --sizes 10000,50000 --dims 64
            --providers flashot-triton,ott-online,pot) ;;
-  # k: GeomLoss on KeOps beside flashot (KeOps needs .keops: see keops_env.sh)
+  # k: GeomLoss on KeOps beside flashot (KeOps needs .keops: see h200_env.sh)
   k) args=(--sizes 10000,50000 --dims 64,512 --providers flashot-triton,geomloss-online) ;;
   # h: run it twice on one machine (the first into a scratch OUT) so that the measured
   # process meets warm caches (the peer's autotuning, KeOps' formulas): one run with the
@@ -54,4 +54,6 @@ fi
 # OPTIONS go to flashot bench after the part's own: --row-budget 150 in a resumed part runs
 # the rows its 30 s budget skipped (k: KeOps' 50k d512 gradient, 81 s predicted from 10k,
 # where KeOps is far from full: its forward grew 8.9x from 10k to 50k, not 25x)
-exec bash "$(dirname "$0")/h200_bench.sh" "$out/$part" --resume "${args[@]}" "${@:3}"
+source "$(dirname "$0")/h200_env.sh"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+exec python3 -m flashot.cli bench --out "$out/$part" --resume "${args[@]}" "${@:3}"

@@ -19,13 +19,11 @@ known solution plus RTOL × the start's excess), TASKS, LRS (Adam's learning rat
 
 import math
 import os
-import sys
 import time
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flashot
 from flashot.numerics.optim import AdamNewton, NewtonCG, TrustRegion
 
@@ -101,6 +99,7 @@ def run(name, make, loss, target, optimizer):
             opt.step()
             value = out.item()
         elif optimizer == "lbfgs":
+
             def closure():
                 opt.zero_grad()
                 out = loss(params)

@@ -26,10 +26,10 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     wall = time.perf_counter() - t0
 ev = prof.key_averages()
 # one row pass and one plan_vjp as the replay makes them, timed alone
-from triton.testing import do_bench  # noqa: E402
+from triton.testing import do_bench
 
-from flashot.backends import resolve_backend  # noqa: E402
-from flashot.geometry.costs import AttentionForm  # noqa: E402
+from flashot.backends import resolve_backend
+from flashot.geometry.costs import AttentionForm
 
 be = resolve_backend("auto", x.device)
 q, k = 2**0.5 * x, 2**0.5 * y

@@ -1,0 +1,5 @@
+"""``python -m flashot.cli``: the ``flashot`` command."""
+
+from flashot.cli import main
+
+raise SystemExit(main())
