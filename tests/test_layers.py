@@ -117,3 +117,13 @@ def test_an_old_module_path_is_the_moved_module_with_a_warning(old):
     with pytest.warns(DeprecationWarning, match=flashot.MOVED[old].replace(".", r"\.")):
         module = importlib.import_module(old)
     assert module is importlib.import_module(flashot.MOVED[old])
+
+
+def test_benchmarks_holds_a_handful_of_scripts_that_leave_sys_path_alone():
+    """Workloads live in ``flashot bench``; benchmarks/ keeps at most eight device scripts,
+    which run with ``source benchmarks/h200_env.sh`` (or ``PYTHONPATH=src:.``)."""
+    bench = SRC.parent / "benchmarks"
+    scripts = sorted(p.name for p in bench.iterdir() if p.suffix in (".py", ".sh", ".c"))
+    assert len(scripts) <= 8, scripts
+    edits = [name for name in scripts if "sys.path" in (bench / name).read_text()]
+    assert not edits, edits
