@@ -123,6 +123,8 @@ def test_benchmarks_holds_a_handful_of_scripts_that_leave_sys_path_alone():
     """Workloads live in ``flashot bench``; benchmarks/ keeps at most eight device scripts,
     which run with ``source benchmarks/h200_env.sh`` (or ``PYTHONPATH=src:.``)."""
     bench = SRC.parent / "benchmarks"
+    if not bench.is_dir():
+        pytest.skip("benchmarks/ is not shipped in the sdist")
     scripts = sorted(p.name for p in bench.iterdir() if p.suffix in (".py", ".sh", ".c"))
     assert len(scripts) <= 8, scripts
     edits = [name for name in scripts if "sys.path" in (bench / name).read_text()]
