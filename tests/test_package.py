@@ -94,7 +94,7 @@ def test_every_public_name_resolves_lazily_to_its_definition():
 def test_the_public_api_and_a_first_solve_load_no_dynamo():
     """TorchDynamo's Python side costs seconds to import (issue 50): every public name, a
     solve, a loss with its gradient and an HVP run without it (the entry points' compile
-    marks are set without it: tests/test_compile.py checks they still hold)."""
+    marks are set without it: tests/test_ops.py checks they still hold)."""
     import subprocess
     import sys
 

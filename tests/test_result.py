@@ -109,7 +109,7 @@ def test_row_blocks_of_a_plan_are_its_rows(gen, name, rho):
     """plan[lo:hi] is P[lo:hi]: products, marginals and the transpose, for any slice
     (whole, inner, negative, clipped, empty), on both backends (the kernels under the
     interpreter, in float32)."""
-    from tests.backends.test_contract import exact, make_backend
+    from tests.backends.test_base import exact, make_backend
 
     dtype, tol = exact(name)
     x, y = (t.to(dtype) for t in clouds(gen, 23, 31, 3))

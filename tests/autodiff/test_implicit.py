@@ -165,7 +165,7 @@ def test_dual_solves_replay_kept_captures_with_new_data(monkeypatch, rho):
     # equals the eager one, and one capture per block length serves all
     from flashot.autodiff import dense_dual, implicit
     from flashot.solver.graphs import GraphCache
-    from tests.test_graphs import Replayer
+    from tests.solver.test_graphs import Replayer
 
     monkeypatch.setattr(dense_dual, "DENSE_UP_TO", 0)  # (the CG's blocks, not a direct solve)
 

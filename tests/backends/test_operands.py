@@ -16,7 +16,7 @@ from flashot.backends.triton._triples import (
     triple_operand,
     triple_pair,
 )
-from tests.backends.test_contract import dense_attend, problem
+from tests.backends.test_base import dense_attend, problem
 from tests.conftest import rel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,7 +11,7 @@ import torch
 from flashot.backends import available_backends
 from flashot.backends.temperature import schedule_table, temperatures_on
 from flashot.solver import loop as solver
-from tests.backends.test_contract import problem
+from tests.backends.test_base import problem
 from tests.backends.test_triton import _step_setup, triton_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,7 +10,7 @@ import torch
 import flashot
 from flashot.backends import available_backends
 from flashot.geometry.costs import attention_form, get_cost
-from tests.backends.test_contract import dense_attend, problem
+from tests.backends.test_base import dense_attend, problem
 from tests.conftest import clouds, rel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -108,15 +108,22 @@ class Comm:
 
 
 def merge_lse(lse, avg, part, out, eps: float):
-    """Log-sum-exp merge of two column blocks' ``(lse, softmax average)`` (n,), (n, p)."""
+    """Log-sum-exp merge of two column blocks' ``(lse, softmax average)`` (n,), (n, p).
+
+    A block without mass in a row (LSE −∞: a rank whose weights are all zero) adds
+    nothing, whatever its average holds; a row without mass in either averages to 0.
+    """
     if lse is None:
         return part, out
     top = torch.maximum(lse, part)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     w_old, w_new = torch.exp((lse - top) / eps), torch.exp((part - top) / eps)
+    total = w_old + w_new
     if out is not None and avg is not None:
-        avg = (avg * w_old[:, None] + out * w_new[:, None]) / (w_old + w_new)[:, None]
-    return top + eps * torch.log(w_old + w_new), avg
+        mixed = torch.where(w_old[:, None] > 0, avg * w_old[:, None], 0.0)
+        mixed = mixed + torch.where(w_new[:, None] > 0, out * w_new[:, None], 0.0)
+        avg = torch.where(total[:, None] > 0, mixed / total[:, None], 0.0)
+    return top + eps * torch.log(total), avg
 
 
 class ShardedBackend(Backend):

@@ -125,7 +125,7 @@ def test_cg_kept_capture_is_replayed_by_later_calls_reading_refreshed_buffers():
     # operator reads the same buffer with new contents (Replayer stands in for a graph
     # and replays the first call's closure, as a CUDA graph would)
     from flashot.solver.graphs import GraphCache
-    from tests.test_graphs import Replayer
+    from tests.solver.test_graphs import Replayer
 
     Replayer.log = []
     cache = GraphCache(capture=Replayer)
