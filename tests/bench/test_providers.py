@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import flashot
-from flashot.bench.floor import Ceilings, floor_ms
 from flashot.bench.providers import POT, DenseTorch, Flashot, GeomLoss, Provider, make_problem
 from flashot.cli import main
 from tests.references import entropic_ot
@@ -120,18 +119,6 @@ def test_pot_lazy_is_the_value_of_its_alternating_plan(workload, monkeypatch):
         (grad,) = torch.autograd.grad(prov.prepare(workload, pb)(), pb.x)
         want_grad = 2 * (p.sum(1)[:, None] * pb.x - p @ pb.y)
         assert torch.allclose(grad, want_grad.detach(), rtol=1e-8, atol=1e-12)
-
-
-def test_floor_is_the_largest_of_exp_mma_and_bytes():
-    ceil = Ceilings(exp2=4e12, tf32=360e12, bf16=687e12, fp32=51e12, bytes=4e12)
-    n, d, it = 50_000, 64, 10
-    passes = it + 2
-    exp_ms = 1e3 * passes * n * n / 4e12
-    mma_ms = 1e3 * passes * 2 * n * n * d * 1.5 / 360e12
-    assert floor_ms(ceil, "forward", n, n, d, it, "fp32") == pytest.approx(max(exp_ms, mma_ms))
-    assert floor_ms(ceil, "forward", n, n, d, it, "bf16") == pytest.approx(exp_ms)
-    assert floor_ms(None, "forward", n, n, d, it, "fp32") is None
-    assert floor_ms(ceil, "converge", n, n, d, it, "fp32") is None
 
 
 def test_cli_bench_writes_rows_with_versions_and_plots(tmp_path, capsys):
