@@ -51,3 +51,12 @@ def weights(gen, n, dtype=torch.float64):
 def rel(u, v):
     u, v = torch.as_tensor(u, dtype=torch.float64), torch.as_tensor(v, dtype=torch.float64)
     return float((u - v).norm() / v.norm().clamp_min(1e-300))
+
+
+def run_cli(argv, capsys):
+    """``flashot ARGV`` in process: ``(exit code, stdout, stderr)``."""
+    from flashot.cli import main
+
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flashot.cli import EXIT_NOT_CONVERGED, CliError, load_array, main
+from tests.conftest import run_cli as run
 
 
 @pytest.fixture
@@ -59,12 +60,6 @@ def test_solve_human_summary(files, capsys):
     d, _, _ = files
     main(["solve", str(d / "x.npy"), str(d / "y.pt"), "--eps", "0.5", "--quiet", "--tol", "1e-4"])
     assert "OT_eps" in capsys.readouterr().out
-
-
-def run(argv, capsys):
-    code = main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.mark.parametrize(
@@ -143,21 +138,6 @@ def test_not_converged_has_its_own_exit_code(files, capsys):
     assert "NOT converged" in out and "not converged" in err
 
 
-def test_demo_without_matplotlib_is_one_line(monkeypatch, capsys):
-    import builtins
-
-    real = builtins.__import__
-
-    def fake(name, *args, **kw):
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            raise ImportError("no matplotlib")
-        return real(name, *args, **kw)
-
-    monkeypatch.setattr(builtins, "__import__", fake)
-    code, _, err = run(["demo", "--out", "x.png"], capsys)
-    assert code == 1 and "needs matplotlib" in err
-
-
 def test_info(capsys):
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -183,44 +163,6 @@ def test_json_keys_are_always_there_and_every_option_has_help(files, capsys):
                 assert action.help, (name, action.option_strings)
             if action.default not in (None, False, True, "==SUPPRESS==") and action.option_strings:
                 assert f"(default: {action.default})" in " ".join(text.split()), (name, action.dest)
-
-
-def test_demo_writes_a_figure(tmp_path, capsys):
-    out = tmp_path / "demo.png"
-    assert main(["demo", "--out", str(out), "--n", "300", "--eps", "0.02", "--json"]) == 0
-    summary = json.loads(capsys.readouterr().out)
-    assert out.stat().st_size > 10_000 and summary["converged"]
-    assert summary["mapped_pixels"] == 600 * 512
-
-
-@pytest.mark.parametrize("argv, match", [
-    (["tune", "--precision", "fp64"], "expected fp32, tf32, bf16 or fp16"),
-    (["tune", "--d", "0"], "expected positive integers"),
-    (["tune", "--n", "ten"], "expected positive integers"),
-])  # fmt: skip
-def test_tune_rejects_bad_lists(argv, match, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2 and re.search(match, capsys.readouterr().err)
-
-
-def test_tune_help_names_the_tuners_own_defaults(capsys):
-    """Options left out take tune()'s defaults; the help, written out (the tuner's
-    module needs triton, the parser must not), must say the same."""
-    from flashot.backends.triton import tune
-
-    with pytest.raises(SystemExit):
-        main(["tune", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    for values in (tune.DEFAULT_PRECISIONS, tune.DEFAULT_DIMS, tune.DEFAULT_SIZES):
-        assert f"default: {', '.join(map(str, values))}" in text
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without a GPU")
-def test_tune_without_a_gpu_is_one_line(capsys):
-    assert main(["tune", "--d", "3"]) == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "needs a CUDA GPU" in err
 
 
 def test_otdd_of_npz_files_matches_the_api(tmp_path, capsys):
