@@ -377,19 +377,6 @@ def test_hvp_tol_sets_the_accuracy_as_documented(monkeypatch):
     assert iters[0] < iters[1] < iters[2]
 
 
-def test_an_unreached_dual_tolerance_warns_naming_the_cause(monkeypatch):
-    from flashot.autodiff import dense_dual
-    from flashot.numerics.linalg import CGWarning
-
-    monkeypatch.setattr(dense_dual, "DENSE_UP_TO", 0)  # (the CG, not a direct solve)
-
-    x, y, a, b, vx, _ = problem(12, n=30, m=25, d=3)
-    with flashot.record_dual_solves() as log, pytest.warns(CGWarning, match="iteration") as rec:
-        hvp(x, y, vx, a, b, eps=0.02, cg_max_iter=3, tol=1e-11, max_iter=50_000)
-    assert len(rec) == 1 and "condition number" in str(rec[0].message)
-    assert not log.last.converged and log.last.n_iter == 3
-
-
 def test_hvp_tol_is_checked():
     x, y, _a, _b, vx, _ = problem(13)
     with pytest.raises(ValueError, match="hvp_tol"):
