@@ -129,3 +129,13 @@ def test_benchmarks_holds_a_handful_of_scripts_that_leave_sys_path_alone():
     assert len(scripts) <= 8, scripts
     edits = [name for name in scripts if "sys.path" in (bench / name).read_text()]
     assert not edits, edits
+
+
+def test_nine_in_ten_modules_have_a_test_file_of_their_name():
+    """tests/ mirrors src/flashot path for path (private modules and package faces aside)."""
+    tests = SRC.parent / "tests"
+    root = SRC / "flashot"
+    mods = [p.relative_to(root) for p in root.rglob("*.py")
+            if p.name not in ("__init__.py", "__main__.py") and not p.name.startswith("_")]  # fmt: skip
+    missing = [str(p) for p in mods if not (tests / p.parent / f"test_{p.name}").exists()]
+    assert len(missing) <= 0.1 * len(mods), missing
