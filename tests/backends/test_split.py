@@ -236,7 +236,8 @@ def test_split_chunks_are_summed_outside_the_mma():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, os.path.join(root, "tests", "backends",
+    # (a script beside tests/backends/triton/ would import that folder as triton)
+    run = subprocess.run([sys.executable, os.path.join(root, "tests", "probes",
                                                        "split_ir_probe.py")],
                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     if run.returncode != 0:
