@@ -570,10 +570,12 @@ def test_samples_loss_double_backward_on_triton_matches_float64(blur, scaling, d
         loss = flashot.SamplesLoss(blur=blur, scaling=scaling, backend=backend)
         xs = x.to(dtype).requires_grad_()
         (plain,) = torch.autograd.grad(loss(xs, y.to(dtype)), xs)
+        (again,) = torch.autograd.grad(loss(xs, y.to(dtype)), xs)
         (g,) = torch.autograd.grad(loss(xs, y.to(dtype)), xs, create_graph=True)
         (h,) = torch.autograd.grad((g * v.to(dtype)).sum(), xs)
-        # (two calls: the kernels' atomic sums may round differently between them)
-        assert rel(g.detach(), plain) < 1e-6
+        # create_graph changes nothing a rerun does not: the kernels' atomic sums round
+        # differently from call to call, and small ε amplifies that through the schedule
+        assert rel(g.detach(), plain) <= max(1e-6, 4 * rel(again, plain))
         out.append((g.detach(), h))
     assert rel(out[0][0], out[1][0]) < 1e-4 and rel(out[0][1], out[1][1]) < 1e-3
 
