@@ -427,7 +427,8 @@ def test_split_operands_converge_like_3xtf32_on_an_otdd_problem():
     torch backend converges here without a warning, 2e-8 of the cost from float64)."""
     import warnings
 
-    from flashot import ConvergenceWarning, datasets
+    from flashot import ConvergenceWarning
+    from flashot.tasks import datasets
     from flashot.tasks.otdd import dataset_distance
 
     (xa, ya), (xb, yb) = (datasets.gaussian_mixture(4096, 784, 10, seed=s, spread=3.0,

@@ -44,7 +44,7 @@ _SOURCES = {
 _SUBMODULES = {"linalg": "flashot.numerics.linalg", "ops": "flashot.ops",
                "optim": "flashot.numerics.optim"}  # fmt: skip
 
-#: modules that moved when the package was layered (0.2): old path → new path. Importing
+#: modules that moved when the package was layered (before 0.1.0): old path → new path. Importing
 #: an old path gives the new module, with a DeprecationWarning naming it.
 MOVED = {
     "flashot.costs": "flashot.geometry.costs",
@@ -60,6 +60,12 @@ MOVED = {
     "flashot.progress": "flashot.solver.progress",
     "flashot.linalg": "flashot.numerics.linalg",
     "flashot.optim": "flashot.numerics.optim",
+    # (v38: the tasks)
+    "flashot.otdd": "flashot.tasks.otdd",
+    "flashot.flows": "flashot.tasks.flows",
+    "flashot.shuffled": "flashot.tasks.shuffled",
+    "flashot.datasets": "flashot.tasks.datasets",
+    "flashot.demo": "flashot.tasks.demo",
 }
 
 
