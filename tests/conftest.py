@@ -60,3 +60,18 @@ def run_cli(argv, capsys):
     code = main(argv)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def cuda_clouds(n, m, d, seed=0):
+    """Two clouds on the current GPU: x ~ N(0, I), y ~ N(0.5, I) (the GPU tests' data)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, d, device="cuda", generator=g)
+    y = torch.randn(m, d, device="cuda", generator=g) + 0.5
+    return x, y
+
+
+def triton_backend(**options):
+    """A TritonBackend, imported when called (Triton is an optional extra)."""
+    from flashot.backends.triton import TritonBackend
+
+    return TritonBackend(**options)

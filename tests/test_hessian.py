@@ -11,7 +11,7 @@ import flashot
 from flashot.backends import available_backends
 from flashot.hessian import hvp
 from flashot.numerics.linalg import lanczos
-from tests.conftest import rel
+from tests.conftest import cuda_clouds, rel
 from tests.references import dense_gradient, dense_hvp_fd
 
 F64 = torch.float64
@@ -229,9 +229,10 @@ def test_torch_func_transforms_of_hvp_are_a_clear_error():
 
 
 def test_public_names():
-    # the issue's API: flashot.hvp, flashot.numerics.linalg.{cg, lanczos}, flashot.numerics.optim
-    assert flashot.hvp is hvp and flashot.numerics.linalg.lanczos is lanczos
-    assert {"NewtonCG", "TrustRegion", "AdamNewton"} <= set(dir(flashot.numerics.optim))
+    # the issue's API: flashot.hvp, flashot.linalg.{cg, lanczos}, flashot.optim (attributes
+    # of the package, the modules of flashot.numerics)
+    assert flashot.hvp is hvp and flashot.linalg.lanczos is lanczos
+    assert {"NewtonCG", "TrustRegion", "AdamNewton"} <= set(dir(flashot.optim))
 
 
 def test_numpy_inputs():
@@ -419,3 +420,32 @@ def test_a_hessian_operator_solves_once_and_equals_hvp(monkeypatch):
     assert float(top) == pytest.approx(float(torch.linalg.eigvalsh(dense)[-1]), rel=1e-8)
     with pytest.raises(ValueError, match=r"v must have shape \(24,\)"):
         H.matvec(torch.ones(5, dtype=x.dtype))
+
+
+# ---- on a CUDA GPU (pytest -m gpu; skipped without one) ----
+@pytest.mark.gpu
+@pytest.mark.parametrize("wrt,rho", [("x", None), ("y", None), ("x", (2.0, None)), ("xy", 1.0)])
+def test_hvp_on_triton_matches_float64_torch(wrt, rho):
+    x, y = cuda_clouds(1500, 1200, 8)
+    v = torch.randn_like(x) if wrt != "y" else torch.randn_like(y)
+    if wrt == "xy":
+        v = (v, torch.randn_like(y))
+    kw = dict(eps=0.5, wrt=wrt, rho=rho)
+    h = flashot.hvp(x, y, v, backend="triton", tol=1e-6, **kw)
+    v64 = tuple(t.double() for t in v) if wrt == "xy" else v.double()
+    ref = flashot.hvp(x.double(), y.double(), v64, backend="torch", tol=1e-12, **kw)
+    for got, want in zip(h if wrt == "xy" else (h,), ref if wrt == "xy" else (ref,), strict=False):
+        assert rel(got, want) < 1e-3
+
+
+@pytest.mark.gpu
+def test_batched_hvp_directions_on_triton_match_single_ones():
+    """k directions in one hvp call (one CG with k columns, captures off) give each
+    direction's own HVP."""
+    x, y = cuda_clouds(1500, 1200, 8)
+    gen = torch.Generator("cuda").manual_seed(3)
+    V = torch.randn(4, *x.shape, device="cuda", generator=gen)
+    H = flashot.hvp(x, y, V, eps=0.5, backend="triton", tol=1e-6)
+    for i in range(4):
+        h = flashot.hvp(x, y, V[i], eps=0.5, backend="triton", tol=1e-6)
+        assert rel(H[i], h) < 1e-4, i

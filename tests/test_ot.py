@@ -7,7 +7,7 @@ import torch
 import flashot
 import flashot.tasks.otdd
 from flashot import ConvergenceWarning, EpsilonScaling
-from tests.conftest import clouds, rel, weights
+from tests.conftest import clouds, cuda_clouds, rel, triton_backend, weights
 from tests.references import (
     dense_cost,
     entropic_ot,
@@ -522,3 +522,209 @@ def test_relative_eps_is_a_fraction_of_the_mean_cost(gen, cost, rho):
         flashot.sinkhorn(same, same, eps=0.1, relative_eps=True)
     with pytest.raises(TypeError, match="relative_eps"):
         flashot.sinkhorn(x, y, eps=0.1, relative_eps=1)
+
+
+# ---- on a CUDA GPU (pytest -m gpu; skipped without one) ----
+# mode: relative error of the cost against float64 on the unrounded clouds (reduced modes
+# solve the problem between the rounded clouds; against that problem all modes agree to
+# float32 accuracy)
+TOLERANCES = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 3e-2, "fp16": 5e-3}
+ROUND = {"fp32": None, "tf32": "tf32", "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", sorted(TOLERANCES))
+@pytest.mark.parametrize(
+    "n,m,d", [(3000, 2500, 3), (2048, 3000, 64), (1000, 1100, 700), (500, 600, 4099)]
+)
+def test_converged_solve_matches_float64(precision, n, m, d):
+    from flashot.geometry.costs import round_operands
+
+    x, y = cuda_clouds(n, m, d)
+    eps = 0.1 * d
+    res = flashot.sinkhorn(
+        x, y, eps=eps, tol=1e-5, backend=triton_backend(precision, autotune=False)
+    )
+    center = ((x.double().sum(0) + y.double().sum(0)) / (n + m)).float()
+    xr = round_operands(x - center, ROUND[precision]).double()
+    yr = round_operands(y - center, ROUND[precision]).double()
+    rounded = flashot.sinkhorn(xr, yr, eps=eps, tol=1e-9, backend="torch")
+    exact = flashot.sinkhorn(x.double(), y.double(), eps=eps, tol=1e-9, backend="torch")
+    err_rounded, err_exact = rel(res.cost, rounded.cost), rel(res.cost, exact.cost)
+    print(f"{precision} n={n} m={m} d={d}: vs rounded {err_rounded:.2e}, vs exact {err_exact:.2e}")
+    assert err_rounded < 2e-5
+    assert err_exact < TOLERANCES[precision]
+    shift = (res.f.double() - rounded.f).mean()
+    assert rel(res.f.double() - shift, rounded.f) < 2e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, eps", [(3, None), (64, None), (100, None), (512, None),
+                                    (256, 0.1), (512, 0.1)])  # fmt: skip
+def test_default_precision_is_within_1e_6_of_float64(d, eps):
+    """The default (fp32: operands split once per solve, three half MMAs) against the
+    float64 torch backend, 10 fixed iterations; 3xTF32 per tile (presplit=False) beside.
+    d = 100 (one 128-wide feature chunk) took d = 64's tiles, which need more shared
+    memory than an H200 has there (v23: OutOfResources; launches now step down). From
+    d = 256 the steps are one exact pass (``ONE_PASS_FROM_D``); ε = 0.1 (None: 0.1·d)
+    starts them with residuals of ~10^3 nats, outside any fused window."""
+    x, y = cuda_clouds(4096, 3000, d)
+    kw = dict(eps=0.1 * d if eps is None else eps, max_iter=10, tol=None)
+    ref = flashot.sinkhorn(x.double(), y.double(), backend="torch", **kw)
+    for presplit in (True, False):
+        res = flashot.sinkhorn(x, y, backend=triton_backend(presplit=presplit), **kw)
+        err = rel(res.cost.double(), ref.cost)
+        print(f"d={d} presplit={presplit}: cost vs float64 {err:.2e}")
+        assert err < 1e-6, presplit
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 512])
+def test_default_precision_gradient_is_as_accurate_as_3xtf32(d):
+    """The default's gradient pass (scores and values split once per solve, V_SPLIT)
+    against float64, beside 3xTF32 per tile (presplit=False), 10 fixed iterations."""
+    x, y = cuda_clouds(4096, 3000, d)
+    kw = dict(eps=0.1 * d, max_iter=10, tol=None)
+
+    def grad(xx, yy, backend):
+        xg = xx.clone().requires_grad_()
+        return torch.autograd.grad(flashot.sinkhorn(xg, yy, backend=backend, **kw).cost, xg)[0]
+
+    ref = grad(x.double(), y.double(), "torch")
+    errs = {p: rel(grad(x, y, triton_backend(presplit=p)).double(), ref) for p in (True, False)}
+    print(f"d={d}: gradient vs float64, split {errs[True]:.2e}, 3xTF32 {errs[False]:.2e}")
+    assert errs[True] < max(2.0 * errs[False], 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_gradient_matches_float64(precision):
+    x, y = cuda_clouds(4000, 3000, 32)
+    grads = []
+    ours = triton_backend(precision, autotune=False)
+    for xx, yy, be in ((x.double(), y.double(), "torch"), (x, y, ours)):
+        xg, yg = xx.clone().requires_grad_(), yy.clone().requires_grad_()
+        cost = flashot.sinkhorn(xg, yg, eps=2.0, tol=1e-5, backend=be).cost
+        grads.append(torch.autograd.grad(cost, [xg, yg]))
+    for g_ours, g_ref in zip(grads[1], grads[0], strict=True):
+        assert rel(g_ours.double(), g_ref) < (1e-4 if precision == "fp32" else 3e-3)
+
+
+@pytest.mark.gpu
+def test_auto_picks_triton_on_cuda():
+    x, y = cuda_clouds(100, 100, 3)
+    assert flashot.sinkhorn(x, y, eps=1.0).plan._backend.name == "triton"
+    assert flashot.sinkhorn(x.double(), y.double(), eps=1.0).plan._backend.name == "torch"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_forward_memory_is_inputs_plus_little(precision):
+    x, y = cuda_clouds(50_000, 50_000, 64)
+    a = torch.full((50_000,), 1 / 50_000, device="cuda")
+    be = triton_backend(precision, autotune=False)  # memory does not depend on tiles
+    fn = lambda: flashot.sinkhorn(x, y, a, a, eps=0.1, max_iter=10, tol=None, backend=be)  # noqa: E731
+    with torch.no_grad():
+        fn()  # compile and tune outside the measurement
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        extra = (torch.cuda.max_memory_allocated() - base) / 1e6
+    print(f"extra memory fwd 50k d64 {precision}: {extra:.1f} MB")
+    # centred copies of both clouds (25.6 MB) and O(n) vectors; fp32 also splits each
+    # cloud once per solve into two float16 parts (another 25.6 MB while it runs)
+    split = 2 * x.numel() * 4 / 1e6 if precision == "fp32" else 0.0
+    assert extra < 32 + split, f"{extra:.1f} MB beyond the inputs"
+
+
+@pytest.mark.gpu
+def test_cuda_autocast_does_not_change_results():
+    """Under torch.autocast("cuda") the solve, its gradient, plan products and an HVP
+    compute as outside it (the Triton backend's torch glue included)."""
+    x, y = cuda_clouds(500, 400, 8)
+    v = torch.randn(400, 3, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+
+    def run():
+        xs = x.clone().requires_grad_()
+        res = flashot.sinkhorn(xs, y, eps=0.1)
+        (grad,) = torch.autograd.grad(res.cost, xs)
+        plan = flashot.sinkhorn(x, y, eps=0.1).plan
+        return [
+            res.cost.detach(),
+            grad,
+            plan @ v,
+            plan.transport_cost(),
+            flashot.SamplesLoss(blur=0.2)(x, y),
+            flashot.hvp(x, y, x, eps=0.5, tol=1e-5),
+        ]
+
+    want = run()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = run()
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.dtype == w.dtype and rel(g, w) < 1e-4, i  # (atomics reorder sums; bf16: ~1e-2)
+
+
+@pytest.mark.gpu
+def test_deterministic_mode_on_cuda_gives_bitwise_reruns(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) backend='auto' takes PyTorch's own
+    ops (the Triton kernels refuse: atomic sums): reruns are bitwise identical."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    x, y = cuda_clouds(2000, 1500, 16)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            xs = x.clone().requires_grad_()
+            res = flashot.sinkhorn(xs, y, eps=0.5)
+            (g,) = torch.autograd.grad(res.cost, xs)
+            runs.append((res.cost.detach(), res.f, g))
+        assert res.plan.backend.name == "torch"
+        assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+        with pytest.raises(RuntimeError, match="deterministic"):
+            flashot.sinkhorn(x, y, eps=0.5, backend="triton")
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("n", [3000, 20_000])  # replayed as a CUDA graph, and eager
+def test_solves_on_a_gpu_that_is_not_the_current_one(n):
+    """Triton launches (and CUDA graphs capture and replay) on the current device:
+    tensors on cuda:1 while cuda:0 is current must still be solved there, with the same
+    answer. New data each call: a graph captured on the wrong stream would be empty and
+    its replay would return the previous call's answer."""
+    kw = dict(eps=0.1, max_iter=10, tol=None)
+    current = torch.cuda.current_device()
+    for seed in range(4):  # eager, captured, replayed, replayed (below 2^28 elements)
+        x, y = cuda_clouds(n, n, 16, seed)
+        ref = flashot.sinkhorn(x, y, backend=triton_backend(autotune=False), **kw)
+        with torch.no_grad():
+            res = flashot.sinkhorn(
+                x.to("cuda:1"), y.to("cuda:1"), backend=triton_backend(autotune=False), **kw
+            )
+        assert res.f.device == torch.device("cuda", 1)
+        assert rel(res.cost.cpu(), ref.cost.cpu()) < 1e-5
+        assert rel(res.f.cpu(), ref.f.cpu()) < 1e-5
+    x1, y1 = x.to("cuda:1").requires_grad_(), y.to("cuda:1")
+    cost = flashot.sinkhorn(x1, y1, backend=triton_backend(autotune=False), **kw).cost
+    grad = torch.autograd.grad(cost, x1)[0]
+    xg = x.detach().requires_grad_()
+    want = torch.autograd.grad(
+        flashot.sinkhorn(xg, y, backend=triton_backend(autotune=False), **kw).cost, xg
+    )[0]
+    assert rel(grad.cpu(), want.cpu()) < 1e-4
+    assert torch.cuda.current_device() == current  # nothing global changed
+
+
+@pytest.mark.gpu
+def test_a_solve_inside_the_callers_cuda_graph_is_refused_clearly():
+    x, y = cuda_clouds(100, 80, 3)
+    before = flashot.sinkhorn(x, y, eps=0.1, max_iter=5, tol=None).cost
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="CUDA graph capture"), torch.cuda.graph(graph):
+        flashot.sinkhorn(x, y, eps=0.1, max_iter=5, tol=None)
+    after = flashot.sinkhorn(x, y, eps=0.1, max_iter=5, tol=None).cost  # still works
+    assert rel(after.cpu(), before.cpu()) < 1e-6

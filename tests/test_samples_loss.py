@@ -81,12 +81,11 @@ def test_float32_matches_geomloss_float64(gen):
 
 def test_cosine_extension_matches_dense_loop(gen):
     x, y = clouds(gen, 30, 20, 4)
+    from flashot.geometry.costs import bounding_diameter, get_cost
+    from flashot.solver.schedule import geomloss_schedule
+
     loss = flashot.SamplesLoss(blur=0.2, cost="cosine", debias=False, backend="torch")
-    schedule = flashot.solver.loop.geomloss_schedule(
-        flashot.geometry.costs.bounding_diameter(flashot.geometry.costs.get_cost("cosine"), x, y),
-        0.04,
-        0.5,
-    )
+    schedule = geomloss_schedule(bounding_diameter(get_cost("cosine"), x, y), 0.04, 0.5)
     a, b = torch.full((30,), 1 / 30, dtype=F64), torch.full((20,), 1 / 20, dtype=F64)
     f, g = geomloss_loop(x, y, a, b, schedule, cost="cosine")
     assert rel(loss(x, y), (a * f).sum() + (b * g).sum()) < 1e-10

@@ -96,5 +96,5 @@ def test_lanczos_on_a_hessian_operator_is_fast(n):
         return torch.autograd.grad(grad, xg, w.reshape(x.shape), retain_graph=True)[0].reshape(-1)
 
     start = time.perf_counter()
-    res = flashot.numerics.linalg.lanczos(matvec, x.numel(), k=1, which="largest")
+    res = flashot.linalg.lanczos(matvec, x.numel(), k=1, which="largest")
     assert res.converged and time.perf_counter() - start < 30

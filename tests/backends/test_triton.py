@@ -11,16 +11,10 @@ import flashot
 from flashot.backends import available_backends
 from flashot.geometry.costs import attention_form, get_cost
 from tests.backends.test_base import dense_attend, problem
-from tests.conftest import clouds, rel
+from tests.conftest import clouds, cuda_clouds, rel, triton_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
-
-
-def triton_backend(**kw):
-    from flashot.backends.triton import TritonBackend
-
-    return TritonBackend(**kw)
 
 
 def nan_padded(form):
@@ -678,3 +672,72 @@ def test_constructor_arguments_are_checked_and_named(kwargs, error, match):
     with pytest.raises(error, match=match):
         triton_backend(**kwargs)
     assert triton_backend(splits=3).splits == 3
+
+
+# ---- on a CUDA GPU (pytest -m gpu; skipped without one) ----
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cold_start_fast_path_equals_exact_path(precision):
+    """ε = 0.1 at d = 64 from a cold start: the first steps overflow the fused pass
+    (gated off or repaired), later ones use it; the iterates must equal the exact ones."""
+    x, y = cuda_clouds(8192, 6000, 64)
+    kw = dict(eps=0.1, max_iter=10, tol=None)
+    fast = flashot.sinkhorn(x, y, backend=triton_backend(precision, autotune=False), **kw)
+    exact = triton_backend(precision, fused=False, autotune=False)
+    ref = flashot.sinkhorn(x, y, backend=exact, **kw)
+    assert rel(fast.f, ref.f) < 1e-5 and rel(fast.g, ref.g) < 1e-5
+    assert rel(fast.cost, ref.cost) < 1e-6
+
+
+@pytest.mark.gpu
+def test_gate_views_at_any_offset_share_one_compiled_kernel():
+    """A fused pass's gates are views of a small state buffer at various offsets; the
+    kernel is not compiled again per offset (CONTROL_POINTERS: the GeomLoss call's first
+    call built one set of constexprs three times)."""
+    from flashot.backends.triton import _kernels
+    from flashot.geometry.costs import attention_form, get_cost
+
+    be = triton_backend("fp32", autotune=False)
+    x, y = cuda_clouds(512, 384, 8)
+    form = attention_form(get_cost("sqeuclidean"), x, y)
+    f, g = torch.zeros(512, device="cuda"), torch.zeros(384, device="cuda")
+    la, lb = torch.full_like(f, -math.log(512)), torch.full_like(g, -math.log(384))
+    buf = torch.zeros(16, device="cuda")
+
+    def builds():
+        return sum(len(cache[0]) for cache in _kernels._plan_sums_kernel.device_caches.values())
+
+    sums = [be.plan_sums(form, f, g, la, lb, 1.0, gate=(buf[0:2], buf[2:4]))]
+    before = builds()
+    for off in (2, 4, 6, 1, 3):  # 8-, 16- and 4-byte aligned views
+        buf.zero_()
+        sums.append(
+            be.plan_sums(
+                form, f, g, la, lb, 1.0, gate=(buf[off : off + 2], buf[off + 8 : off + 10])
+            )
+        )
+    assert builds() == before
+    for r, c in sums[1:]:  # and the sums are the same, but for the atomics' order
+        torch.testing.assert_close(r, sums[0][0], rtol=1e-5, atol=0)
+        torch.testing.assert_close(c, sums[0][1], rtol=1e-5, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 4])
+def test_looped_value_chunks_match_float64_on_the_gpu(monkeypatch, splits):
+    """Running products kept in the output across tiles (VALUE_LOOP_FROM): what the
+    interpreter cannot check, the GPU's ordering of one program's stores and loads."""
+    from flashot.backends.triton import _configs
+
+    x, y = cuda_clouds(3000, 2600, 1024)
+    v = torch.randn(2600, 700, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    be = triton_backend("fp32", autotune=False, splits=splits)
+    res = flashot.sinkhorn(x, y, eps=200.0, max_iter=5, tol=None, backend=be)
+    monkeypatch.setattr(_configs, "VALUE_LOOP_FROM", None)
+    chunked = res.plan @ v
+    monkeypatch.setattr(_configs, "VALUE_LOOP_FROM", 256)
+    looped = res.plan @ v
+    ref = flashot.sinkhorn(x.double(), y.double(), eps=200.0, max_iter=5, tol=None,
+                           backend="torch").plan @ v.double()  # fmt: skip
+    assert rel(looped.double(), ref) < 1e-5 and rel(chunked.double(), ref) < 1e-5
+    assert rel(looped, chunked) < 1e-6

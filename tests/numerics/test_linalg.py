@@ -247,3 +247,20 @@ def test_lanczos_options_are_checked():
         lanczos(lambda v: v, 5, tol=0.0)
     with pytest.raises(ValueError, match="max_iter"):
         lanczos(lambda v: v, 5, k=3, max_iter=2)
+
+
+# ---- on a CUDA GPU (pytest -m gpu; skipped without one) ----
+@pytest.mark.gpu
+def test_lanczos_keeps_its_basis_on_the_operator_device():
+    from flashot.numerics import linalg
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    Q, _ = torch.linalg.qr(torch.randn(300, 300, device="cuda", dtype=torch.float64,
+                                       generator=gen))  # fmt: skip
+    w = torch.linspace(0.5, 2.0, 300, device="cuda", dtype=torch.float64)
+    w[-2:] = 3.0
+    A = Q @ torch.diag(w) @ Q.T
+    res = linalg.lanczos(lambda v: A @ v, torch.zeros(300, device="cuda", dtype=torch.float64),
+                         k=2, which="largest")  # fmt: skip
+    assert res.converged and res.values.is_cuda and res.vectors.is_cuda
+    assert torch.allclose(res.values, torch.full((2,), 3.0, device="cuda", dtype=torch.float64))

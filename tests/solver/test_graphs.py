@@ -1,6 +1,6 @@
 """The graph cache's bookkeeping and the solver's use of it, with a stand-in for CUDA
 graph capture that replays the recorded ops (:mod:`tests.recorded_graphs`; the real
-capture runs in tests/test_gpu.py)."""
+capture runs in this file's GPU tests)."""
 
 import math
 
@@ -13,7 +13,7 @@ import flashot
 from flashot.backends.torch_backend import TorchBackend
 from flashot.solver import graphs
 from flashot.solver import loop as solver
-from tests.conftest import clouds, rel
+from tests.conftest import clouds, cuda_clouds, rel, triton_backend
 from tests.recorded_graphs import RecordedGraph
 
 # replays the recorded aten ops with their recorded scalars, as a CUDA graph would
@@ -319,3 +319,185 @@ def test_self_problem_replays_are_keyed_by_their_near_steps(gen, monkeypatch):
         assert rel(out.f, ref.f) < 1e-13
         outs.append(out)
     assert Replayer.log == ["capture", "replay", "replay", "capture", "replay"]
+
+
+# ---- on a CUDA GPU (pytest -m gpu; skipped without one) ----
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_repeated_fixed_iteration_solves_replay_a_cuda_graph(precision, monkeypatch):
+    """New data each call (the bf16 copies must be remade inside the graph); replays
+    equal eager solves; a warm start is another key. The second step's probe runs
+    inside the graph too."""
+    from flashot.backends import triton as backend
+    from flashot.solver import graphs
+    from flashot.solver import loop as solver
+
+    cache = graphs.GraphCache()
+    monkeypatch.setattr(solver, "GRAPHS", cache)
+    monkeypatch.setattr(backend, "PROBE_FROM", 1024)
+    kw = dict(eps=0.1, max_iter=10, tol=None)
+    for seed in range(4):
+        x, y = cuda_clouds(3000, 2000, 64, seed)
+        res = flashot.sinkhorn(x, y, backend=triton_backend(precision), **kw)
+        ref = flashot.sinkhorn(x, y, backend=triton_backend(precision, graphs=False), **kw)
+        assert rel(res.f, ref.f) < 1e-6 and rel(res.g, ref.g) < 1e-6
+        assert rel(res.cost, ref.cost) < 1e-6
+        warm = dict(kw, init=(ref.f * 0.9, ref.g * 0.9))
+        res = flashot.sinkhorn(x, y, backend=triton_backend(precision), **warm)
+        ref = flashot.sinkhorn(x, y, backend=triton_backend(precision, graphs=False), **warm)
+        assert rel(res.f, ref.f) < 1e-6 and rel(res.cost, ref.cost) < 1e-6
+    assert len(cache._graphs) == 2
+
+
+@pytest.mark.gpu
+def test_solves_to_a_tolerance_replay_their_blocks_as_cuda_graphs(monkeypatch):
+    """A solve with ``tol`` replays its blocks of iterations (each ending at a check):
+    the same iterations, error and potentials as the eager loop, on new data each call."""
+    from flashot.solver import graphs
+    from flashot.solver import loop as solver
+
+    cache = graphs.GraphCache()
+    monkeypatch.setattr(solver, "GRAPHS", cache)
+    kw = dict(eps=0.5, tol=1e-4, max_iter=300, eps_schedule="geomloss")
+    for seed in range(4):
+        x, y = cuda_clouds(3000, 2000, 16, seed)
+        res = flashot.sinkhorn(x, y, backend=triton_backend(), **kw)
+        ref = flashot.sinkhorn(x, y, backend=triton_backend(graphs=False), **kw)
+        assert res.converged and ref.converged and abs(res.n_iter - ref.n_iter) <= 10
+        assert rel(res.f, ref.f) < 1e-5 and rel(res.cost, ref.cost) < 1e-6
+        # the debiased divergence: its self problems' loops (symmetric) in blocks too
+        div = flashot.sinkhorn_divergence(x, y, backend=triton_backend(), **kw)
+        div_ref = flashot.sinkhorn_divergence(x, y, backend=triton_backend(graphs=False), **kw)
+        assert rel(div, div_ref) < 1e-5
+    assert len(cache._graphs) >= 3
+
+
+def _replayed_and_eager_loss(x, y, kw):
+    """``SamplesLoss(**kw)`` value and gradient w.r.t. x, with graphs and without."""
+    outs = []
+    for be in (triton_backend(), triton_backend(graphs=False)):
+        xg = x.clone().requires_grad_()
+        value = flashot.SamplesLoss(backend=be, **kw)(xg, y)
+        outs.append((value.detach(), torch.autograd.grad(value, xg)[0]))
+    return outs
+
+
+@pytest.mark.gpu
+def test_debiased_divergence_replays_its_three_loops_as_cuda_graphs(monkeypatch):
+    """The GeomLoss call (fixed ε schedule, debiased): the problem's loop and both self
+    problems' loops are captured and replayed, with values and gradients as eager."""
+    from flashot.solver import graphs
+    from flashot.solver import loop as solver
+
+    cache = graphs.GraphCache()
+    monkeypatch.setattr(solver, "GRAPHS", cache)
+    kw = dict(p=2, blur=0.05, scaling=0.5, debias=True, diameter=4.0)
+    for seed in range(3):
+        # sizes differ: the two self problems are then two loops of their own; y is
+        # shifted so that the value is not a cancellation of its three terms (the plan
+        # sums' atomics make replay and eager differ in the last bits)
+        gen = torch.Generator("cuda").manual_seed(seed)
+        x, y = (torch.rand(size, 3, device="cuda", generator=gen) for size in (3000, 2000))
+        y = y + 1.0
+        (value, grad), (eager, eager_grad) = _replayed_and_eager_loss(x, y, kw)
+        assert rel(value, eager) < 1e-6 and rel(grad, eager_grad) < 1e-5
+    assert len(cache._graphs) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reach", [None, 0.5])
+def test_the_geomloss_call_on_moving_data_replays_its_loops(monkeypatch, reach):
+    """The GeomLoss call with the data's diameter, on clouds that move each call (a
+    training loop): other warm-up temperatures, the same schedule length. The three loops
+    read their temperatures (and, unbalanced, their damping) from the device, so their
+    graphs replay from the second call on; values and gradients are the eager ones."""
+    from flashot.solver import graphs
+    from flashot.solver import loop as solver
+
+    cache = graphs.GraphCache()
+    monkeypatch.setattr(solver, "GRAPHS", cache)
+    kw = dict(p=2, blur=0.05, scaling=0.5, debias=True, reach=reach)
+    gen = torch.Generator("cuda").manual_seed(5)
+    x0, y0 = (torch.rand(size, 3, device="cuda", generator=gen) for size in (3000, 2000))
+    for scale in (1.0, 0.96, 1.03, 0.98):  # diameters 3.3-3.6: 7 temperatures each
+        x, y = x0 * scale, y0 * scale + 1.0
+        (value, grad), (eager, eager_grad) = _replayed_and_eager_loss(x, y, kw)
+        assert rel(value, eager) < 1e-6 and rel(grad, eager_grad) < 1e-5
+    assert len(cache._graphs) == 3
+
+
+@pytest.mark.gpu
+def test_a_replayed_divergence_never_waits_for_the_device(monkeypatch):
+    """Past its input checks, a replayed GeomLoss call (three loops, their final passes,
+    autograd on x and y) queues its work without one host wait: a wait would serialize
+    the host's Python with the previous replay (v33: three blocking copies of the
+    temperature table did). Gradients as eager ones, for x and y."""
+    from flashot.divergence import debiased_potentials
+    from flashot.problem import make_problem
+    from flashot.solver import graphs
+    from flashot.solver import loop as solver
+
+    monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache())
+    gen = torch.Generator("cuda").manual_seed(3)
+    x0, y0 = (torch.rand(size, 3, device="cuda", generator=gen) for size in (3000, 2000))
+    temps = solver.geomloss_schedule(4.0, 0.05**2, 0.5)
+    outs = []
+    for step, be in enumerate([triton_backend()] * 4 + [triton_backend(graphs=False)]):
+        # moving data, as in a training loop (the eager call: the last replay's data)
+        x = (x0 + 1e-3 * min(step, 3)).requires_grad_()
+        y = (y0 + 1.0).requires_grad_()
+        problem = make_problem(x, y, eps=0.05**2, cost="half_sqeuclidean", normalize=False,
+                               backend=be)  # fmt: skip
+        torch.cuda.synchronize()
+        if step >= 2:  # (from the third call on, every loop replays)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            pots = debiased_potentials(problem, temps, max_iter=len(temps), tol=None)
+            value = pots.value(problem)
+            grads = torch.autograd.grad(value, (x, y))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        outs.append((value.detach(), grads))
+    (value, grads), (eager, eager_grads) = outs[-2], outs[-1]
+    assert rel(value, eager) < 1e-6
+    assert all(rel(g, e) < 1e-5 for g, e in zip(grads, eager_grads, strict=True))
+
+
+@pytest.mark.gpu
+def test_dual_cg_replays_its_blocks_as_a_cuda_graph(monkeypatch):
+    """The dual solve of an HVP captures its CG blocks (Triton kernels inside) once and
+    replays them in later HVPs of the same shapes with new data, giving the eager solve's
+    answers; a plain CG captures too."""
+    import flashot.numerics.linalg as linalg
+    from flashot.autodiff import implicit
+    from flashot.solver import graphs
+
+    implicit.clear_dual_graphs()
+    captured = []
+    real = graphs._Captured
+
+    def counting(fn, inputs):
+        captured.append(len(inputs))
+        return real(fn, inputs)
+
+    monkeypatch.setattr(graphs, "_Captured", counting)
+    captures = implicit._captures
+    kw = dict(eps=0.5, backend="triton", tol=1e-5)
+    first = None
+    for seed in (0, 1):
+        x, y = cuda_clouds(3000, 2500, 16, seed=seed)
+        v = torch.randn(x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        monkeypatch.setattr(implicit, "_captures", captures)
+        h = flashot.hvp(x, y, v, **kw)
+        assert captured and (first is None or len(captured) == first)  # in the first HVP only
+        first = len(captured)
+        monkeypatch.setattr(implicit, "_captures", lambda backend, form: False)
+        h_eager = flashot.hvp(x, y, v, **kw)
+        assert rel(h, h_eager) < 1e-5
+    implicit.clear_dual_graphs()
+    A = torch.randn(200, 200, device="cuda", dtype=torch.float64)
+    A = A @ A.T + 200 * torch.eye(200, device="cuda", dtype=torch.float64)
+    b = torch.randn(200, device="cuda", dtype=torch.float64)
+    res = linalg.cg(lambda u: A @ u, b, tol=1e-12, capture=True, check_every=4)
+    ref = linalg.cg(lambda u: A @ u, b, tol=1e-12, check_every=1)
+    assert res.n_iter == ref.n_iter and rel(res.x, ref.x) < 1e-12
