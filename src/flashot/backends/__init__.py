@@ -13,7 +13,7 @@ import importlib.util
 import inspect
 import warnings
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 
@@ -70,6 +70,7 @@ def entry_point(fn: Callable[P, R]) -> Callable[P, R]:
     return cast(Callable[P, R], eager_only(wrapper, reason))
 
 
+_set_eval_frame: Callable[..., Any] | None
 try:  # (part of torch._C: no import of torch._dynamo, whose Python side takes seconds)
     from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 except ImportError:  # pragma: no cover (a torch without it: the public decorator)
