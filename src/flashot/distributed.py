@@ -287,10 +287,11 @@ def sinkhorn(
         a_local: (n_r,) its source weights or None (uniform over all n points).
         b_local: (m_r,) its target weights or None.
         eps: ε > 0.  group: a process group, None for the default one.
-        cost, rho, max_iter, tol, check_every, update, eps_schedule, backend, precision,
-            min_iter, momentum, history: as in :func:`flashot.sinkhorn` (``tol`` is
-            checked on the global error; balanced weights are normalized by their sum
-            over all ranks, relaxed ones kept).
+        cost, rho, max_iter, tol: as in :func:`flashot.sinkhorn` (``tol`` is checked on
+            the global error; balanced weights are normalized by their sum over all
+            ranks, relaxed ones kept).
+        check_every, update, eps_schedule, backend, precision: as in :func:`flashot.sinkhorn`.
+        min_iter, momentum, history: as in :func:`flashot.sinkhorn`.
         mode: ``"gather"`` (all-gather both clouds' features once per solve),
             ``"ring"`` (pass the shards around at every row pass), ``"auto"`` (gather
             when the gathered clouds take at most :data:`GATHER_SHARE` of every rank's
