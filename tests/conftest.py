@@ -75,3 +75,15 @@ def triton_backend(**options):
     from flashot.backends.triton import TritonBackend
 
     return TritonBackend(**options)
+
+
+def modules_loaded_by(code: str, prefixes: tuple[str, ...]) -> list[str]:
+    """The modules under ``prefixes`` that ``code`` leaves imported, in a fresh interpreter."""
+    import ast
+    import subprocess
+    import sys
+
+    probe = (code + "\nimport sys\n"
+             f"print(sorted(m for m in sys.modules if m.startswith({prefixes!r})))\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return ast.literal_eval(out.stdout.strip())

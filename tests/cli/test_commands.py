@@ -253,19 +253,16 @@ def test_otdd_file_mistakes_are_one_line(tmp_path, capsys):
 def test_help_and_import_load_no_torch():
     """``import flashot`` and ``flashot --help`` (every command's) parse with the standard
     library: torch loads when something runs."""
-    import subprocess
-    import sys
+    from tests.conftest import modules_loaded_by
 
     code = (
-        "import sys, contextlib, io, flashot, flashot.cli as cli\n"
+        "import contextlib, io, flashot, flashot.cli as cli\n"
         "for argv in (['--help'], ['solve', '--help'], ['bench', '--help'],\n"
         "             ['otdd', '--help'], ['demo', '--help'], ['tune', '--help']):\n"
         "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         "        cli.main(argv)\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout[:500]
+    assert modules_loaded_by(code, ("torch", "numpy")) == []
 
 
 def test_the_parsers_choices_are_the_librarys():

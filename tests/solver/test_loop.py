@@ -2,7 +2,6 @@
 written, in float64 against a dense loop, and the near-uniform rule per temperature."""
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -10,25 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashot
-from flashot import ConvergenceWarning
 from flashot.backends import TorchBackend
 from flashot.geometry.costs import attention_form, get_cost
 from flashot.solver.loop import solve
 from tests.references import dense_cost, entropic_ot
+from tests.solver.test_stopping import d0
+from tests.solver.test_stopping import solve as solve_quietly
 
 F64 = torch.float64
-
-
-def d0():
-    torch.manual_seed(0)
-    return torch.randn(20, 3).double(), torch.randn(15, 3).double()
-
-
-def quiet(*args, **kw):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        res = flashot.sinkhorn(*args, **kw)
-    return res, [str(w.message) for w in caught if issubclass(w.category, ConvergenceWarning)]
 
 
 def dense_loop(c, log_a, log_b, temps, iters, update, lam):
@@ -98,7 +86,7 @@ def test_only_the_final_eps_takes_the_near_path(monkeypatch, update):
     diameter = math.sqrt(2 * bound)  # the first temperature, D², is above the bound
     for eps, near_final in ((0.5, False), (1e3, True)):
         calls.clear()
-        res, misses = quiet(
+        res, misses = solve_quietly(
             x,
             y,
             eps=eps,

@@ -35,7 +35,7 @@ import torch
 
 from flashot.autodiff.implicit import DualSpec, other_masses
 from flashot.backends import entry_point
-from flashot.backends.near import WARM_NEAR_FROM
+from flashot.backends.near import warm_bounds
 from flashot.geometry.costs import AttentionForm
 from flashot.solver.stopping import CheckSchedule
 
@@ -81,9 +81,7 @@ def _at(spec: DualSpec, eps: float, warm: bool = False) -> DualSpec:
     """
     if not warm:
         return spec if eps == spec.eps else dataclasses.replace(spec, eps=eps)
-    seg = spec.segments
-    bound = None if spec.cost_bound is None else WARM_NEAR_FROM * spec.cost_bound
-    seg = None if seg is None else seg.scaled_bounds(WARM_NEAR_FROM)
+    bound, seg = warm_bounds(spec.cost_bound, spec.segments)
     return dataclasses.replace(spec, eps=eps, cost_bound=bound, segments=seg)
 
 
@@ -259,6 +257,7 @@ def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec):
     def cols(f, e, warm):  # λ_y Tᵀ(f)
         return damping(rho_y, e) * transform(k, beta, q, alpha, log_a, f, _at(spec.T, e, warm))
 
+    schedule = CheckSchedule(len(temps), traj.check_every)
     # one scope: the replay's passes share the split operands of the accurate mode
     with spec.backend.operand_scope():
         if traj.init is None:
@@ -275,8 +274,7 @@ def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec):
             f_new = rows(g, e, warm)
             f = f_new if omega == 1.0 else torch.lerp(f, f_new, omega)
             g_new = cols(f, e, warm)
-            before_check = CheckSchedule(len(temps), traj.check_every).before(it)
-            g = g_new if omega == 1.0 or before_check else torch.lerp(g, g_new, omega)
+            g = g_new if omega == 1.0 or schedule.before(it) else torch.lerp(g, g_new, omega)
     return f, g
 
 

@@ -39,13 +39,24 @@ import torch
 
 from flashot.backends.row_pool import run_row_blocks, tile_sizes
 
-__all__ = ["NEAR_FROM", "WARM_NEAR_FROM", "is_near_uniform", "log_mass", "near_attend"]
+__all__ = ["NEAR_FROM", "WARM_NEAR_FROM", "is_near_uniform", "log_mass", "near_attend",
+           "warm_bounds"]  # fmt: skip
 
 #: the near-uniform path runs when ε ≥ NEAR_FROM × (bound on the cost)
 NEAR_FROM = 1.0
 #: a schedule's warm-up temperatures take it from this multiple of the bound only
 #: (:func:`flashot.solver.loop.warm_form`; a replay of the schedule follows the same rule)
 WARM_NEAR_FROM = 4.0
+
+
+def warm_bounds(cost_bound: float | None, segments):
+    """``(cost_bound, segments)`` as a warm-up temperature reads them.
+
+    Both × :data:`WARM_NEAR_FROM` (a packed form's per problem): the near path starts
+    from that multiple of the bound (:func:`flashot.solver.loop.warm_form`).
+    """
+    bound = None if cost_bound is None else WARM_NEAR_FROM * cost_bound
+    return bound, None if segments is None else segments.scaled_bounds(WARM_NEAR_FROM)
 
 
 def is_near_uniform(form, eps: float) -> bool:

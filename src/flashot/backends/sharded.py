@@ -126,6 +126,12 @@ def merge_lse(lse, avg, part, out, eps: float):
     return top + eps * torch.log(total), avg
 
 
+def _columns(part: tuple, has_v: bool, has_w: bool) -> tuple:
+    """``(k, h, v or None, log w or None)`` from a ring step's tensors."""
+    k, h, *rest = part
+    return k, h, rest[0] if has_v else None, rest[-1] if has_w else None
+
+
 class ShardedBackend(Backend):
     """The solver's primitives on a problem sharded by rows over a process group.
 
@@ -172,18 +178,18 @@ class ShardedBackend(Backend):
         ``h`` (m_r,), ``v`` (m_r, p) and ``log_w`` (m_r,) are this rank's columns.
         """
         side, comm = self._side(form.k), self.comm
-        # blocks of columns (k, h, values, log w): every rank's, gathered or passed around
-        extra = tuple(t for t in (v, log_w) if t is not None)
+        # every rank's columns (k, h, values, log w): gathered (the solve's constants once)
+        # or passed around the ring
         if comm.mode == "gather":
-            vals = () if v is None else (comm.gather(v, side),)
-            lws = () if log_w is None else (comm.gather_once(log_w, side),)
-            blocks = [(comm.gather_once(form.k, side), comm.gather(h, side), *vals, *lws)]
+            blocks = [(comm.gather_once(form.k, side), comm.gather(h, side),
+                       None if v is None else comm.gather(v, side),
+                       None if log_w is None else comm.gather_once(log_w, side))]  # fmt: skip
         else:
-            blocks = comm.ring((form.k, h, *extra), side)
+            sent = (form.k, h, *(t for t in (v, log_w) if t is not None))
+            blocks = (_columns(part, v is not None, log_w is not None)
+                      for part in comm.ring(sent, side))  # fmt: skip
         lse = avg = None
-        for k, hh, *rest in blocks:
-            vals = rest[0] if v is not None else None
-            lw = rest[-1] if log_w is not None else None
+        for k, hh, vals, lw in blocks:
             whole = AttentionForm(form.q, k, form.alpha, torch.zeros_like(hh),
                                   cost_bound=form.cost_bound)  # fmt: skip
             part, out = self.engine.row_attend(whole, hh, eps, vals, lw)

@@ -26,7 +26,7 @@ import torch
 from flashot.autodiff.functions import extrapolate, extrapolation_parts, transform_parts
 from flashot.backends.base import Backend
 from flashot.backends.dual import marginal_error, row_mass
-from flashot.backends.near import WARM_NEAR_FROM, is_near_uniform
+from flashot.backends.near import is_near_uniform, warm_bounds
 from flashot.backends.temperature import device_damping, schedule_table, temperatures_on
 from flashot.geometry.costs import AttentionForm
 from flashot.solver.graphs import GRAPHS
@@ -313,10 +313,8 @@ def warm_form(form: AttentionForm, eps_list: Sequence[float]) -> AttentionForm:
     if len(eps_list) == 1 or (form.cost_bound is None and (seg is None or seg.bounds is None)):
         return form
     # a packed form decides per problem, from its segments' bounds
-    bound = None if form.cost_bound is None else WARM_NEAR_FROM * form.cost_bound
-    return replace(
-        form, cost_bound=bound, segments=None if seg is None else seg.scaled_bounds(WARM_NEAR_FROM)
-    )
+    bound, seg = warm_bounds(form.cost_bound, seg)
+    return replace(form, cost_bound=bound, segments=seg)
 
 
 def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_iter, tol,
