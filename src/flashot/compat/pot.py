@@ -18,6 +18,9 @@ arguments, return the same quantities, and never build M: the solve is
      - ``max(0, ⟨P_ab, M⟩ − ½⟨P_aa, M_aa⟩ − ½⟨P_bb, M_bb⟩)``
      - three ``transport_cost``; not :func:`flashot.sinkhorn_divergence`, which
        debiases the entropic values
+   * - ``sinkhorn2(a, b, M, reg)``
+     - ``⟨P, M⟩`` for a given matrix (``sinkhorn``: the dense plan)
+     - :mod:`flashot.compat.pot_matrix`: dense, log domain (M is already in memory)
    * - ``solve_sample(reg=...)``
      - ``OTResult``: ``value = ⟨P, M⟩ + reg·KL(P ‖ a⊗b)``, ``value_linear = ⟨P, M⟩``
      - ``SinkhornResult.cost`` and ``transport_cost``
@@ -58,10 +61,11 @@ import numpy as np
 import torch
 
 import flashot
+from flashot.compat.pot_matrix import sinkhorn, sinkhorn2
 from flashot.problem import check_positive
 
 __all__ = ["OTResult", "empirical_sinkhorn", "empirical_sinkhorn2",
-           "empirical_sinkhorn_divergence", "solve_sample"]  # fmt: skip
+           "empirical_sinkhorn_divergence", "sinkhorn", "sinkhorn2", "solve_sample"]  # fmt: skip
 
 #: POT's metric → flashot's cost
 METRICS = {"sqeuclidean": "sqeuclidean", "cosine": "cosine"}
