@@ -129,6 +129,9 @@ def test_benchmarks_holds_a_handful_of_scripts_that_leave_sys_path_alone():
     assert len(scripts) <= 8, scripts
     edits = [name for name in scripts if "sys.path" in (bench / name).read_text()]
     assert not edits, edits
+    history = (bench / "HISTORY.md").read_text().splitlines()
+    assert len(history) <= 150, "HISTORY.md is a short dated log; the long account is in git"
+    assert any(line.startswith("## 20") for line in history)  # dated sections
 
 
 def test_nine_in_ten_modules_have_a_test_file_of_their_name():
