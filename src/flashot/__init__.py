@@ -32,6 +32,8 @@ _SOURCES = {
     "SinkhornResult": "flashot.result",
     "TransportPlan": "flashot.result",
     "available_backends": "flashot.backends",
+    "free_support_barycenter": "flashot.tasks.barycenters",
+    "gromov_wasserstein": "flashot.tasks.gromov",
     "hvp": "flashot.hessian",
     "labeled_cost": "flashot.geometry.labeled",
     "record_dual_solves": "flashot.autodiff.dual_log",
@@ -104,6 +106,8 @@ __all__ = [
     "TransportPlan",
     "__version__",
     "available_backends",
+    "free_support_barycenter",
+    "gromov_wasserstein",
     "hvp",
     "labeled_cost",
     "linalg",
@@ -131,6 +135,8 @@ if TYPE_CHECKING:  # (what type checkers and IDEs read; at run time, __getattr__
     from flashot.samples_loss import SamplesLoss
     from flashot.solver.loop import EpsilonScaling
     from flashot.solver.stopping import ConvergenceWarning
+    from flashot.tasks.barycenters import free_support_barycenter
+    from flashot.tasks.gromov import gromov_wasserstein
     from flashot.tasks.shuffled import shuffled_regression
 
 

@@ -1,0 +1,115 @@
+"""Streamed entropic Gromov–Wasserstein against POT 0.9.7 and the dense definition."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashot
+from flashot.tasks.gromov import gromov_wasserstein
+
+ot = pytest.importorskip("ot")
+
+TIGHT = dict(tol=1e-11, inner_tol=1e-11, inner_max_iter=100000, max_iter=3000)
+
+
+def _clouds(seed, n, m, d, e):
+    rng = np.random.default_rng(seed)
+    x, y = rng.normal(size=(n, d)) * 0.5, rng.normal(size=(m, e)) * 0.4 + 3.0
+    a, b = rng.random(n) + 0.2, rng.random(m) + 0.2
+    return x, y, a / a.sum(), b / b.sum()
+
+
+def _pot(x, y, a, b, eps):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ot.gromov.entropic_gromov_wasserstein(
+            ot.dist(x, x), ot.dist(y, y), a, b, "square_loss", epsilon=eps, log=True,
+            max_iter=3000, tol=1e-13, stopThr=1e-13, numItermax=100000)  # fmt: skip
+
+
+def _dense_gw(x, y, plan):
+    cx, cy = ot.dist(x, x), ot.dist(y, y)
+    diff = (cx[:, None, :, None] - cy[None, :, None, :]) ** 2  # (i, j, k, l)
+    return float((diff * plan[:, :, None, None] * plan[None, None, :, :]).sum())
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(4, 18), m=st.integers(4, 18),
+       d=st.integers(1, 4), e=st.integers(1, 4), eps=st.sampled_from([0.05, 0.2, 1.0]))  # fmt: skip
+def test_plan_and_cost_are_pots(seed, n, m, d, e, eps):
+    x, y, a, b = _clouds(seed, n, m, d, e)
+    plan, log = _pot(x, y, a, b, eps)
+    res = gromov_wasserstein(torch.tensor(x), torch.tensor(y), a, b, eps=eps, **TIGHT)
+    assert res.converged
+    dense = res.plan.dense().numpy()
+    np.testing.assert_allclose(dense, plan, rtol=1e-5, atol=1e-9)
+    assert float(res.cost) == pytest.approx(float(log["gw_dist"]), rel=1e-6, abs=1e-10)
+    # the streamed value is the definition Σ (C^x_ik − C^y_jl)² T_ij T_kl at the plan
+    assert float(res.cost) == pytest.approx(_dense_gw(x, y, dense), rel=1e-9)
+
+
+def test_isometries_of_either_space_change_nothing():
+    x, y, a, b = _clouds(3, 15, 12, 3, 2)
+    q, _ = np.linalg.qr(np.random.default_rng(4).normal(size=(3, 3)))
+    base = gromov_wasserstein(torch.tensor(x), torch.tensor(y), a, b, eps=0.2, **TIGHT)
+    moved = gromov_wasserstein(torch.tensor(x @ q.T + 7.0), torch.tensor(y - 2.0), a, b,
+                               eps=0.2, **TIGHT)  # fmt: skip
+    assert float(moved.cost) == pytest.approx(float(base.cost), rel=1e-9)
+    torch.testing.assert_close(moved.plan.dense(), base.plan.dense(), rtol=1e-6, atol=1e-10)
+
+
+def test_relative_eps_scales_by_the_mean_linearized_cost_at_the_product_plan():
+    x, y, a, b = _clouds(7, 9, 8, 2, 3)
+    cx, cy = ot.dist(x, x), ot.dist(y, y)
+    two_l = 2 * np.einsum("ikjl,k,l->ij", (cx[:, :, None, None] - cy[None, None]) ** 2, a, b)
+    mean = float(a @ two_l @ b)
+    res = gromov_wasserstein(torch.tensor(x), torch.tensor(y), a, b, eps=0.1, relative_eps=True,
+                             max_iter=2, tol=0.0, warn=False)  # fmt: skip
+    assert res.eps == pytest.approx(0.1 * mean, rel=1e-10)
+    same = gromov_wasserstein(torch.tensor(x), torch.tensor(y), a, b, eps=res.eps, max_iter=2,
+                              tol=0.0, warn=False)  # fmt: skip
+    torch.testing.assert_close(same.cost, res.cost)
+
+
+def test_float32_agrees_with_float64():
+    x, y, a, b = _clouds(5, 25, 20, 3, 3)
+    ref = gromov_wasserstein(torch.tensor(x), torch.tensor(y), a, b, eps=0.2, **TIGHT)
+    got = gromov_wasserstein(torch.tensor(x, dtype=torch.float32),
+                             torch.tensor(y, dtype=torch.float32), a, b, eps=0.2)  # fmt: skip
+    assert got.cost.dtype == torch.float32
+    assert float(got.cost) == pytest.approx(float(ref.cost), rel=1e-3)
+
+
+def test_a_missed_tolerance_warns_and_says_so():
+    x, y, _, _ = _clouds(6, 10, 9, 2, 2)
+    with pytest.warns(flashot.ConvergenceWarning, match="max_iter=1"):
+        res = gromov_wasserstein(torch.tensor(x), torch.tensor(y), eps=0.1, max_iter=1, tol=0)
+    assert not res.converged and res.n_iter == 1 and len(res.errors) == 1
+    assert math.isfinite(float(res.cost))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(eps=0.0), "eps"), (dict(eps=float("nan")), "eps"),
+    (dict(eps=0.1, max_iter=0), "max_iter"), (dict(eps=0.1, tol=-1.0), "tol"),
+    (dict(eps=0.1, a=np.ones(3)), "a must have shape"),
+    (dict(eps=0.1, b=-np.ones(6)), "non-negative"), (dict(eps=0.1, inner_max_iter=0), "inner_max"),
+])  # fmt: skip
+def test_misuse_is_named(kw, match):
+    x, y = torch.randn(5, 2, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=match):
+        gromov_wasserstein(x, y, **kw)
+
+
+def test_clouds_must_be_finite_and_alike():
+    x, y = torch.randn(5, 2, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="non-finite"):
+        gromov_wasserstein(x.index_fill(0, torch.tensor([1]), math.nan), y, eps=0.1)
+    with pytest.raises(ValueError, match="share dtype"):
+        gromov_wasserstein(x, y.float(), eps=0.1)
+    with pytest.raises(ValueError, match="x must be"):
+        gromov_wasserstein(x[0], y, eps=0.1)
