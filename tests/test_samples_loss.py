@@ -94,7 +94,7 @@ def test_cosine_extension_matches_dense_loop(gen):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(loss="energy"), "loss"),
+        (dict(loss="wasserstein"), "loss"),
         (dict(p=1), "p must be 2"),
         (dict(blur=0), "blur"),
         (dict(reach=-1.0), "reach"),

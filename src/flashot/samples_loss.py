@@ -1,14 +1,17 @@
-"""A drop-in replacement for ``geomloss.SamplesLoss(loss="sinkhorn", p=2)``.
+"""A drop-in replacement for ``geomloss.SamplesLoss``.
 
-Same conventions as GeomLoss 0.3: cost ``|x − y|²/2``, ``ε = blur²``,
-``ρ = reach²``, the ε-scaling schedule from the bounding-box diameter with
-ratio ``scaling`` per step, symmetric updates, one final extrapolation, and
-the debiased cost. The solve streams through a flashot backend instead of
-materializing cost matrices.
+Same conventions as GeomLoss 0.3: for ``"sinkhorn"`` (p = 2) the cost ``|x − y|²/2``,
+``ε = blur²``, ``ρ = reach²``, the ε-scaling schedule from the bounding-box diameter
+with ratio ``scaling`` per step, symmetric updates, one final extrapolation, and the
+debiased cost; the solve streams through a flashot backend instead of materializing
+cost matrices. The kernel norms (``"energy"``, ``"gaussian"``, ``"laplacian"``) and the
+Hausdorff divergence (``"hausdorff"``, p = 1 or 2) stream PyTorch tiles
+(:mod:`flashot.backends.kernel_sums`).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -18,6 +21,7 @@ from flashot.autodiff.functions import dual_term
 from flashot.autodiff.second_order import exact_second_order, packed_piece
 from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
+from flashot.backends.kernel_sums import KERNELS, cost_of, kernel_matvec, softmin
 from flashot.divergence import debiased_potentials
 from flashot.geometry.costs import bounding_diameter, box_diameter, get_cost
 from flashot.ops import compiled_loss, encodable
@@ -32,16 +36,33 @@ from flashot.problem import (
 )
 from flashot.solver.loop import geomloss_schedule
 
-__all__ = ["SamplesLoss"]
+__all__ = ["LOSSES", "SamplesLoss"]
+
+#: the losses :class:`SamplesLoss` computes (GeomLoss' names)
+LOSSES = ("sinkhorn", "energy", "gaussian", "laplacian", "hausdorff")
 
 
 class SamplesLoss(torch.nn.Module):
-    """Sinkhorn loss between sampled measures, GeomLoss-compatible.
+    """Losses between sampled measures, GeomLoss-compatible.
 
     Args:
-        loss: only ``"sinkhorn"``.
-        p: only 2 (the cost is ``|x − y|²/2``).
-        blur: ε = blur² (> 0).
+        loss: ``"sinkhorn"`` (the debiased Sinkhorn divergence or OT_ε), the kernel
+            norms ``"energy"`` (``k = −|x − y|``), ``"gaussian"``
+            (``exp(−|x − y|²/2 blur²)``), ``"laplacian"`` (``exp(−|x − y|/blur)``), or
+            ``"hausdorff"``: ``½⟨a, s_b(x) − s_a(x)⟩ + ½⟨b, s_a(y) − s_b(y)⟩`` with the soft
+            distance ``s_μ(z) = −ε log Σ_k μ_k exp(−C(z, z_k)/ε)``, ``C = |x − y|^p/p``,
+            ε = blur^p (Feydy et al. 2019; GeomLoss 0.3.1's own fails with ``KeyError``).
+            A kernel norm is ``½⟨a, K_xx a⟩ + ½⟨b, K_yy b⟩ − ⟨a, K_xy b⟩``; GeomLoss
+            clamps distances at 1e-4 (so its self terms see k(1e-4) on their diagonals,
+            −1e-4 instead of 0 for the energy); flashot uses the exact 0, with the
+            same gradients. Kernel norms and Hausdorff take
+            exact derivatives (twice) by autograd through checkpointed tiles; their
+            weights are used as given (GeomLoss'), uniform 1/N when omitted; the
+            Sinkhorn options (``reach``, ``scaling``, ``diameter``, ``debias``,
+            ``backend``, ``precision``) do not apply to them.
+        p: 2 for ``"sinkhorn"`` (the cost ``|x − y|²/2``); 1 or 2 for ``"hausdorff"``
+            (``|x − y|^p/p``, ε = blur^p); ignored by the kernel norms (as GeomLoss).
+        blur: ε = blur² (> 0); the kernels' σ.
         reach: None (balanced) or the KL relaxation scale, ρ = reach².
         diameter: the data diameter for the ε schedule, or None to measure it (the
             joint bounding box's diagonal, read with the input checks). On CUDA the
@@ -54,7 +75,7 @@ class SamplesLoss(torch.nn.Module):
             effect: it truncates kernels in GeomLoss' multiscale mode, and flashot
             always solves the full problem.
         cost: None (``|x − y|²/2``) or ``"cosine"`` (1 − cos(x, y)).
-        kernel: only None (GeomLoss' kernel losses are not Sinkhorn losses).
+        kernel: only None (a custom kernel callable is not supported).
         cluster_scale: only None (GeomLoss' multiscale approximation is not offered).
         debias: return the debiased Sinkhorn divergence (else OT_ε).
         potentials: return the potentials (F, G) instead of the value.
@@ -103,14 +124,20 @@ class SamplesLoss(torch.nn.Module):
         precision: str = "auto",
     ):
         super().__init__()
-        if loss != "sinkhorn":
-            raise ValueError(
-                f"loss must be 'sinkhorn' (flashot computes Sinkhorn losses), got {loss!r}"
-            )
-        if p != 2:
-            raise ValueError(f"p must be 2 (the cost |x-y|^2/2), got {p!r}")
-        if cost not in (None, "cosine"):
-            raise ValueError(f"cost must be None or 'cosine', got {cost!r}")
+        if loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+        if loss == "sinkhorn" and p != 2:
+            raise ValueError(f"p must be 2 for loss='sinkhorn' (the cost |x-y|^2/2; p=1 is not "
+                             f"available yet), got {p!r}")  # fmt: skip
+        if loss != "sinkhorn" and p not in (1, 2):
+            raise ValueError(f"p must be 1 or 2, got {p!r}")
+        if cost not in (None, "cosine") or (cost is not None and loss != "sinkhorn"):
+            raise ValueError(f"cost must be None{' or cosine' if loss == 'sinkhorn' else ''} "
+                             f"for loss={loss!r}, got {cost!r}")  # fmt: skip
+        if loss != "sinkhorn" and reach is not None:
+            raise ValueError(f"reach applies to loss='sinkhorn' only, not to {loss!r}")
+        if loss == "hausdorff" and potentials:
+            raise ValueError("potentials=True is not available for loss='hausdorff'")
         if truncate is not None and not (isinstance(truncate, (int, float)) and truncate > 0):
             raise ValueError(f"truncate must be None or a number > 0, got {truncate!r}")
         if kernel is not None:
@@ -134,13 +161,15 @@ class SamplesLoss(torch.nn.Module):
         if not (isinstance(scaling, (int, float)) and 0 < scaling < 1):
             raise ValueError(f"scaling must be in (0, 1), got {scaling!r}")
         self.scaling, self.debias, self.potentials = float(scaling), bool(debias), bool(potentials)
+        self.loss, self.p = loss, int(p)
         self.backend, self.precision = backend, precision
         self.cost = get_cost("half_sqeuclidean" if cost is None else cost)
         # what a flashot::loss node needs to rebuild this loss (None: no node, eager call)
         node = dict(blur=self.blur, reach=self.reach, diameter=self.diameter,
                     scaling=self.scaling, cost=cost, debias=self.debias,
                     backend=self.backend, precision=precision)  # fmt: skip
-        self._node_options = None if potentials or verbose or not encodable(node) else node
+        self._node_options = (None if potentials or verbose or loss != "sinkhorn"
+                              or not encodable(node) else node)  # fmt: skip
 
     def extra_repr(self) -> str:
         """Options shown by ``repr``."""
@@ -184,12 +213,21 @@ class SamplesLoss(torch.nn.Module):
                 "x and y must both be batched or both not, "
                 f"got shapes {tuple(x.shape)}, {tuple(y.shape)}"
             )
-        if x.dim() == 2:
-            return self._single(a, x, b, y)
-        if x.shape[0] != y.shape[0]:
+        if x.dim() == 3 and x.shape[0] != y.shape[0]:
             raise ValueError(
                 f"x and y must have the same batch size, got {x.shape[0]} and {y.shape[0]}"
             )
+        if self.loss != "sinkhorn":  # (kernel norms and Hausdorff: no solve)
+            if x.dim() == 2:
+                return self._kernel_loss(a, x, b, y)
+            items = [self._kernel_loss(None if a is None else _batch_item(a, i, "a"), x[i],
+                                       None if b is None else _batch_item(b, i, "b"), y[i])
+                     for i in range(x.shape[0])]  # fmt: skip
+            if self.potentials:
+                return torch.stack([f for f, _ in items]), torch.stack([g for _, g in items])
+            return torch.stack(items)
+        if x.dim() == 2:
+            return self._single(a, x, b, y)
         temps = self._schedule(x, y)  # one diameter for the whole batch, as GeomLoss
         return self._batched(a, x, b, y, temps)  # one packed solve (flashot.batched)
 
@@ -215,6 +253,29 @@ class SamplesLoss(torch.nn.Module):
         temps = geomloss_schedule(max(diameter, self.blur), self.blur**2, self.scaling)
         self._say(x, y, temps)
         return temps
+
+    def _kernel_loss(self, a, x, b, y):
+        r"""GeomLoss' kernel norms and the Hausdorff divergence of one (N, D) pair.
+
+        Kernel norms (``"energy"``: ``k = −|x − y|``, ``"gaussian"``:
+        ``exp(−|x − y|²/2σ²)``, ``"laplacian"``: ``exp(−|x − y|/σ)``, σ = blur):
+        ``½⟨a, K_xx a⟩ + ½⟨b, K_yy b⟩ − ⟨a, K_xy b⟩``; potentials
+        ``(K_xx a − K_xy b, K_yy b − K_yx a)``. Hausdorff, with the soft distance
+        ``s_μ(z) = −ε log Σ_k μ_k exp(−C(z, z_k)/ε)``, ``C = |x − y|^p/p``, ε = blur^p:
+        ``½⟨a, s_b(x) − s_a(x)⟩ + ½⟨b, s_a(y) − s_b(y)⟩``.
+        """
+        x, y, a, b = check_kernel_inputs(a, x, b, y)
+        if self.loss == "hausdorff":
+            eps, cost = self.blur**self.p, cost_of(self.p)
+            on_x = softmin(x, y, b, eps, cost) - softmin(x, x, a, eps, cost)
+            on_y = softmin(y, x, a, eps, cost) - softmin(y, y, b, eps, cost)
+            return 0.5 * ((a * on_x).sum() + (b * on_y).sum())
+        kernel = functools.partial(KERNELS[self.loss], blur=self.blur)
+        a_x, b_x = kernel_matvec(x, x, a, kernel), kernel_matvec(x, y, b, kernel)
+        b_y, a_y = kernel_matvec(y, y, b, kernel), kernel_matvec(y, x, a, kernel)
+        if self.potentials:
+            return a_x - b_x, b_y - a_y
+        return 0.5 * ((a * a_x).sum() + (b * b_y).sum()) - (a * b_x).sum()
 
     def _single(self, a, x, b, y, temps=None):
         """One (N, D) problem; ``temps``: its ε schedule, or None for this call's own."""
@@ -286,6 +347,35 @@ class SamplesLoss(torch.nn.Module):
         value = value.reshape(-1, bsz)
         value = value[0] - 0.5 * (value[1] + value[2]) if self.debias else value[0]
         return value
+
+
+def check_kernel_inputs(a, x, b, y):
+    """``(x, y, a, b)`` checked for a kernel loss.
+
+    Finite clouds of one dtype, device and dimension; weights of their shapes (uniform
+    ``1/N`` when None, as GeomLoss).
+    """
+    for t, name in ((x, "x"), (y, "y")):
+        if not t.dtype.is_floating_point or t.shape[0] == 0 or t.shape[1] == 0:
+            raise ValueError(f"{name} must be a non-empty floating-point (N, D) tensor")
+        if not bool(torch.isfinite(t.detach()).all()):
+            raise ValueError(f"{name} holds non-finite coordinates")
+    if x.shape[1] != y.shape[1] or (x.dtype, x.device) != (y.dtype, y.device):
+        raise ValueError(f"x and y must share dimension, dtype and device, got "
+                         f"{tuple(x.shape)} {x.dtype} {x.device} and {tuple(y.shape)} "
+                         f"{y.dtype} {y.device}")  # fmt: skip
+    out = []
+    for w, pts, name in ((a, x, "a"), (b, y, "b")):
+        if w is None:
+            w = torch.full((len(pts),), 1.0 / len(pts), dtype=pts.dtype, device=pts.device)
+        if not isinstance(w, torch.Tensor) or w.reshape(-1).shape != (len(pts),):
+            raise ValueError(f"{name} must hold {len(pts)} weights, one per point")
+        w = w.reshape(-1).to(pts.dtype)
+        wd = w.detach()
+        if not bool(torch.isfinite(wd).all()) or bool((wd < 0).any()):
+            raise ValueError(f"{name} must be finite, non-negative weights")
+        out.append(w)
+    return x, y, out[0], out[1]
 
 
 def _batch_item(w, i: int, name: str) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""The tiled kernel products and soft-minima against dense float64 formulas."""
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashot.backends.kernel_sums import KERNELS, cost_of, distance, kernel_matvec, softmin
+
+
+def _cloud(seed, n, d):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g, dtype=torch.float64)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 40), m=st.integers(1, 40),
+       d=st.integers(1, 5), budget=st.sampled_from([7, 64, 1 << 20]),
+       name=st.sampled_from(sorted(KERNELS)), blur=st.sampled_from([0.1, 1.0]))  # fmt: skip
+def test_tiles_sum_to_the_dense_product(seed, n, m, d, budget, name, blur):
+    x, y = _cloud(seed, n, d), _cloud(seed + 1, m, d)
+    w = torch.rand(m, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    r = torch.cdist(x, y)
+    dense = {"gaussian": torch.exp(-0.5 * r**2 / blur**2), "laplacian": torch.exp(-r / blur),
+             "energy": -r}[name]  # fmt: skip
+    got = kernel_matvec(x, y, w, functools.partial(KERNELS[name], blur=blur), budget=budget)
+    torch.testing.assert_close(got, dense @ w, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 30), m=st.integers(1, 30),
+       d=st.integers(1, 4), budget=st.sampled_from([5, 100, 1 << 20]), p=st.sampled_from([1, 2]),
+       eps=st.sampled_from([0.01, 0.3, 5.0]))  # fmt: skip
+def test_softmin_is_the_dense_log_sum_exp(seed, n, m, d, budget, p, eps):
+    x, y = _cloud(seed, n, d), _cloud(seed + 1, m, d)
+    w = torch.rand(m, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) + 0.01
+    c = torch.cdist(x, y) ** p / p
+    dense = -eps * torch.logsumexp(torch.log(w)[None, :] - c / eps, dim=1)
+    got = softmin(x, y, w, eps, cost_of(p), budget=budget)
+    torch.testing.assert_close(got, dense, rtol=1e-12, atol=1e-12)
+
+
+def test_gradients_twice_match_the_dense_formula():
+    x = _cloud(0, 9, 3).requires_grad_(True)
+    y = _cloud(1, 7, 3).requires_grad_(True)
+    w = torch.rand(7, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(9, 3, dtype=torch.float64)
+
+    def dense(x, y, w):  # (cdist has no double backward)
+        r = (x[:, None, :] - y[None, :, :]).square().sum(-1).sqrt()
+        return (torch.exp(-r / 0.7) @ w).square().sum()
+
+    def tiled(x, y, w):
+        k = functools.partial(KERNELS["laplacian"], blur=0.7)
+        return kernel_matvec(x, y, w, k, budget=10).square().sum()
+
+    for fn in (dense, tiled):
+        (g,) = torch.autograd.grad(fn(x, y, w), x, create_graph=True)
+        hv = torch.autograd.grad((g * v).sum(), (x, y, w))
+        if fn is dense:
+            ref = (g.detach(), hv)
+        else:
+            torch.testing.assert_close(g, ref[0], rtol=1e-10, atol=1e-12)
+            for got, want in zip(hv, ref[1], strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_coincident_points_are_at_distance_zero_with_a_zero_derivative():
+    x = torch.tensor([[1.0, 2.0], [1.0, 2.0], [0.0, 0.0]], dtype=torch.float64,
+                     requires_grad=True)  # fmt: skip
+    r = distance(x, x)
+    assert float(r[0, 1]) == 0.0 and float(r[0, 0]) == 0.0
+    (g,) = torch.autograd.grad(r.sum(), x)
+    assert bool(torch.isfinite(g).all())
+    torch.testing.assert_close(g[0], g[1])  # only the third point pulls them
+
+
+def test_without_autograd_nothing_is_recorded():
+    x, y = _cloud(2, 5, 2), _cloud(3, 4, 2)
+    with torch.inference_mode():
+        out = softmin(x, y, torch.full((4,), 0.25, dtype=torch.float64), 0.5, cost_of(2))
+    assert not out.requires_grad
+
+
+def test_cost_of_names_p():
+    with pytest.raises(ValueError, match="p must be 1 or 2"):
+        cost_of(3)
