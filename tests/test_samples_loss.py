@@ -95,7 +95,7 @@ def test_cosine_extension_matches_dense_loop(gen):
     "kwargs,match",
     [
         (dict(loss="wasserstein"), "loss"),
-        (dict(p=1), "p must be 2"),
+        (dict(p=3), "p must be 1 or 2"),
         (dict(blur=0), "blur"),
         (dict(reach=-1.0), "reach"),
         (dict(scaling=1.5), "scaling"),

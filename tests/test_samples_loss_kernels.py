@@ -131,7 +131,7 @@ def test_batched_kernel_losses_are_the_items():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(loss="mmd"), "loss must be one of"), (dict(loss="energy", p=3), "p must be 1 or 2"),
-    (dict(loss="sinkhorn", p=1), "p=1 is not available"),
+    (dict(loss="sinkhorn", p=1, cost="cosine"), "cost must be None"),
     (dict(loss="gaussian", reach=1.0), "reach applies"),
     (dict(loss="energy", cost="cosine"), "cost must be None"),
     (dict(loss="hausdorff", potentials=True), "potentials"),
@@ -152,3 +152,58 @@ def test_bad_inputs_are_named():
         loss(torch.ones(4), x, torch.ones(4), y)
     with pytest.raises(ValueError, match="non-negative"):
         loss(-torch.ones(5), x, torch.ones(4), y)
+
+
+def _exact_distances(x, y, use_keops=False):
+    """GeomLoss' ``distances`` without its 1e-4 clamp (zero on coincident points)."""
+    sq = (x[..., :, None, :] - y[..., None, :, :]).square().sum(-1)
+    apart = sq > 0
+    return torch.where(apart, torch.where(apart, sq, 1.0).sqrt(), 0.0)
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(2, 25), m=st.integers(2, 25),
+       d=st.integers(1, 3), blur=st.sampled_from([0.05, 0.5]), debias=st.booleans(),
+       scaling=st.sampled_from([0.5, 0.8]))  # fmt: skip
+def test_p1_sinkhorn_is_geomloss(seed, n, m, d, blur, debias, scaling):
+    a, x, b, y = _data(seed, n, m, d, False)
+    a, b = a / a.sum(), b / b.sum()
+    # (GeomLoss clamps distances at 1e-4, which its self problems see on their diagonals)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(geomloss._legacy.sinkhorn_samples, "distances", _exact_distances)
+        _compare_p1(a, x, b, y, blur, debias, scaling)
+
+
+def _compare_p1(a, x, b, y, blur, debias, scaling):
+    out = []
+    for make in (lambda: flashot.SamplesLoss("sinkhorn", p=1, blur=blur, debias=debias,
+                                             scaling=scaling),
+                 lambda: geomloss.SamplesLoss("sinkhorn", p=1, blur=blur, debias=debias,
+                                              scaling=scaling, backend="tensorized")):  # fmt: skip
+        leaves = [t.clone().requires_grad_(True) for t in (a, x, b, y)]
+        value = make()(*leaves)
+        out.append((value.detach(), torch.autograd.grad(value, leaves)))
+    assert float(out[0][0]) == pytest.approx(float(out[1][0]), rel=1e-10, abs=1e-13)
+    for got, want in zip(out[0][1], out[1][1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-11)
+
+
+def test_p1_sinkhorn_against_unpatched_geomloss_differs_by_its_clamp_only():
+    a, x, b, y = _data(4, 30, 25, 3, False)
+    ours = flashot.SamplesLoss("sinkhorn", p=1, blur=0.5)(a, x, b, y)
+    theirs = geomloss.SamplesLoss("sinkhorn", p=1, blur=0.5, backend="tensorized")(a, x, b, y)
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-3)
+    f, g = flashot.SamplesLoss("sinkhorn", p=1, blur=0.5, debias=False, potentials=True)(a, x, b, y)
+    rf, rg = geomloss.SamplesLoss("sinkhorn", p=1, blur=0.5, debias=False, potentials=True,
+                                  backend="tensorized")(a, x, b, y)  # fmt: skip
+    torch.testing.assert_close(f, rf.reshape(-1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g, rg.reshape(-1), rtol=1e-12, atol=1e-12)
+
+
+def test_p1_sinkhorn_batches_and_refuses_reach():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 9, 2, generator=g), torch.randn(2, 7, 2, generator=g)
+    loss = flashot.SamplesLoss("sinkhorn", p=1, blur=0.3)
+    torch.testing.assert_close(loss(x, y), torch.stack([loss(x[i], y[i]) for i in range(2)]))
+    with pytest.raises(ValueError, match="reach"):
+        flashot.SamplesLoss("sinkhorn", p=1, reach=1.0)

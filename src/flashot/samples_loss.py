@@ -35,6 +35,7 @@ from flashot.problem import (
     weights_tensor,
 )
 from flashot.solver.loop import geomloss_schedule
+from flashot.solver.tiled_loop import geomloss_potentials
 
 __all__ = ["LOSSES", "SamplesLoss"]
 
@@ -60,8 +61,12 @@ class SamplesLoss(torch.nn.Module):
             weights are used as given (GeomLoss'), uniform 1/N when omitted; the
             Sinkhorn options (``reach``, ``scaling``, ``diameter``, ``debias``,
             ``backend``, ``precision``) do not apply to them.
-        p: 2 for ``"sinkhorn"`` (the cost ``|x − y|²/2``); 1 or 2 for ``"hausdorff"``
-            (``|x − y|^p/p``, ε = blur^p); ignored by the kernel norms (as GeomLoss).
+        p: 1 or 2: the cost ``|x − y|^p/p``, ε = blur^p, ρ = reach^p, for ``"sinkhorn"``
+            and ``"hausdorff"``; ignored by the kernel norms (as GeomLoss). With p = 1
+            the Sinkhorn loss runs GeomLoss' loop over tiled soft-minima
+            (:mod:`flashot.solver.tiled_loop`: balanced only, no ``cost``, no second
+            derivatives beyond the final extrapolation's, PyTorch tiles on every
+            device); p = 2 streams the attention form through the backends.
         blur: ε = blur² (> 0); the kernels' σ.
         reach: None (balanced) or the KL relaxation scale, ρ = reach².
         diameter: the data diameter for the ε schedule, or None to measure it (the
@@ -126,16 +131,16 @@ class SamplesLoss(torch.nn.Module):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
-        if loss == "sinkhorn" and p != 2:
-            raise ValueError(f"p must be 2 for loss='sinkhorn' (the cost |x-y|^2/2; p=1 is not "
-                             f"available yet), got {p!r}")  # fmt: skip
-        if loss != "sinkhorn" and p not in (1, 2):
+        if isinstance(p, bool) or p not in (1, 2):
             raise ValueError(f"p must be 1 or 2, got {p!r}")
-        if cost not in (None, "cosine") or (cost is not None and loss != "sinkhorn"):
-            raise ValueError(f"cost must be None{' or cosine' if loss == 'sinkhorn' else ''} "
-                             f"for loss={loss!r}, got {cost!r}")  # fmt: skip
+        fused = loss == "sinkhorn" and p == 2  # (the attention form's losses)
+        if cost not in (None, "cosine") or (cost is not None and not fused):
+            raise ValueError(f"cost must be None{' or cosine' if fused else ''} for "
+                             f"loss={loss!r}, p={p!r}, got {cost!r}")  # fmt: skip
         if loss != "sinkhorn" and reach is not None:
             raise ValueError(f"reach applies to loss='sinkhorn' only, not to {loss!r}")
+        if loss == "sinkhorn" and p == 1 and reach is not None:
+            raise ValueError("reach (unbalanced) is not available with p=1 yet")
         if loss == "hausdorff" and potentials:
             raise ValueError("potentials=True is not available for loss='hausdorff'")
         if truncate is not None and not (isinstance(truncate, (int, float)) and truncate > 0):
@@ -168,7 +173,7 @@ class SamplesLoss(torch.nn.Module):
         node = dict(blur=self.blur, reach=self.reach, diameter=self.diameter,
                     scaling=self.scaling, cost=cost, debias=self.debias,
                     backend=self.backend, precision=precision)  # fmt: skip
-        self._node_options = (None if potentials or verbose or loss != "sinkhorn"
+        self._node_options = (None if potentials or verbose or not fused
                               or not encodable(node) else node)  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -217,7 +222,7 @@ class SamplesLoss(torch.nn.Module):
             raise ValueError(
                 f"x and y must have the same batch size, got {x.shape[0]} and {y.shape[0]}"
             )
-        if self.loss != "sinkhorn":  # (kernel norms and Hausdorff: no solve)
+        if self.loss != "sinkhorn" or self.p == 1:  # (tiled: no attention form)
             if x.dim() == 2:
                 return self._kernel_loss(a, x, b, y)
             items = [self._kernel_loss(None if a is None else _batch_item(a, i, "a"), x[i],
@@ -265,10 +270,13 @@ class SamplesLoss(torch.nn.Module):
         ``½⟨a, s_b(x) − s_a(x)⟩ + ½⟨b, s_a(y) − s_b(y)⟩``.
         """
         x, y, a, b = check_kernel_inputs(a, x, b, y)
+        if self.loss == "sinkhorn":  # p = 1: GeomLoss' loop on tiles
+            return self._tiled_sinkhorn(a, x, b, y)
         if self.loss == "hausdorff":
             eps, cost = self.blur**self.p, cost_of(self.p)
-            on_x = softmin(x, y, b, eps, cost) - softmin(x, x, a, eps, cost)
-            on_y = softmin(y, x, a, eps, cost) - softmin(y, y, b, eps, cost)
+            la, lb = torch.log(a), torch.log(b)
+            on_x = softmin(x, y, lb, eps, cost) - softmin(x, x, la, eps, cost)
+            on_y = softmin(y, x, la, eps, cost) - softmin(y, y, lb, eps, cost)
             return 0.5 * ((a * on_x).sum() + (b * on_y).sum())
         kernel = functools.partial(KERNELS[self.loss], blur=self.blur)
         a_x, b_x = kernel_matvec(x, x, a, kernel), kernel_matvec(x, y, b, kernel)
@@ -276,6 +284,24 @@ class SamplesLoss(torch.nn.Module):
         if self.potentials:
             return a_x - b_x, b_y - a_y
         return 0.5 * ((a * a_x).sum() + (b * b_y).sum()) - (a * b_x).sum()
+
+    def _tiled_sinkhorn(self, a, x, b, y):
+        """``SamplesLoss("sinkhorn", p=1)`` by :mod:`flashot.solver.tiled_loop`."""
+        if self.diameter is not None:
+            diameter = self.diameter
+        else:
+            box = torch.cat([x, y]).detach()
+            diameter = float((box.amax(0) - box.amin(0)).norm())
+        temps = geomloss_schedule(max(diameter, self.blur), self.blur**self.p, self.scaling,
+                                  self.p)  # fmt: skip
+        self._say(x, y, temps)
+        pots = geomloss_potentials(a, x, b, y, cost_of(self.p), temps, self.debias)
+        f, g = pots.f_ba, pots.g_ab
+        if pots.f_aa is not None and pots.g_bb is not None:
+            f, g = f - pots.f_aa, g - pots.g_bb
+        if self.potentials:
+            return f, g
+        return (a * f).sum() + (b * g).sum()
 
     def _single(self, a, x, b, y, temps=None):
         """One (N, D) problem; ``temps``: its ε schedule, or None for this call's own."""

@@ -4,7 +4,8 @@ GeomLoss' kernel losses and Hausdorff divergences reduce a function of the dista
 :math:`r_{ij} = |x_i - y_j|` over one cloud:
 
 * :func:`kernel_matvec`: :math:`(K w)_i = \sum_j k(r_{ij})\, w_j`;
-* :func:`softmin`: :math:`s_i = -\varepsilon \log \sum_j w_j e^{-c(r_{ij})/\varepsilon}`.
+* :func:`softmin`: :math:`s_i = -\varepsilon \log \sum_j e^{h_j - c(r_{ij})/\varepsilon}`
+  for log-weights h (:math:`h = \log w`: the soft distance to the measure (w, y)).
 
 Both run over (row block, column tile) pairs with at most ``budget`` elements of
 coordinate differences per tile, each tile under activation checkpointing when a
@@ -104,21 +105,23 @@ def kernel_matvec(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, kernel: Cal
     return torch.cat(rows)
 
 
-def softmin(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float, cost: Callable,
+def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, cost: Callable,
             budget: int = BUDGET) -> torch.Tensor:  # fmt: skip
-    r"""``s_i = −ε log Σ_j w_j exp(−C(x_i, y_j)/ε)``, the soft distance from x_i to (w, y).
+    r"""``s_i = −ε log Σ_j exp(h_j − C(x_i, y_j)/ε)`` (GeomLoss' soft C-transform).
+
+    With ``h = log w`` it is the soft distance from x_i to the measure (w, y); Sinkhorn
+    steps pass ``h = log b + g/ε``.
 
     Args:
-        x: (n, d) rows.  y: (m, d) columns.  w: (m,) nonnegative weights, not all zero.
+        x: (n, d) rows.  y: (m, d) columns.  log_w: (m,) the log-weights h, not all −∞.
         eps: ε > 0.  cost: ``cost(x_block, y_block)`` → the (r, c) cost tile.
         budget: the largest tile of coordinate differences, in elements.
 
     Returns:
-        (n,); differentiable (twice) in x, y and w.
+        (n,); differentiable (twice) in x, y and h.
     """
     n, m = x.shape[0], y.shape[0]
     bm, bn = _tiles(n, m, x.shape[1], budget)
-    log_w = torch.log(w)
 
     def tile(xb, yb, lw):
         return torch.logsumexp(lw[None, :] - cost(xb, yb) / eps, dim=1)

@@ -39,16 +39,16 @@ class EpsilonScaling:
             raise ValueError(f"diameter must be finite and > 0, got {self.diameter!r}")
 
 
-def geomloss_schedule(diameter: float, eps: float, scaling: float) -> list[float]:
-    """GeomLoss' temperature list for p = 2: ``[D², exp(2 log D − 2k log(1/s))…, ε]``.
+def geomloss_schedule(diameter: float, eps: float, scaling: float, p: int = 2) -> list[float]:
+    """GeomLoss' temperature list: ``[D^p, exp(p log D − p k log(1/s))…, ε]``.
 
     Args:
         diameter: D > 0.
-        eps: final temperature ε = blur².
+        eps: final temperature ε = blur^p.
         scaling: ratio of successive blurs, in (0, 1).
+        p: the cost's exponent (``|x − y|^p / p``).
     """
-    p = 2
-    blur = math.sqrt(eps)
+    blur = eps ** (1.0 / p)
     count = max(0.0, math.log(diameter / blur) / math.log(1 / scaling))
     if count > MAX_SCHEDULE:
         raise ValueError(
