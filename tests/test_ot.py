@@ -728,3 +728,27 @@ def test_a_solve_inside_the_callers_cuda_graph_is_refused_clearly():
         flashot.sinkhorn(x, y, eps=0.1, max_iter=5, tol=None)
     after = flashot.sinkhorn(x, y, eps=0.1, max_iter=5, tol=None).cost  # still works
     assert rel(after.cpu(), before.cpu()) < 1e-6
+
+
+def test_learned_feature_maps_train_through_the_cost():
+    """``|φ(x) − ψ(y)|²`` for modules φ, ψ: the attention form on their features, with
+    gradients to their parameters equal to a dense float64 solve's."""
+    torch.manual_seed(0)
+    x, y = torch.randn(30, 5, dtype=torch.float64), torch.randn(25, 3, dtype=torch.float64)
+    phi = torch.nn.Linear(5, 2, dtype=torch.float64)
+    psi = torch.nn.Sequential(torch.nn.Linear(3, 4, dtype=torch.float64), torch.nn.Tanh(),
+                              torch.nn.Linear(4, 2, dtype=torch.float64))  # fmt: skip
+    params = [*phi.parameters(), *psi.parameters()]
+    cost = flashot.sinkhorn(phi(x), psi(y), eps=0.5, tol=1e-12).cost
+    got = torch.autograd.grad(cost, params)
+    a, b = torch.full((30,), 1 / 30, dtype=F64), torch.full((25,), 1 / 25, dtype=F64)
+    with torch.no_grad():
+        c = dense_cost(phi(x), psi(y), "sqeuclidean")
+        f, g = sinkhorn_dense(c, a, b, 0.5, (None, None))
+        plan = plan_dense(c, a, b, f, g, 0.5)
+    assert rel(cost, entropic_ot(phi(x), psi(y), a, b, 0.5)) < 1e-10
+    # envelope theorem: dOT/dθ = Σ P_ij ∂C_ij/∂θ at the dense plan
+    diff = phi(x)[:, None, :] - psi(y)[None, :, :]
+    want = torch.autograd.grad((plan * diff.square().sum(-1)).sum(), params)
+    for gr, w in zip(got, want, strict=True):
+        torch.testing.assert_close(gr, w, rtol=1e-8, atol=1e-12)
