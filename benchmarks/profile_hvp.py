@@ -60,3 +60,33 @@ dev = sum(e.self_device_time_total for e in ev) / 1e3
 print(f"wall {wall * 1e3:.1f} ms, device kernels {dev:.1f} ms")
 print(ev.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
 print(ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+
+# SWEEP=1: the plan_vjp kernel's open levers (NOTES.md, second order): value products in
+# TF32 instead of 3xTF32, and its tiles; each with one plan_vjp's time, the whole HVP's
+# time and the HVP's error against the same double backward in float64
+if os.environ.get("SWEEP"):
+    import flashot.backends.triton._vjp as vjp
+
+    def hvp_of(xx, yy, vv):
+        xl = xx.detach().requires_grad_()
+        (gg,) = torch.autograd.grad(loss(xl, yy), xl, create_graph=True)
+        return lambda: torch.autograd.grad((gg * vv).sum(), xl, retain_graph=True)[0]
+
+    ref = hvp_of(x.double(), y.double(), v.double())().float()
+    rows = []
+    for value_dot in (None, "tf32"):
+        for tiles in ((32, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 3)):
+            vjp.VALUE_DOT, vjp.TILES = value_dot, tiles
+            run = hvp_of(x, y, v)
+            err = float((run() - ref).norm() / ref.norm())
+            t_hvp = do_bench(run, return_mode="median")
+            t_vjp = do_bench(
+                lambda: be.plan_vjp(form, r, h, torch.ones_like(r), torch.exp(lw), 0.09,
+                                    r.new_ones(N, 1), r[:, None], frozenset({"row_k", "col"})),
+                return_mode="median",
+            )  # fmt: skip
+            rows.append((value_dot or "3xTF32", tiles, t_vjp, t_hvp, err))
+    print("| value products | tiles (M, N, warps, stages) | plan_vjp ms | HVP ms | HVP rel. err |")
+    print("|---|---|---|---|---|")
+    for vd, tl_, tv, th, e in rows:
+        print(f"| {vd} | {tl_} | {tv:.3f} | {th:.1f} | {e:.2e} |")

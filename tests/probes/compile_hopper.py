@@ -120,7 +120,10 @@ def variants():
 
     yield _vjp._plan_vjp_kernel, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=64, BLOCK_P=32, P_CHUNKS=2,
                                       SPLIT=True, WITH_K=True, PRECISION="tf32x3",
-                                      EXTRA_SIDE=1), False  # fmt: skip
+                                      V_PRECISION="tf32x3", EXTRA_SIDE=1), False  # fmt: skip
+    yield _vjp._plan_vjp_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, BLOCK_P=64, P_CHUNKS=1,
+                                      SPLIT=False, WITH_K=True, PRECISION="tf32x3",
+                                      V_PRECISION="tf32", EXTRA_SIDE=0), False  # fmt: skip
 
     yield _triples._triple_kernel, dict(WIDTH=_triples.TRIPLE_WIDTH,
                                         BLOCK_N=_triples.BLOCK_N), False  # fmt: skip

@@ -42,20 +42,20 @@ def test_the_steps_are_pots(seed, eps):
 
 def test_the_debiased_barycenter_is_a_stationary_point_of_the_divergences():
     ys, ws, x0 = _clouds(2)
-    res = free_support_barycenter(ys, x0, eps=0.5, cloud_weights=ws, debias=True,
-                                  max_iter=400, tol=1e-8, warn=False, **INNER)  # fmt: skip
+    res = free_support_barycenter(ys, x0, eps=1.0, cloud_weights=ws, debias=True,
+                                  max_iter=400, tol=1e-6, warn=False, **INNER)  # fmt: skip
     x = res.points.clone().requires_grad_(True)
     total = sum(flashot.sinkhorn_divergence(x, torch.tensor(y), res.weights, torch.tensor(w),
-                                            eps=0.5, tol=1e-12, max_iter=100000)
+                                            eps=1.0, tol=1e-12, max_iter=100000)
                 for y, w in zip(ys, ws, strict=True)) / 3  # fmt: skip
     (grad,) = torch.autograd.grad(total, x)
-    assert float(grad.abs().max()) < 1e-6
+    assert float(grad.abs().max()) < 1e-5
     # (the plain one is not: its entropic bias pulls the points inward)
-    plain = free_support_barycenter(ys, x0, eps=0.5, cloud_weights=ws, max_iter=100,
+    plain = free_support_barycenter(ys, x0, eps=1.0, cloud_weights=ws, max_iter=30,
                                     tol=1e-8, warn=False, **INNER)  # fmt: skip
     x = plain.points.clone().requires_grad_(True)
     total = sum(flashot.sinkhorn_divergence(x, torch.tensor(y), plain.weights,
-                                            torch.tensor(w), eps=0.5, tol=1e-12)
+                                            torch.tensor(w), eps=1.0, tol=1e-12)
                 for y, w in zip(ys, ws, strict=True)) / 3  # fmt: skip
     assert float(torch.autograd.grad(total, x)[0].abs().max()) > 1e-3
 

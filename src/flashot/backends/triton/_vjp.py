@@ -41,6 +41,11 @@ TILES = (32, 64, 4, 2)
 NARROW_TILES = (64, 64, 4, 2)
 #: values wider than this stream in chunks of it (not hoisted)
 P_CHUNK = 32
+#: ``input_precision`` of the two value products per tile (``⟨d_i, v_j⟩`` and ``T k``);
+#: None: the backend's score precision (3xTF32 in fp32 mode). The scores need it (their
+#: error is multiplied by 1/ε in the exponent); whether the value products do is a
+#: measurement left to the GPU (benchmarks/profile_hvp.py sweeps it; NOTES.md)
+VALUE_DOT: str | None = None
 
 
 def _width(size: int) -> int:
@@ -75,9 +80,14 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), dr.stride(0), dr.stride(1),
             vc.stride(0), vc.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_width(d),
             BLOCK_P=block_p, P_CHUNKS=p_chunks, SPLIT=splits > 1, WITH_K=with_k,
-            PRECISION=backend._dot(), EXTRA_SIDE=0 if extra is None else extra_side, **options,
+            PRECISION=backend._dot(), V_PRECISION=_value_dot(backend),
+            EXTRA_SIDE=0 if extra is None else extra_side, **options,
         )  # fmt: skip
     return out_w, (out_k if with_k else None)
+
+
+def _value_dot(backend) -> str:
+    return backend._dot() if VALUE_DOT is None or triton_interpreted() else VALUE_DOT
 
 
 def fused_plan_vjp(
@@ -146,6 +156,7 @@ def _plan_vjp_kernel(
     SPLIT: tl.constexpr,
     WITH_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    V_PRECISION: tl.constexpr,
     EXTRA_SIDE: tl.constexpr,
 ):
     """Row reductions of ``T_ij = E_ij ⟨dr_i, vc_j⟩`` (the backward of a plan product).
@@ -181,7 +192,7 @@ def _plan_vjp_kernel(
                     mask=col_ok[:, None] & (offs_d[None, :] < d), other=0.0)  # fmt: skip
         s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION)
         u = _score_tile(DR, VC, dr_tile, dr_tile, offs_m, offs_n, n, col_hi, p, stride_dn,
-                        stride_dp, stride_vn, stride_vp, BLOCK_P, P_CHUNKS, False, PRECISION,
+                        stride_dp, stride_vn, stride_vp, BLOCK_P, P_CHUNKS, False, V_PRECISION,
                         dr_tile, dr_tile, 0, 0, 1.0, False)  # fmt: skip
         if EXTRA_SIDE == 1:
             u += row_extra[:, None]
@@ -190,7 +201,7 @@ def _plan_vjp_kernel(
         t = tl.exp2(s * scale + rb[:, None] + cb[None, :]) * u
         acc_w += tl.sum(t, 1)
         if WITH_K:
-            acc_k = tl.dot(t, k, acc_k, input_precision=PRECISION)
+            acc_k = tl.dot(t, k, acc_k, input_precision=V_PRECISION)
     ptrs = OUT_K + offs_m[:, None] * d + offs_d[None, :]
     k_ok = row_ok[:, None] & (offs_d[None, :] < d)
     if SPLIT:
