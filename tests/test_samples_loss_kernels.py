@@ -200,10 +200,28 @@ def test_p1_sinkhorn_against_unpatched_geomloss_differs_by_its_clamp_only():
     torch.testing.assert_close(g, rg.reshape(-1), rtol=1e-12, atol=1e-12)
 
 
-def test_p1_sinkhorn_batches_and_refuses_reach():
+@pytest.mark.parametrize("reach", [None, 1.0])
+def test_p1_sinkhorn_batches(reach):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(2, 9, 2, generator=g), torch.randn(2, 7, 2, generator=g)
-    loss = flashot.SamplesLoss("sinkhorn", p=1, blur=0.3)
+    loss = flashot.SamplesLoss("sinkhorn", p=1, blur=0.3, reach=reach)
     torch.testing.assert_close(loss(x, y), torch.stack([loss(x[i], y[i]) for i in range(2)]))
-    with pytest.raises(ValueError, match="reach"):
-        flashot.SamplesLoss("sinkhorn", p=1, reach=1.0)
+
+
+@pytest.mark.parametrize("debias", [True, False])
+def test_p1_relaxed_sinkhorn_is_geomloss_value_with_flashots_gradient(debias):
+    a, x, b, y = _data(6, 14, 11, 2, False)
+    blur, reach = 0.3, 0.7
+    eps, rho = blur, reach
+    out = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(geomloss._legacy.sinkhorn_samples, "distances", _exact_distances)
+        for make in (flashot.SamplesLoss, lambda *a, **k: geomloss.SamplesLoss(
+                *a, **k, backend="tensorized")):  # fmt: skip
+            xl = x.clone().requires_grad_(True)
+            value = make("sinkhorn", p=1, blur=blur, reach=reach, debias=debias)(a, xl, b, y)
+            out.append((value.detach(), torch.autograd.grad(value, xl)[0]))
+    assert float(out[0][0]) == pytest.approx(float(out[1][0]), rel=1e-10)
+    # GeomLoss 0.3.1 scales its relaxed gradient by (ρ + ε/2)/(ρ + ε) (autodiff.functions.dual_term)
+    torch.testing.assert_close(out[0][1] * (rho + eps / 2) / (rho + eps), out[1][1], rtol=1e-8,
+                               atol=1e-11)  # fmt: skip

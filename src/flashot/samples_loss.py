@@ -64,7 +64,7 @@ class SamplesLoss(torch.nn.Module):
         p: 1 or 2: the cost ``|x − y|^p/p``, ε = blur^p, ρ = reach^p, for ``"sinkhorn"``
             and ``"hausdorff"``; ignored by the kernel norms (as GeomLoss). With p = 1
             the Sinkhorn loss runs GeomLoss' loop over tiled soft-minima
-            (:mod:`flashot.solver.tiled_loop`: balanced only, no ``cost``, no second
+            (:mod:`flashot.solver.tiled_loop`: no ``cost``, no second
             derivatives beyond the final extrapolation's, PyTorch tiles on every
             device); p = 2 streams the attention form through the backends.
         blur: ε = blur² (> 0); the kernels' σ.
@@ -139,8 +139,6 @@ class SamplesLoss(torch.nn.Module):
                              f"loss={loss!r}, p={p!r}, got {cost!r}")  # fmt: skip
         if loss != "sinkhorn" and reach is not None:
             raise ValueError(f"reach applies to loss='sinkhorn' only, not to {loss!r}")
-        if loss == "sinkhorn" and p == 1 and reach is not None:
-            raise ValueError("reach (unbalanced) is not available with p=1 yet")
         if loss == "hausdorff" and potentials:
             raise ValueError("potentials=True is not available for loss='hausdorff'")
         if truncate is not None and not (isinstance(truncate, (int, float)) and truncate > 0):
@@ -295,13 +293,17 @@ class SamplesLoss(torch.nn.Module):
         temps = geomloss_schedule(max(diameter, self.blur), self.blur**self.p, self.scaling,
                                   self.p)  # fmt: skip
         self._say(x, y, temps)
-        pots = geomloss_potentials(a, x, b, y, cost_of(self.p), temps, self.debias)
-        f, g = pots.f_ba, pots.g_ab
-        if pots.f_aa is not None and pots.g_bb is not None:
-            f, g = f - pots.f_aa, g - pots.g_bb
+        eps = self.blur**self.p
+        rho = None if self.reach is None else self.reach**self.p
+        pots = geomloss_potentials(a, x, b, y, cost_of(self.p), temps, self.debias, rho)
         if self.potentials:
-            return f, g
-        return (a * f).sum() + (b * g).sum()
+            if pots.f_aa is None or pots.g_bb is None:
+                return pots.f_ba, pots.g_ab
+            return pots.f_ba - pots.f_aa, pots.g_ab - pots.g_bb
+        value = dual_term(pots.f_ba, a, eps, rho) + dual_term(pots.g_ab, b, eps, rho)
+        if pots.f_aa is not None and pots.g_bb is not None:
+            value = value - dual_term(pots.f_aa, a, eps, rho) - dual_term(pots.g_bb, b, eps, rho)
+        return value
 
     def _single(self, a, x, b, y, temps=None):
         """One (N, D) problem; ``temps``: its ε schedule, or None for this call's own."""

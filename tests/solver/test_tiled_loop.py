@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import flashot
+from flashot.autodiff.functions import dual_term
 from flashot.backends.kernel_sums import cost_of
 from flashot.solver.schedule import geomloss_schedule
 from flashot.solver.tiled_loop import geomloss_potentials
@@ -36,3 +37,26 @@ def test_p2_tiles_give_the_streamed_potentials_and_gradients(debias):
     (mine,) = torch.autograd.grad(value, xl)
     (theirs,) = torch.autograd.grad(ref, xr)
     torch.testing.assert_close(mine, theirs, rtol=1e-8, atol=1e-11)
+
+
+@pytest.mark.parametrize("debias", [True, False])
+def test_relaxed_p2_tiles_give_the_streamed_values_and_gradients(debias):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(19, 2, generator=g, dtype=torch.float64)
+    y = torch.randn(15, 2, generator=g, dtype=torch.float64) + 0.5
+    a = torch.rand(19, generator=g, dtype=torch.float64) + 0.1
+    b = 2 * torch.rand(15, generator=g, dtype=torch.float64) + 0.1
+    opts = dict(blur=0.4, reach=0.8, scaling=0.6, debias=debias, diameter=5.0, backend="torch")
+    temps = geomloss_schedule(5.0, 0.16, 0.6)
+    leaves = [t.clone().requires_grad_(True) for t in (a, x, b, y)]
+    pots = geomloss_potentials(*leaves, cost_of(2), temps, debias, rho=0.64)
+    la, _, lb, _ = leaves
+    value = dual_term(pots.f_ba, la, 0.16, 0.64) + dual_term(pots.g_ab, lb, 0.16, 0.64)
+    if debias:
+        value = value - dual_term(pots.f_aa, la, 0.16, 0.64) - dual_term(pots.g_bb, lb, 0.16, 0.64)
+    ref_leaves = [t.clone().requires_grad_(True) for t in (a, x, b, y)]
+    ref = flashot.SamplesLoss(**opts)(*ref_leaves)
+    assert float(value) == pytest.approx(float(ref), rel=1e-10)
+    for mine, theirs in zip(torch.autograd.grad(value, leaves),
+                            torch.autograd.grad(ref, ref_leaves), strict=True):  # fmt: skip
+        torch.testing.assert_close(mine, theirs, rtol=1e-8, atol=1e-11)

@@ -9,8 +9,9 @@ temperatures, initialization, averaged updates and final extrapolation as its
 in O((n + m) d) memory and PyTorch tiles on any device.
 
 The iterations run without autograd; the final extrapolation is differentiated, with
-the costs' second arguments detached as GeomLoss does, so the gradients are GeomLoss'
-envelope gradients.
+the costs' second arguments detached as GeomLoss does, so that the values of
+:func:`~flashot.autodiff.functions.dual_term` at these potentials have the envelope
+gradients (balanced: GeomLoss'; relaxed: flashot's convention, see there).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def geomloss_potentials(
     cost: Callable,
     temps: list[float],
     debias: bool,
+    rho: float | None = None,
 ) -> GeomLossPotentials:
     r"""Symmetric Sinkhorn steps over ``temps``, then one differentiable extrapolation.
 
@@ -55,12 +57,15 @@ def geomloss_potentials(
         cost: ``cost(x_block, y_block)`` → (r, c) cost tile (``|x − y|^p / p``).
         temps: the temperatures, ending at the final ε.
         debias: also solve the self problems (a, a) and (b, b).
+        rho: ρ of the KL-relaxed marginals (both sides), or None (balanced): every
+            soft-minimum is then damped by ``λ = 1/(1 + ε/ρ)``.
     """
     la, lb = torch.log(a).detach(), torch.log(b).detach()
     xd, yd = x.detach(), y.detach()
 
     def soft(rows, cols, log_w, eps):
-        return softmin(rows, cols, log_w, eps, cost)
+        damping = 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
+        return damping * softmin(rows, cols, log_w, eps, cost)
 
     with torch.no_grad():
         eps = temps[0]
