@@ -225,3 +225,42 @@ def test_p1_relaxed_sinkhorn_is_geomloss_value_with_flashots_gradient(debias):
     # GeomLoss 0.3.1 scales its relaxed gradient by (ρ + ε/2)/(ρ + ε) (autodiff.functions.dual_term)
     torch.testing.assert_close(out[0][1] * (rho + eps / 2) / (rho + eps), out[1][1], rtol=1e-8,
                                atol=1e-11)  # fmt: skip
+
+
+def _log_cost(x, y):
+    """``log(1 + |x − y|²)`` on (…, N, D), (…, M, D) blocks: GeomLoss' and flashot's shapes."""
+    return torch.log1p((x[..., :, None, :] - y[..., None, :, :]).square().sum(-1))
+
+
+@pytest.mark.parametrize("debias", [True, False])
+def test_a_cost_callable_is_geomloss_tensorized(debias):
+    a, x, b, y = _data(9, 13, 10, 2, False)
+    a, b = a / a.sum(), b / b.sum()
+    out = []
+    for make in (flashot.SamplesLoss, lambda *a, **k: geomloss.SamplesLoss(
+            *a, **k, backend="tensorized")):  # fmt: skip
+        leaves = [t.clone().requires_grad_(True) for t in (a, x, b, y)]
+        value = make("sinkhorn", p=2, blur=0.3, cost=_log_cost, debias=debias)(*leaves)
+        out.append((value.detach(), torch.autograd.grad(value, leaves)))
+    assert float(out[0][0]) == pytest.approx(float(out[1][0]), rel=1e-10)
+    for got, want in zip(out[0][1], out[1][1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-11)
+
+
+def test_the_half_square_callable_is_the_streamed_p2_loss():
+    a, x, b, y = _data(10, 12, 9, 3, False)
+    out = []
+    for cost in (None, lambda u, v: 0.5 * torch.cdist(u, v) ** 2):
+        xl = x.clone().requires_grad_(True)
+        value = flashot.SamplesLoss(blur=0.4, cost=cost, backend="torch")(a, xl, b, y)
+        out.append((value.detach(), torch.autograd.grad(value, xl)[0]))
+    assert float(out[0][0]) == pytest.approx(float(out[1][0]), rel=1e-10)
+    torch.testing.assert_close(out[0][1], out[1][1], rtol=1e-8, atol=1e-11)
+
+
+def test_a_cost_callable_must_return_its_tile():
+    loss = flashot.SamplesLoss(cost=lambda u, v: (u @ v.T).sum())
+    with pytest.raises(ValueError, match=r"cost\(x, y\) must return an \(5, 4\) tensor"):
+        loss(torch.randn(5, 2), torch.randn(4, 2))
+    with pytest.raises(ValueError, match="cost callable applies"):
+        flashot.SamplesLoss("energy", cost=_log_cost)

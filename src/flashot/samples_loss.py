@@ -79,7 +79,12 @@ class SamplesLoss(torch.nn.Module):
         truncate: accepted for GeomLoss compatibility (None or > 0) and without
             effect: it truncates kernels in GeomLoss' multiscale mode, and flashot
             always solves the full problem.
-        cost: None (``|x − y|²/2``) or ``"cosine"`` (1 − cos(x, y)).
+        cost: None (``|x − y|^p/p``), ``"cosine"`` (1 − cos(x, y); p = 2 Sinkhorn), or a
+            callable ``cost(x_block, y_block)`` → the (r, c) cost tile of (r, D) and (c, D)
+            blocks, for ``"sinkhorn"`` and ``"hausdorff"`` (GeomLoss' tensorized ``cost``,
+            but on 2-D blocks): it runs in checkpointed PyTorch tiles like p = 1, with
+            ε = blur^p and the schedule from the point cloud's diameter^p, and must be
+            differentiable by autograd (twice for second derivatives).
         kernel: only None (a custom kernel callable is not supported).
         cluster_scale: only None (GeomLoss' multiscale approximation is not offered).
         debias: return the debiased Sinkhorn divergence (else OT_ε).
@@ -133,10 +138,15 @@ class SamplesLoss(torch.nn.Module):
             raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
         if isinstance(p, bool) or p not in (1, 2):
             raise ValueError(f"p must be 1 or 2, got {p!r}")
-        fused = loss == "sinkhorn" and p == 2  # (the attention form's losses)
-        if cost not in (None, "cosine") or (cost is not None and not fused):
-            raise ValueError(f"cost must be None{' or cosine' if fused else ''} for "
-                             f"loss={loss!r}, p={p!r}, got {cost!r}")  # fmt: skip
+        custom = callable(cost)
+        if custom and loss not in ("sinkhorn", "hausdorff"):
+            raise ValueError(f"a cost callable applies to 'sinkhorn' and 'hausdorff', not to "
+                             f"{loss!r}")  # fmt: skip
+        # (the attention form's losses; the others run tiles, flashot.solver.tiled_loop)
+        fused = loss == "sinkhorn" and p == 2 and not custom
+        if not custom and (cost not in (None, "cosine") or (cost is not None and not fused)):
+            raise ValueError(f"cost must be None{' or cosine' if fused else ''} or a callable "
+                             f"for loss={loss!r}, p={p!r}, got {cost!r}")  # fmt: skip
         if loss != "sinkhorn" and reach is not None:
             raise ValueError(f"reach applies to loss='sinkhorn' only, not to {loss!r}")
         if loss == "hausdorff" and potentials:
@@ -144,7 +154,8 @@ class SamplesLoss(torch.nn.Module):
         if truncate is not None and not (isinstance(truncate, (int, float)) and truncate > 0):
             raise ValueError(f"truncate must be None or a number > 0, got {truncate!r}")
         if kernel is not None:
-            raise ValueError("kernel must be None: flashot computes Sinkhorn losses only")
+            raise ValueError("kernel must be None: a custom kernel callable is not supported "
+                             "(loss='energy', 'gaussian' or 'laplacian' name the kernels)")  # fmt: skip
         if cluster_scale is not None:
             raise ValueError("cluster_scale must be None: GeomLoss' multiscale approximation "
                              "is not offered (flashot streams the full problem)")  # fmt: skip
@@ -166,7 +177,9 @@ class SamplesLoss(torch.nn.Module):
         self.scaling, self.debias, self.potentials = float(scaling), bool(debias), bool(potentials)
         self.loss, self.p = loss, int(p)
         self.backend, self.precision = backend, precision
-        self.cost = get_cost("half_sqeuclidean" if cost is None else cost)
+        self.cost = get_cost("half_sqeuclidean" if cost is None or custom else cost)
+        self._tile_cost = _checked_cost(cost) if custom else cost_of(int(p))
+        self._fused = fused
         # what a flashot::loss node needs to rebuild this loss (None: no node, eager call)
         node = dict(blur=self.blur, reach=self.reach, diameter=self.diameter,
                     scaling=self.scaling, cost=cost, debias=self.debias,
@@ -220,7 +233,7 @@ class SamplesLoss(torch.nn.Module):
             raise ValueError(
                 f"x and y must have the same batch size, got {x.shape[0]} and {y.shape[0]}"
             )
-        if self.loss != "sinkhorn" or self.p == 1:  # (tiled: no attention form)
+        if not self._fused:  # (kernel norms, Hausdorff, p = 1 or a cost callable: tiles)
             if x.dim() == 2:
                 return self._kernel_loss(a, x, b, y)
             items = [self._kernel_loss(None if a is None else _batch_item(a, i, "a"), x[i],
@@ -271,7 +284,7 @@ class SamplesLoss(torch.nn.Module):
         if self.loss == "sinkhorn":  # p = 1: GeomLoss' loop on tiles
             return self._tiled_sinkhorn(a, x, b, y)
         if self.loss == "hausdorff":
-            eps, cost = self.blur**self.p, cost_of(self.p)
+            eps, cost = self.blur**self.p, self._tile_cost
             la, lb = torch.log(a), torch.log(b)
             on_x = softmin(x, y, lb, eps, cost) - softmin(x, x, la, eps, cost)
             on_y = softmin(y, x, la, eps, cost) - softmin(y, y, lb, eps, cost)
@@ -295,7 +308,7 @@ class SamplesLoss(torch.nn.Module):
         self._say(x, y, temps)
         eps = self.blur**self.p
         rho = None if self.reach is None else self.reach**self.p
-        pots = geomloss_potentials(a, x, b, y, cost_of(self.p), temps, self.debias, rho)
+        pots = geomloss_potentials(a, x, b, y, self._tile_cost, temps, self.debias, rho)
         if self.potentials:
             if pots.f_aa is None or pots.g_bb is None:
                 return pots.f_ba, pots.g_ab
@@ -375,6 +388,20 @@ class SamplesLoss(torch.nn.Module):
         value = value.reshape(-1, bsz)
         value = value[0] - 0.5 * (value[1] + value[2]) if self.debias else value[0]
         return value
+
+
+def _checked_cost(cost):
+    """A user's ``cost(x_block, y_block)``, each (r, c) tile checked once it is computed."""
+
+    def tile(x, y):
+        c = cost(x, y)
+        if not isinstance(c, torch.Tensor) or c.shape != (x.shape[0], y.shape[0]):
+            got = tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__
+            raise ValueError(f"cost(x, y) must return an ({x.shape[0]}, {y.shape[0]}) tensor "
+                             f"for (r, D) and (c, D) blocks, got {got}")  # fmt: skip
+        return c
+
+    return tile
 
 
 def check_kernel_inputs(a, x, b, y):

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["KERNELS", "cost_of", "distance", "kernel_matvec", "softmin"]
+__all__ = ["KERNELS", "cost_of", "distance", "half_square", "kernel_matvec", "softmin"]
 
 #: the largest tile of coordinate differences, in elements
 BUDGET = 1 << 20
@@ -57,12 +57,17 @@ KERNELS: dict[str, Callable] = {"gaussian": _gaussian, "laplacian": _laplacian,
                                 "energy": _energy}  # fmt: skip
 
 
+def half_square(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``|x_i − y_j|² / 2`` (r, c) from differences."""
+    return 0.5 * (x[:, None, :] - y[None, :, :]).square().sum(-1)
+
+
 def cost_of(p: int) -> Callable:
     """GeomLoss' ``C(x, y) = |x − y|^p / p`` for p = 1 or 2, as a function of two blocks."""
     if p == 1:
         return distance
     if p == 2:
-        return lambda x, y: 0.5 * (x[:, None, :] - y[None, :, :]).square().sum(-1)
+        return half_square
     raise ValueError(f"p must be 1 or 2, got {p!r}")
 
 
