@@ -155,7 +155,7 @@ class SamplesLoss(torch.nn.Module):
             raise ValueError(f"truncate must be None or a number > 0, got {truncate!r}")
         if kernel is not None:
             raise ValueError("kernel must be None: a custom kernel callable is not supported "
-                             "(loss='energy', 'gaussian' or 'laplacian' name the kernels)")  # fmt: skip
+                             "(loss='energy', 'gaussian' or 'laplacian' names one)")  # fmt: skip
         if cluster_scale is not None:
             raise ValueError("cluster_scale must be None: GeomLoss' multiscale approximation "
                              "is not offered (flashot streams the full problem)")  # fmt: skip
