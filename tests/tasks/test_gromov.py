@@ -113,3 +113,16 @@ def test_clouds_must_be_finite_and_alike():
         gromov_wasserstein(x, y.float(), eps=0.1)
     with pytest.raises(ValueError, match="x must be"):
         gromov_wasserstein(x[0], y, eps=0.1)
+
+
+def test_the_plan_answers_in_the_clouds_own_spaces():
+    x, y, a, b = _clouds(8, 12, 9, 3, 2)
+    res = gromov_wasserstein(torch.tensor(x), torch.tensor(y), a, b, eps=0.3, **TIGHT)
+    dense = res.plan.dense()
+    yt = torch.tensor(y)
+    torch.testing.assert_close(res.plan.barycentric_map(), (dense @ yt) / dense.sum(1)[:, None])
+    torch.testing.assert_close(res.plan.T.barycentric_map(),
+                               (dense.T @ torch.tensor(x)) / dense.sum(0)[:, None])  # fmt: skip
+    torch.testing.assert_close(res.plan.row_sums(), torch.tensor(a), rtol=0, atol=1e-10)
+    torch.testing.assert_close(res.plan @ yt, dense @ yt)
+    assert res.plan.shape == (12, 9) and not hasattr(res.plan, "transport_cost")

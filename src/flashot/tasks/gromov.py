@@ -53,7 +53,54 @@ import torch
 
 import flashot
 
-__all__ = ["GromovWassersteinResult", "gromov_wasserstein"]
+__all__ = ["GromovWassersteinPlan", "GromovWassersteinResult", "gromov_wasserstein"]
+
+
+class GromovWassersteinPlan:
+    """The GW plan T (n × m), lazy: products, marginals and maps in the clouds' own spaces.
+
+    The solve's :class:`~flashot.TransportPlan` lives on the embedded points of the last
+    linearization; this view keeps only what means the same for T (no transport cost, no
+    entropic map at new points: those belong to the linearized problem).
+    """
+
+    def __init__(self, plan: flashot.TransportPlan, x: torch.Tensor, y: torch.Tensor):
+        self._plan, self._x, self._y = plan, x, y
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(n, m)``."""
+        return self._plan.shape
+
+    @property
+    def T(self) -> GromovWassersteinPlan:
+        """``Tᵀ`` (m × n), also lazy."""
+        return GromovWassersteinPlan(self._plan.T, self._y, self._x)
+
+    def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
+        """``T @ v`` for v (m,) or (m, p)."""
+        return self._plan @ v
+
+    def row_sums(self) -> torch.Tensor:
+        """``T 1`` (n,)."""
+        return self._plan.row_sums()
+
+    def col_sums(self) -> torch.Tensor:
+        """``Tᵀ 1`` (m,)."""
+        return self._plan.col_sums()
+
+    def barycentric_map(self) -> torch.Tensor:
+        """``Σ_j T_ij y_j / Σ_j T_ij`` (n, d'): x's points carried into y's space."""
+        y = self._y.to(self._plan.row_sums().dtype)
+        return (self._plan @ y) / self._plan.row_sums()[:, None]
+
+    def dense(self, max_elements: int = 10**7) -> torch.Tensor:
+        """The (n, m) matrix, for small problems."""
+        return self._plan.dense(max_elements)
+
+    def __repr__(self) -> str:
+        n, m = self.shape
+        return f"GromovWassersteinPlan(n={n}, m={m})"
 
 
 @dataclass(frozen=True)
@@ -63,8 +110,8 @@ class GromovWassersteinResult:
     Attributes:
         cost: ``GW(T) = Σ_ijkl (C^x_ik − C^y_jl)² T_ij T_kl`` at the returned plan (0-dim;
             POT's ``gw_dist``).
-        plan: the plan T, a lazy :class:`~flashot.TransportPlan` (``plan @ V``,
-            ``plan.row_sums()``, ``plan.dense()`` when small).
+        plan: the plan T, a lazy :class:`GromovWassersteinPlan` (``plan @ V``,
+            ``plan.row_sums()``, ``plan.barycentric_map()``, ``plan.dense()`` when small).
         n_iter: outer iterations run (each one entropic OT solve).
         converged: the relative change of ``M(T)`` fell under ``tol``.
         errors: that relative change at every outer iteration.
@@ -73,7 +120,7 @@ class GromovWassersteinResult:
     """
 
     cost: torch.Tensor
-    plan: flashot.TransportPlan
+    plan: GromovWassersteinPlan
     n_iter: int
     converged: bool
     errors: list[float] = field(default_factory=list)
@@ -194,6 +241,7 @@ def gromov_wasserstein(
 
 def _solve(x, y, a, b, eps, relative_eps, max_iter, tol, inner_tol, inner_max_iter, backend,
            precision, warn) -> GromovWassersteinResult:  # fmt: skip
+    x0, y0 = x, y
     # (GW depends on the inner costs only: centering keeps the moments well conditioned)
     x = x - (a[:, None] * x).sum(0)
     y = y - (b[:, None] * y).sum(0)
@@ -246,7 +294,8 @@ def _solve(x, y, a, b, eps, relative_eps, max_iter, tol, inner_tol, inner_max_it
     cross = (phi_x.T @ both[:, psi_y.shape[1] :].to(x.dtype) * m_t).sum()
     rows, cols = plan.row_sums().to(x.dtype), plan.col_sums().to(x.dtype)
     value = (rows * u).sum() + (cols * w).sum() - 2.0 * cross
-    return GromovWassersteinResult(value, plan, len(errors), converged, errors, inner, eps)
+    return GromovWassersteinResult(value, GromovWassersteinPlan(plan, x0, y0), len(errors),
+                                   converged, errors, inner, eps)  # fmt: skip
 
 
 def _embedded(phi_x, phi_y, moments, u, w):
