@@ -39,8 +39,11 @@ Example (a 3-D cloud against a 2-D one)::
     res = flashot.gromov_wasserstein(x, y, eps=0.05, relative_eps=True)
     res.cost, res.plan @ y  # the GW value, and y's points averaged by the plan
 
-Limits: balanced problems (``a`` and ``b`` normalized); the squared-Euclidean inner
-cost; the result is not differentiable (the iterations run without autograd).
+The cosine inner cost ``1 − cos(z, z')`` (``cost="cosine"``) is bilinear too, with
+``φ(z) = (1, −ẑ)``, ``ψ(z) = (1, ẑ)``: the same steps on (d + 1)-dimensional features.
+
+Limits: balanced problems (``a`` and ``b`` normalized); the squared-Euclidean and cosine
+inner costs; the result is not differentiable (the iterations run without autograd).
 """
 
 from __future__ import annotations
@@ -153,25 +156,29 @@ def _weights(name: str, w, z: torch.Tensor) -> torch.Tensor:
     return w / w.sum()
 
 
-def _features(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(φ(z), ψ(z))``: ``|z_i − z_k|² = ⟨φ(z_i), ψ(z_k)⟩``, each (n, d + 2)."""
+#: the inner costs, each written ``C_ik = ⟨φ(z_i), ψ(z_k)⟩`` by :func:`_features`
+INNER_COSTS = ("sqeuclidean", "cosine")
+
+
+def _features(z: torch.Tensor, cost: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(φ(z), ψ(z))`` with ``C(z_i, z_k) = ⟨φ(z_i), ψ(z_k)⟩``.
+
+    ``"sqeuclidean"``: ``|z_i − z_k|²`` with ``φ = (|z|², 1, −2z)``, ``ψ = (1, |z|², z)``;
+    ``"cosine"``: ``1 − ⟨ẑ_i, ẑ_k⟩`` with ``φ = (1, −ẑ)``, ``ψ = (1, ẑ)``.
+    """
+    if cost == "cosine":
+        zn = z / z.norm(dim=1, keepdim=True)
+        ones = torch.ones_like(zn[:, :1])
+        return torch.cat([ones, -zn], 1), torch.cat([ones, zn], 1)
     sq = (z * z).sum(1, keepdim=True)
     ones = torch.ones_like(sq)
     return torch.cat([sq, ones, -2.0 * z], 1), torch.cat([ones, sq, z], 1)
 
 
-def _second_moments(z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    r"""``u_i = Σ_k w_k |z_i − z_k|⁴`` from the moments of a centered cloud (Σ w = 1).
-
-    With ``s = |z|²`` and ``Σ_k w_k z_k = 0``:
-    ``u_i = s_i² + 2 s_i m₂ + m₄ + 4 z_iᵀ Σ z_i − 4 ⟨z_i, ν⟩``, where ``m₂ = Σ w s``,
-    ``m₄ = Σ w s²``, ``Σ = Σ_k w_k z_k z_kᵀ``, ``ν = Σ_k w_k s_k z_k``.
-    """
-    s = (z * z).sum(1)
-    m2, m4 = (w * s).sum(), (w * s * s).sum()
-    cov = (z * w[:, None]).T @ z
-    nu = ((w * s)[:, None] * z).sum(0)
-    return s * s + 2.0 * s * m2 + m4 + 4.0 * ((z @ cov) * z).sum(1) - 4.0 * (z @ nu)
+def _second_moments(phi: torch.Tensor, psi: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    r"""``u_i = Σ_k w_k C_ik² = φ_iᵀ S φ_i`` with ``S = Σ_k w_k ψ_k ψ_kᵀ`` (no n × n matrix)."""
+    moments = (psi * w[:, None]).T @ psi
+    return ((phi @ moments) * phi).sum(1)
 
 
 def gromov_wasserstein(
@@ -181,6 +188,7 @@ def gromov_wasserstein(
     b=None,
     *,
     eps: float,
+    cost: str = "sqeuclidean",
     max_iter: int = 1000,
     tol: float = 1e-5,
     relative_eps: bool = False,
@@ -190,7 +198,7 @@ def gromov_wasserstein(
     precision: str = "auto",
     warn: bool = True,
 ) -> GromovWassersteinResult:
-    r"""Entropic Gromov–Wasserstein with squared-Euclidean inner costs (see the module).
+    r"""Entropic Gromov–Wasserstein between point clouds (see the module).
 
     Each outer iteration solves :math:`\min_T \langle 2L(T_{prev}), T\rangle + \varepsilon
     \mathrm{KL}(T \| a \otimes b)` (POT's ``entropic_gromov_wasserstein`` with
@@ -203,6 +211,8 @@ def gromov_wasserstein(
             normalized to probability vectors.
         eps: ε of the entropic solves, in units of the linearized cost 2L (about twice
             the squared inner costs' scale squared).
+        cost: the inner cost of both spaces: ``"sqeuclidean"`` ``|z − z'|²`` or
+            ``"cosine"`` ``1 − cos(z, z')`` (no zero points).
         max_iter: outer iterations at most.
         tol: stop when ``‖M(T) − M(T_prev)‖_F ≤ tol · ‖M(T)‖_F`` (the inner solves'
             own accuracy bounds what is reachable: ``inner_tol="auto"`` leaves changes
@@ -227,7 +237,13 @@ def gromov_wasserstein(
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
         raise ValueError(f"tol must be a number ≥ 0, got {tol!r}")
+    if cost not in INNER_COSTS:
+        raise ValueError(f"cost must be one of {INNER_COSTS}, got {cost!r}")
     x, y = _cloud("x", x), _cloud("y", y)
+    if cost == "cosine":
+        for z, name in ((x, "x"), (y, "y")):
+            if bool((z.norm(dim=1) == 0).any()):
+                raise ValueError(f"{name} holds a zero point, whose cosine cost is undefined")
     if (x.dtype, x.device) != (y.dtype, y.device):
         raise ValueError(f"x and y must share dtype and device, got {x.dtype} on {x.device} "
                          f"and {y.dtype} on {y.device}")  # fmt: skip
@@ -235,19 +251,19 @@ def gromov_wasserstein(
         raise TypeError(f"relative_eps must be True or False, got {relative_eps!r}")
     with torch.no_grad():
         return _solve(x.detach(), y.detach(), _weights("a", a, x), _weights("b", b, y),
-                      float(eps), relative_eps, max_iter, float(tol), inner_tol,
+                      float(eps), cost, relative_eps, max_iter, float(tol), inner_tol,
                       inner_max_iter, backend, precision, warn)  # fmt: skip
 
 
-def _solve(x, y, a, b, eps, relative_eps, max_iter, tol, inner_tol, inner_max_iter, backend,
-           precision, warn) -> GromovWassersteinResult:  # fmt: skip
+def _solve(x, y, a, b, eps, cost, relative_eps, max_iter, tol, inner_tol, inner_max_iter,
+           backend, precision, warn) -> GromovWassersteinResult:  # fmt: skip
     x0, y0 = x, y
-    # (GW depends on the inner costs only: centering keeps the moments well conditioned)
-    x = x - (a[:, None] * x).sum(0)
-    y = y - (b[:, None] * y).sum(0)
-    phi_x, psi_x = _features(x)
-    phi_y, psi_y = _features(y)
-    u, w = _second_moments(x, a), _second_moments(y, b)
+    if cost == "sqeuclidean":  # (translation-invariant: centered, the moments cancel less)
+        x = x - (a[:, None] * x).sum(0)
+        y = y - (b[:, None] * y).sum(0)
+    phi_x, psi_x = _features(x, cost)
+    phi_y, psi_y = _features(y, cost)
+    u, w = _second_moments(phi_x, psi_x, a), _second_moments(phi_y, psi_y, b)
     moments = torch.outer(psi_x.T @ a, psi_y.T @ b)  # M of the product plan a bᵀ
     if relative_eps:  # × Σ a_i b_j 2L_ij at the product plan
         mean = 2.0 * (a @ u + b @ w) - 4.0 * (phi_x.T @ a) @ moments @ (phi_y.T @ b)
