@@ -84,6 +84,28 @@ def check_positive(value, name: str, allow_zero: bool = False) -> float:
     return value
 
 
+def check_count(value, name: str) -> int:
+    """A positive integer (not a bool); else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def probability_weights(name: str, w, size: int, like: torch.Tensor) -> torch.Tensor:
+    """(size,) weights normalized to sum 1, in ``like``'s dtype and device (uniform if None).
+
+    ValueError naming ``name`` unless they are finite, non-negative, with a positive sum.
+    """
+    if w is None:
+        return torch.full((size,), 1.0 / size, dtype=like.dtype, device=like.device)
+    w = torch.as_tensor(w).to(device=like.device, dtype=like.dtype).detach()
+    if w.shape != (size,):
+        raise ValueError(f"{name} must have shape ({size},), got {tuple(w.shape)}")
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()) or float(w.sum()) <= 0:
+        raise ValueError(f"{name} must be finite, non-negative weights with a positive sum")
+    return w / w.sum()
+
+
 class DeviceChecks:
     """Checks of tensor values, resolved together with one wait for the device.
 

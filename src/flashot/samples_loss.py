@@ -298,11 +298,7 @@ class SamplesLoss(torch.nn.Module):
 
     def _tiled_sinkhorn(self, a, x, b, y):
         """``SamplesLoss("sinkhorn", p=1)`` by :mod:`flashot.solver.tiled_loop`."""
-        if self.diameter is not None:
-            diameter = self.diameter
-        else:
-            box = torch.cat([x, y]).detach()
-            diameter = float((box.amax(0) - box.amin(0)).norm())
+        diameter = self.diameter or bounding_diameter(get_cost("sqeuclidean"), x, y)
         temps = geomloss_schedule(max(diameter, self.blur), self.blur**self.p, self.scaling,
                                   self.p)  # fmt: skip
         self._say(x, y, temps)

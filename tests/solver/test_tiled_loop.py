@@ -10,13 +10,19 @@ from flashot.solver.schedule import geomloss_schedule
 from flashot.solver.tiled_loop import geomloss_potentials
 
 
+def _measures(seed, n, m, d, shift, b_scale=1.0):
+    """``(a, x, b, y)``, float64, positive weights (a of mass about n/2)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    y = torch.randn(m, d, generator=g, dtype=torch.float64) + shift
+    a = torch.rand(n, generator=g, dtype=torch.float64) + 0.1
+    b = b_scale * torch.rand(m, generator=g, dtype=torch.float64) + 0.1
+    return a, x, b, y
+
+
 @pytest.mark.parametrize("debias", [True, False])
 def test_p2_tiles_give_the_streamed_potentials_and_gradients(debias):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(23, 3, generator=g, dtype=torch.float64)
-    y = torch.randn(17, 3, generator=g, dtype=torch.float64) + 0.4
-    a = torch.rand(23, generator=g, dtype=torch.float64) + 0.1
-    b = torch.rand(17, generator=g, dtype=torch.float64) + 0.1
+    a, x, b, y = _measures(0, 23, 17, 3, 0.4)
     a, b = a / a.sum(), b / b.sum()
     diameter = 4.0
     loss = flashot.SamplesLoss(blur=0.3, scaling=0.7, debias=debias, diameter=diameter,
@@ -41,11 +47,7 @@ def test_p2_tiles_give_the_streamed_potentials_and_gradients(debias):
 
 @pytest.mark.parametrize("debias", [True, False])
 def test_relaxed_p2_tiles_give_the_streamed_values_and_gradients(debias):
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(19, 2, generator=g, dtype=torch.float64)
-    y = torch.randn(15, 2, generator=g, dtype=torch.float64) + 0.5
-    a = torch.rand(19, generator=g, dtype=torch.float64) + 0.1
-    b = 2 * torch.rand(15, generator=g, dtype=torch.float64) + 0.1
+    a, x, b, y = _measures(3, 19, 15, 2, 0.5, b_scale=2.0)
     opts = dict(blur=0.4, reach=0.8, scaling=0.6, debias=debias, diameter=5.0, backend="torch")
     temps = geomloss_schedule(5.0, 0.16, 0.6)
     leaves = [t.clone().requires_grad_(True) for t in (a, x, b, y)]

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 import flashot
-from flashot.problem import check_positive
+from flashot.problem import check_count, check_positive
 
 __all__ = ["sinkhorn", "sinkhorn2"]
 
@@ -100,8 +100,7 @@ def _solve(a, b, M, reg, method, numItermax, stopThr, verbose, warn, warmstart, 
         raise ValueError("M must be finite (an infinite cost forbids a pair: give it a "
                          "large finite value or a zero weight)")  # fmt: skip
     reg = check_positive(reg, "reg")
-    if not isinstance(numItermax, int) or isinstance(numItermax, bool) or numItermax < 1:
-        raise ValueError(f"numItermax must be a positive integer, got {numItermax!r}")
+    check_count(numItermax, "numItermax")
     tol = check_positive(stopThr, "stopThr", allow_zero=True)
     if M.dtype != torch.float64:
         tol = max(tol, LOW_PRECISION_TOL)

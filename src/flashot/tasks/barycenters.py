@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 import flashot
+from flashot.problem import check_count, check_positive, probability_weights
 
 __all__ = ["BarycenterResult", "free_support_barycenter"]
 
@@ -82,17 +83,6 @@ def _tensor(name: str, z, like: torch.Tensor | None = None) -> torch.Tensor:
     if not bool(torch.isfinite(z).all()):
         raise ValueError(f"{name} holds non-finite values")
     return z.detach()
-
-
-def _probability(name: str, w, size: int, like: torch.Tensor) -> torch.Tensor:
-    if w is None:
-        return torch.full((size,), 1.0 / size, dtype=like.dtype, device=like.device)
-    w = _tensor(name, w, like)
-    if w.shape != (size,):
-        raise ValueError(f"{name} must have shape ({size},), got {tuple(w.shape)}")
-    if bool((w < 0).any()) or float(w.sum()) <= 0:
-        raise ValueError(f"{name} must be non-negative weights with a positive sum")
-    return w / w.sum()
 
 
 def free_support_barycenter(
@@ -135,13 +125,8 @@ def free_support_barycenter(
     Returns:
         A :class:`BarycenterResult` (not differentiable: the steps run without autograd).
     """
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0 or not (
-            math.isfinite(eps)):  # fmt: skip
-        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}")
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
-        raise ValueError(f"tol must be a number ≥ 0, got {tol!r}")
+    eps, tol = check_positive(eps, "eps"), check_positive(tol, "tol", allow_zero=True)
+    check_count(max_iter, "max_iter")
     if debias not in (True, False):
         raise TypeError(f"debias must be True or False, got {debias!r}")
     x = _tensor("x_init", x_init)
@@ -159,11 +144,11 @@ def free_support_barycenter(
     if len(cloud_weights) != len(ys):
         raise ValueError(f"cloud_weights must hold one array per cloud ({len(ys)}), got "
                          f"{len(cloud_weights)}")  # fmt: skip
-    ws = [_probability(f"cloud_weights[{i}]", w, len(y), x)
+    ws = [probability_weights(f"cloud_weights[{i}]", w, len(y), x)
           for i, (y, w) in enumerate(zip(ys, cloud_weights, strict=True))]  # fmt: skip
-    lam = _probability("lambdas", lambdas, len(ys), x)
-    bw = _probability("b", b, x.shape[0], x)
-    opts = dict(eps=float(eps), tol=inner_tol, max_iter=inner_max_iter, backend=backend,
+    lam = probability_weights("lambdas", lambdas, len(ys), x)
+    bw = probability_weights("b", b, x.shape[0], x)
+    opts = dict(eps=eps, tol=inner_tol, max_iter=inner_max_iter, backend=backend,
                 precision=precision, warn=False)  # fmt: skip
     mean = sum(lam[i] * (ws[i] @ ys[i]) for i in range(len(ys)))
     spread = float(sum(lam[i] * (ws[i] @ (ys[i] - mean).square().sum(1)) for i in range(len(ys))))

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 import flashot
+from flashot.problem import check_count, check_positive, probability_weights
 
 __all__ = ["GromovWassersteinPlan", "GromovWassersteinResult", "gromov_wasserstein"]
 
@@ -144,18 +145,6 @@ def _cloud(name: str, z) -> torch.Tensor:
     return z
 
 
-def _weights(name: str, w, z: torch.Tensor) -> torch.Tensor:
-    n = z.shape[0]
-    if w is None:
-        return torch.full((n,), 1.0 / n, dtype=z.dtype, device=z.device)
-    w = torch.as_tensor(w).to(device=z.device, dtype=z.dtype).detach()
-    if w.shape != (n,):
-        raise ValueError(f"{name} must have shape ({n},), got {tuple(w.shape)}")
-    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()) or float(w.sum()) <= 0:
-        raise ValueError(f"{name} must be finite, non-negative weights with a positive sum")
-    return w / w.sum()
-
-
 #: the inner costs, each written ``C_ik = ⟨φ(z_i), ψ(z_k)⟩`` by :func:`_features`
 INNER_COSTS = ("sqeuclidean", "cosine")
 
@@ -229,14 +218,8 @@ def gromov_wasserstein(
     Returns:
         A :class:`GromovWassersteinResult`.
     """
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0 or not (
-            math.isfinite(eps)):  # fmt: skip
-        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
-    for value, name in ((max_iter, "max_iter"), (inner_max_iter, "inner_max_iter")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
-        raise ValueError(f"tol must be a number ≥ 0, got {tol!r}")
+    eps, tol = check_positive(eps, "eps"), check_positive(tol, "tol", allow_zero=True)
+    check_count(max_iter, "max_iter"), check_count(inner_max_iter, "inner_max_iter")
     if cost not in INNER_COSTS:
         raise ValueError(f"cost must be one of {INNER_COSTS}, got {cost!r}")
     x, y = _cloud("x", x), _cloud("y", y)
@@ -250,8 +233,9 @@ def gromov_wasserstein(
     if relative_eps not in (True, False):
         raise TypeError(f"relative_eps must be True or False, got {relative_eps!r}")
     with torch.no_grad():
-        return _solve(x.detach(), y.detach(), _weights("a", a, x), _weights("b", b, y),
-                      float(eps), cost, relative_eps, max_iter, float(tol), inner_tol,
+        return _solve(x.detach(), y.detach(), probability_weights("a", a, len(x), x),
+                      probability_weights("b", b, len(y), y), eps, cost, relative_eps,
+                      max_iter, tol, inner_tol,
                       inner_max_iter, backend, precision, warn)  # fmt: skip
 
 
