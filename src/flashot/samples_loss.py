@@ -64,11 +64,11 @@ class SamplesLoss(torch.nn.Module):
         p: 1 or 2: the cost ``|x − y|^p/p``, ε = blur^p, ρ = reach^p, for ``"sinkhorn"``
             and ``"hausdorff"``; ignored by the kernel norms (as GeomLoss). With p = 1
             the Sinkhorn loss runs GeomLoss' loop over tiled soft-minima
-            (:mod:`flashot.solver.tiled_loop`: no ``cost``, no second
+            (:mod:`flashot.solver.tiled_loop`: no ``"cosine"``, no second
             derivatives beyond the final extrapolation's, PyTorch tiles on every
             device); p = 2 streams the attention form through the backends.
-        blur: ε = blur² (> 0); the kernels' σ.
-        reach: None (balanced) or the KL relaxation scale, ρ = reach².
+        blur: ε = blur^p (> 0); the kernels' σ.
+        reach: None (balanced) or the KL relaxation scale, ρ = reach^p.
         diameter: the data diameter for the ε schedule, or None to measure it (the
             joint bounding box's diagonal, read with the input checks). On CUDA the
             solves of a repeated call (a training loop) replay as CUDA graphs while the
@@ -291,9 +291,9 @@ class SamplesLoss(torch.nn.Module):
             return 0.5 * ((a * on_x).sum() + (b * on_y).sum())
         kernel = functools.partial(KERNELS[self.loss], blur=self.blur)
         a_x, b_x = kernel_matvec(x, x, a, kernel), kernel_matvec(x, y, b, kernel)
-        b_y, a_y = kernel_matvec(y, y, b, kernel), kernel_matvec(y, x, a, kernel)
-        if self.potentials:
-            return a_x - b_x, b_y - a_y
+        b_y = kernel_matvec(y, y, b, kernel)
+        if self.potentials:  # (the value needs no K_yx a: ⟨a, K_xy b⟩ holds the cross term)
+            return a_x - b_x, b_y - kernel_matvec(y, x, a, kernel)
         return 0.5 * ((a * a_x).sum() + (b * b_y).sum()) - (a * b_x).sum()
 
     def _tiled_sinkhorn(self, a, x, b, y):

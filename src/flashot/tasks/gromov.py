@@ -153,7 +153,8 @@ def _features(z: torch.Tensor, cost: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(φ(z), ψ(z))`` with ``C(z_i, z_k) = ⟨φ(z_i), ψ(z_k)⟩``.
 
     ``"sqeuclidean"``: ``|z_i − z_k|²`` with ``φ = (|z|², 1, −2z)``, ``ψ = (1, |z|², z)``;
-    ``"cosine"``: ``1 − ⟨ẑ_i, ẑ_k⟩`` with ``φ = (1, −ẑ)``, ``ψ = (1, ẑ)``.
+    ``"cosine"``: ``1 − ⟨ẑ_i, ẑ_k⟩`` with ``φ = (1, −ẑ)``, ``ψ = (1, ẑ)``. ψ's first
+    column is 1 in both: a plan's ``T Ψ`` carries its row sums.
     """
     if cost == "cosine":
         zn = z / z.norm(dim=1, keepdim=True)
@@ -268,7 +269,8 @@ def _solve(x, y, a, b, eps, cost, relative_eps, max_iter, tol, inner_tol, inner_
         inner.append(res.n_iter)
         missed_inner += res.converged is False
         init, offsets = (res.f, res.g), (row_off, col_off)
-        new = psi_x.T @ (res.plan @ psi_y.to(res.f.dtype)).to(x.dtype)
+        t_psi = (res.plan @ psi_y.to(res.f.dtype)).to(x.dtype)  # T Ψ_y; column 0: T 1
+        new = psi_x.T @ t_psi
         size = torch.linalg.matrix_norm(new).clamp_min(torch.finfo(x.dtype).tiny)
         change = float(torch.linalg.matrix_norm(new - moments) / size)
         errors.append(change)
@@ -289,11 +291,11 @@ def _solve(x, y, a, b, eps, cost, relative_eps, max_iter, tol, inner_tol, inner_
                       f"missed inner_tol={inner_tol!r} within inner_max_iter="
                       f"{inner_max_iter}", flashot.ConvergenceWarning, stacklevel=3)  # fmt: skip
     plan = res.plan
-    both = plan @ torch.cat([psi_y, phi_y], 1).to(res.f.dtype)
-    m_t = psi_x.T @ both[:, : psi_y.shape[1]].to(x.dtype)  # M(T) of the returned plan
-    cross = (phi_x.T @ both[:, psi_y.shape[1] :].to(x.dtype) * m_t).sum()
-    rows, cols = plan.row_sums().to(x.dtype), plan.col_sums().to(x.dtype)
-    value = (rows * u).sum() + (cols * w).sum() - 2.0 * cross
+    # GW(T) = ⟨T1, u⟩ + ⟨Tᵀ1, w⟩ − 2⟨Φ_xᵀ T Φ_y, M(T)⟩; M(T) and T1 are the last step's
+    # (``moments``, ``t_psi``), the rest one more pass: T [Φ_y, w]
+    extra = (plan @ torch.cat([phi_y, w[:, None]], 1).to(res.f.dtype)).to(x.dtype)
+    cross = (phi_x.T @ extra[:, :-1] * moments).sum()
+    value = (t_psi[:, 0] * u).sum() + extra[:, -1].sum() - 2.0 * cross
     return GromovWassersteinResult(value, GromovWassersteinPlan(plan, x0, y0), len(errors),
                                    converged, errors, inner, eps)  # fmt: skip
 
