@@ -70,11 +70,11 @@ def cuda_clouds(n, m, d, seed=0):
     return x, y
 
 
-def triton_backend(**options):
+def triton_backend(*args, **options):
     """A TritonBackend, imported when called (Triton is an optional extra)."""
     from flashot.backends.triton import TritonBackend
 
-    return TritonBackend(**options)
+    return TritonBackend(*args, **options)
 
 
 def modules_loaded_by(code: str, prefixes: tuple[str, ...]) -> list[str]:

@@ -28,6 +28,7 @@ _SOURCES = {
     "EpsilonScaling": "flashot.solver.loop",
     "HessianOperator": "flashot.hessian",
     "LabeledCost": "flashot.geometry.labeled",
+    "PairCost": "flashot.geometry.pair_costs",
     "SamplesLoss": "flashot.samples_loss",
     "SinkhornResult": "flashot.result",
     "TransportPlan": "flashot.result",
@@ -101,6 +102,7 @@ __all__ = [
     "EpsilonScaling",
     "HessianOperator",
     "LabeledCost",
+    "PairCost",
     "SamplesLoss",
     "SinkhornResult",
     "TransportPlan",
@@ -128,6 +130,7 @@ if TYPE_CHECKING:  # (what type checkers and IDEs read; at run time, __getattr__
     from flashot.divergence import sinkhorn_divergence
     from flashot.geometry.costs import COSTS
     from flashot.geometry.labeled import LabeledCost, labeled_cost
+    from flashot.geometry.pair_costs import PairCost
     from flashot.hessian import HessianOperator, hvp
     from flashot.numerics import linalg, optim
     from flashot.ot import sinkhorn

@@ -24,6 +24,7 @@ from flashot.backends import entry_point
 from flashot.backends.kernel_sums import KERNELS, cost_of, kernel_matvec, softmin
 from flashot.divergence import debiased_potentials
 from flashot.geometry.costs import bounding_diameter, box_diameter, get_cost
+from flashot.geometry.pair_costs import PairCost
 from flashot.ops import compiled_loss, encodable
 from flashot.packing import pack_problems, pair_packing
 from flashot.problem import (
@@ -56,17 +57,18 @@ class SamplesLoss(torch.nn.Module):
             A kernel norm is ``½⟨a, K_xx a⟩ + ½⟨b, K_yy b⟩ − ⟨a, K_xy b⟩``; GeomLoss
             clamps distances at 1e-4 (so its self terms see k(1e-4) on their diagonals,
             −1e-4 instead of 0 for the energy); flashot uses the exact 0, with the
-            same gradients. Kernel norms and Hausdorff take
-            exact derivatives (twice) by autograd through checkpointed tiles; their
-            weights are used as given (GeomLoss'), uniform 1/N when omitted; the
+            same gradients. Kernel norms take exact derivatives (twice) by autograd
+            through checkpointed tiles, Hausdorff's soft distances run as p = 1's (below);
+            their weights are used as given (GeomLoss'), uniform 1/N when omitted; the
             Sinkhorn options (``reach``, ``scaling``, ``diameter``, ``debias``,
-            ``backend``, ``precision``) do not apply to them.
+            ``precision``) do not apply to them, nor ``backend`` to the kernel norms.
         p: 1 or 2: the cost ``|x − y|^p/p``, ε = blur^p, ρ = reach^p, for ``"sinkhorn"``
             and ``"hausdorff"``; ignored by the kernel norms (as GeomLoss). With p = 1
-            the Sinkhorn loss runs GeomLoss' loop over tiled soft-minima
+            the Sinkhorn loss runs GeomLoss' loop over streamed soft-minima
             (:mod:`flashot.solver.tiled_loop`: no ``"cosine"``, no second
-            derivatives beyond the final extrapolation's, PyTorch tiles on every
-            device); p = 2 streams the attention form through the backends.
+            derivatives beyond the final extrapolation's; a fused Triton kernel on
+            CUDA float32 clouds, PyTorch tiles otherwise or with ``backend="torch"``);
+            p = 2 streams the attention form through the backends.
         blur: ε = blur^p (> 0); the kernels' σ.
         reach: None (balanced) or the KL relaxation scale, ρ = reach^p.
         diameter: the data diameter for the ε schedule, or None to measure it (the
@@ -84,7 +86,8 @@ class SamplesLoss(torch.nn.Module):
             blocks, for ``"sinkhorn"`` and ``"hausdorff"`` (GeomLoss' tensorized ``cost``,
             but on 2-D blocks): it runs in checkpointed PyTorch tiles like p = 1, with
             ε = blur^p and the schedule from the point cloud's diameter^p, and must be
-            differentiable by autograd (twice for second derivatives).
+            differentiable by autograd (twice for second derivatives). A
+            :class:`flashot.PairCost` with a Triton function runs fused on CUDA, as p = 1.
         kernel: only None (a custom kernel callable is not supported).
         cluster_scale: only None (GeomLoss' multiscale approximation is not offered).
         debias: return the debiased Sinkhorn divergence (else OT_ε).
@@ -286,8 +289,11 @@ class SamplesLoss(torch.nn.Module):
         if self.loss == "hausdorff":
             eps, cost = self.blur**self.p, self._tile_cost
             la, lb = torch.log(a), torch.log(b)
-            on_x = softmin(x, y, lb, eps, cost) - softmin(x, x, la, eps, cost)
-            on_y = softmin(y, x, la, eps, cost) - softmin(y, y, lb, eps, cost)
+            engine = self._tile_backend()
+            on_x = (softmin(x, y, lb, eps, cost, backend=engine)
+                    - softmin(x, x, la, eps, cost, backend=engine))  # fmt: skip
+            on_y = (softmin(y, x, la, eps, cost, backend=engine)
+                    - softmin(y, y, lb, eps, cost, backend=engine))  # fmt: skip
             return 0.5 * ((a * on_x).sum() + (b * on_y).sum())
         kernel = functools.partial(KERNELS[self.loss], blur=self.blur)
         a_x, b_x = kernel_matvec(x, x, a, kernel), kernel_matvec(x, y, b, kernel)
@@ -304,7 +310,8 @@ class SamplesLoss(torch.nn.Module):
         self._say(x, y, temps)
         eps = self.blur**self.p
         rho = None if self.reach is None else self.reach**self.p
-        pots = geomloss_potentials(a, x, b, y, self._tile_cost, temps, self.debias, rho)
+        pots = geomloss_potentials(a, x, b, y, self._tile_cost, temps, self.debias, rho,
+                                   self._tile_backend())  # fmt: skip
         if self.potentials:
             if pots.f_aa is None or pots.g_bb is None:
                 return pots.f_ba, pots.g_ab
@@ -313,6 +320,12 @@ class SamplesLoss(torch.nn.Module):
         if pots.f_aa is not None and pots.g_bb is not None:
             value = value - dual_term(pots.f_aa, a, eps, rho) - dual_term(pots.g_bb, b, eps, rho)
         return value
+
+    def _tile_backend(self) -> str:
+        """The soft-minima's engine: the backend's name (an instance: its own)."""
+        name = self.backend if isinstance(self.backend, str) else getattr(self.backend, "name",
+                                                                           "auto")  # fmt: skip
+        return name if name in ("triton", "torch") else "auto"
 
     def _single(self, a, x, b, y, temps=None):
         """One (N, D) problem; ``temps``: its ε schedule, or None for this call's own."""
@@ -387,7 +400,12 @@ class SamplesLoss(torch.nn.Module):
 
 
 def _checked_cost(cost):
-    """A user's ``cost(x_block, y_block)``, each (r, c) tile checked once it is computed."""
+    """A user's ``cost(x_block, y_block)``, each (r, c) tile checked once it is computed.
+
+    A :class:`PairCost` checks its own, and keeps its Triton function.
+    """
+    if isinstance(cost, PairCost):
+        return cost
 
     def tile(x, y):
         c = cost(x, y)

@@ -15,8 +15,12 @@ formed from coordinate differences (not the expanded ``|x|² + |y|² − 2⟨x, 
 coincident points are at distance exactly 0, where :math:`r` has the derivative 0 (its
 subgradient at the origin) instead of NaN.
 
-These are the reference engines of those losses on every device; they use no fused
-kernel (the sums are elementwise work, d ≤ 3 for the shapes they serve most).
+These are the reference engines of those losses on every device. A soft-minimum of a
+:class:`~flashot.geometry.pair_costs.PairCost` with a Triton function (the built-in
+``|x − y|`` and ``|x − y|²/2`` have one) runs instead in one fused kernel
+(:mod:`flashot.backends.triton._pairwise`) on CUDA float32 clouds, or wherever
+``backend="triton"`` is asked for and Triton runs; its gradient streams too, and a second
+derivative recomputes here, in tiles.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from flashot.geometry.pair_costs import DIFFERENCES_UP_TO, PairCost, distance_cost, half_square_cost
 
 __all__ = ["KERNELS", "cost_of", "distance", "half_square", "kernel_matvec", "softmin"]
 
@@ -62,12 +68,12 @@ def half_square(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return 0.5 * (x[:, None, :] - y[None, :, :]).square().sum(-1)
 
 
-def cost_of(p: int) -> Callable:
-    """GeomLoss' ``C(x, y) = |x − y|^p / p`` for p = 1 or 2, as a function of two blocks."""
+def cost_of(p: int) -> PairCost:
+    """GeomLoss' ``C(x, y) = |x − y|^p / p`` for p = 1 or 2, a cost of two blocks."""
     if p == 1:
-        return distance
+        return distance_cost
     if p == 2:
-        return half_square
+        return half_square_cost
     raise ValueError(f"p must be 1 or 2, got {p!r}")
 
 
@@ -111,7 +117,7 @@ def kernel_matvec(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, kernel: Cal
 
 
 def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, cost: Callable,
-            budget: int = BUDGET) -> torch.Tensor:  # fmt: skip
+            budget: int = BUDGET, backend: str = "auto") -> torch.Tensor:  # fmt: skip
     r"""``s_i = −ε log Σ_j exp(h_j − C(x_i, y_j)/ε)`` (GeomLoss' soft C-transform).
 
     With ``h = log w`` it is the soft distance from x_i to the measure (w, y); Sinkhorn
@@ -121,10 +127,19 @@ def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, c
         x: (n, d) rows.  y: (m, d) columns.  log_w: (m,) the log-weights h, not all −∞.
         eps: ε > 0.  cost: ``cost(x_block, y_block)`` → the (r, c) cost tile.
         budget: the largest tile of coordinate differences, in elements.
+        backend: ``"auto"`` (the fused kernel for a PairCost with a Triton function on
+            CUDA float32 clouds), ``"triton"`` (the same wherever Triton runs, its
+            interpreter included) or ``"torch"`` (tiles).
 
     Returns:
         (n,); differentiable (twice) in x, y and h.
     """
+    if isinstance(cost, PairCost) and _fused(x, y, log_w, cost, backend):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, log_w)):
+            return _FusedSoftmin.apply(x, y, log_w, eps, cost, budget)
+        from flashot.backends.triton._pairwise import fused_softmin
+
+        return fused_softmin(x, y, log_w, eps, cost)[0]
     n, m = x.shape[0], y.shape[0]
     bm, bn = _tiles(n, m, x.shape[1], budget)
 
@@ -137,3 +152,56 @@ def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, c
         parts = [_run(tile, xb, y[j0 : j0 + bn], log_w[j0 : j0 + bn]) for j0 in range(0, m, bn)]
         rows.append(torch.logsumexp(torch.stack(parts), dim=0))
     return -eps * torch.cat(rows)
+
+
+def _fused(x, y, log_w, cost, backend: str) -> bool:
+    """Whether the fused kernel computes this soft-minimum."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "torch" or not isinstance(cost, PairCost) or cost.triton_fn is None:
+        return False
+    if any(t.dtype != torch.float32 for t in (x, y)) or (backend == "auto" and not x.is_cuda):
+        return False
+    from flashot.backends import available_backends
+
+    return "triton" in available_backends(x.device)
+
+
+class _FusedSoftmin(torch.autograd.Function):
+    """The fused soft-minimum, differentiable.
+
+    Its gradient streams when the cost has ``triton_grad`` (and d ≤ GRAD_UP_TO or
+    differences); otherwise, and for second derivatives, it recomputes in PyTorch tiles
+    under autograd.
+    """
+
+    @staticmethod
+    def forward(ctx, x, y, log_w, eps, cost, budget):
+        from flashot.backends.triton._pairwise import fused_softmin
+
+        s, lse = fused_softmin(x, y, log_w, eps, cost)
+        ctx.save_for_backward(x, y, log_w, lse)
+        ctx.eps, ctx.cost, ctx.budget = eps, cost, budget
+        return s
+
+    @staticmethod
+    def backward(ctx, grad_s):
+        from flashot.backends.triton._pairwise import GRAD_UP_TO, softmin_grads
+
+        x, y, log_w, lse = ctx.saved_tensors
+        need = ctx.needs_input_grad[:3]
+        d = x.shape[1]
+        create_graph = torch.is_grad_enabled()  # (backward runs with grad mode = create_graph)
+        if (not create_graph and ctx.cost.triton_grad is not None
+                and (d <= DIFFERENCES_UP_TO or d <= GRAD_UP_TO)):  # fmt: skip
+            gx, gy, gh = softmin_grads(x, y, log_w, ctx.eps, ctx.cost, lse, grad_s, need[0],
+                                       need[1] or need[2])  # fmt: skip
+            grads = [t if want else None for t, want in zip((gx, gy, gh), need, strict=True)]
+            return (*grads, None, None, None)
+        with torch.enable_grad():  # (create_graph: the saved inputs carry their graphs)
+            ins = [t if create_graph else t.detach().requires_grad_(w)
+                   for t, w in zip((x, y, log_w), need, strict=True)]  # fmt: skip
+            s = softmin(*ins, ctx.eps, ctx.cost, ctx.budget, backend="torch")
+            wanted = [t for t, w in zip(ins, need, strict=True) if w]
+            got = iter(torch.autograd.grad(s, wanted, grad_s, create_graph=create_graph))
+        return (*[next(got) if w else None for w in need], None, None, None)

@@ -2,11 +2,13 @@ r"""GeomLoss' fixed-schedule Sinkhorn loop for costs outside the attention form.
 
 :func:`flashot.solver.loop.solve` drives the streaming backends, whose primitives need a
 cost with attention structure (``α_i + β_j − ⟨q_i, k_j⟩``). The plain Euclidean
-distance ``|x − y|`` (GeomLoss' ``p = 1``) has none. Until the kernels take a score
-modifier, its solves run this loop: GeomLoss' symmetric ε-scaling iterations (the same
+distance ``|x − y|`` (GeomLoss' ``p = 1``) has none: its solves, and those of any
+:class:`~flashot.geometry.pair_costs.PairCost`, run this loop: GeomLoss' symmetric
+ε-scaling iterations (the same
 temperatures, initialization, averaged updates and final extrapolation as its
-``sinkhorn_loop``) over the tiled soft-minima of :mod:`flashot.backends.kernel_sums`,
-in O((n + m) d) memory and PyTorch tiles on any device.
+``sinkhorn_loop``) over the soft-minima of :mod:`flashot.backends.kernel_sums`, in
+O((n + m) d) memory: fused Triton kernels for a pair cost with a Triton function on
+CUDA, PyTorch tiles otherwise.
 
 The iterations run without autograd; the final extrapolation is differentiated, with
 the costs' second arguments detached as GeomLoss does, so that the values of
@@ -48,6 +50,7 @@ def geomloss_potentials(
     temps: list[float],
     debias: bool,
     rho: float | None = None,
+    backend: str = "auto",
 ) -> GeomLossPotentials:
     r"""Symmetric Sinkhorn steps over ``temps``, then one differentiable extrapolation.
 
@@ -59,13 +62,14 @@ def geomloss_potentials(
         debias: also solve the self problems (a, a) and (b, b).
         rho: ρ of the KL-relaxed marginals (both sides), or None (balanced): every
             soft-minimum is then damped by ``λ = 1/(1 + ε/ρ)``.
+        backend: the soft-minima's engine (:func:`~flashot.backends.kernel_sums.softmin`).
     """
     la, lb = torch.log(a).detach(), torch.log(b).detach()
     xd, yd = x.detach(), y.detach()
 
     def soft(rows, cols, log_w, eps):
         damping = 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
-        return damping * softmin(rows, cols, log_w, eps, cost)
+        return damping * softmin(rows, cols, log_w, eps, cost, backend=backend)
 
     with torch.no_grad():
         eps = temps[0]

@@ -1,0 +1,558 @@
+r"""Fused soft-minima of pair costs (:class:`~flashot.geometry.pair_costs.PairCost`).
+
+The soft C-transform of a cost outside the attention form,
+
+.. math::
+
+    s_i = -\varepsilon \log \sum_j \exp\big(h_j - C_{ij}/\varepsilon\big), \qquad
+    C_{ij} = \varphi(|x_i - y_j|^2, \langle x_i, y_j\rangle, |x_i|^2, |y_j|^2),
+
+streamed like attention: a program owns BLOCK_M rows, forms each (BLOCK_M, BLOCK_N)
+tile's statistics on chip (the product by ``tl.dot``, or coordinate differences for
+d ≤ :data:`~flashot.geometry.pair_costs.DIFFERENCES_UP_TO`), applies φ (the cost's
+``@triton.jit`` function, a constexpr argument) and keeps an online base-2 log-sum-exp.
+No n × m array is stored. The gradient, with ``W_ij = ḡ_i exp(h_j − C_ij/ε − lse_i)``
+(ḡ the cotangent of s), is two more streaming launches:
+
+* rows: ``x̄_i = Σ_j W_ij (2φ_s (x_i − y_j) + φ_t y_j + 2φ_a x_i)``;
+* columns: ``ȳ_j = Σ_i W_ij (2φ_s (y_j − x_i) + φ_t x_i + 2φ_b y_j)``,
+  ``h̄_j = −ε Σ_i W_ij``;
+
+with ``(φ_s, φ_t, φ_a, φ_b)`` from the cost's ``triton_grad``. Every program owns its
+outputs: no atomics, deterministic sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashot.backends import temperature as _row
+from flashot.backends.device import on_device, triton_interpreted
+from flashot.geometry.pair_costs import DIFFERENCES_UP_TO, PairCost
+
+__all__ = ["GRAD_UP_TO", "fused_softmin", "softmin_grads"]
+
+#: widest features the gradient kernels take with the product form (one feature chunk)
+GRAD_UP_TO = 128
+#: (BLOCK_M, BLOCK_N, warps, stages) on a GPU; the interpreter takes 16 × 16
+TILES = (64, 64, 4, 2)
+#: the forward's feature chunk beyond GRAD_UP_TO (up to it, one chunk: the forward forms
+#: each score as the gradient kernels do, so their weights see the same rounding)
+D_CHUNK = 64
+#: tiles holding a pair with ``|x − y|² < NEAR (|x|² + |y|²)`` form it from differences:
+#: beyond, the product form's error in ``|x − y|`` stays within ~10× float32's
+NEAR = tl.constexpr(1e-2)
+
+
+@triton.jit
+def distance(s, t, a, b):
+    """``|x − y|`` (GeomLoss' p = 1)."""
+    return tl.sqrt(s)
+
+
+@triton.jit
+def distance_grad(s, t, a, b):
+    """``∂|x − y|/∂s = 1 / (2|x − y|)``, 0 at coincident points (the subgradient 0)."""
+    return tl.where(s > 0, 0.5 / tl.sqrt(tl.where(s > 0, s, 1.0)), 0.0), 0.0, 0.0, 0.0
+
+
+@triton.jit
+def half_square(s, t, a, b):
+    """``|x − y|² / 2`` (GeomLoss' p = 2)."""
+    return 0.5 * s
+
+
+@triton.jit
+def half_square_grad(s, t, a, b):
+    return 0.5, 0.0, 0.0, 0.0
+
+
+#: the built-in costs' Triton functions, by the names their PairCost carries
+BUILT_IN = {"distance": (distance, distance_grad), "half_square": (half_square, half_square_grad)}
+
+
+def _functions(cost: PairCost):
+    fn, grad = cost.triton_fn, cost.triton_grad
+    if isinstance(fn, str):
+        fn = BUILT_IN[fn][0]
+    if isinstance(grad, str):
+        grad = BUILT_IN[grad][1]
+    return fn, grad
+
+
+@triton.jit
+def _pair_stats(
+    X,
+    Y,
+    XN,
+    YN,
+    offs_m,
+    offs_n,
+    n,
+    m,
+    d,
+    sxn,
+    sxd,
+    syn,
+    syd,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr,
+    DIFF: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The tile's ``(s, t, a, b, near)``.
+
+    Shapes (BLOCK_M, BLOCK_N) ×2, (BLOCK_M, 1), (1, BLOCK_N); ``near``: whether ``s``
+    came from differences (a scalar).
+    """
+    mask_m, mask_n = offs_m < n, offs_n < m
+    a = tl.load(XN + offs_m, mask=mask_m, other=0.0)[:, None]
+    b = tl.load(YN + offs_n, mask=mask_n, other=0.0)[None, :]
+    t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if DIFF:  # exact differences, one feature at a time (d small)
+        near = tl.full((), 1, tl.int32)
+        s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, d):
+            xk = tl.load(X + offs_m * sxn + k * sxd, mask=mask_m, other=0.0)
+            yk = tl.load(Y + offs_n * syn + k * syd, mask=mask_n, other=0.0)
+            diff = xk[:, None] - yk[None, :]
+            s += diff * diff
+            t += xk[:, None] * yk[None, :]
+    else:
+        for c in range(D_CHUNKS):
+            offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+            xt = tl.load(
+                X + offs_m[:, None] * sxn + offs_d[None, :] * sxd,
+                mask=mask_m[:, None] & (offs_d[None, :] < d),
+                other=0.0,
+            )
+            yt = tl.load(
+                Y + offs_n[None, :] * syn + offs_d[:, None] * syd,
+                mask=mask_n[None, :] & (offs_d[:, None] < d),
+                other=0.0,
+            )
+            t = tl.dot(xt, yt, t, input_precision=PRECISION)
+        s = tl.maximum(a + b - 2.0 * t, 0.0)
+        # near pairs (s < NEAR (a + b)) lose digits to cancellation: the tile is redone
+        # from differences (a self problem's diagonal tiles, close clouds)
+        near = tl.max((s < (a + b) * NEAR).to(tl.int32))
+        if near > 0:
+            exact = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, d):
+                xk = tl.load(X + offs_m * sxn + k * sxd, mask=mask_m, other=0.0)
+                yk = tl.load(Y + offs_n * syn + k * syd, mask=mask_n, other=0.0)
+                diff = xk[:, None] - yk[None, :]
+                exact += diff * diff
+            s = exact
+    return s, t, a, b, near
+
+
+@triton.jit
+def _exact_part(
+    X, Y, offs_m, offs_n, offs_d, n, m, d, sxn, sxd, syn, syd, ws, wt, acc, COLUMNS: tl.constexpr
+):
+    """``acc`` plus Σ 2φ_s (own − other) + φ_t other, from exact differences per feature."""
+    for k in range(0, d):
+        xk = tl.load(X + offs_m * sxn + k * sxd, mask=offs_m < n, other=0.0)
+        yk = tl.load(Y + offs_n * syn + k * syd, mask=offs_n < m, other=0.0)
+        diff = xk[:, None] - yk[None, :]
+        if COLUMNS:
+            part = tl.sum(wt * xk[:, None] - ws * diff, 0)
+        else:
+            part = tl.sum(ws * diff + wt * yk[None, :], 1)
+        acc += tl.where(offs_d[None, :] == k, part[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _softmin_kernel(
+    X,
+    Y,
+    XN,
+    YN,
+    H,
+    LSE,
+    n,
+    m,
+    d,
+    scale,
+    per,
+    sxn,
+    sxd,
+    syn,
+    syd,
+    COST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr,
+    DIFF: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """``LSE[split, i]``: the base-2 log-sum-exp of row i over one split's columns.
+
+    H holds ``h log2 e``; ``scale = log2 e / ε``.
+    """
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(1)
+    run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for start in range(split * per, tl.minimum(split * per + per, m), BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        s, t, a, b, _ = _pair_stats(
+            X,
+            Y,
+            XN,
+            YN,
+            offs_m,
+            offs_n,
+            n,
+            m,
+            d,
+            sxn,
+            sxd,
+            syn,
+            syd,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            D_CHUNKS,
+            DIFF,
+            PRECISION,
+        )
+        h = tl.load(H + offs_n, mask=offs_n < m, other=float("-inf"))
+        z = h[None, :] - COST(s, t, a, b) * scale
+        z = tl.where(offs_n[None, :] < m, z, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(z, 1))
+        base = tl.where(new_max == float("-inf"), 0.0, new_max)  # (a row of −inf so far)
+        run_sum = run_sum * tl.exp2(run_max - base) + tl.sum(tl.exp2(z - base[:, None]), 1)
+        run_max = new_max
+    tl.store(LSE + split * n + offs_m, run_max + tl.log2(run_sum), mask=offs_m < n)
+
+
+@triton.jit
+def _grad_kernel(
+    X,
+    Y,
+    XN,
+    YN,
+    H,
+    LSE,
+    G,
+    OUT,
+    OUT_H,
+    n,
+    m,
+    d,
+    eps,
+    scale_e,
+    per,
+    sxn,
+    sxd,
+    syn,
+    syd,
+    COST: tl.constexpr,
+    GRAD: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DIFF: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The gradient sums of one side.
+
+    Rows (``COLUMNS`` false): a program owns BLOCK_M rows, writes ``x̄`` (n, d).
+    Columns: it owns BLOCK_N columns, streams the rows, writes ``ȳ`` (m, d) and ``h̄``.
+    Each split of the streamed side writes its partial sums at ``OUT[split]``. H and LSE
+    in base 2, as the forward's; ``scale_e = log2 e / ε``.
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    split = tl.program_id(1)
+    if COLUMNS:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        own = tl.load(
+            Y + offs_n[:, None] * syn + offs_d[None, :] * syd,
+            mask=(offs_n[:, None] < m) & (offs_d[None, :] < d),
+            other=0.0,
+        )
+        h = tl.load(H + offs_n, mask=offs_n < m, other=float("-inf"))
+        acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+        scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        w_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        stream_size = n
+        stream_block = BLOCK_M
+    else:
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        own = tl.load(
+            X + offs_m[:, None] * sxn + offs_d[None, :] * sxd,
+            mask=(offs_m[:, None] < n) & (offs_d[None, :] < d),
+            other=0.0,
+        )
+        lse = tl.load(LSE + offs_m, mask=offs_m < n, other=0.0)
+        g = tl.load(G + offs_m, mask=offs_m < n, other=0.0)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        w_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        stream_size = m
+        stream_block = BLOCK_N
+    for start in range(split * per, tl.minimum(split * per + per, stream_size), stream_block):
+        if COLUMNS:
+            offs_m = start + tl.arange(0, BLOCK_M)
+            lse = tl.load(LSE + offs_m, mask=offs_m < n, other=0.0)
+            g = tl.load(G + offs_m, mask=offs_m < n, other=0.0)
+        else:
+            offs_n = start + tl.arange(0, BLOCK_N)
+            h = tl.load(H + offs_n, mask=offs_n < m, other=float("-inf"))
+        s, t, a, b, near = _pair_stats(
+            X,
+            Y,
+            XN,
+            YN,
+            offs_m,
+            offs_n,
+            n,
+            m,
+            d,
+            sxn,
+            sxd,
+            syn,
+            syd,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            1,
+            DIFF,
+            PRECISION,
+        )
+        z = h[None, :] - COST(s, t, a, b) * scale_e - lse[:, None]
+        live = (offs_m[:, None] < n) & (offs_n[None, :] < m)
+        w = tl.where(live, g[:, None] * tl.exp2(z), 0.0)
+        c_s, c_t, c_a, c_b = GRAD(s, t, a, b)
+        ws, wt = 2.0 * w * c_s, w * c_t
+        if COLUMNS:
+            w_sum += tl.sum(w, 0)
+            scale += tl.sum(2.0 * w * c_b, 0)
+        else:
+            scale += tl.sum(2.0 * w * c_a, 1)
+        # (close pairs: (x_i − y_j)/|x_i − y_j| from differences)
+        if DIFF or near > 0:
+            acc = _exact_part(
+                X, Y, offs_m, offs_n, offs_d, n, m, d, sxn, sxd, syn, syd, ws, wt, acc, COLUMNS
+            )
+        else:  # 2φ_s (x_i − y_j) + φ_t y_j = 2φ_s x_i + (φ_t − 2φ_s) y_j
+            u = wt - ws
+            if COLUMNS:
+                scale += tl.sum(ws, 0)
+                xt = tl.load(
+                    X + offs_m[:, None] * sxn + offs_d[None, :] * sxd,
+                    mask=(offs_m[:, None] < n) & (offs_d[None, :] < d),
+                    other=0.0,
+                )
+                acc = tl.dot(tl.trans(u), xt, acc, input_precision=PRECISION)
+            else:
+                scale += tl.sum(ws, 1)
+                yt = tl.load(
+                    Y + offs_n[:, None] * syn + offs_d[None, :] * syd,
+                    mask=(offs_n[:, None] < m) & (offs_d[None, :] < d),
+                    other=0.0,
+                )
+                acc = tl.dot(u, yt, acc, input_precision=PRECISION)
+    acc += scale[:, None] * own
+    if COLUMNS:
+        tl.store(
+            OUT + split * m * d + offs_n[:, None] * d + offs_d[None, :],
+            acc,
+            mask=(offs_n[:, None] < m) & (offs_d[None, :] < d),
+        )
+        tl.store(OUT_H + split * m + offs_n, -eps * w_sum, mask=offs_n < m)
+    else:
+        tl.store(
+            OUT + split * n * d + offs_m[:, None] * d + offs_d[None, :],
+            acc,
+            mask=(offs_m[:, None] < n) & (offs_d[None, :] < d),
+        )
+
+
+def _width(size: int) -> int:
+    return max(16, triton.next_power_of_2(size))
+
+
+def _layout(d: int, whole: bool):
+    """(DIFF, BLOCK_D, D_CHUNKS, tiles) for feature size d (``whole``: one feature chunk)."""
+    diff = d <= DIFFERENCES_UP_TO
+    tiles = (16, 16, 1, 1) if triton_interpreted() else TILES
+    if diff or whole:
+        return diff, _width(d), 1, tiles
+    block_d = min(_width(d), D_CHUNK)
+    return diff, block_d, triton.cdiv(d, block_d), tiles
+
+
+def _splits(blocks: int, size: int, block: int, device) -> tuple[int, int]:
+    """(splits, per): column splits that give ~2 programs per SM, ≥ 4 tiles each.
+
+    ``per`` is a multiple of ``block``: a tile never crosses into the next split.
+    """
+    if device.type != "cuda" or triton_interpreted():
+        return 1, triton.cdiv(size, block) * block
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = max(1, min(triton.cdiv(2 * sms, blocks), size // (4 * block)))
+    per = triton.cdiv(triton.cdiv(size, splits), block) * block
+    return triton.cdiv(size, per), per
+
+
+def _prepared(x, y, cost: PairCost):
+    """Float32 contiguous clouds and their squared norms.
+
+    Centred by one common shift for translation-invariant costs.
+    """
+    x, y = x.detach().float(), y.detach().float()
+    if cost.translation_invariant:
+        shift = 0.5 * (x.mean(0) + y.mean(0))
+        x, y = x - shift, y - shift
+    x, y = x.contiguous(), y.contiguous()
+    return x, y, x.square().sum(1), y.square().sum(1)
+
+
+def _precision() -> str:
+    return "ieee" if triton_interpreted() else "tf32x3"
+
+
+def fused_softmin(
+    x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, cost: PairCost
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, lse2)``: the soft-minimum (n,) and ``lse2_i = −s_i log2(e)/ε`` (n,), float32.
+
+    No autograd; ``lse2`` (base 2, as the kernels keep it: no conversion's rounding
+    between the forward and the gradient's weights) is what :func:`softmin_grads` takes.
+
+    Args:
+        x: (n, d) rows.  y: (m, d) columns.  log_w: (m,) log-weights h, not all −∞.
+        eps: ε > 0.  cost: a :class:`PairCost` with a Triton function.
+    """
+    fn, _ = _functions(cost)
+    xs, ys, xn, yn = _prepared(x, y, cost)
+    n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
+    diff, block_d, chunks, (bm, bn, warps, stages) = _layout(d, whole=d <= GRAD_UP_TO)
+    splits, per = _splits(triton.cdiv(n, bm), m, bn, xs.device)
+    parts = torch.empty(splits, n, device=xs.device, dtype=torch.float32)
+    h = (log_w.detach().float() * _row.LOG2E).contiguous()
+    options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
+    with on_device(xs.device):
+        _softmin_kernel[(triton.cdiv(n, bm), splits)](
+            xs,
+            ys,
+            xn,
+            yn,
+            h,
+            parts,
+            n,
+            m,
+            d,
+            _row.LOG2E / eps,
+            per,
+            xs.stride(0),
+            xs.stride(1),
+            ys.stride(0),
+            ys.stride(1),
+            COST=fn,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_D=block_d,
+            D_CHUNKS=chunks,
+            DIFF=diff,
+            PRECISION=_precision(),
+            **options,
+        )
+    if splits == 1:
+        lse2 = parts[0]
+    else:  # (merged in base 2: top + log2 Σ 2^(part − top))
+        top = parts.amax(0)
+        top = torch.where(torch.isfinite(top), top, 0.0)
+        lse2 = top + torch.log2(torch.exp2(parts - top).sum(0))
+    return (-eps / _row.LOG2E) * lse2, lse2
+
+
+def softmin_grads(x, y, log_w, eps: float, cost: PairCost, lse, grad_s, rows: bool, cols: bool):
+    """``(x̄, ȳ, h̄)`` of the soft-minimum for the cotangent ``grad_s`` (n,), float32.
+
+    Those not asked for (``rows``: x̄; ``cols``: ȳ and h̄) are None; ``lse``: the
+    forward's base-2 ``lse2``.
+
+    Needs the cost's ``triton_grad`` and d ≤ :data:`GRAD_UP_TO` (or differences).
+    """
+    fn, grad = _functions(cost)
+    xs, ys, xn, yn = _prepared(x, y, cost)
+    n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
+    diff, block_d, _, (bm, bn, warps, stages) = _layout(d, whole=True)
+    h = (log_w.detach().float() * _row.LOG2E).contiguous()
+    g = grad_s.detach().float().contiguous()
+    lse = lse.contiguous()
+    options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
+    gx = gy = gh = None
+    common = dict(
+        COST=fn,
+        GRAD=grad,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_D=block_d,
+        DIFF=diff,
+        PRECISION=_precision(),
+        **options,
+    )
+    strides = (xs.stride(0), xs.stride(1), ys.stride(0), ys.stride(1))
+    with on_device(xs.device):
+        if rows:
+            splits, per = _splits(triton.cdiv(n, bm), m, bn, xs.device)
+            gx = torch.empty(splits, n, d, device=xs.device, dtype=torch.float32)
+            _grad_kernel[(triton.cdiv(n, bm), splits)](
+                xs,
+                ys,
+                xn,
+                yn,
+                h,
+                lse,
+                g,
+                gx,
+                gx,
+                n,
+                m,
+                d,
+                float(eps),
+                _row.LOG2E / eps,
+                per,
+                *strides,
+                COLUMNS=False,
+                **common,
+            )
+            gx = gx.sum(0)
+        if cols:
+            splits, per = _splits(triton.cdiv(m, bn), n, bm, xs.device)
+            gy = torch.empty(splits, m, d, device=xs.device, dtype=torch.float32)
+            gh = torch.empty(splits, m, device=xs.device, dtype=torch.float32)
+            _grad_kernel[(triton.cdiv(m, bn), splits)](
+                xs,
+                ys,
+                xn,
+                yn,
+                h,
+                lse,
+                g,
+                gy,
+                gh,
+                n,
+                m,
+                d,
+                float(eps),
+                _row.LOG2E / eps,
+                per,
+                *strides,
+                COLUMNS=True,
+                **common,
+            )
+            gy, gh = gy.sum(0), gh.sum(0)
+    return gx, gy, gh

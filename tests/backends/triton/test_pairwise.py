@@ -1,0 +1,202 @@
+"""The fused soft-minimum of pair costs (backends/triton/_pairwise.py) against float64
+PyTorch tiles: values, first derivatives (streamed), second derivatives (recomputed), user
+costs with their own Triton functions; in Triton's interpreter on CPU, natively on a GPU."""
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import flashot
+from flashot.backends import available_backends
+from flashot.backends.kernel_sums import cost_of, softmin
+from flashot.geometry.pair_costs import PairCost
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+
+@triton.jit
+def _log_distance(s, t, a, b):  # a robust radial cost, log(1 + |x − y|²)
+    return tl.log(1.0 + s)
+
+
+@triton.jit
+def _log_distance_grad(s, t, a, b):
+    return 1.0 / (1.0 + s), 0.0, 0.0, 0.0
+
+
+@triton.jit
+def _angle(s, t, a, b):  # 1 − cos(x, y) from the product and both norms
+    return 1.0 - t / tl.sqrt(a * b + 1e-12)
+
+
+@triton.jit
+def _angle_grad(s, t, a, b):
+    r = 1.0 / tl.sqrt(a * b + 1e-12)
+    return 0.0, -r, 0.5 * t * r * r * r * b, 0.5 * t * r * r * r * a
+
+
+LOG_DISTANCE = PairCost(
+    lambda s, t, a, b: torch.log1p(s),
+    _log_distance,
+    _log_distance_grad,
+    translation_invariant=True,
+    name="log_distance",
+)
+ANGLE = PairCost(
+    lambda s, t, a, b: 1 - t / (a * b + 1e-12).sqrt(), _angle, _angle_grad, name="angle"
+)
+ANGLE_NO_GRAD = PairCost(ANGLE.torch_fn, _angle, name="angle, no Triton gradient")
+COSTS = {
+    "p=1": cost_of(1),
+    "p=2": cost_of(2),
+    "log": LOG_DISTANCE,
+    "angle": ANGLE,
+    "angle-no-grad": ANGLE_NO_GRAD,
+}
+
+
+def _data(seed, n, m, d, zeros, twins):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, d, generator=g) + 3.0, torch.randn(m, d, generator=g) + 3.0
+    h = torch.randn(m, generator=g)
+    if zeros and m > 1:
+        h[torch.rand(m, generator=g) < 0.3] = -float("inf")
+        h[0] = 0.0  # (not all −∞)
+    if twins:
+        k = min(n, m)
+        x[: k // 2] = y[: k // 2]  # coincident points: |x − y| = 0 exactly (differences)
+    return x, y, h
+
+
+def _grads(x, y, h, eps, cost, backend, cot, create_graph=False):
+    ins = [t.clone().to(DEVICE).requires_grad_(True) for t in (x, y)]
+    ins.append(h.clone().to(DEVICE).requires_grad_(bool(torch.isfinite(h).all())))
+    s = softmin(*ins, eps, cost, backend=backend)
+    wanted = [t for t in ins if t.requires_grad]
+    gs = torch.autograd.grad(s, wanted, cot.to(s), create_graph=create_graph)
+    return s, gs, ins
+
+
+def _rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 40),
+    m=st.integers(1, 40),
+    d=st.sampled_from([1, 2, 3, 8, 9, 20, 70]),
+    name=st.sampled_from(sorted(COSTS)),
+    eps=st.sampled_from([0.1, 1.0, 10.0]),
+    zeros=st.booleans(),
+    twins=st.booleans(),
+)
+def test_fused_soft_minimum_and_gradients_match_float64(seed, n, m, d, name, eps, zeros, twins):
+    """Within 4× the error of the same computation in float32 PyTorch tiles (and 2e-6)."""
+    assume(not (name.startswith("angle") and d == 1))  # (1-D angles are constant: gradient 0)
+    cost = COSTS[name]
+    x, y, h = _data(seed, n, m, d, zeros, twins)
+    cot = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1))
+    s, gs, _ = _grads(x, y, h, eps, cost, "triton", cot)
+    s64, gs64, _ = _grads(x.double(), y.double(), h.double(), eps, cost, "torch", cot.double())
+    s32, gs32, _ = _grads(x, y, h, eps, cost, "torch", cot)
+    for got, ref, f32 in zip((s, *gs), (s64, *gs64), (s32, *gs32), strict=True):
+        assert _rel(got, ref) <= 4 * _rel(f32, ref) + 2e-6, (_rel(got, ref), _rel(f32, ref))
+
+
+@pytest.mark.parametrize("name", ["p=1", "angle"])
+def test_second_derivatives_recompute_in_tiles(gen, name):
+    """A double backward through the fused kernel equals the tiles' (same float32 data)."""
+    x, y, h = _data(3, 17, 23, 3, zeros=False, twins=False)
+    cot = torch.randn(17, generator=gen)
+    v = torch.randn(17, 3, generator=gen).to(DEVICE)
+    out = []
+    for backend in ("triton", "torch"):
+        _, gs, ins = _grads(x, y, h, 0.5, COSTS[name], backend, cot, create_graph=True)
+        out.append(torch.autograd.grad((gs[0] * v).sum(), ins[:2]))
+    for got, ref in zip(*out, strict=True):
+        assert _rel(got, ref) < 1e-5
+
+
+def test_auto_takes_the_kernel_on_cuda_float32_only(monkeypatch):
+    """``auto``: the fused kernel for CUDA float32 clouds; tiles on CPU, in float64 and for
+    a cost without a Triton function; ``torch`` always tiles."""
+    from flashot.backends.triton import _pairwise
+
+    calls = []
+    real = _pairwise.fused_softmin
+    monkeypatch.setattr(_pairwise, "fused_softmin", lambda *a: calls.append(1) or real(*a))
+    x, y, h = _data(0, 9, 11, 2, zeros=False, twins=False)
+    x, y, h = x.to(DEVICE), y.to(DEVICE), h.to(DEVICE)
+    plain = PairCost(cost_of(1).torch_fn)
+    for backend, cost, xx in (
+        ("auto", cost_of(1), x),
+        ("torch", cost_of(1), x),
+        ("triton", cost_of(1), x.double()),
+        ("triton", plain, x),
+    ):
+        softmin(xx, y.to(xx.dtype), h.to(xx.dtype), 0.3, cost, backend=backend)
+    assert len(calls) == (1 if DEVICE == "cuda" else 0)
+    softmin(x, y, h, 0.3, cost_of(1), backend="triton")
+    assert len(calls) == (2 if DEVICE == "cuda" else 1)
+    with pytest.raises(ValueError, match="backend must be"):
+        softmin(x, y, h, 0.3, cost_of(1), backend="cuda")
+
+
+@pytest.mark.parametrize("debias,reach", [(True, None), (False, 0.5)])
+def test_samples_loss_p1_on_the_kernel_matches_tiles(monkeypatch, debias, reach):
+    """``SamplesLoss("sinkhorn", p=1)`` through the kernel: the tiles' value and gradient
+    (same float32 data, GeomLoss' schedule), and a PairCost given as ``cost``."""
+    x, y, _ = _data(5, 30, 25, 3, zeros=False, twins=True)
+    out = []
+    for backend in ("triton", "torch"):
+        xs = x.clone().to(DEVICE).requires_grad_()
+        loss = flashot.SamplesLoss(p=1, blur=0.1, reach=reach, debias=debias, backend=backend)
+        value = loss(xs, y.to(DEVICE))
+        out.append((value, torch.autograd.grad(value, xs)[0]))
+    assert _rel(out[0][0], out[1][0]) < 1e-5 and _rel(out[0][1], out[1][1]) < 1e-5
+    loss = flashot.SamplesLoss(
+        p=1, blur=0.1, cost=LOG_DISTANCE, debias=debias, reach=reach, backend="triton"
+    )
+    ref = flashot.SamplesLoss(
+        p=1, blur=0.1, cost=LOG_DISTANCE, debias=debias, reach=reach, backend="torch"
+    )
+    x, y = x.to(DEVICE), y.to(DEVICE)
+    assert _rel(loss(x, y), ref(x, y)) < 1e-5
+    from flashot.backends.triton import _pairwise
+
+    ran = []
+    real = _pairwise.fused_softmin
+    monkeypatch.setattr(_pairwise, "fused_softmin", lambda *a: ran.append(a[4]) or real(*a))
+    loss(x, y)
+    assert ran and all(c is LOG_DISTANCE for c in ran)  # (the user's cost, on the kernel)
+
+
+@pytest.mark.parametrize("d", [3, 20])
+def test_column_splits_and_coincident_points_in_the_product_form(monkeypatch, d):
+    """Three column splits (partial log-sum-exps and gradient sums) give the one-split
+    result; a self problem at small ε (every point's twin at distance 0, which the
+    product form ``|x|² + |y|² − 2⟨x, y⟩`` misses by √rounding) is exact to float32."""
+    from flashot.backends.triton import _pairwise
+
+    x, _, _ = _data(11, 40, 40, d, zeros=False, twins=False)
+    h = torch.full((40,), -3.7)  # (log 1/40)
+    cot = torch.randn(40, generator=torch.Generator().manual_seed(2))
+    s64, gs64, _ = _grads(
+        x.double(), x.double(), h.double(), 0.5, cost_of(1), "torch", cot.double()
+    )
+    one = _grads(x, x, h, 0.5, cost_of(1), "triton", cot)
+    # (one tile per split: three splits of 16 columns under the interpreter)
+    monkeypatch.setattr(
+        _pairwise, "_splits", lambda blocks, size, block, device: (triton.cdiv(size, block), block)
+    )
+    three = _grads(x, x, h, 0.5, cost_of(1), "triton", cot)
+    for a, b, ref in zip((one[0], *one[1]), (three[0], *three[1]), (s64, *gs64), strict=True):
+        assert _rel(a, b) < 1e-6 and _rel(a, ref) < 2e-6
