@@ -13,6 +13,10 @@ Parts (env PARTS, default "A,B,C"):
   gradient against value, gradient and HVP: the ratio the issue bounds by 3.
 * C, ``flashot.hvp`` (a solve to a tolerance, the dual CG): time, CG iterations and
   error against float64 for ``hvp_tol`` values (TOLS).
+* P, where A's HVP spends its time (n = SIZES[0]): the profiler's top kernels, one row
+  pass and one ``plan_vjp`` timed alone; with SWEEP=1 the ``plan_vjp`` kernel's value
+  products (``_vjp.VALUE_DOT``: 3xTF32 or TF32) and tiles (``_vjp.TILES``), each with
+  one launch, the whole HVP and its error against the float64 double backward.
 
 Prints a short table last; rows also go to $OUT/second_order.json when OUT is set.
 """
@@ -144,8 +148,64 @@ def part_c():
             print(row, flush=True)
 
 
+def part_p():
+    from torch.profiler import ProfilerActivity, profile
+
+    import flashot.backends.triton._vjp as vjp
+    from flashot.backends import resolve_backend
+    from flashot.geometry.costs import AttentionForm
+
+    n = SIZES[0]
+    torch.manual_seed(0)
+    x, y, v = (torch.randn(n, 64, device="cuda") for _ in range(3))
+    loss = flashot.SamplesLoss(blur=0.3, scaling=0.9, debias=False)
+
+    def hvp_of(xx, yy, vv):
+        xl = xx.detach().requires_grad_()
+        (gg,) = torch.autograd.grad(loss(xl, yy), xl, create_graph=True)
+        return lambda: torch.autograd.grad((gg * vv).sum(), xl, retain_graph=True)[0]
+
+    run = hvp_of(x, y, v)
+    run(), run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12,
+                                    max_name_column_width=60))  # fmt: skip
+    # one row pass and one plan_vjp as the replay makes them, timed alone
+    be = resolve_backend("auto", x.device)
+    al, bl = (x * x).sum(1), (y * y).sum(1)
+    form = AttentionForm(2**0.5 * x, 2**0.5 * y, al, bl,
+                         cost_bound=float(4 * (al.max() + bl.max())))  # fmt: skip
+    h = torch.zeros(n, device="cuda")
+    lw = torch.full((n,), -float(torch.log(torch.tensor(n))), device="cuda")
+    r = -be.row_attend(form, h - bl, 0.09, log_w=lw)[0]
+
+    def one_vjp():
+        return be.plan_vjp(form, r, h, torch.ones_like(r), torch.exp(lw), 0.09,
+                           r.new_ones(n, 1), r[:, None], frozenset({"row_k", "col"}))  # fmt: skip
+
+    ra = bench(lambda: be.row_attend(form, h - bl, 0.09, log_w=lw))
+    rows.append(dict(part="P", case=f"n={n} d=64", who="one row pass", ms=ra))
+    settings = [(None, vjp.TILES)]
+    if os.environ.get("SWEEP"):
+        tiles = ((32, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 3))
+        settings = [(dot, t) for dot in (None, "tf32") for t in tiles]
+    ref = hvp_of(x.double(), y.double(), v.double())()
+    kept = vjp.VALUE_DOT, vjp.TILES
+    for value_dot, tiles in settings:
+        vjp.VALUE_DOT, vjp.TILES = value_dot, tiles
+        run = hvp_of(x, y, v)
+        who = f"plan_vjp {value_dot or '3xTF32'} {tiles}"
+        rows.append(dict(part="P", case=f"n={n} d=64", who=who, ms=bench(one_vjp),
+                         hvp_ms=bench(run), err=rel(run(), ref)))  # fmt: skip
+        print(rows[-1], flush=True)
+    vjp.VALUE_DOT, vjp.TILES = kept
+
+
 print(torch.cuda.get_device_name(), torch.__version__, flashot.__version__, flush=True)
-for part, fn in (("A", part_a), ("B", part_b), ("C", part_c)):
+for part, fn in (("A", part_a), ("B", part_b), ("C", part_c), ("P", part_p)):
     if part in PARTS:
         try:
             fn()

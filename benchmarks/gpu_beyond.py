@@ -1,0 +1,88 @@
+"""Beyond the attention form on one GPU (issue 52), flashot's defaults, one process.
+
+* ``SamplesLoss(p, blur=0.05, scaling=0.5, debias=True)``, value + gradient, p = 2 (the
+  attention form) against p = 1 (the pair-cost kernel), randn clouds (y shifted by 0.5),
+  n in SIZES, d in DIMS; p = 1's error against the same call in float64 at n = REF_N.
+* The kernel norms (``"energy"``, ``"gaussian"``, ``"laplacian"``, blur 0.5) and
+  ``"hausdorff"`` at n = SIZES[0], d = 3, value + gradient.
+* ``gromov_wasserstein(x, y, eps=0.05, relative_eps=True)`` at n = GW_N, d = 3 and 64:
+  time, outer and inner iterations, and ``torch.cuda.max_memory_allocated`` above the
+  inputs (POT's dense GW holds n² floats: 10 GB at 50k).
+
+Prints a short table last.
+
+    python benchmarks/gpu_beyond.py
+"""
+
+import os
+import time
+import warnings
+
+import torch
+from triton.testing import do_bench
+
+import flashot
+
+warnings.simplefilter("ignore")
+SIZES = [int(n) for n in os.environ.get("SIZES", "10000,50000").split(",")]
+DIMS = [int(d) for d in os.environ.get("DIMS", "3,64").split(",")]
+REF_N = int(os.environ.get("REF_N", "2000"))
+GW_N = int(os.environ.get("GW_N", "50000"))
+rows: list[tuple] = []
+
+
+def value_and_grad(loss, x, y):
+    xs = x.detach().requires_grad_()
+    value = loss(xs, y)
+    return value.detach(), torch.autograd.grad(value, xs)[0]
+
+
+def timed(what, loss, x, y):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    value, _ = value_and_grad(loss, x, y)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    ms = do_bench(lambda: value_and_grad(loss, x, y), warmup=1, rep=200, return_mode="median")
+    rows.append((*what, first, ms, float(value)))
+    print(rows[-1], flush=True)
+
+
+print(torch.cuda.get_device_name(), torch.__version__, flashot.__version__, flush=True)
+for n in SIZES:
+    for d in DIMS:
+        torch.manual_seed(0)
+        x, y = torch.randn(n, d, device="cuda"), torch.randn(n, d, device="cuda") + 0.5
+        for p in (2, 1):
+            loss = flashot.SamplesLoss(p=p, blur=0.05, scaling=0.5, debias=True)
+            timed((f"sinkhorn p={p}", n, d), loss, x, y)
+for d in DIMS:
+    torch.manual_seed(1)
+    x, y = torch.randn(REF_N, d, device="cuda"), torch.randn(REF_N, d, device="cuda") + 0.5
+    loss = flashot.SamplesLoss(p=1, blur=0.05, scaling=0.5, debias=True)
+    v32, g32 = value_and_grad(loss, x, y)
+    v64, g64 = value_and_grad(loss, x.double(), y.double())
+    err_v = abs(float(v32 - v64)) / abs(float(v64))
+    err_g = float((g32.double() - g64).norm() / g64.norm())
+    print(f"p=1 n={REF_N} d={d} against float64: value {err_v:.2e}, gradient {err_g:.2e}")
+torch.manual_seed(2)
+n = SIZES[0]
+x, y = torch.randn(n, 3, device="cuda"), torch.randn(n, 3, device="cuda") + 0.5
+for name in ("energy", "gaussian", "laplacian", "hausdorff"):
+    timed((name, n, 3), flashot.SamplesLoss(name, blur=0.5), x, y)
+for d in DIMS:
+    torch.manual_seed(3)
+    x, y = torch.randn(GW_N, d, device="cuda"), torch.randn(GW_N, d, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    r = flashot.gromov_wasserstein(x, y, eps=0.05, relative_eps=True)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    print(f"GW n={GW_N} d={d}: {time.perf_counter() - t0:.1f} s, peak {peak:.0f} MiB above the "
+          f"inputs, cost {float(r.cost):.5g}, {r.n_iter} outer (converged {r.converged}), "
+          f"{sum(r.inner_iterations)} inner", flush=True)
+print("\n| loss | n | d | first call s | median ms | value |\n|---|---|---|---|---|---|")
+for what, n, d, first, ms, value in rows:
+    print(f"| {what} | {n} | {d} | {first:.2f} | {ms:.1f} | {value:.6g} |")
