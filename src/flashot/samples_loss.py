@@ -11,7 +11,6 @@ Hausdorff divergence (``"hausdorff"``, p = 1 or 2) stream PyTorch tiles
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
@@ -21,10 +20,10 @@ from flashot.autodiff.functions import dual_term
 from flashot.autodiff.second_order import exact_second_order, packed_piece
 from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
-from flashot.backends.kernel_sums import KERNELS, cost_of, kernel_matvec, softmin
+from flashot.backends.kernel_sums import cost_of, kernel_matvec, softmin
 from flashot.divergence import debiased_potentials
 from flashot.geometry.costs import bounding_diameter, box_diameter, get_cost
-from flashot.geometry.pair_costs import PairCost
+from flashot.geometry.pair_costs import KERNEL_COSTS, PairCost
 from flashot.ops import compiled_loss, encodable
 from flashot.packing import pack_problems, pair_packing
 from flashot.problem import (
@@ -57,11 +56,11 @@ class SamplesLoss(torch.nn.Module):
             A kernel norm is ``½⟨a, K_xx a⟩ + ½⟨b, K_yy b⟩ − ⟨a, K_xy b⟩``; GeomLoss
             clamps distances at 1e-4 (so its self terms see k(1e-4) on their diagonals,
             −1e-4 instead of 0 for the energy); flashot uses the exact 0, with the
-            same gradients. Kernel norms take exact derivatives (twice) by autograd
-            through checkpointed tiles, Hausdorff's soft distances run as p = 1's (below);
-            their weights are used as given (GeomLoss'), uniform 1/N when omitted; the
-            Sinkhorn options (``reach``, ``scaling``, ``diameter``, ``debias``,
-            ``precision``) do not apply to them, nor ``backend`` to the kernel norms.
+            same gradients. Kernel sums and Hausdorff's soft distances run as p = 1's
+            (below: fused on CUDA float32, else checkpointed tiles; exact derivatives,
+            twice); their weights are used as given (GeomLoss'), uniform 1/N when
+            omitted; the Sinkhorn options (``reach``, ``scaling``, ``diameter``,
+            ``debias``, ``precision``) do not apply to them.
         p: 1 or 2: the cost ``|x − y|^p/p``, ε = blur^p, ρ = reach^p, for ``"sinkhorn"``
             and ``"hausdorff"``; ignored by the kernel norms (as GeomLoss). With p = 1
             the Sinkhorn loss runs GeomLoss' loop over streamed soft-minima
@@ -295,11 +294,16 @@ class SamplesLoss(torch.nn.Module):
             on_y = (softmin(y, x, la, eps, cost, backend=engine)
                     - softmin(y, y, lb, eps, cost, backend=engine))  # fmt: skip
             return 0.5 * ((a * on_x).sum() + (b * on_y).sum())
-        kernel = functools.partial(KERNELS[self.loss], blur=self.blur)
-        a_x, b_x = kernel_matvec(x, x, a, kernel), kernel_matvec(x, y, b, kernel)
-        b_y = kernel_matvec(y, y, b, kernel)
+        kernel, scaled = KERNEL_COSTS[self.loss]
+        if scaled:  # (k(x, y) = φ(|x/σ − y/σ|²))
+            x, y = x / self.blur, y / self.blur
+
+        def k_times(rows, cols, w):
+            return kernel_matvec(rows, cols, w, kernel, backend=self._tile_backend())
+
+        a_x, b_x, b_y = k_times(x, x, a), k_times(x, y, b), k_times(y, y, b)
         if self.potentials:  # (the value needs no K_yx a: ⟨a, K_xy b⟩ holds the cross term)
-            return a_x - b_x, b_y - kernel_matvec(y, x, a, kernel)
+            return a_x - b_x, b_y - k_times(y, x, a)
         return 0.5 * ((a * a_x).sum() + (b * b_y).sum()) - (a * b_x).sum()
 
     def _tiled_sinkhorn(self, a, x, b, y):

@@ -91,17 +91,25 @@ def _run(fn, *args):
 
 
 def kernel_matvec(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, kernel: Callable,
-                  budget: int = BUDGET) -> torch.Tensor:  # fmt: skip
+                  budget: int = BUDGET, backend: str = "auto") -> torch.Tensor:  # fmt: skip
     r"""``(K w)_i = Σ_j k(x_i, y_j) w_j``.
 
     Args:
         x: (n, d) rows.  y: (m, d) columns.  w: (m,) weights.
-        kernel: ``kernel(x_block, y_block)`` → the (r, c) kernel tile.
+        kernel: ``kernel(x_block, y_block)`` → the (r, c) kernel tile; a
+            :class:`~flashot.geometry.pair_costs.PairCost` (φ = k) may run fused.
         budget: the largest tile of coordinate differences, in elements.
+        backend: as :func:`softmin`'s.
 
     Returns:
         (n,) in x's dtype; differentiable (twice) in x, y and w.
     """
+    if isinstance(kernel, PairCost) and _fused(x, y, w, kernel, backend):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, w)):
+            return _Fused.apply(x, y, w, None, kernel, budget)
+        from flashot.backends.triton._pairwise import fused_kernel_sum
+
+        return fused_kernel_sum(x, y, w, kernel)
     n, m = x.shape[0], y.shape[0]
     bm, bn = _tiles(n, m, x.shape[1], budget)
 
@@ -136,7 +144,7 @@ def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, c
     """
     if isinstance(cost, PairCost) and _fused(x, y, log_w, cost, backend):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, log_w)):
-            return _FusedSoftmin.apply(x, y, log_w, eps, cost, budget)
+            return _Fused.apply(x, y, log_w, eps, cost, budget)
         from flashot.backends.triton._pairwise import fused_softmin
 
         return fused_softmin(x, y, log_w, eps, cost)[0]
@@ -154,8 +162,8 @@ def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, c
     return -eps * torch.cat(rows)
 
 
-def _fused(x, y, log_w, cost, backend: str) -> bool:
-    """Whether the fused kernel computes this soft-minimum."""
+def _fused(x, y, vec, cost, backend: str) -> bool:
+    """Whether the fused kernel computes this soft-minimum or kernel sum."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if backend == "torch" or not isinstance(cost, PairCost) or cost.triton_fn is None:
@@ -167,8 +175,8 @@ def _fused(x, y, log_w, cost, backend: str) -> bool:
     return "triton" in available_backends(x.device)
 
 
-class _FusedSoftmin(torch.autograd.Function):
-    """The fused soft-minimum, differentiable.
+class _Fused(torch.autograd.Function):
+    """The fused soft-minimum (``eps`` a float) or kernel sum (``eps`` None), differentiable.
 
     Its gradient streams when the cost has ``triton_grad`` (and d ≤ GRAD_UP_TO or
     differences); otherwise, and for second derivatives, it recomputes in PyTorch tiles
@@ -176,32 +184,38 @@ class _FusedSoftmin(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, y, log_w, eps, cost, budget):
-        from flashot.backends.triton._pairwise import fused_softmin
+    def forward(ctx, x, y, vec, eps, cost, budget):
+        from flashot.backends.triton import _pairwise
 
-        s, lse = fused_softmin(x, y, log_w, eps, cost)
-        ctx.save_for_backward(x, y, log_w, lse)
+        if eps is None:
+            out, lse = _pairwise.fused_kernel_sum(x, y, vec, cost), None
+        else:
+            out, lse = _pairwise.fused_softmin(x, y, vec, eps, cost)
+        ctx.save_for_backward(x, y, vec, lse)
         ctx.eps, ctx.cost, ctx.budget = eps, cost, budget
-        return s
+        return out
 
     @staticmethod
-    def backward(ctx, grad_s):
-        from flashot.backends.triton._pairwise import GRAD_UP_TO, softmin_grads
+    def backward(ctx, grad_out):
+        from flashot.backends.triton._pairwise import GRAD_UP_TO, fused_grads
 
-        x, y, log_w, lse = ctx.saved_tensors
+        x, y, vec, lse = ctx.saved_tensors
         need = ctx.needs_input_grad[:3]
         d = x.shape[1]
         create_graph = torch.is_grad_enabled()  # (backward runs with grad mode = create_graph)
         if (not create_graph and ctx.cost.triton_grad is not None
                 and (d <= DIFFERENCES_UP_TO or d <= GRAD_UP_TO)):  # fmt: skip
-            gx, gy, gh = softmin_grads(x, y, log_w, ctx.eps, ctx.cost, lse, grad_s, need[0],
-                                       need[1] or need[2])  # fmt: skip
-            grads = [t if want else None for t, want in zip((gx, gy, gh), need, strict=True)]
+            got3 = fused_grads(x, y, vec, ctx.eps, ctx.cost, lse, grad_out, need[0],
+                               need[1] or need[2])  # fmt: skip
+            grads = [t if want else None for t, want in zip(got3, need, strict=True)]
             return (*grads, None, None, None)
         with torch.enable_grad():  # (create_graph: the saved inputs carry their graphs)
             ins = [t if create_graph else t.detach().requires_grad_(w)
-                   for t, w in zip((x, y, log_w), need, strict=True)]  # fmt: skip
-            s = softmin(*ins, ctx.eps, ctx.cost, ctx.budget, backend="torch")
+                   for t, w in zip((x, y, vec), need, strict=True)]  # fmt: skip
+            if ctx.eps is None:
+                out = kernel_matvec(*ins, ctx.cost, ctx.budget, backend="torch")
+            else:
+                out = softmin(*ins, ctx.eps, ctx.cost, ctx.budget, backend="torch")
             wanted = [t for t, w in zip(ins, need, strict=True) if w]
-            got = iter(torch.autograd.grad(s, wanted, grad_s, create_graph=create_graph))
+            got = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=create_graph))
         return (*[next(got) if w else None for w in need], None, None, None)

@@ -37,7 +37,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["DIFFERENCES_UP_TO", "PairCost", "distance_cost", "half_square_cost", "pair_stats"]
+__all__ = [
+    "DIFFERENCES_UP_TO",
+    "KERNEL_COSTS",
+    "PairCost",
+    "distance_cost",
+    "half_square_cost",
+    "pair_stats",
+]
 
 #: widest features for which the kernels form ``|x − y|²`` from coordinate differences
 DIFFERENCES_UP_TO = 8
@@ -136,3 +143,25 @@ distance_cost = PairCost(_root, "distance", "distance", translation_invariant=Tr
 half_square_cost = PairCost(
     _half, "half_square", "half_square", translation_invariant=True, name="half_square"
 )
+
+
+def _gaussian(s, t, a, b):
+    return torch.exp(-0.5 * s)
+
+
+def _laplacian(s, t, a, b):
+    return torch.exp(-_root(s, t, a, b))
+
+
+def _energy(s, t, a, b):
+    return -_root(s, t, a, b)
+
+
+#: GeomLoss' kernels as pair costs of clouds scaled by 1/blur (second item True) or not:
+#: ``exp(−|x − y|²/2σ²)``, ``exp(−|x − y|/σ)``, ``−|x − y|`` (subgradient 0 at coincident
+#: points, as :data:`distance_cost`)
+KERNEL_COSTS = {
+    "gaussian": (PairCost(_gaussian, "gaussian", "gaussian", True, "gaussian"), True),
+    "laplacian": (PairCost(_laplacian, "laplacian", "laplacian", True, "laplacian"), True),
+    "energy": (PairCost(_energy, "energy", "energy", True, "energy"), False),
+}

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import flashot
 from flashot.backends import available_backends
-from flashot.backends.kernel_sums import cost_of, softmin
-from flashot.geometry.pair_costs import PairCost
+from flashot.backends.kernel_sums import cost_of, kernel_matvec, softmin
+from flashot.geometry.pair_costs import KERNEL_COSTS, PairCost
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
@@ -200,3 +200,40 @@ def test_column_splits_and_coincident_points_in_the_product_form(monkeypatch, d)
     three = _grads(x, x, h, 0.5, cost_of(1), "triton", cot)
     for a, b, ref in zip((one[0], *one[1]), (three[0], *three[1]), (s64, *gs64), strict=True):
         assert _rel(a, b) < 1e-6 and _rel(a, ref) < 2e-6
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 40), m=st.integers(1, 40),
+       d=st.sampled_from([1, 3, 8, 9, 20, 70]), name=st.sampled_from(sorted(KERNEL_COSTS)),
+       twins=st.booleans())  # fmt: skip
+def test_fused_kernel_sums_and_gradients_match_float64(seed, n, m, d, name, twins):
+    """``Σ_j k_ij w_j`` with weights of any sign, and its gradients in x, y and w."""
+    kernel = KERNEL_COSTS[name][0]
+    x, y, _ = _data(seed, n, m, d, zeros=False, twins=twins)
+    x, y = x / d**0.5, y / d**0.5  # (kernels of O(1) distances)
+    w = torch.randn(m, generator=torch.Generator().manual_seed(seed + 2))
+    cot = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1))
+
+    def run(dtype, backend):
+        ins = [t.to(DEVICE, dtype).requires_grad_() for t in (x, y, w)]
+        out = kernel_matvec(*ins, kernel, backend=backend)
+        return out, torch.autograd.grad(out, ins, cot.to(out))
+
+    got, ref, f32 = (
+        run(torch.float32, "triton"),
+        run(torch.float64, "torch"),
+        run(torch.float32, "torch"),
+    )
+    for a, r, b in zip((got[0], *got[1]), (ref[0], *ref[1]), (f32[0], *f32[1]), strict=True):
+        assert _rel(a, r) <= 4 * _rel(b, r) + 2e-6, (_rel(a, r), _rel(b, r))
+
+
+@pytest.mark.parametrize("name", ["energy", "gaussian", "laplacian", "hausdorff"])
+def test_samples_loss_kernel_norms_on_the_kernel_match_tiles(name):
+    x, y, _ = _data(7, 30, 25, 3, zeros=False, twins=True)
+    out = []
+    for backend in ("triton", "torch"):
+        xs = x.clone().to(DEVICE).requires_grad_()
+        value = flashot.SamplesLoss(name, blur=0.5, backend=backend)(xs, y.to(DEVICE))
+        out.append((value, torch.autograd.grad(value, xs)[0]))
+    assert _rel(out[0][0], out[1][0]) < 1e-5 and _rel(out[0][1], out[1][1]) < 1e-5

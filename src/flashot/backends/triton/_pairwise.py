@@ -32,7 +32,7 @@ from flashot.backends import temperature as _row
 from flashot.backends.device import on_device, triton_interpreted
 from flashot.geometry.pair_costs import DIFFERENCES_UP_TO, PairCost
 
-__all__ = ["GRAD_UP_TO", "fused_softmin", "softmin_grads"]
+__all__ = ["GRAD_UP_TO", "fused_grads", "fused_kernel_sum", "fused_softmin"]
 
 #: widest features the gradient kernels take with the product form (one feature chunk)
 GRAD_UP_TO = 128
@@ -69,8 +69,48 @@ def half_square_grad(s, t, a, b):
     return 0.5, 0.0, 0.0, 0.0
 
 
+@triton.jit
+def gaussian(s, t, a, b):
+    """``exp(−|x − y|²/2)`` (GeomLoss' Gaussian kernel on clouds scaled by 1/σ)."""
+    return tl.exp(-0.5 * s)
+
+
+@triton.jit
+def gaussian_grad(s, t, a, b):
+    return -0.5 * tl.exp(-0.5 * s), 0.0, 0.0, 0.0
+
+
+@triton.jit
+def laplacian(s, t, a, b):
+    """``exp(−|x − y|)`` (GeomLoss' Laplacian kernel on clouds scaled by 1/σ)."""
+    return tl.exp(-tl.sqrt(s))
+
+
+@triton.jit
+def laplacian_grad(s, t, a, b):
+    r = tl.sqrt(tl.where(s > 0, s, 1.0))
+    return tl.where(s > 0, -0.5 * tl.exp(-r) / r, 0.0), 0.0, 0.0, 0.0
+
+
+@triton.jit
+def energy(s, t, a, b):
+    """``−|x − y|`` (GeomLoss' energy kernel)."""
+    return -tl.sqrt(s)
+
+
+@triton.jit
+def energy_grad(s, t, a, b):
+    return tl.where(s > 0, -0.5 / tl.sqrt(tl.where(s > 0, s, 1.0)), 0.0), 0.0, 0.0, 0.0
+
+
 #: the built-in costs' Triton functions, by the names their PairCost carries
-BUILT_IN = {"distance": (distance, distance_grad), "half_square": (half_square, half_square_grad)}
+BUILT_IN = {
+    "distance": (distance, distance_grad),
+    "half_square": (half_square, half_square_grad),
+    "gaussian": (gaussian, gaussian_grad),
+    "laplacian": (laplacian, laplacian_grad),
+    "energy": (energy, energy_grad),
+}
 
 
 def _functions(cost: PairCost):
@@ -192,10 +232,12 @@ def _softmin_kernel(
     D_CHUNKS: tl.constexpr,
     DIFF: tl.constexpr,
     PRECISION: tl.constexpr,
+    SUM: tl.constexpr,
 ):
     """``LSE[split, i]``: the base-2 log-sum-exp of row i over one split's columns.
 
-    H holds ``h log2 e``; ``scale = log2 e / ε``.
+    H holds ``h log2 e``; ``scale = log2 e / ε``. ``SUM``: instead the kernel sum
+    ``Σ_j φ_ij w_j`` over the split, with H holding the weights w.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
@@ -224,14 +266,22 @@ def _softmin_kernel(
             DIFF,
             PRECISION,
         )
-        h = tl.load(H + offs_n, mask=offs_n < m, other=float("-inf"))
-        z = h[None, :] - COST(s, t, a, b) * scale
-        z = tl.where(offs_n[None, :] < m, z, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(z, 1))
-        base = tl.where(new_max == float("-inf"), 0.0, new_max)  # (a row of −inf so far)
-        run_sum = run_sum * tl.exp2(run_max - base) + tl.sum(tl.exp2(z - base[:, None]), 1)
-        run_max = new_max
-    tl.store(LSE + split * n + offs_m, run_max + tl.log2(run_sum), mask=offs_m < n)
+        if SUM:
+            w = tl.load(H + offs_n, mask=offs_n < m, other=0.0)
+            terms = tl.where(offs_n[None, :] < m, COST(s, t, a, b) * w[None, :], 0.0)
+            run_sum += tl.sum(terms, 1)
+        else:
+            h = tl.load(H + offs_n, mask=offs_n < m, other=float("-inf"))
+            z = h[None, :] - COST(s, t, a, b) * scale
+            z = tl.where(offs_n[None, :] < m, z, float("-inf"))
+            new_max = tl.maximum(run_max, tl.max(z, 1))
+            base = tl.where(new_max == float("-inf"), 0.0, new_max)  # (a row of −inf so far)
+            run_sum = run_sum * tl.exp2(run_max - base) + tl.sum(tl.exp2(z - base[:, None]), 1)
+            run_max = new_max
+    if SUM:
+        tl.store(LSE + split * n + offs_m, run_sum, mask=offs_m < n)
+    else:
+        tl.store(LSE + split * n + offs_m, run_max + tl.log2(run_sum), mask=offs_m < n)
 
 
 @triton.jit
@@ -263,13 +313,15 @@ def _grad_kernel(
     BLOCK_D: tl.constexpr,
     DIFF: tl.constexpr,
     PRECISION: tl.constexpr,
+    SUM: tl.constexpr,
 ):
     """The gradient sums of one side.
 
     Rows (``COLUMNS`` false): a program owns BLOCK_M rows, writes ``x̄`` (n, d).
     Columns: it owns BLOCK_N columns, streams the rows, writes ``ȳ`` (m, d) and ``h̄``.
     Each split of the streamed side writes its partial sums at ``OUT[split]``. H and LSE
-    in base 2, as the forward's; ``scale_e = log2 e / ε``.
+    in base 2, as the forward's; ``scale_e = log2 e / ε``. ``SUM``: the kernel sum's
+    gradient: weights ``W_ij = ḡ_i w_j`` (H holds w) and ``w̄_j = Σ_i ḡ_i φ_ij`` for ``h̄``.
     """
     offs_d = tl.arange(0, BLOCK_D)
     split = tl.program_id(1)
@@ -280,7 +332,7 @@ def _grad_kernel(
             mask=(offs_n[:, None] < m) & (offs_d[None, :] < d),
             other=0.0,
         )
-        h = tl.load(H + offs_n, mask=offs_n < m, other=float("-inf"))
+        h = tl.load(H + offs_n, mask=offs_n < m, other=0.0 if SUM else float("-inf"))
         acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
         w_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -307,7 +359,7 @@ def _grad_kernel(
             g = tl.load(G + offs_m, mask=offs_m < n, other=0.0)
         else:
             offs_n = start + tl.arange(0, BLOCK_N)
-            h = tl.load(H + offs_n, mask=offs_n < m, other=float("-inf"))
+            h = tl.load(H + offs_n, mask=offs_n < m, other=0.0 if SUM else float("-inf"))
         s, t, a, b, near = _pair_stats(
             X,
             Y,
@@ -329,13 +381,19 @@ def _grad_kernel(
             DIFF,
             PRECISION,
         )
-        z = h[None, :] - COST(s, t, a, b) * scale_e - lse[:, None]
         live = (offs_m[:, None] < n) & (offs_n[None, :] < m)
-        w = tl.where(live, g[:, None] * tl.exp2(z), 0.0)
+        if SUM:
+            w = tl.where(live, g[:, None] * h[None, :], 0.0)
+            if COLUMNS:
+                w_sum += tl.sum(tl.where(live, g[:, None] * COST(s, t, a, b), 0.0), 0)
+        else:
+            z = h[None, :] - COST(s, t, a, b) * scale_e - lse[:, None]
+            w = tl.where(live, g[:, None] * tl.exp2(z), 0.0)
+            if COLUMNS:
+                w_sum -= eps * tl.sum(w, 0)
         c_s, c_t, c_a, c_b = GRAD(s, t, a, b)
         ws, wt = 2.0 * w * c_s, w * c_t
         if COLUMNS:
-            w_sum += tl.sum(w, 0)
             scale += tl.sum(2.0 * w * c_b, 0)
         else:
             scale += tl.sum(2.0 * w * c_a, 1)
@@ -369,7 +427,7 @@ def _grad_kernel(
             acc,
             mask=(offs_n[:, None] < m) & (offs_d[None, :] < d),
         )
-        tl.store(OUT_H + split * m + offs_n, -eps * w_sum, mask=offs_n < m)
+        tl.store(OUT_H + split * m + offs_n, w_sum, mask=offs_n < m)
     else:
         tl.store(
             OUT + split * n * d + offs_m[:, None] * d + offs_d[None, :],
@@ -422,53 +480,40 @@ def _precision() -> str:
     return "ieee" if triton_interpreted() else "tf32x3"
 
 
-def fused_softmin(
-    x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, cost: PairCost
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(s, lse2)``: the soft-minimum (n,) and ``lse2_i = −s_i log2(e)/ε`` (n,), float32.
-
-    No autograd; ``lse2`` (base 2, as the kernels keep it: no conversion's rounding
-    between the forward and the gradient's weights) is what :func:`softmin_grads` takes.
-
-    Args:
-        x: (n, d) rows.  y: (m, d) columns.  log_w: (m,) log-weights h, not all −∞.
-        eps: ε > 0.  cost: a :class:`PairCost` with a Triton function.
-    """
+def _launch_forward(x, y, vec, scale: float, cost: PairCost, sum_mode: bool):
+    """The forward kernel's per-split results (splits, n), float32."""
     fn, _ = _functions(cost)
     xs, ys, xn, yn = _prepared(x, y, cost)
     n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
     diff, block_d, chunks, (bm, bn, warps, stages) = _layout(d, whole=d <= GRAD_UP_TO)
     splits, per = _splits(triton.cdiv(n, bm), m, bn, xs.device)
     parts = torch.empty(splits, n, device=xs.device, dtype=torch.float32)
-    h = (log_w.detach().float() * _row.LOG2E).contiguous()
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
+    args = (xs, ys, xn, yn, vec.contiguous(), parts, n, m, d, scale, per, *xs.stride(),
+            *ys.stride())  # fmt: skip
     with on_device(xs.device):
         _softmin_kernel[(triton.cdiv(n, bm), splits)](
-            xs,
-            ys,
-            xn,
-            yn,
-            h,
-            parts,
-            n,
-            m,
-            d,
-            _row.LOG2E / eps,
-            per,
-            xs.stride(0),
-            xs.stride(1),
-            ys.stride(0),
-            ys.stride(1),
-            COST=fn,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            BLOCK_D=block_d,
-            D_CHUNKS=chunks,
-            DIFF=diff,
-            PRECISION=_precision(),
-            **options,
-        )
-    if splits == 1:
+            *args, COST=fn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, D_CHUNKS=chunks,
+            DIFF=diff, PRECISION=_precision(), SUM=sum_mode, **options,
+        )  # fmt: skip
+    return parts
+
+
+def fused_softmin(
+    x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, cost: PairCost
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, lse2)``: the soft-minimum (n,) and ``lse2_i = −s_i log2(e)/ε`` (n,), float32.
+
+    No autograd; ``lse2`` (base 2, as the kernels keep it: no conversion's rounding
+    between the forward and the gradient's weights) is what :func:`fused_grads` takes.
+
+    Args:
+        x: (n, d) rows.  y: (m, d) columns.  log_w: (m,) log-weights h, not all −∞.
+        eps: ε > 0.  cost: a :class:`PairCost` with a Triton function.
+    """
+    h = log_w.detach().float() * _row.LOG2E
+    parts = _launch_forward(x, y, h, _row.LOG2E / eps, cost, sum_mode=False)
+    if len(parts) == 1:
         lse2 = parts[0]
     else:  # (merged in base 2: top + log2 Σ 2^(part − top))
         top = parts.amax(0)
@@ -477,82 +522,54 @@ def fused_softmin(
     return (-eps / _row.LOG2E) * lse2, lse2
 
 
-def softmin_grads(x, y, log_w, eps: float, cost: PairCost, lse, grad_s, rows: bool, cols: bool):
-    """``(x̄, ȳ, h̄)`` of the soft-minimum for the cotangent ``grad_s`` (n,), float32.
+def fused_kernel_sum(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, cost: PairCost):
+    """``(K w)_i = Σ_j φ_ij w_j`` (n,), float32, no autograd (φ: the cost's function).
 
-    Those not asked for (``rows``: x̄; ``cols``: ȳ and h̄) are None; ``lse``: the
-    forward's base-2 ``lse2``.
+    Args:
+        x: (n, d) rows.  y: (m, d) columns.  w: (m,) weights (any sign).
+        cost: a :class:`PairCost` with a Triton function: here the kernel k itself.
+    """
+    return _launch_forward(x, y, w.detach().float(), 1.0, cost, sum_mode=True).sum(0)
 
-    Needs the cost's ``triton_grad`` and d ≤ :data:`GRAD_UP_TO` (or differences).
+
+def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols: bool):
+    """``(x̄, ȳ, v̄)`` for the cotangent ``grad_out`` (n,) of a soft-minimum or kernel sum.
+
+    ``eps`` a float: the soft-minimum with log-weights ``vec`` and the forward's base-2
+    ``lse``; ``eps`` None: the kernel sum with weights ``vec`` (``lse`` unused). Those not
+    asked for (``rows``: x̄; ``cols``: ȳ and v̄) are None; float32. Needs the cost's
+    ``triton_grad`` and d ≤ :data:`GRAD_UP_TO` (or differences).
     """
     fn, grad = _functions(cost)
+    sum_mode = eps is None
     xs, ys, xn, yn = _prepared(x, y, cost)
     n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
     diff, block_d, _, (bm, bn, warps, stages) = _layout(d, whole=True)
-    h = (log_w.detach().float() * _row.LOG2E).contiguous()
-    g = grad_s.detach().float().contiguous()
-    lse = lse.contiguous()
+    h = vec.detach().float() * (1.0 if sum_mode else _row.LOG2E)
+    g = grad_out.detach().float().contiguous()
+    lse = g if sum_mode else lse.contiguous()
+    eps = 1.0 if sum_mode else float(eps)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
-    gx = gy = gh = None
-    common = dict(
-        COST=fn,
-        GRAD=grad,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_D=block_d,
-        DIFF=diff,
-        PRECISION=_precision(),
-        **options,
-    )
-    strides = (xs.stride(0), xs.stride(1), ys.stride(0), ys.stride(1))
+    flags = dict(COST=fn, GRAD=grad, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, DIFF=diff,
+                 PRECISION=_precision(), SUM=sum_mode, **options)  # fmt: skip
+    head = (xs, ys, xn, yn, h.contiguous(), lse, g)
+    tail = (n, m, d, eps, _row.LOG2E / eps)
+    strides = (*xs.stride(), *ys.stride())
+    gx = gy = gv = None
     with on_device(xs.device):
         if rows:
             splits, per = _splits(triton.cdiv(n, bm), m, bn, xs.device)
             gx = torch.empty(splits, n, d, device=xs.device, dtype=torch.float32)
             _grad_kernel[(triton.cdiv(n, bm), splits)](
-                xs,
-                ys,
-                xn,
-                yn,
-                h,
-                lse,
-                g,
-                gx,
-                gx,
-                n,
-                m,
-                d,
-                float(eps),
-                _row.LOG2E / eps,
-                per,
-                *strides,
-                COLUMNS=False,
-                **common,
+                *head, gx, gx, *tail, per, *strides, COLUMNS=False, **flags
             )
             gx = gx.sum(0)
         if cols:
             splits, per = _splits(triton.cdiv(m, bn), n, bm, xs.device)
             gy = torch.empty(splits, m, d, device=xs.device, dtype=torch.float32)
-            gh = torch.empty(splits, m, device=xs.device, dtype=torch.float32)
+            gv = torch.empty(splits, m, device=xs.device, dtype=torch.float32)
             _grad_kernel[(triton.cdiv(m, bn), splits)](
-                xs,
-                ys,
-                xn,
-                yn,
-                h,
-                lse,
-                g,
-                gy,
-                gh,
-                n,
-                m,
-                d,
-                float(eps),
-                _row.LOG2E / eps,
-                per,
-                *strides,
-                COLUMNS=True,
-                **common,
+                *head, gy, gv, *tail, per, *strides, COLUMNS=True, **flags
             )
-            gy, gh = gy.sum(0), gh.sum(0)
-    return gx, gy, gh
+            gy, gv = gy.sum(0), gv.sum(0)
+    return gx, gy, gv
