@@ -40,6 +40,9 @@ def test_readme_snippets_run(seed, tmp_path, monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error", flashot.ConvergenceWarning)
             try:
-                exec(compile(scaled(block), f"README block {i}", "exec"), namespace)
+                # (from a file: @triton.jit reads its function's source)
+                path = tmp_path / f"readme_block_{i}.py"
+                path.write_text(scaled(block))
+                exec(compile(path.read_text(), str(path), "exec"), namespace)
             except Exception as exc:
                 pytest.fail(f"README python block {i} failed: {type(exc).__name__}: {exc}")
