@@ -170,9 +170,10 @@ def test_geomloss_positional_order_and_keywords():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(cluster_scale=0.1), "cluster_scale must be None"),
+    (dict(loss="energy", cluster_scale=0.1), "cluster_scale"),
+    (dict(cost="cosine", cluster_scale=0.1), "cluster_scale"),
+    (dict(cluster_scale=-0.1), "cluster_scale"),
     (dict(kernel=lambda x, y: x), "kernel must be None"),
-    (dict(backend="multiscale"), "multiscale"),
     (dict(truncate=-1), "truncate"),
 ])  # fmt: skip
 def test_geomloss_options_flashot_does_not_offer_are_refused(kw, match):

@@ -11,6 +11,7 @@ Hausdorff divergence (``"hausdorff"``, p = 1 or 2) stream PyTorch tiles
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -35,6 +36,7 @@ from flashot.problem import (
     weights_tensor,
 )
 from flashot.solver.loop import geomloss_schedule
+from flashot.solver.multiscale import MAX_DIM, default_scale, multiscale_potentials
 from flashot.solver.tiled_loop import geomloss_potentials
 
 __all__ = ["LOSSES", "SamplesLoss"]
@@ -77,9 +79,10 @@ class SamplesLoss(torch.nn.Module):
             temperatures, which the kernels read from the device
             (:mod:`flashot.backends.temperature`); a fixed one also keeps the length.
         scaling: ratio of successive blurs in the ε schedule, in (0, 1).
-        truncate: accepted for GeomLoss compatibility (None or > 0) and without
-            effect: it truncates kernels in GeomLoss' multiscale mode, and flashot
-            always solves the full problem.
+        truncate: the multiscale mode's truncation (None or > 0): cluster pairs whose
+            plan entries are bounded by ``exp(−truncate²/2)`` times their weights are
+            skipped (:mod:`flashot.solver.multiscale`; None: none skipped). Without
+            ``cluster_scale`` it has no effect (the full problem is solved).
         cost: None (``|x − y|^p/p``), ``"cosine"`` (1 − cos(x, y); p = 2 Sinkhorn), or a
             callable ``cost(x_block, y_block)`` → the (r, c) cost tile of (r, D) and (c, D)
             blocks, for ``"sinkhorn"`` and ``"hausdorff"`` (GeomLoss' tensorized ``cost``,
@@ -88,13 +91,20 @@ class SamplesLoss(torch.nn.Module):
             differentiable by autograd (twice for second derivatives). A
             :class:`flashot.PairCost` with a Triton function runs fused on CUDA, as p = 1.
         kernel: only None (a custom kernel callable is not supported).
-        cluster_scale: only None (GeomLoss' multiscale approximation is not offered).
+        cluster_scale: None (the full problem), or the cell side of the multiscale mode
+            for ``"sinkhorn"`` with the cost ``|x − y|^p/p`` and D ≤ 8 (GeomLoss'
+            ``backend="multiscale"``): coarse steps on grid clusters while ε >
+            cluster_scale^p, then block-sparse soft-minima over the cluster pairs the
+            truncation keeps (:mod:`flashot.solver.multiscale`). An approximation: its
+            value and gradient are within the truncation of the dense ones only as far
+            as the coarse steps converge alike (measured in benchmarks/NOTES.md).
         debias: return the debiased Sinkhorn divergence (else OT_ε).
         potentials: return the potentials (F, G) instead of the value.
         verbose: print one line per call on stderr (sizes, ε schedule, backend).
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or a backend instance; GeomLoss'
             ``"tensorized"`` and ``"online"`` name the same exact solve here (``"torch"``
-            and ``"auto"``), its ``"multiscale"`` is refused.
+            and ``"auto"``), its ``"multiscale"`` is the multiscale mode (with a default
+            ``cluster_scale``: about 2 000 cells across the bounding box).
         precision: precision mode of the backend (see :func:`flashot.sinkhorn`),
             keyword only.
 
@@ -158,14 +168,16 @@ class SamplesLoss(torch.nn.Module):
         if kernel is not None:
             raise ValueError("kernel must be None: a custom kernel callable is not supported "
                              "(loss='energy', 'gaussian' or 'laplacian' names one)")  # fmt: skip
-        if cluster_scale is not None:
-            raise ValueError("cluster_scale must be None: GeomLoss' multiscale approximation "
-                             "is not offered (flashot streams the full problem)")  # fmt: skip
+        multiscale = cluster_scale is not None or backend == "multiscale"
+        if multiscale and (loss != "sinkhorn" or cost is not None):
+            raise ValueError("cluster_scale (the multiscale mode) applies to loss='sinkhorn' "
+                             "with the cost |x − y|^p/p (cost=None) only")  # fmt: skip
+        self.cluster_scale = (None if cluster_scale is None
+                              else check_positive(cluster_scale, "cluster_scale"))  # fmt: skip
+        self._multiscale = multiscale
         if backend == "multiscale":
-            raise ValueError(
-                "backend='multiscale' is not offered (flashot streams the full problem): use "
-                "'auto', 'online', 'tensorized', 'torch' or 'triton'"
-            )
+            backend = "auto"
+        fused = fused and not multiscale
         if isinstance(backend, str):
             backend = {"tensorized": "torch", "online": "auto"}.get(backend, backend)
         if not isinstance(verbose, bool):
@@ -314,8 +326,17 @@ class SamplesLoss(torch.nn.Module):
         self._say(x, y, temps)
         eps = self.blur**self.p
         rho = None if self.reach is None else self.reach**self.p
-        pots = geomloss_potentials(a, x, b, y, self._tile_cost, temps, self.debias, rho,
-                                   self._tile_backend())  # fmt: skip
+        if self._multiscale:
+            if x.shape[1] > MAX_DIM:
+                raise ValueError(f"cluster_scale (the multiscale mode) takes clouds of at most "
+                                 f"{MAX_DIM} dimensions, got {x.shape[1]}")  # fmt: skip
+            scale = self.cluster_scale or default_scale(diameter, x.shape[1])
+            trunc = math.inf if self.truncate is None else float(self.truncate)
+            pots = multiscale_potentials(a, x, b, y, self._tile_cost, temps, self.debias, scale,
+                                         trunc, self.p, rho, self._tile_backend())  # fmt: skip
+        else:
+            pots = geomloss_potentials(a, x, b, y, self._tile_cost, temps, self.debias, rho,
+                                       self._tile_backend())  # fmt: skip
         if self.potentials:
             if pots.f_aa is None or pots.g_bb is None:
                 return pots.f_ba, pots.g_ab

@@ -25,7 +25,7 @@ import torch
 
 from flashot.backends.kernel_sums import softmin
 
-__all__ = ["GeomLossPotentials", "geomloss_potentials"]
+__all__ = ["GeomLossPotentials", "damping", "geomloss_potentials", "symmetric_steps"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,47 @@ class GeomLossPotentials:
     g_ab: torch.Tensor
     f_aa: torch.Tensor | None
     g_bb: torch.Tensor | None
+
+
+#: ``soft(side, log_w, pot_rows, pot_cols, eps)``: the damped soft-minimum of one side's
+#: rows over its columns with log-weights ``log_w + pot_cols/ε`` (``pot_cols`` None: none;
+#: ``pot_rows``: the rows' current potential, for a truncation); sides "xy", "yx", "xx", "yy"
+SoftMin = Callable[..., torch.Tensor]
+
+
+def symmetric_steps(soft: SoftMin, la, lb, temps: list[float], debias: bool, start=None):
+    """GeomLoss' averaged symmetric steps over ``temps``, without autograd.
+
+    Args:
+        soft: the soft-minimum of each side (:data:`SoftMin`).
+        la: (n,) log-weights of x.  lb: (m,) of y.
+        temps: the temperatures.  debias: also the self problems.
+        start: ``(f_ba, g_ab, f_aa, g_bb)`` to continue from, or None (an initialization
+            at ``temps[0]``).
+
+    Returns:
+        ``(f_ba, g_ab, f_aa, g_bb)``, the last two None unless debiased.
+    """
+    with torch.no_grad():
+        if start is None:
+            eps = temps[0]
+            f_ba, g_ab = soft("xy", lb, None, None, eps), soft("yx", la, None, None, eps)
+            f_aa = soft("xx", la, None, None, eps) if debias else None
+            g_bb = soft("yy", lb, None, None, eps) if debias else None
+        else:
+            f_ba, g_ab, f_aa, g_bb = start
+        for eps in temps:
+            ft_ba, gt_ab = soft("xy", lb, f_ba, g_ab, eps), soft("yx", la, g_ab, f_ba, eps)
+            f_ba, g_ab = 0.5 * (f_ba + ft_ba), 0.5 * (g_ab + gt_ab)
+            if f_aa is not None and g_bb is not None:
+                ft_aa, gt_bb = soft("xx", la, f_aa, f_aa, eps), soft("yy", lb, g_bb, g_bb, eps)
+                f_aa, g_bb = 0.5 * (f_aa + ft_aa), 0.5 * (g_bb + gt_bb)
+    return f_ba, g_ab, f_aa, g_bb
+
+
+def damping(eps: float, rho: float | None) -> float:
+    """``λ = 1/(1 + ε/ρ)`` of a KL-relaxed soft-minimum (1 when balanced)."""
+    return 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
 
 
 def geomloss_potentials(
@@ -65,30 +106,21 @@ def geomloss_potentials(
         backend: the soft-minima's engine (:func:`~flashot.backends.kernel_sums.softmin`).
     """
     la, lb = torch.log(a).detach(), torch.log(b).detach()
-    xd, yd = x.detach(), y.detach()
+    clouds = {"x": x.detach(), "y": y.detach()}
 
-    def soft(rows, cols, log_w, eps):
-        damping = 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
-        return damping * softmin(rows, cols, log_w, eps, cost, backend=backend)
+    def soft(side, log_w, pot_rows, pot_cols, eps):
+        h = log_w if pot_cols is None else log_w + pot_cols / eps
+        rows, cols = clouds[side[0]], clouds[side[1]]
+        return damping(eps, rho) * softmin(rows, cols, h, eps, cost, backend=backend)
 
-    with torch.no_grad():
-        eps = temps[0]
-        f_ba, g_ab = soft(xd, yd, lb, eps), soft(yd, xd, la, eps)
-        f_aa = soft(xd, xd, la, eps) if debias else None
-        g_bb = soft(yd, yd, lb, eps) if debias else None
-        for eps in temps:
-            ft_ba = soft(xd, yd, lb + g_ab / eps, eps)
-            gt_ab = soft(yd, xd, la + f_ba / eps, eps)
-            f_ba, g_ab = 0.5 * (f_ba + ft_ba), 0.5 * (g_ab + gt_ab)
-            if f_aa is not None and g_bb is not None:
-                ft_aa = soft(xd, xd, la + f_aa / eps, eps)
-                gt_bb = soft(yd, yd, lb + g_bb / eps, eps)
-                f_aa, g_bb = 0.5 * (f_aa + ft_aa), 0.5 * (g_bb + gt_bb)
+    f_ba, g_ab, f_aa, g_bb = symmetric_steps(soft, la, lb, temps, debias)
     eps = temps[-1]
+    lam = damping(eps, rho)
+    xd, yd = clouds["x"], clouds["y"]
     # the final extrapolation, differentiated in the first argument of each cost only
-    f_new = soft(x, yd, lb + g_ab / eps, eps)
-    g_new = soft(y, xd, la + f_ba / eps, eps)
+    f_new = lam * softmin(x, yd, lb + g_ab / eps, eps, cost, backend=backend)
+    g_new = lam * softmin(y, xd, la + f_ba / eps, eps, cost, backend=backend)
     if f_aa is not None and g_bb is not None:
-        f_aa = soft(x, xd, la + f_aa / eps, eps)
-        g_bb = soft(y, yd, lb + g_bb / eps, eps)
+        f_aa = lam * softmin(x, xd, la + f_aa / eps, eps, cost, backend=backend)
+        g_bb = lam * softmin(y, yd, lb + g_bb / eps, eps, cost, backend=backend)
     return GeomLossPotentials(f_new, g_new, f_aa, g_bb)

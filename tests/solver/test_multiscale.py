@@ -1,0 +1,151 @@
+"""The multiscale loop: grid clusters, a truncation that never drops a live pair, the
+block-sparse loop against the dense one, SamplesLoss' cluster_scale against the dense
+call and both against the converged divergence."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashot
+from flashot.backends.kernel_sums import cost_of
+from flashot.solver.multiscale import grid_clusters, multiscale_potentials, truncation_mask
+from flashot.solver.tiled_loop import geomloss_potentials
+
+
+def _clouds(seed, n, m, d):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, d, generator=g, dtype=torch.float64)
+    y = 0.8 * torch.rand(m, d, generator=g, dtype=torch.float64) + 0.3
+    return x, y, g
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 60),
+    d=st.integers(1, 3),
+    scale=st.sampled_from([0.05, 0.2, 0.5, 2.0]),
+)
+def test_grid_clusters_partition_the_cloud(seed, n, d, scale):
+    x, _, g = _clouds(seed, n, 1, d)
+    w = torch.rand(n, generator=g, dtype=torch.float64)
+    w[0] = 0.0
+    cl = grid_clusters(x, w, scale, torch.zeros(d, dtype=torch.float64))
+    everyone = torch.sort(torch.cat(cl.members)).values
+    assert torch.equal(everyone, torch.arange(n))
+    for k, idx in enumerate(cl.members):
+        cells = torch.floor(x[idx] / scale)
+        assert bool((cells == cells[0]).all())  # one cell per cluster
+        assert float(cl.weights[k]) == pytest.approx(float(w[idx].sum()), rel=1e-14)
+        dist = (x[idx] - cl.centroids[k]).norm(dim=1)
+        assert float(cl.radius[k]) == pytest.approx(float(dist.max()), abs=1e-12)
+        if cl.weights[k] > 0:
+            mean = (w[idx, None] * x[idx]).sum(0) / w[idx].sum()
+            torch.testing.assert_close(cl.centroids[k], mean)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 50),
+    m=st.integers(1, 50),
+    d=st.integers(1, 3),
+    p=st.sampled_from([1, 2]),
+    eps=st.sampled_from([1e-3, 1e-2, 0.1]),
+    scale=st.sampled_from([0.05, 0.2]),
+)
+def test_the_truncation_drops_only_pairs_below_its_bound(seed, n, m, d, p, eps, scale):
+    """Every pair in a dropped cluster pair has f_i + g_j − C_ij < −τ ε (dense check)."""
+    x, y, g = _clouds(seed, n, m, d)
+    f, gg = (
+        torch.randn(n, generator=g, dtype=torch.float64),
+        torch.randn(m, generator=g, dtype=torch.float64),
+    )
+    origin = torch.zeros(d, dtype=torch.float64)
+    cx = grid_clusters(x, torch.ones(n, dtype=torch.float64), scale, origin)
+    cy = grid_clusters(y, torch.ones(m, dtype=torch.float64), scale, origin)
+    keep = truncation_mask(cx, cy, 0.1 * f, 0.1 * gg, eps, 12.5, p)
+    c = torch.cdist(x, y) ** p / p
+    slack = 0.1 * f[:, None] + 0.1 * gg[None, :] - c + 12.5 * eps
+    for i, ri in enumerate(cx.members):
+        for j, cj in enumerate(cy.members):
+            if not keep[i, j]:
+                assert float(slack[ri][:, cj].max()) < 1e-12
+
+
+@pytest.mark.parametrize("p,debias", [(2, True), (1, False)])
+def test_without_coarse_steps_the_loop_differs_from_the_dense_one_by_the_truncation(p, debias):
+    """A schedule that starts below scale^p runs the fine loop from the start: with
+    truncate=None it is the dense loop (1e-12); with truncate=5 it differs by
+    e^{−12.5}-sized terms."""
+    x, y, _ = _clouds(0, 300, 280, 2)
+    a, b = (
+        torch.full((300,), 1 / 300, dtype=torch.float64),
+        torch.full((280,), 1 / 280, dtype=torch.float64),
+    )
+    temps = [0.04**p, 0.02**p, 0.01**p]
+    cost = cost_of(p)
+    dense = geomloss_potentials(a, x, b, y, cost, temps, debias)
+    for truncate, tol in ((math.inf, 1e-12), (5.0, 1e-5)):
+        sparse = multiscale_potentials(a, x, b, y, cost, temps, debias, 0.1, truncate, p)
+        for got, ref in zip(
+            (sparse.f_ba, sparse.g_ab, sparse.f_aa, sparse.g_bb),
+            (dense.f_ba, dense.g_ab, dense.f_aa, dense.g_bb),
+            strict=True,
+        ):
+            if ref is not None:
+                assert float((got - ref).abs().max()) <= tol * float(ref.abs().max())
+    x0, y0, _ = _clouds(0, 300, 280, 2)
+    keep = truncation_mask(
+        *[
+            grid_clusters(t, w, 0.1, torch.zeros(2, dtype=torch.float64))
+            for t, w in ((x0, a), (y0, b))
+        ],
+        dense.f_ba.detach(),
+        dense.g_ab.detach(),
+        temps[-1],
+        12.5,
+        p,
+    )
+    assert not bool(keep.all())  # (the truncation was at work)
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_cluster_scale_stays_within_the_schedules_own_error(p):
+    """SamplesLoss(cluster_scale=...) against the dense call: their difference (value and
+    gradient) is below the dense call's own distance to the converged divergence."""
+    x, y, _ = _clouds(1, 600, 500, 3)
+    blur = 0.05
+    out = []
+    for kw in ({}, {"cluster_scale": 0.1}):
+        xs = x.clone().requires_grad_()
+        value = flashot.SamplesLoss(p=p, blur=blur, scaling=0.7, **kw)(xs, y)
+        out.append((float(value), torch.autograd.grad(value, xs)[0]))
+    (dense, g_dense), (multi, g_multi) = out
+    xs = x.clone().requires_grad_()
+    # the converged divergence of the same problem, as a long schedule's limit
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = flashot.SamplesLoss(p=p, blur=blur, scaling=0.995)(xs, y)
+    g_conv = torch.autograd.grad(conv, xs)[0]
+    assert abs(multi - dense) <= abs(dense - float(conv))
+    assert float((g_multi - g_dense).norm()) <= float((g_dense - g_conv).norm())
+
+
+def test_multiscale_refuses_wide_clouds_and_serves_batches_and_potentials():
+    g = torch.Generator().manual_seed(3)
+    x, y = (torch.rand(2, k, 3, generator=g, dtype=torch.float64) for k in (40, 30))
+    loss = flashot.SamplesLoss(blur=0.1, cluster_scale=0.2, potentials=True)
+    f, g = loss(x, y)
+    assert f.shape == (2, 40) and g.shape == (2, 30)
+    f0, _ = loss(x[0], y[0])  # (a batch: its items one by one)
+    torch.testing.assert_close(f[0], f0, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g[1], loss(x[1], y[1])[1], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="at most 8 dimensions"):
+        flashot.SamplesLoss(cluster_scale=0.2)(torch.rand(10, 9), torch.rand(10, 9))
+    value = flashot.SamplesLoss(backend="multiscale")(x[0], y[0])  # (a default cell side)
+    assert float(value) == pytest.approx(float(flashot.SamplesLoss()(x[0], y[0])), rel=0.05)
