@@ -87,3 +87,29 @@ def test_without_autograd_nothing_is_recorded():
 def test_cost_of_names_p():
     with pytest.raises(ValueError, match="p must be 1 or 2"):
         cost_of(3)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), kr=st.integers(1, 12), kc=st.integers(1, 12),
+       bm=st.sampled_from([1, 2, 3, 16]), density=st.sampled_from([0.0, 0.3, 1.0]))  # fmt: skip
+def test_block_intervals_cover_exactly_the_clusters_a_block_keeps(seed, kr, kc, bm, density):
+    from flashot.backends.kernel_sums import block_intervals
+
+    g = torch.Generator().manual_seed(seed)
+    sizes_r, sizes_c = (torch.randint(1, 6, (k,), generator=g) for k in (kr, kc))
+    row_starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes_r.cumsum(0)])
+    col_starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes_c.cumsum(0)])
+    keep = torch.rand(kr, kc, generator=g) < density
+    ptr, iv, block = block_intervals(row_starts, col_starts, keep, bm)
+    n = int(row_starts[-1])
+    assert block == bm and len(ptr) == -(-n // bm) + 1
+    row_cluster = torch.repeat_interleave(torch.arange(kr), sizes_r)
+    col_cluster = torch.repeat_interleave(torch.arange(kc), sizes_c)
+    for b in range(len(ptr) - 1):
+        got = torch.zeros(int(col_starts[-1]), dtype=torch.bool)
+        for c0, c1 in iv[ptr[b] : ptr[b + 1]].tolist():
+            assert c0 < c1 and not bool(got[c0:c1].any())  # (disjoint, non-empty)
+            got[c0:c1] = True
+        clusters = row_cluster[b * bm : (b + 1) * bm].unique()
+        want = keep[clusters].any(0)[col_cluster]
+        assert torch.equal(got, want)

@@ -33,10 +33,13 @@ from torch.utils.checkpoint import checkpoint
 
 from flashot.geometry.pair_costs import DIFFERENCES_UP_TO, PairCost, distance_cost, half_square_cost
 
-__all__ = ["KERNELS", "cost_of", "distance", "half_square", "kernel_matvec", "softmin"]
+__all__ = ["KERNELS", "block_intervals", "block_sparse_softmin", "cost_of", "distance",
+           "half_square", "kernel_matvec", "softmin"]  # fmt: skip
 
 #: the largest tile of coordinate differences, in elements
 BUDGET = 1 << 20
+#: the row blocks of a block-sparse layout (the fused kernel's BLOCK_M there)
+SPARSE_BLOCK = 64
 
 
 def distance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -106,7 +109,7 @@ def kernel_matvec(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, kernel: Cal
     """
     if isinstance(kernel, PairCost) and _fused(x, y, w, kernel, backend):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, w)):
-            return _Fused.apply(x, y, w, None, kernel, budget)
+            return _Fused.apply(x, y, w, None, kernel, budget, None)
         from flashot.backends.triton._pairwise import fused_kernel_sum
 
         return fused_kernel_sum(x, y, w, kernel)
@@ -144,7 +147,7 @@ def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, c
     """
     if isinstance(cost, PairCost) and _fused(x, y, log_w, cost, backend):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, log_w)):
-            return _Fused.apply(x, y, log_w, eps, cost, budget)
+            return _Fused.apply(x, y, log_w, eps, cost, budget, None)
         from flashot.backends.triton._pairwise import fused_softmin
 
         return fused_softmin(x, y, log_w, eps, cost)[0]
@@ -184,15 +187,15 @@ class _Fused(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, y, vec, eps, cost, budget):
+    def forward(ctx, x, y, vec, eps, cost, budget, sparse=None):
         from flashot.backends.triton import _pairwise
 
         if eps is None:
             out, lse = _pairwise.fused_kernel_sum(x, y, vec, cost), None
         else:
-            out, lse = _pairwise.fused_softmin(x, y, vec, eps, cost)
+            out, lse = _pairwise.fused_softmin(x, y, vec, eps, cost, sparse)
         ctx.save_for_backward(x, y, vec, lse)
-        ctx.eps, ctx.cost, ctx.budget = eps, cost, budget
+        ctx.eps, ctx.cost, ctx.budget, ctx.sparse = eps, cost, budget, sparse
         return out
 
     @staticmethod
@@ -203,19 +206,107 @@ class _Fused(torch.autograd.Function):
         need = ctx.needs_input_grad[:3]
         d = x.shape[1]
         create_graph = torch.is_grad_enabled()  # (backward runs with grad mode = create_graph)
+        sparse = ctx.sparse
         if (not create_graph and ctx.cost.triton_grad is not None
-                and (d <= DIFFERENCES_UP_TO or d <= GRAD_UP_TO)):  # fmt: skip
+                and (d <= DIFFERENCES_UP_TO or d <= GRAD_UP_TO)
+                and not (sparse is not None and (need[1] or need[2]))):  # fmt: skip
             got3 = fused_grads(x, y, vec, ctx.eps, ctx.cost, lse, grad_out, need[0],
-                               need[1] or need[2])  # fmt: skip
+                               need[1] or need[2], sparse)  # fmt: skip
             grads = [t if want else None for t, want in zip(got3, need, strict=True)]
-            return (*grads, None, None, None)
+            return (*grads, None, None, None, None)
         with torch.enable_grad():  # (create_graph: the saved inputs carry their graphs)
             ins = [t if create_graph else t.detach().requires_grad_(w)
                    for t, w in zip((x, y, vec), need, strict=True)]  # fmt: skip
             if ctx.eps is None:
                 out = kernel_matvec(*ins, ctx.cost, ctx.budget, backend="torch")
+            elif sparse is not None:
+                out = _intervals_softmin(*ins, ctx.eps, ctx.cost, sparse, ctx.budget)
             else:
                 out = softmin(*ins, ctx.eps, ctx.cost, ctx.budget, backend="torch")
             wanted = [t for t, w in zip(ins, need, strict=True) if w]
             got = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=create_graph))
-        return (*[next(got) if w else None for w in need], None, None, None)
+        return (*[next(got) if w else None for w in need], None, None, None, None)
+
+
+def block_intervals(row_starts, col_starts, keep, bm: int = SPARSE_BLOCK):
+    """A block-sparse layout ``(ptr, iv, BLOCK_M)`` for rows and columns sorted by cluster.
+
+    Row block b (BLOCK_M sorted rows) streams the column intervals ``iv[ptr[b]:ptr[b+1]]``:
+    the clusters that ``keep`` keeps for any row cluster meeting the block, adjacent ones
+    merged. A row thus sees every column its own cluster keeps, and perhaps more.
+
+    Args:
+        row_starts: (K_r + 1,) offsets of the row clusters in sorted order.
+        col_starts: (K_c + 1,) of the column clusters.  keep: (K_r, K_c) bool.
+        bm: BLOCK_M, the rows of a block (≥ 16: the fused kernel's tiles).
+    """
+    dev = keep.device
+    n = int(row_starts[-1])
+    blocks = -(-n // bm)
+    first = torch.arange(blocks, device=dev) * bm
+    last = torch.clamp(first + bm, max=n) - 1
+    lo = torch.searchsorted(row_starts[1:].contiguous(), first, right=True)
+    hi = torch.searchsorted(row_starts[1:].contiguous(), last, right=True)
+    # (block, row cluster) pairs, then (block, kept column cluster) pairs
+    span = hi - lo + 1
+    blk = torch.repeat_interleave(torch.arange(blocks, device=dev), span)
+    offset = torch.arange(int(span.sum()), device=dev) - torch.repeat_interleave(
+        torch.cumsum(span, 0) - span, span
+    )
+    rc = torch.repeat_interleave(lo, span) + offset
+    pair_b, pair_c = torch.nonzero(keep[rc], as_tuple=True)
+    key = torch.unique(blk[pair_b] * keep.shape[1] + pair_c)  # (sorted: by block, column)
+    kb, kc = key // keep.shape[1], key % keep.shape[1]
+    if len(key) == 0:  # (nothing kept anywhere)
+        return (torch.zeros(blocks + 1, dtype=torch.int32, device=dev),
+                torch.zeros(0, 2, dtype=torch.int32, device=dev), bm)  # fmt: skip
+    new = torch.ones_like(kb, dtype=torch.bool)
+    new[1:] = (kb[1:] != kb[:-1]) | (kc[1:] != kc[:-1] + 1)
+    starts = torch.nonzero(new).flatten()
+    ends = torch.cat([starts[1:], starts.new_tensor([len(kc)])]) - 1
+    iv = torch.stack([col_starts[kc[starts]], col_starts[kc[ends] + 1]], 1).to(torch.int32)
+    counts = torch.bincount(kb[starts], minlength=blocks)
+    ptr = torch.zeros(blocks + 1, dtype=torch.int32, device=dev)
+    ptr[1:] = torch.cumsum(counts, 0)
+    return ptr, iv.contiguous(), bm
+
+
+def block_sparse_softmin(x, y, log_w, eps: float, cost, layout, backend: str = "auto"):
+    r""":func:`softmin` of each row over its block's column intervals only.
+
+    Args:
+        x: (n, d) rows, sorted by cluster.  y: (m, d) columns, sorted by cluster.
+        log_w: (m,) log-weights h.  eps: ε.  cost: the cost (a PairCost runs fused).
+        layout: ``(ptr, iv, BLOCK_M)`` (:func:`block_intervals`):
+            the rows ``[b·BLOCK_M, (b + 1)·BLOCK_M)`` reduce over the columns of the
+            intervals ``iv[ptr[b]:ptr[b + 1]]``.
+        backend: ``"auto"``/``"triton"``: the fused kernel where :func:`softmin` would
+            take it (and no gradient reaches y or h); otherwise PyTorch, block by block.
+
+    Returns:
+        (n,); differentiable (twice) in x (and in y, h through the PyTorch path).
+    """
+    ptr = layout[0]
+    if bool((ptr[1:] == ptr[:-1]).any()):
+        raise ValueError("a row block of the layout has no column interval: its soft-minimum "
+                         "would be +inf")  # fmt: skip
+    if (isinstance(cost, PairCost) and _fused(x, y, log_w, cost, backend)
+            and not (y.requires_grad or log_w.requires_grad)):  # fmt: skip
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _Fused.apply(x, y, log_w, eps, cost, BUDGET, layout)
+        from flashot.backends.triton._pairwise import fused_softmin
+
+        return fused_softmin(x, y, log_w, eps, cost, layout)[0]
+    return _intervals_softmin(x, y, log_w, eps, cost, layout, BUDGET)
+
+
+def _intervals_softmin(x, y, log_w, eps, cost, layout, budget):
+    """The PyTorch reference of :func:`block_sparse_softmin` (a loop over row blocks)."""
+    ptr, iv, bm = (t.tolist() if isinstance(t, torch.Tensor) else t for t in layout)
+    parts = []
+    for blk in range(len(ptr) - 1):
+        cols = torch.cat([torch.arange(c0, c1, device=y.device)
+                          for c0, c1 in iv[ptr[blk] : ptr[blk + 1]]])  # fmt: skip
+        rows = x[blk * bm : (blk + 1) * bm]
+        parts.append(softmin(rows, y[cols], log_w[cols], eps, cost, budget, backend="torch"))
+    return torch.cat(parts)

@@ -25,9 +25,9 @@ float's resolution. This loop (after Schmitzer 2016 and Feydy 2020) skips them:
    ``truncate=5``), to the extent the potentials moved little since the last step.
 5. The final extrapolation, differentiated as :mod:`flashot.solver.tiled_loop`'s.
 
-The soft-minima of one row cluster against its kept columns are those of
-:func:`flashot.backends.kernel_sums.softmin` (PyTorch tiles, or the fused pair-cost
-kernel on CUDA float32): a launch per row cluster.
+Both clouds are sorted by cluster, and each block of sorted rows reduces over the
+column intervals its clusters keep (:func:`flashot.backends.kernel_sums.block_sparse_softmin`:
+one launch of the fused pair-cost kernel on CUDA float32, PyTorch blocks otherwise).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashot.backends.kernel_sums import softmin
+from flashot.backends.kernel_sums import block_intervals, block_sparse_softmin, softmin
 from flashot.solver.tiled_loop import GeomLossPotentials, damping, symmetric_steps
 
 __all__ = ["Clusters", "default_scale", "grid_clusters", "multiscale_potentials", "truncation_mask"]
@@ -52,12 +52,16 @@ class Clusters:
     """A cloud cut into grid cells.
 
     Attributes:
+        order: (n,) the cloud's rows sorted by cluster.
+        starts: (K + 1,) each cluster's offset in that order.
         members: one (k_I,) index tensor per cluster, into the cloud's rows.
         centroids: (K, d) weighted centroids (plain means where a cluster's weight is 0).
         weights: (K,) summed weights.
         radius: (K,) the largest distance from a centroid to its members.
     """
 
+    order: torch.Tensor
+    starts: torch.Tensor
     members: list[torch.Tensor]
     centroids: torch.Tensor
     weights: torch.Tensor
@@ -77,6 +81,8 @@ def grid_clusters(x: torch.Tensor, w: torch.Tensor, scale: float, origin: torch.
     k = int(label.max()) + 1
     order = torch.argsort(label, stable=True)
     counts = torch.bincount(label, minlength=k)
+    starts = torch.zeros(k + 1, dtype=torch.long, device=xd.device)
+    starts[1:] = torch.cumsum(counts, 0)
     members = list(torch.split(order, counts.tolist()))
     weights = torch.zeros(k, dtype=xd.dtype, device=xd.device).index_add_(0, label, wd)
     sums = torch.zeros(k, xd.shape[1], dtype=xd.dtype, device=xd.device)
@@ -87,11 +93,13 @@ def grid_clusters(x: torch.Tensor, w: torch.Tensor, scale: float, origin: torch.
     radius = torch.zeros(k, dtype=xd.dtype, device=xd.device).scatter_reduce_(
         0, label, dist, "amax", include_self=True
     )
-    return Clusters(members, centroids, weights, radius)
+    return Clusters(order, starts, members, centroids, weights, radius)
 
 
 def truncation_mask(rows: Clusters, cols: Clusters, f, g, eps: float, tau: float, p: int):
     """(K_rows, K_cols) bool: the cluster pairs whose plan entries may reach ``e^{−τ}``.
+
+    Each cluster also keeps its best partner, whatever the bound (no empty sum).
 
     Args:
         rows: clusters of the rows.  cols: of the columns.
@@ -102,24 +110,24 @@ def truncation_mask(rows: Clusters, cols: Clusters, f, g, eps: float, tau: float
     big_g = torch.stack([g[j].max() for j in cols.members])
     gap = torch.cdist(rows.centroids, cols.centroids) - rows.radius[:, None] - cols.radius[None]
     c_min = gap.clamp_min(0) ** p / p
-    return big_f[:, None] + big_g[None, :] - c_min >= -tau * eps
+    bound = big_f[:, None] + big_g[None, :] - c_min
+    keep = bound >= -tau * eps
+    # (and every cluster's best partner: no row or column is left with an empty sum)
+    keep[torch.arange(len(bound)), bound.argmax(1)] = True
+    keep[bound.argmax(0), torch.arange(bound.shape[1])] = True
+    return keep
 
 
 def _sparse_softmin(x, rows: Clusters, y, cols: Clusters, log_w, eps, cost, keep, backend):
-    """``softmin`` of every row over the columns its cluster keeps (n,)."""
-    out = torch.empty(x.shape[0], dtype=torch.result_type(x, log_w), device=x.device)
-    parts, index = [], []
-    for i, members in enumerate(rows.members):
-        kept = torch.nonzero(keep[i]).flatten().tolist()
-        if not kept:  # (unreachable for a row of positive mass: its own best pair is kept)
-            raise RuntimeError("a row cluster kept no column cluster: truncate is too small")
-        j = torch.cat([cols.members[c] for c in kept])
-        parts.append(softmin(x[members], y[j], log_w[j], eps, cost, backend=backend))
-        index.append(members)
-    if not any(t.requires_grad for t in parts):
-        out[torch.cat(index)] = torch.cat(parts)
-        return out
-    return torch.cat(parts)[torch.argsort(torch.cat(index))]
+    """``softmin`` of every row over the column clusters its block keeps (n,).
+
+    Rows and columns go to cluster order, through
+    :func:`~flashot.backends.kernel_sums.block_sparse_softmin`, and back.
+    """
+    layout = block_intervals(rows.starts, cols.starts, keep)
+    sorted_out = block_sparse_softmin(x[rows.order], y[cols.order], log_w[cols.order], eps,
+                                      cost, layout, backend)  # fmt: skip
+    return sorted_out[torch.argsort(rows.order)]
 
 
 def multiscale_potentials(

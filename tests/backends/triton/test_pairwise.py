@@ -237,3 +237,52 @@ def test_samples_loss_kernel_norms_on_the_kernel_match_tiles(name):
         value = flashot.SamplesLoss(name, blur=0.5, backend=backend)(xs, y.to(DEVICE))
         out.append((value, torch.autograd.grad(value, xs)[0]))
     assert _rel(out[0][0], out[1][0]) < 1e-5 and _rel(out[0][1], out[1][1]) < 1e-5
+
+
+@pytest.mark.parametrize("d", [2, 12])
+def test_block_sparse_kernel_matches_its_pytorch_reference(d):
+    """The fused block-sparse soft-minimum (rows sorted in blocks, column intervals) and
+    its row gradient against the PyTorch blocks of the same layout, in float64."""
+    from flashot.backends.kernel_sums import (
+        _intervals_softmin,
+        block_intervals,
+        block_sparse_softmin,
+    )
+
+    g = torch.Generator().manual_seed(d)
+    x, y = torch.rand(70, d, generator=g), torch.rand(90, d, generator=g)
+    h = torch.randn(90, generator=g)
+    row_starts, col_starts = torch.tensor([0, 20, 45, 70]), torch.tensor([0, 30, 31, 60, 90])
+    keep = torch.tensor([[1, 0, 1, 0], [0, 1, 1, 1], [1, 0, 0, 1]], dtype=torch.bool)
+    layout = block_intervals(row_starts, col_starts, keep, 16)
+    cot = torch.randn(70, generator=g)
+    xs = x.clone().to(DEVICE).requires_grad_()
+    got = block_sparse_softmin(xs, y.to(DEVICE), h.to(DEVICE), 0.05, cost_of(1), layout, "triton")
+    (gx,) = torch.autograd.grad(got, xs, cot.to(DEVICE))
+    x64 = x.double().requires_grad_()
+    ref = _intervals_softmin(x64, y.double(), h.double(), 0.05, cost_of(1), layout, 1 << 20)
+    (rx,) = torch.autograd.grad(ref, x64, cot.double())
+    assert _rel(got, ref) < 2e-6 and _rel(gx, rx) < 2e-5
+
+
+def test_samples_loss_multiscale_on_the_kernel_matches_its_pytorch_blocks(monkeypatch):
+    from flashot.backends.triton import _pairwise
+
+    sparse_calls = []
+    real = _pairwise.fused_softmin
+
+    def spy(*a):
+        sparse_calls.append(len(a) > 5 and a[5] is not None)
+        return real(*a)
+
+    monkeypatch.setattr(_pairwise, "fused_softmin", spy)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.rand(150, 3, generator=g), 0.8 * torch.rand(120, 3, generator=g) + 0.2
+    out = []
+    for backend in ("triton", "torch"):
+        xs = x.clone().to(DEVICE).requires_grad_()
+        loss = flashot.SamplesLoss(p=1, blur=0.05, cluster_scale=0.2, backend=backend)
+        value = loss(xs, y.to(DEVICE))
+        out.append((value, torch.autograd.grad(value, xs)[0]))
+    assert _rel(out[0][0], out[1][0]) < 1e-5 and _rel(out[0][1], out[1][1]) < 1e-4
+    assert any(sparse_calls)  # (the block-sparse kernel ran)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from flashot.backends import temperature as _row
 from flashot.backends.device import on_device, triton_interpreted
+from flashot.backends.triton._pair_functions import triton_functions
 from flashot.geometry.pair_costs import DIFFERENCES_UP_TO, PairCost
 
 __all__ = ["GRAD_UP_TO", "fused_grads", "fused_kernel_sum", "fused_softmin"]
@@ -44,82 +45,6 @@ D_CHUNK = 64
 #: tiles holding a pair with ``|x − y|² < NEAR (|x|² + |y|²)`` form it from differences:
 #: beyond, the product form's error in ``|x − y|`` stays within ~10× float32's
 NEAR = tl.constexpr(1e-2)
-
-
-@triton.jit
-def distance(s, t, a, b):
-    """``|x − y|`` (GeomLoss' p = 1)."""
-    return tl.sqrt(s)
-
-
-@triton.jit
-def distance_grad(s, t, a, b):
-    """``∂|x − y|/∂s = 1 / (2|x − y|)``, 0 at coincident points (the subgradient 0)."""
-    return tl.where(s > 0, 0.5 / tl.sqrt(tl.where(s > 0, s, 1.0)), 0.0), 0.0, 0.0, 0.0
-
-
-@triton.jit
-def half_square(s, t, a, b):
-    """``|x − y|² / 2`` (GeomLoss' p = 2)."""
-    return 0.5 * s
-
-
-@triton.jit
-def half_square_grad(s, t, a, b):
-    return 0.5, 0.0, 0.0, 0.0
-
-
-@triton.jit
-def gaussian(s, t, a, b):
-    """``exp(−|x − y|²/2)`` (GeomLoss' Gaussian kernel on clouds scaled by 1/σ)."""
-    return tl.exp(-0.5 * s)
-
-
-@triton.jit
-def gaussian_grad(s, t, a, b):
-    return -0.5 * tl.exp(-0.5 * s), 0.0, 0.0, 0.0
-
-
-@triton.jit
-def laplacian(s, t, a, b):
-    """``exp(−|x − y|)`` (GeomLoss' Laplacian kernel on clouds scaled by 1/σ)."""
-    return tl.exp(-tl.sqrt(s))
-
-
-@triton.jit
-def laplacian_grad(s, t, a, b):
-    r = tl.sqrt(tl.where(s > 0, s, 1.0))
-    return tl.where(s > 0, -0.5 * tl.exp(-r) / r, 0.0), 0.0, 0.0, 0.0
-
-
-@triton.jit
-def energy(s, t, a, b):
-    """``−|x − y|`` (GeomLoss' energy kernel)."""
-    return -tl.sqrt(s)
-
-
-@triton.jit
-def energy_grad(s, t, a, b):
-    return tl.where(s > 0, -0.5 / tl.sqrt(tl.where(s > 0, s, 1.0)), 0.0), 0.0, 0.0, 0.0
-
-
-#: the built-in costs' Triton functions, by the names their PairCost carries
-BUILT_IN = {
-    "distance": (distance, distance_grad),
-    "half_square": (half_square, half_square_grad),
-    "gaussian": (gaussian, gaussian_grad),
-    "laplacian": (laplacian, laplacian_grad),
-    "energy": (energy, energy_grad),
-}
-
-
-def _functions(cost: PairCost):
-    fn, grad = cost.triton_fn, cost.triton_grad
-    if isinstance(fn, str):
-        fn = BUILT_IN[fn][0]
-    if isinstance(grad, str):
-        grad = BUILT_IN[grad][1]
-    return fn, grad
 
 
 @triton.jit
@@ -216,6 +141,8 @@ def _softmin_kernel(
     YN,
     H,
     LSE,
+    PTR,
+    IV,
     n,
     m,
     d,
@@ -233,51 +160,44 @@ def _softmin_kernel(
     DIFF: tl.constexpr,
     PRECISION: tl.constexpr,
     SUM: tl.constexpr,
+    SPARSE: tl.constexpr,
 ):
     """``LSE[split, i]``: the base-2 log-sum-exp of row i over one split's columns.
 
     H holds ``h log2 e``; ``scale = log2 e / ε``. ``SUM``: instead the kernel sum
-    ``Σ_j φ_ij w_j`` over the split, with H holding the weights w.
+    ``Σ_j φ_ij w_j`` over the split, with H holding the weights w. ``SPARSE``: a row
+    block streams the column intervals ``IV[PTR[b]:PTR[b + 1]]`` (block-sparse), no split.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for start in range(split * per, tl.minimum(split * per + per, m), BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        s, t, a, b, _ = _pair_stats(
-            X,
-            Y,
-            XN,
-            YN,
-            offs_m,
-            offs_n,
-            n,
-            m,
-            d,
-            sxn,
-            sxd,
-            syn,
-            syd,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            D_CHUNKS,
-            DIFF,
-            PRECISION,
-        )
-        if SUM:
-            w = tl.load(H + offs_n, mask=offs_n < m, other=0.0)
-            terms = tl.where(offs_n[None, :] < m, COST(s, t, a, b) * w[None, :], 0.0)
-            run_sum += tl.sum(terms, 1)
+    if SPARSE:
+        lo, hi = tl.load(PTR + tl.program_id(0)), tl.load(PTR + tl.program_id(0) + 1)
+    else:
+        lo, hi = 0, 1
+    for r in range(lo, hi):
+        if SPARSE:
+            c0, c1 = tl.load(IV + 2 * r), tl.load(IV + 2 * r + 1)
         else:
-            h = tl.load(H + offs_n, mask=offs_n < m, other=float("-inf"))
-            z = h[None, :] - COST(s, t, a, b) * scale
-            z = tl.where(offs_n[None, :] < m, z, float("-inf"))
-            new_max = tl.maximum(run_max, tl.max(z, 1))
-            base = tl.where(new_max == float("-inf"), 0.0, new_max)  # (a row of −inf so far)
-            run_sum = run_sum * tl.exp2(run_max - base) + tl.sum(tl.exp2(z - base[:, None]), 1)
-            run_max = new_max
+            c0, c1 = split * per, tl.minimum(split * per + per, m)
+        for start in range(c0, c1, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            s, t, a, b, _ = _pair_stats(X, Y, XN, YN, offs_m, offs_n, n, c1, d, sxn, sxd, syn,
+                                        syd, BLOCK_M, BLOCK_N, BLOCK_D, D_CHUNKS, DIFF,
+                                        PRECISION)  # fmt: skip
+            if SUM:
+                w = tl.load(H + offs_n, mask=offs_n < c1, other=0.0)
+                terms = tl.where(offs_n[None, :] < c1, COST(s, t, a, b) * w[None, :], 0.0)
+                run_sum += tl.sum(terms, 1)
+            else:
+                h = tl.load(H + offs_n, mask=offs_n < c1, other=float("-inf"))
+                z = h[None, :] - COST(s, t, a, b) * scale
+                z = tl.where(offs_n[None, :] < c1, z, float("-inf"))
+                new_max = tl.maximum(run_max, tl.max(z, 1))
+                base = tl.where(new_max == float("-inf"), 0.0, new_max)  # (−inf rows so far)
+                run_sum = run_sum * tl.exp2(run_max - base) + tl.sum(tl.exp2(z - base[:, None]), 1)
+                run_max = new_max
     if SUM:
         tl.store(LSE + split * n + offs_m, run_sum, mask=offs_m < n)
     else:
@@ -295,6 +215,8 @@ def _grad_kernel(
     G,
     OUT,
     OUT_H,
+    PTR,
+    IV,
     n,
     m,
     d,
@@ -314,6 +236,7 @@ def _grad_kernel(
     DIFF: tl.constexpr,
     PRECISION: tl.constexpr,
     SUM: tl.constexpr,
+    SPARSE: tl.constexpr,
 ):
     """The gradient sums of one side.
 
@@ -322,6 +245,7 @@ def _grad_kernel(
     Each split of the streamed side writes its partial sums at ``OUT[split]``. H and LSE
     in base 2, as the forward's; ``scale_e = log2 e / ε``. ``SUM``: the kernel sum's
     gradient: weights ``W_ij = ḡ_i w_j`` (H holds w) and ``w̄_j = Σ_i ḡ_i φ_ij`` for ``h̄``.
+    ``SPARSE`` (rows only): the forward's column intervals.
     """
     offs_d = tl.arange(0, BLOCK_D)
     split = tl.program_id(1)
@@ -352,74 +276,99 @@ def _grad_kernel(
         w_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         stream_size = m
         stream_block = BLOCK_N
-    for start in range(split * per, tl.minimum(split * per + per, stream_size), stream_block):
-        if COLUMNS:
-            offs_m = start + tl.arange(0, BLOCK_M)
-            lse = tl.load(LSE + offs_m, mask=offs_m < n, other=0.0)
-            g = tl.load(G + offs_m, mask=offs_m < n, other=0.0)
+    if SPARSE:
+        lo, hi = tl.load(PTR + tl.program_id(0)), tl.load(PTR + tl.program_id(0) + 1)
+    else:
+        lo, hi = 0, 1
+    for r in range(lo, hi):
+        if SPARSE:
+            c0, c1 = tl.load(IV + 2 * r), tl.load(IV + 2 * r + 1)
         else:
-            offs_n = start + tl.arange(0, BLOCK_N)
-            h = tl.load(H + offs_n, mask=offs_n < m, other=0.0 if SUM else float("-inf"))
-        s, t, a, b, near = _pair_stats(
-            X,
-            Y,
-            XN,
-            YN,
-            offs_m,
-            offs_n,
-            n,
-            m,
-            d,
-            sxn,
-            sxd,
-            syn,
-            syd,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            1,
-            DIFF,
-            PRECISION,
-        )
-        live = (offs_m[:, None] < n) & (offs_n[None, :] < m)
-        if SUM:
-            w = tl.where(live, g[:, None] * h[None, :], 0.0)
+            c0, c1 = split * per, tl.minimum(split * per + per, stream_size)
+        m_end = m if COLUMNS else c1  # (the columns' bound: a sparse interval's end)
+        for start in range(c0, c1, stream_block):
             if COLUMNS:
-                w_sum += tl.sum(tl.where(live, g[:, None] * COST(s, t, a, b), 0.0), 0)
-        else:
-            z = h[None, :] - COST(s, t, a, b) * scale_e - lse[:, None]
-            w = tl.where(live, g[:, None] * tl.exp2(z), 0.0)
-            if COLUMNS:
-                w_sum -= eps * tl.sum(w, 0)
-        c_s, c_t, c_a, c_b = GRAD(s, t, a, b)
-        ws, wt = 2.0 * w * c_s, w * c_t
-        if COLUMNS:
-            scale += tl.sum(2.0 * w * c_b, 0)
-        else:
-            scale += tl.sum(2.0 * w * c_a, 1)
-        # (close pairs: (x_i − y_j)/|x_i − y_j| from differences)
-        if DIFF or near > 0:
-            acc = _exact_part(
-                X, Y, offs_m, offs_n, offs_d, n, m, d, sxn, sxd, syn, syd, ws, wt, acc, COLUMNS
-            )
-        else:  # 2φ_s (x_i − y_j) + φ_t y_j = 2φ_s x_i + (φ_t − 2φ_s) y_j
-            u = wt - ws
-            if COLUMNS:
-                scale += tl.sum(ws, 0)
-                xt = tl.load(
-                    X + offs_m[:, None] * sxn + offs_d[None, :] * sxd,
-                    mask=(offs_m[:, None] < n) & (offs_d[None, :] < d),
-                    other=0.0,
-                )
-                acc = tl.dot(tl.trans(u), xt, acc, input_precision=PRECISION)
+                offs_m = start + tl.arange(0, BLOCK_M)
+                lse = tl.load(LSE + offs_m, mask=offs_m < n, other=0.0)
+                g = tl.load(G + offs_m, mask=offs_m < n, other=0.0)
             else:
-                scale += tl.sum(ws, 1)
-                yt = tl.load(
-                    Y + offs_n[:, None] * syn + offs_d[None, :] * syd,
-                    mask=(offs_n[:, None] < m) & (offs_d[None, :] < d),
-                    other=0.0,
+                offs_n = start + tl.arange(0, BLOCK_N)
+                h = tl.load(H + offs_n, mask=offs_n < m_end, other=0.0 if SUM else float("-inf"))
+            s, t, a, b, near = _pair_stats(
+                X,
+                Y,
+                XN,
+                YN,
+                offs_m,
+                offs_n,
+                n,
+                m_end,
+                d,
+                sxn,
+                sxd,
+                syn,
+                syd,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_D,
+                1,
+                DIFF,
+                PRECISION,
+            )
+            live = (offs_m[:, None] < n) & (offs_n[None, :] < m_end)
+            if SUM:
+                w = tl.where(live, g[:, None] * h[None, :], 0.0)
+                if COLUMNS:
+                    w_sum += tl.sum(tl.where(live, g[:, None] * COST(s, t, a, b), 0.0), 0)
+            else:
+                z = h[None, :] - COST(s, t, a, b) * scale_e - lse[:, None]
+                w = tl.where(live, g[:, None] * tl.exp2(z), 0.0)
+                if COLUMNS:
+                    w_sum -= eps * tl.sum(w, 0)
+            c_s, c_t, c_a, c_b = GRAD(s, t, a, b)
+            ws, wt = 2.0 * w * c_s, w * c_t
+            if COLUMNS:
+                scale += tl.sum(2.0 * w * c_b, 0)
+            else:
+                scale += tl.sum(2.0 * w * c_a, 1)
+            # (close pairs: (x_i − y_j)/|x_i − y_j| from differences)
+            if DIFF or near > 0:
+                acc = _exact_part(
+                    X,
+                    Y,
+                    offs_m,
+                    offs_n,
+                    offs_d,
+                    n,
+                    m_end,
+                    d,
+                    sxn,
+                    sxd,
+                    syn,
+                    syd,
+                    ws,
+                    wt,
+                    acc,
+                    COLUMNS,
                 )
-                acc = tl.dot(u, yt, acc, input_precision=PRECISION)
+            else:  # 2φ_s (x_i − y_j) + φ_t y_j = 2φ_s x_i + (φ_t − 2φ_s) y_j
+                u = wt - ws
+                if COLUMNS:
+                    scale += tl.sum(ws, 0)
+                    xt = tl.load(
+                        X + offs_m[:, None] * sxn + offs_d[None, :] * sxd,
+                        mask=(offs_m[:, None] < n) & (offs_d[None, :] < d),
+                        other=0.0,
+                    )
+                    acc = tl.dot(tl.trans(u), xt, acc, input_precision=PRECISION)
+                else:
+                    scale += tl.sum(ws, 1)
+                    yt = tl.load(
+                        Y + offs_n[:, None] * syn + offs_d[None, :] * syd,
+                        mask=(offs_n[:, None] < m_end) & (offs_d[None, :] < d),
+                        other=0.0,
+                    )
+                    acc = tl.dot(u, yt, acc, input_precision=PRECISION)
     acc += scale[:, None] * own
     if COLUMNS:
         tl.store(
@@ -480,27 +429,33 @@ def _precision() -> str:
     return "ieee" if triton_interpreted() else "tf32x3"
 
 
-def _launch_forward(x, y, vec, scale: float, cost: PairCost, sum_mode: bool):
-    """The forward kernel's per-split results (splits, n), float32."""
-    fn, _ = _functions(cost)
+def _launch_forward(x, y, vec, scale: float, cost: PairCost, sum_mode: bool, sparse=None):
+    """The forward kernel's per-split results (splits, n), float32.
+
+    ``sparse``: a :func:`~flashot.backends.kernel_sums.block_intervals` layout (one split).
+    """
+    fn, _ = triton_functions(cost)
     xs, ys, xn, yn = _prepared(x, y, cost)
     n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
     diff, block_d, chunks, (bm, bn, warps, stages) = _layout(d, whole=d <= GRAD_UP_TO)
-    splits, per = _splits(triton.cdiv(n, bm), m, bn, xs.device)
+    bm = sparse[2] if sparse else bm  # (the layout's row blocks)
+    splits, per = (1, m) if sparse else _splits(triton.cdiv(n, bm), m, bn, xs.device)
     parts = torch.empty(splits, n, device=xs.device, dtype=torch.float32)
+    ptr, iv = sparse[:2] if sparse else (parts, parts)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
-    args = (xs, ys, xn, yn, vec.contiguous(), parts, n, m, d, scale, per, *xs.stride(),
-            *ys.stride())  # fmt: skip
+    args = (xs, ys, xn, yn, vec.contiguous(), parts, ptr, iv, n, m, d, scale, per,
+            *xs.stride(), *ys.stride())  # fmt: skip
     with on_device(xs.device):
         _softmin_kernel[(triton.cdiv(n, bm), splits)](
             *args, COST=fn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, D_CHUNKS=chunks,
-            DIFF=diff, PRECISION=_precision(), SUM=sum_mode, **options,
+            DIFF=diff, PRECISION=_precision(), SUM=sum_mode, SPARSE=sparse is not None,
+            **options,
         )  # fmt: skip
     return parts
 
 
 def fused_softmin(
-    x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, cost: PairCost
+    x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, cost: PairCost, sparse=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, lse2)``: the soft-minimum (n,) and ``lse2_i = −s_i log2(e)/ε`` (n,), float32.
 
@@ -510,9 +465,11 @@ def fused_softmin(
     Args:
         x: (n, d) rows.  y: (m, d) columns.  log_w: (m,) log-weights h, not all −∞.
         eps: ε > 0.  cost: a :class:`PairCost` with a Triton function.
+        sparse: None, or a :func:`~flashot.backends.kernel_sums.block_intervals` layout
+            (rows and columns sorted by cluster): each row block streams its intervals.
     """
     h = log_w.detach().float() * _row.LOG2E
-    parts = _launch_forward(x, y, h, _row.LOG2E / eps, cost, sum_mode=False)
+    parts = _launch_forward(x, y, h, _row.LOG2E / eps, cost, sum_mode=False, sparse=sparse)
     if len(parts) == 1:
         lse2 = parts[0]
     else:  # (merged in base 2: top + log2 Σ 2^(part − top))
@@ -532,19 +489,24 @@ def fused_kernel_sum(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, cost: Pa
     return _launch_forward(x, y, w.detach().float(), 1.0, cost, sum_mode=True).sum(0)
 
 
-def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols: bool):
+def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols: bool,
+                sparse=None):  # fmt: skip
     """``(x̄, ȳ, v̄)`` for the cotangent ``grad_out`` (n,) of a soft-minimum or kernel sum.
 
     ``eps`` a float: the soft-minimum with log-weights ``vec`` and the forward's base-2
     ``lse``; ``eps`` None: the kernel sum with weights ``vec`` (``lse`` unused). Those not
     asked for (``rows``: x̄; ``cols``: ȳ and v̄) are None; float32. Needs the cost's
-    ``triton_grad`` and d ≤ :data:`GRAD_UP_TO` (or differences).
+    ``triton_grad`` and d ≤ :data:`GRAD_UP_TO` (or differences). ``sparse``: the forward's
+    layout (rows only).
     """
-    fn, grad = _functions(cost)
+    if sparse is not None and cols:
+        raise ValueError("a block-sparse soft-minimum streams row gradients only")
+    fn, grad = triton_functions(cost)
     sum_mode = eps is None
     xs, ys, xn, yn = _prepared(x, y, cost)
     n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
     diff, block_d, _, (bm, bn, warps, stages) = _layout(d, whole=True)
+    bm = sparse[2] if sparse else bm  # (the layout's row blocks)
     h = vec.detach().float() * (1.0 if sum_mode else _row.LOG2E)
     g = grad_out.detach().float().contiguous()
     lse = g if sum_mode else lse.contiguous()
@@ -553,23 +515,25 @@ def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols:
     flags = dict(COST=fn, GRAD=grad, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, DIFF=diff,
                  PRECISION=_precision(), SUM=sum_mode, **options)  # fmt: skip
     head = (xs, ys, xn, yn, h.contiguous(), lse, g)
-    tail = (n, m, d, eps, _row.LOG2E / eps)
+    ptr, iv = sparse[:2] if sparse else (g, g)
+    tail = (ptr, iv, n, m, d, eps, _row.LOG2E / eps)
     strides = (*xs.stride(), *ys.stride())
     gx = gy = gv = None
     with on_device(xs.device):
         if rows:
-            splits, per = _splits(triton.cdiv(n, bm), m, bn, xs.device)
+            splits, per = (1, m) if sparse else _splits(triton.cdiv(n, bm), m, bn, xs.device)
             gx = torch.empty(splits, n, d, device=xs.device, dtype=torch.float32)
             _grad_kernel[(triton.cdiv(n, bm), splits)](
-                *head, gx, gx, *tail, per, *strides, COLUMNS=False, **flags
-            )
+                *head, gx, gx, *tail, per, *strides, COLUMNS=False, SPARSE=sparse is not None,
+                **flags,
+            )  # fmt: skip
             gx = gx.sum(0)
         if cols:
             splits, per = _splits(triton.cdiv(m, bn), n, bm, xs.device)
             gy = torch.empty(splits, m, d, device=xs.device, dtype=torch.float32)
             gv = torch.empty(splits, m, device=xs.device, dtype=torch.float32)
             _grad_kernel[(triton.cdiv(m, bn), splits)](
-                *head, gy, gv, *tail, per, *strides, COLUMNS=True, **flags
+                *head, gy, gv, *tail, per, *strides, COLUMNS=True, SPARSE=False, **flags
             )
             gy, gv = gy.sum(0), gv.sum(0)
     return gx, gy, gv
