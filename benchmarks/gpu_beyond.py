@@ -5,6 +5,10 @@
   n in SIZES, d in DIMS; p = 1's error against the same call in float64 at n = REF_N.
 * The kernel norms (``"energy"``, ``"gaussian"``, ``"laplacian"``, blur 0.5) and
   ``"hausdorff"`` at n = SIZES[0], d = 3, value + gradient.
+* Multiscale (``cluster_scale``): two spheres of MS_SIZES points (d = 3, the second
+  shifted by 0.05), ``SamplesLoss(blur=0.01, scaling=0.5, debias=True)`` value +
+  gradient, with ``cluster_scale`` in SCALES and without (the dense call, where n ≤
+  DENSE_MAX): time and the value's and gradient's difference from the dense call.
 * ``gromov_wasserstein(x, y, eps=0.05, relative_eps=True)`` at n = GW_N, d = 3 and 64:
   time, outer and inner iterations, and ``torch.cuda.max_memory_allocated`` above the
   inputs (POT's dense GW holds n² floats: 10 GB at 50k).
@@ -28,6 +32,9 @@ SIZES = [int(n) for n in os.environ.get("SIZES", "10000,50000").split(",")]
 DIMS = [int(d) for d in os.environ.get("DIMS", "3,64").split(",")]
 REF_N = int(os.environ.get("REF_N", "2000"))
 GW_N = int(os.environ.get("GW_N", "50000"))
+MS_SIZES = [int(n) for n in os.environ.get("MS_SIZES", "100000,1000000").split(",")]
+SCALES = [float(c) for c in os.environ.get("SCALES", "0.02,0.05").split(",")]
+DENSE_MAX = int(os.environ.get("DENSE_MAX", "100000"))
 rows: list[tuple] = []
 
 
@@ -70,6 +77,27 @@ n = SIZES[0]
 x, y = torch.randn(n, 3, device="cuda"), torch.randn(n, 3, device="cuda") + 0.5
 for name in ("energy", "gaussian", "laplacian", "hausdorff"):
     timed((name, n, 3), flashot.SamplesLoss(name, blur=0.5), x, y)
+
+
+def sphere(n, shift):
+    v = torch.randn(n, 3, device="cuda")
+    return 0.5 * v / v.norm(dim=1, keepdim=True) + 0.5 + shift
+
+
+for n in MS_SIZES:
+    torch.manual_seed(4)
+    x, y = sphere(n, 0.0), sphere(n, 0.05)
+    dense = None
+    if n <= DENSE_MAX:
+        dense = value_and_grad(flashot.SamplesLoss(blur=0.01), x, y)
+        timed(("multiscale: dense", n, 3), flashot.SamplesLoss(blur=0.01), x, y)
+    for scale in SCALES:
+        loss = flashot.SamplesLoss(blur=0.01, cluster_scale=scale)
+        timed((f"multiscale: cluster_scale={scale}", n, 3), loss, x, y)
+        if dense is not None:
+            v, g = value_and_grad(loss, x, y)
+            print(f"  against dense: value {abs(float(v - dense[0])) / abs(float(dense[0])):.2e}, "
+                  f"gradient {float((g - dense[1]).norm() / dense[1].norm()):.2e}", flush=True)
 for d in DIMS:
     torch.manual_seed(3)
     x, y = torch.randn(GW_N, d, device="cuda"), torch.randn(GW_N, d, device="cuda")
