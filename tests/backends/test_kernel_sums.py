@@ -100,7 +100,7 @@ def test_block_intervals_cover_exactly_the_clusters_a_block_keeps(seed, kr, kc, 
     row_starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes_r.cumsum(0)])
     col_starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes_c.cumsum(0)])
     keep = torch.rand(kr, kc, generator=g) < density
-    ptr, iv, block = block_intervals(row_starts, col_starts, keep, bm)
+    ptr, iv, block = block_intervals(row_starts, col_starts, torch.nonzero(keep, as_tuple=True), bm)
     n = int(row_starts[-1])
     assert block == bm and len(ptr) == -(-n // bm) + 1
     row_cluster = torch.repeat_interleave(torch.arange(kr), sizes_r)

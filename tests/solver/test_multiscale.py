@@ -68,7 +68,11 @@ def test_the_truncation_drops_only_pairs_below_its_bound(seed, n, m, d, p, eps, 
     origin = torch.zeros(d, dtype=torch.float64)
     cx = grid_clusters(x, torch.ones(n, dtype=torch.float64), scale, origin)
     cy = grid_clusters(y, torch.ones(m, dtype=torch.float64), scale, origin)
-    keep = truncation_mask(cx, cy, 0.1 * f, 0.1 * gg, eps, 12.5, p)
+    rows, cols = truncation_mask(cx, cy, 0.1 * f, 0.1 * gg, eps, 12.5, p)
+    keep = torch.zeros(len(cx.members), len(cy.members), dtype=torch.bool)
+    keep[rows, cols] = True
+    key = rows * len(cy.members) + cols
+    assert torch.equal(key, torch.sort(key).values)  # (sorted by row, then column)
     c = torch.cdist(x, y) ** p / p
     slack = 0.1 * f[:, None] + 0.1 * gg[None, :] - c + 12.5 * eps
     for i, ri in enumerate(cx.members):
@@ -100,18 +104,10 @@ def test_without_coarse_steps_the_loop_differs_from_the_dense_one_by_the_truncat
             if ref is not None:
                 assert float((got - ref).abs().max()) <= tol * float(ref.abs().max())
     x0, y0, _ = _clouds(0, 300, 280, 2)
-    keep = truncation_mask(
-        *[
-            grid_clusters(t, w, 0.1, torch.zeros(2, dtype=torch.float64))
-            for t, w in ((x0, a), (y0, b))
-        ],
-        dense.f_ba.detach(),
-        dense.g_ab.detach(),
-        temps[-1],
-        12.5,
-        p,
-    )
-    assert not bool(keep.all())  # (the truncation was at work)
+    origin = torch.zeros(2, dtype=torch.float64)
+    cx, cy = grid_clusters(x0, a, 0.1, origin), grid_clusters(y0, b, 0.1, origin)
+    rows, _ = truncation_mask(cx, cy, dense.f_ba.detach(), dense.g_ab.detach(), temps[-1], 12.5, p)
+    assert len(rows) < len(cx.members) * len(cy.members)  # (the truncation was at work)
 
 
 @pytest.mark.parametrize("p", [1, 2])
@@ -149,3 +145,22 @@ def test_multiscale_refuses_wide_clouds_and_serves_batches_and_potentials():
         flashot.SamplesLoss(cluster_scale=0.2)(torch.rand(10, 9), torch.rand(10, 9))
     value = flashot.SamplesLoss(backend="multiscale")(x[0], y[0])  # (a default cell side)
     assert float(value) == pytest.approx(float(flashot.SamplesLoss()(x[0], y[0])), rel=0.05)
+
+
+def test_the_mask_in_chunks_is_the_mask_whole(monkeypatch):
+    """Rows in chunks of a few clusters (the column-best partners merged across chunks)."""
+    from flashot.solver import multiscale
+
+    x, y, g = _clouds(5, 200, 150, 2)
+    origin = torch.zeros(2, dtype=torch.float64)
+    cx = grid_clusters(x, torch.ones(200, dtype=torch.float64), 0.1, origin)
+    cy = grid_clusters(y, torch.ones(150, dtype=torch.float64), 0.1, origin)
+    f, gg = (
+        0.05 * torch.randn(200, generator=g, dtype=torch.float64),
+        torch.zeros(150, dtype=torch.float64),
+    )
+    whole = truncation_mask(cx, cy, f, gg, 1e-3, 12.5, 2)
+    monkeypatch.setattr(multiscale, "CHUNK", 3 * len(cy.members))
+    chunked = truncation_mask(cx, cy, f, gg, 1e-3, 12.5, 2)
+    assert all(torch.equal(u, v) for u, v in zip(whole, chunked, strict=True))
+    assert len(whole[0]) < len(cx.members) * len(cy.members)

@@ -228,43 +228,50 @@ class _Fused(torch.autograd.Function):
         return (*[next(got) if w else None for w in need], None, None, None, None)
 
 
-def block_intervals(row_starts, col_starts, keep, bm: int = SPARSE_BLOCK):
+def _ranges(starts: torch.Tensor, stops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(owner, index)``: every index of the ranges ``[starts[k], stops[k])``, with its k."""
+    span = stops - starts
+    owner = torch.repeat_interleave(torch.arange(len(span), device=span.device), span)
+    offset = torch.arange(int(span.sum()), device=span.device) - torch.repeat_interleave(
+        torch.cumsum(span, 0) - span, span
+    )
+    return owner, torch.repeat_interleave(starts, span) + offset
+
+
+def block_intervals(row_starts, col_starts, pairs, bm: int = SPARSE_BLOCK):
     """A block-sparse layout ``(ptr, iv, BLOCK_M)`` for rows and columns sorted by cluster.
 
     Row block b (BLOCK_M sorted rows) streams the column intervals ``iv[ptr[b]:ptr[b+1]]``:
-    the clusters that ``keep`` keeps for any row cluster meeting the block, adjacent ones
+    the column clusters paired with any row cluster meeting the block, adjacent ones
     merged. A row thus sees every column its own cluster keeps, and perhaps more.
 
     Args:
         row_starts: (K_r + 1,) offsets of the row clusters in sorted order.
-        col_starts: (K_c + 1,) of the column clusters.  keep: (K_r, K_c) bool.
+        col_starts: (K_c + 1,) of the column clusters.
+        pairs: ``(I, J)``, the kept cluster pairs, sorted by I (then J).
         bm: BLOCK_M, the rows of a block (≥ 16: the fused kernel's tiles).
     """
-    dev = keep.device
+    dev = row_starts.device
+    kr, kc = len(row_starts) - 1, len(col_starts) - 1
     n = int(row_starts[-1])
     blocks = -(-n // bm)
     first = torch.arange(blocks, device=dev) * bm
     last = torch.clamp(first + bm, max=n) - 1
     lo = torch.searchsorted(row_starts[1:].contiguous(), first, right=True)
     hi = torch.searchsorted(row_starts[1:].contiguous(), last, right=True)
-    # (block, row cluster) pairs, then (block, kept column cluster) pairs
-    span = hi - lo + 1
-    blk = torch.repeat_interleave(torch.arange(blocks, device=dev), span)
-    offset = torch.arange(int(span.sum()), device=dev) - torch.repeat_interleave(
-        torch.cumsum(span, 0) - span, span
-    )
-    rc = torch.repeat_interleave(lo, span) + offset
-    pair_b, pair_c = torch.nonzero(keep[rc], as_tuple=True)
-    key = torch.unique(blk[pair_b] * keep.shape[1] + pair_c)  # (sorted: by block, column)
-    kb, kc = key // keep.shape[1], key % keep.shape[1]
+    # each block's row clusters lo..hi own a contiguous run of the sorted pairs
+    by_row = torch.searchsorted(pairs[0].contiguous(), torch.arange(kr + 1, device=dev))
+    blk, idx = _ranges(by_row[lo], by_row[hi + 1])
+    key = torch.unique(blk * kc + pairs[1][idx])  # (sorted: by block, column)
+    kb, kcl = key // kc, key % kc
     if len(key) == 0:  # (nothing kept anywhere)
         return (torch.zeros(blocks + 1, dtype=torch.int32, device=dev),
                 torch.zeros(0, 2, dtype=torch.int32, device=dev), bm)  # fmt: skip
     new = torch.ones_like(kb, dtype=torch.bool)
-    new[1:] = (kb[1:] != kb[:-1]) | (kc[1:] != kc[:-1] + 1)
+    new[1:] = (kb[1:] != kb[:-1]) | (kcl[1:] != kcl[:-1] + 1)
     starts = torch.nonzero(new).flatten()
-    ends = torch.cat([starts[1:], starts.new_tensor([len(kc)])]) - 1
-    iv = torch.stack([col_starts[kc[starts]], col_starts[kc[ends] + 1]], 1).to(torch.int32)
+    ends = torch.cat([starts[1:], starts.new_tensor([len(kcl)])]) - 1
+    iv = torch.stack([col_starts[kcl[starts]], col_starts[kcl[ends] + 1]], 1).to(torch.int32)
     counts = torch.bincount(kb[starts], minlength=blocks)
     ptr = torch.zeros(blocks + 1, dtype=torch.int32, device=dev)
     ptr[1:] = torch.cumsum(counts, 0)

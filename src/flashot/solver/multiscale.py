@@ -41,7 +41,8 @@ import torch
 from flashot.backends.kernel_sums import block_intervals, block_sparse_softmin, softmin
 from flashot.solver.tiled_loop import GeomLossPotentials, damping, symmetric_steps
 
-__all__ = ["Clusters", "default_scale", "grid_clusters", "multiscale_potentials", "truncation_mask"]
+__all__ = ["Clusters", "all_pairs", "default_scale", "grid_clusters", "multiscale_potentials",
+           "truncation_mask"]  # fmt: skip
 
 #: widest feature size the grid clustering accepts (cells multiply as scale^-d)
 MAX_DIM = 8
@@ -52,6 +53,7 @@ class Clusters:
     """A cloud cut into grid cells.
 
     Attributes:
+        label: (n,) each point's cluster.
         order: (n,) the cloud's rows sorted by cluster.
         starts: (K + 1,) each cluster's offset in that order.
         members: one (k_I,) index tensor per cluster, into the cloud's rows.
@@ -60,6 +62,7 @@ class Clusters:
         radius: (K,) the largest distance from a centroid to its members.
     """
 
+    label: torch.Tensor
     order: torch.Tensor
     starts: torch.Tensor
     members: list[torch.Tensor]
@@ -93,38 +96,70 @@ def grid_clusters(x: torch.Tensor, w: torch.Tensor, scale: float, origin: torch.
     radius = torch.zeros(k, dtype=xd.dtype, device=xd.device).scatter_reduce_(
         0, label, dist, "amax", include_self=True
     )
-    return Clusters(order, starts, members, centroids, weights, radius)
+    return Clusters(label, order, starts, members, centroids, weights, radius)
+
+
+#: entries of one chunk of the cluster-pair bound (rows × all columns)
+CHUNK = 1 << 22
+
+
+def _cluster_max(values: torch.Tensor, cl: Clusters) -> torch.Tensor:
+    """(K,) the largest value of each cluster's members."""
+    out = torch.full((len(cl.starts) - 1,), -torch.inf, dtype=values.dtype, device=values.device)
+    return out.scatter_reduce_(0, cl.label, values, "amax", include_self=True)
 
 
 def truncation_mask(rows: Clusters, cols: Clusters, f, g, eps: float, tau: float, p: int):
-    """(K_rows, K_cols) bool: the cluster pairs whose plan entries may reach ``e^{−τ}``.
+    """``(I, J)``: the cluster pairs whose plan entries may reach ``e^{−τ}``, sorted by I, J.
 
-    Each cluster also keeps its best partner, whatever the bound (no empty sum).
+    The bound ``max f + max g − C_min ≥ −τ ε`` is evaluated in chunks of rows (the K_r × K_c
+    table is never held whole). Each cluster also keeps its best partner, whatever the
+    bound (no empty sum).
 
     Args:
         rows: clusters of the rows.  cols: of the columns.
         f: (n,) row potentials.  g: (m,) column potentials (the step before's).
         eps: ε.  tau: τ.  p: the cost ``|x − y|^p / p``.
     """
-    big_f = torch.stack([f[i].max() for i in rows.members])
-    big_g = torch.stack([g[j].max() for j in cols.members])
-    gap = torch.cdist(rows.centroids, cols.centroids) - rows.radius[:, None] - cols.radius[None]
-    c_min = gap.clamp_min(0) ** p / p
-    bound = big_f[:, None] + big_g[None, :] - c_min
-    keep = bound >= -tau * eps
-    # (and every cluster's best partner: no row or column is left with an empty sum)
-    keep[torch.arange(len(bound)), bound.argmax(1)] = True
-    keep[bound.argmax(0), torch.arange(bound.shape[1])] = True
-    return keep
+    big_f, big_g = _cluster_max(f, rows), _cluster_max(g, cols)
+    kr, kc = len(big_f), len(big_g)
+    step = max(1, CHUNK // max(1, kc))
+    found, col_best, col_arg = [], None, None
+    for r0 in range(0, kr, step):
+        sl = slice(r0, min(kr, r0 + step))
+        gap = (torch.cdist(rows.centroids[sl], cols.centroids) - rows.radius[sl, None]
+               - cols.radius[None])  # fmt: skip
+        bound = big_f[sl, None] + big_g[None, :] - gap.clamp_min(0) ** p / p
+        keep = bound >= -tau * eps
+        keep[torch.arange(len(bound)), bound.argmax(1)] = True
+        best, arg = bound.max(0)
+        if col_best is None or col_arg is None:
+            col_best, col_arg = best, arg + r0
+        else:
+            better = best > col_best
+            col_best = torch.where(better, best, col_best)
+            col_arg = torch.where(better, arg + r0, col_arg)
+        i, j = torch.nonzero(keep, as_tuple=True)
+        found.append(torch.stack([i + r0, j]))
+    assert col_arg is not None
+    found.append(torch.stack([col_arg, torch.arange(kc, device=col_arg.device)]))
+    key = torch.unique(torch.cat(found, 1)[0] * kc + torch.cat(found, 1)[1])
+    return key // kc, key % kc
 
 
-def _sparse_softmin(x, rows: Clusters, y, cols: Clusters, log_w, eps, cost, keep, backend):
+def all_pairs(kr: int, kc: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every cluster pair, sorted."""
+    key = torch.arange(kr * kc, device=device)
+    return key // kc, key % kc
+
+
+def _sparse_softmin(x, rows: Clusters, y, cols: Clusters, log_w, eps, cost, pairs, backend):
     """``softmin`` of every row over the column clusters its block keeps (n,).
 
     Rows and columns go to cluster order, through
     :func:`~flashot.backends.kernel_sums.block_sparse_softmin`, and back.
     """
-    layout = block_intervals(rows.starts, cols.starts, keep)
+    layout = block_intervals(rows.starts, cols.starts, pairs)
     sorted_out = block_sparse_softmin(x[rows.order], y[cols.order], log_w[cols.order], eps,
                                       cost, layout, backend)  # fmt: skip
     return sorted_out[torch.argsort(rows.order)]
@@ -173,7 +208,7 @@ def multiscale_potentials(
     def sparse(side, log_w, pot_rows, pot_cols, eps):
         rc, cc = cl[side[0]], cl[side[1]]
         if pot_rows is None or pot_cols is None:  # (an initialization: every pair)
-            keep = torch.ones(len(rc.members), len(cc.members), dtype=torch.bool)
+            keep = all_pairs(len(rc.members), len(cc.members), rc.starts.device)
             h = log_w
         else:
             keep = truncation_mask(rc, cc, pot_rows, pot_cols, eps, tau, p)
