@@ -16,7 +16,7 @@ from triton.compiler import ASTSource
 
 from flashot.backends.triton import _kernels as K
 
-FLOATS = {"scale", "eps", "hi", "gate_limit", "inv_rho_x", "inv_rho_y"}
+FLOATS = {"scale", "scale_e", "eps", "hi", "gate_limit", "inv_rho_x", "inv_rho_y"}
 FLOATS |= {f"w_{age}_{side}" for age in ("old", "new") for side in "xy"}
 
 
@@ -27,7 +27,7 @@ def compile_for_hopper(fn, consts, half=False):
             sig[a] = "constexpr"
         elif a in FLOATS:
             sig[a] = "fp32"
-        elif a == "BLOCKS":  # a packed batch's table of blocks
+        elif a in ("BLOCKS", "PTR", "IV"):  # a packed batch's blocks, a sparse layout
             sig[a] = "*i32"
         elif a == "PARTS":  # the split operand's float16 parts
             sig[a] = "*fp16"
@@ -127,6 +127,29 @@ def variants():
 
     yield _triples._triple_kernel, dict(WIDTH=_triples.TRIPLE_WIDTH,
                                         BLOCK_N=_triples.BLOCK_N), False  # fmt: skip
+    # the pair-cost kernels: soft-minimum or kernel sum, dense or block-sparse, product
+    # form (feature chunks) or differences, and both gradient sides
+    from flashot.backends.triton import _pair_functions as pf
+    from flashot.backends.triton import _pairwise as pw
+
+    tiles = dict(BLOCK_M=64, BLOCK_N=64, PRECISION="tf32x3")
+    for cost, diff, block_d, chunks, total, sparse in (
+        (pf.distance, True, 16, 1, False, False),
+        (pf.distance, False, 64, 1, False, True),
+        (pf.half_square, False, 64, 4, False, False),
+        (pf.gaussian, True, 16, 1, True, False),
+        (pf.energy, False, 64, 1, True, False),
+    ):
+        yield pw._softmin_kernel, dict(tiles, COST=cost, BLOCK_D=block_d, D_CHUNKS=chunks,
+                                       DIFF=diff, SUM=total, SPARSE=sparse), False  # fmt: skip
+    for cost, grad, diff, columns, total, sparse in (
+        (pf.distance, pf.distance_grad, True, False, False, False),
+        (pf.distance, pf.distance_grad, False, True, False, False),
+        (pf.laplacian, pf.laplacian_grad, False, False, True, True),
+        (pf.energy, pf.energy_grad, True, True, True, False),
+    ):
+        yield pw._grad_kernel, dict(tiles, COST=cost, GRAD=grad, BLOCK_D=64, DIFF=diff,
+                                    COLUMNS=columns, SUM=total, SPARSE=sparse), False  # fmt: skip
 
 
 def main() -> int:
