@@ -81,8 +81,8 @@ def test_the_truncation_drops_only_pairs_below_its_bound(seed, n, m, d, p, eps, 
                 assert float(slack[ri][:, cj].max()) < 1e-12
 
 
-@pytest.mark.parametrize("p,debias", [(2, True), (1, False)])
-def test_without_coarse_steps_the_loop_differs_from_the_dense_one_by_the_truncation(p, debias):
+@pytest.mark.parametrize("p,debias,rho", [(2, True, None), (1, False, None), (2, True, 0.3)])
+def test_without_coarse_steps_the_loop_differs_from_the_dense_one_by_the_truncation(p, debias, rho):
     """A schedule that starts below scale^p runs the fine loop from the start: with
     truncate=None it is the dense loop (1e-12); with truncate=5 it differs by
     e^{−12.5}-sized terms."""
@@ -93,9 +93,9 @@ def test_without_coarse_steps_the_loop_differs_from_the_dense_one_by_the_truncat
     )
     temps = [0.04**p, 0.02**p, 0.01**p]
     cost = cost_of(p)
-    dense = geomloss_potentials(a, x, b, y, cost, temps, debias)
+    dense = geomloss_potentials(a, x, b, y, cost, temps, debias, rho)
     for truncate, tol in ((math.inf, 1e-12), (5.0, 1e-5)):
-        sparse = multiscale_potentials(a, x, b, y, cost, temps, debias, 0.1, truncate, p)
+        sparse = multiscale_potentials(a, x, b, y, cost, temps, debias, 0.1, truncate, p, rho)
         for got, ref in zip(
             (sparse.f_ba, sparse.g_ab, sparse.f_aa, sparse.g_bb),
             (dense.f_ba, dense.g_ab, dense.f_aa, dense.g_bb),
