@@ -134,6 +134,24 @@ def _exact_part(
 
 
 @triton.jit
+def _interval_span(PTR, SPARSE: tl.constexpr):
+    """The program's streamed intervals ``[lo, hi)``: its row block's (sparse) or one."""
+    if SPARSE:
+        return tl.load(PTR + tl.program_id(0)), tl.load(PTR + tl.program_id(0) + 1)
+    else:
+        return 0, 1
+
+
+@triton.jit
+def _interval(IV, r, split, per, size, SPARSE: tl.constexpr):
+    """The r-th streamed interval ``[c0, c1)``: a layout's, or the split's columns."""
+    if SPARSE:
+        return tl.load(IV + 2 * r), tl.load(IV + 2 * r + 1)
+    else:
+        return split * per, tl.minimum(split * per + per, size)
+
+
+@triton.jit
 def _softmin_kernel(
     X,
     Y,
@@ -172,15 +190,9 @@ def _softmin_kernel(
     split = tl.program_id(1)
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if SPARSE:
-        lo, hi = tl.load(PTR + tl.program_id(0)), tl.load(PTR + tl.program_id(0) + 1)
-    else:
-        lo, hi = 0, 1
+    lo, hi = _interval_span(PTR, SPARSE)
     for r in range(lo, hi):
-        if SPARSE:
-            c0, c1 = tl.load(IV + 2 * r), tl.load(IV + 2 * r + 1)
-        else:
-            c0, c1 = split * per, tl.minimum(split * per + per, m)
+        c0, c1 = _interval(IV, r, split, per, m, SPARSE)
         for start in range(c0, c1, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             s, t, a, b, _ = _pair_stats(X, Y, XN, YN, offs_m, offs_n, n, c1, d, sxn, sxd, syn,
@@ -276,15 +288,9 @@ def _grad_kernel(
         w_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         stream_size = m
         stream_block = BLOCK_N
-    if SPARSE:
-        lo, hi = tl.load(PTR + tl.program_id(0)), tl.load(PTR + tl.program_id(0) + 1)
-    else:
-        lo, hi = 0, 1
+    lo, hi = _interval_span(PTR, SPARSE)
     for r in range(lo, hi):
-        if SPARSE:
-            c0, c1 = tl.load(IV + 2 * r), tl.load(IV + 2 * r + 1)
-        else:
-            c0, c1 = split * per, tl.minimum(split * per + per, stream_size)
+        c0, c1 = _interval(IV, r, split, per, stream_size, SPARSE)
         m_end = m if COLUMNS else c1  # (the columns' bound: a sparse interval's end)
         for start in range(c0, c1, stream_block):
             if COLUMNS:
