@@ -250,3 +250,14 @@ def test_a_single_call_reads_no_second_diameter(gen, monkeypatch):
     assert rel(flashot.SamplesLoss(blur=0.1, backend="torch")(x, y), ref) < 1e-14
     with pytest.raises(AssertionError, match="bounding_diameter"):
         flashot.SamplesLoss(blur=0.1, backend="torch")(x[None], y[None])
+
+
+def test_repr_names_the_loss_the_cost_and_the_mode():
+    from flashot.geometry.pair_costs import PairCost
+
+    plain = repr(flashot.SamplesLoss(blur=0.1))
+    assert "'sinkhorn', p=2, blur=0.1" in plain and "cost='half_sqeuclidean'" in plain
+    custom = repr(flashot.SamplesLoss(p=1, cost=PairCost(lambda s, t, a, b: s, name="mine")))
+    assert "p=1" in custom and "PairCost mine" in custom
+    assert "cluster_scale=0.2" in repr(flashot.SamplesLoss(cluster_scale=0.2))
+    assert "cost='callable'" in repr(flashot.SamplesLoss(cost=lambda x, y: torch.cdist(x, y)))

@@ -193,6 +193,7 @@ class SamplesLoss(torch.nn.Module):
         self.backend, self.precision = backend, precision
         self.cost = get_cost("half_sqeuclidean" if cost is None or custom else cost)
         self._tile_cost = _checked_cost(cost) if custom else cost_of(int(p))
+        self._custom_cost = custom
         self._fused = fused
         # what a flashot::loss node needs to rebuild this loss (None: no node, eager call)
         node = dict(blur=self.blur, reach=self.reach, diameter=self.diameter,
@@ -203,9 +204,17 @@ class SamplesLoss(torch.nn.Module):
 
     def extra_repr(self) -> str:
         """Options shown by ``repr``."""
+        if not self._custom_cost:
+            cost = self.cost.name
+        elif isinstance(self._tile_cost, PairCost):
+            cost = f"PairCost {self._tile_cost.name}"
+        else:
+            cost = "callable"
+        multiscale = f", cluster_scale={self.cluster_scale}" if self._multiscale else ""
         return (
-            f"blur={self.blur}, reach={self.reach}, scaling={self.scaling}, debias={self.debias}, "
-            f"cost={self.cost.name!r}, backend={self.backend!r}"
+            f"{self.loss!r}, p={self.p}, blur={self.blur}, reach={self.reach}, "
+            f"scaling={self.scaling}, debias={self.debias}, cost={cost!r}, "
+            f"backend={self.backend!r}{multiscale}"
         )
 
     def forward(self, *args):
