@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from flashot.geometry.pair_costs import DIFFERENCES_UP_TO, PairCost, distance_cost, half_square_cost
+from flashot.geometry.pair_costs import KERNEL_COSTS, PairCost, distance_cost, half_square_cost
 
 __all__ = ["KERNELS", "block_intervals", "block_sparse_softmin", "cost_of", "distance",
            "half_square", "kernel_matvec", "softmin"]  # fmt: skip
@@ -42,33 +42,24 @@ BUDGET = 1 << 20
 SPARSE_BLOCK = 64
 
 
-def distance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``|x_i − y_j|`` (r, c) from differences; derivative 0 where the points coincide."""
-    sq = (x[:, None, :] - y[None, :, :]).square().sum(-1)
-    apart = sq > 0
-    return torch.where(apart, torch.where(apart, sq, 1.0).sqrt(), 0.0)
+#: ``|x_i − y_j|`` (r, c) from differences; derivative 0 where the points coincide
+distance = distance_cost
+#: ``|x_i − y_j|² / 2`` (r, c) from differences
+half_square = half_square_cost
 
 
-def _gaussian(x, y, blur):
-    return torch.exp(-0.5 * (x[:, None, :] - y[None, :, :]).square().sum(-1) / blur**2)
+def _kernel(name: str) -> Callable:
+    """GeomLoss' kernel ``k(x, y)`` with its σ as ``blur`` (the pair cost of scaled clouds)."""
+    cost, scaled = KERNEL_COSTS[name]
 
+    def kernel(x, y, blur):
+        return cost(x / blur, y / blur) if scaled else cost(x, y)
 
-def _laplacian(x, y, blur):
-    return torch.exp(-distance(x, y) / blur)
-
-
-def _energy(x, y, blur):
-    return -distance(x, y)
+    return kernel
 
 
 #: GeomLoss' kernels ``k(x, y)`` of the distance, by name (``blur`` = σ; energy ignores it)
-KERNELS: dict[str, Callable] = {"gaussian": _gaussian, "laplacian": _laplacian,
-                                "energy": _energy}  # fmt: skip
-
-
-def half_square(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``|x_i − y_j|² / 2`` (r, c) from differences."""
-    return 0.5 * (x[:, None, :] - y[None, :, :]).square().sum(-1)
+KERNELS: dict[str, Callable] = {name: _kernel(name) for name in KERNEL_COSTS}
 
 
 def cost_of(p: int) -> PairCost:
@@ -107,7 +98,7 @@ def kernel_matvec(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, kernel: Cal
     Returns:
         (n,) in x's dtype; differentiable (twice) in x, y and w.
     """
-    if isinstance(kernel, PairCost) and _fused(x, y, w, kernel, backend):
+    if isinstance(kernel, PairCost) and _fused(x, y, kernel, backend):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, w)):
             return _Fused.apply(x, y, w, None, kernel, budget, None)
         from flashot.backends.triton._pairwise import fused_kernel_sum
@@ -145,7 +136,7 @@ def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, c
     Returns:
         (n,); differentiable (twice) in x, y and h.
     """
-    if isinstance(cost, PairCost) and _fused(x, y, log_w, cost, backend):
+    if isinstance(cost, PairCost) and _fused(x, y, cost, backend):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, log_w)):
             return _Fused.apply(x, y, log_w, eps, cost, budget, None)
         from flashot.backends.triton._pairwise import fused_softmin
@@ -165,11 +156,11 @@ def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, c
     return -eps * torch.cat(rows)
 
 
-def _fused(x, y, vec, cost, backend: str) -> bool:
+def _fused(x, y, cost: PairCost, backend: str) -> bool:
     """Whether the fused kernel computes this soft-minimum or kernel sum."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    if backend == "torch" or not isinstance(cost, PairCost) or cost.triton_fn is None:
+    if backend == "torch" or cost.triton_fn is None:
         return False
     if any(t.dtype != torch.float32 for t in (x, y)) or (backend == "auto" and not x.is_cuda):
         return False
@@ -181,9 +172,8 @@ def _fused(x, y, vec, cost, backend: str) -> bool:
 class _Fused(torch.autograd.Function):
     """The fused soft-minimum (``eps`` a float) or kernel sum (``eps`` None), differentiable.
 
-    Its gradient streams when the cost has ``triton_grad`` (and d ≤ GRAD_UP_TO or
-    differences); otherwise, and for second derivatives, it recomputes in PyTorch tiles
-    under autograd.
+    Its gradient streams when the cost has ``triton_grad`` and d ≤ GRAD_UP_TO; otherwise,
+    and for second derivatives, it recomputes in PyTorch tiles under autograd.
     """
 
     @staticmethod
@@ -207,8 +197,7 @@ class _Fused(torch.autograd.Function):
         d = x.shape[1]
         create_graph = torch.is_grad_enabled()  # (backward runs with grad mode = create_graph)
         sparse = ctx.sparse
-        if (not create_graph and ctx.cost.triton_grad is not None
-                and (d <= DIFFERENCES_UP_TO or d <= GRAD_UP_TO)
+        if (not create_graph and ctx.cost.triton_grad is not None and d <= GRAD_UP_TO
                 and not (sparse is not None and (need[1] or need[2]))):  # fmt: skip
             got3 = fused_grads(x, y, vec, ctx.eps, ctx.cost, lse, grad_out, need[0],
                                need[1] or need[2], sparse)  # fmt: skip
@@ -297,7 +286,7 @@ def block_sparse_softmin(x, y, log_w, eps: float, cost, layout, backend: str = "
     if bool((ptr[1:] == ptr[:-1]).any()):
         raise ValueError("a row block of the layout has no column interval: its soft-minimum "
                          "would be +inf")  # fmt: skip
-    if (isinstance(cost, PairCost) and _fused(x, y, log_w, cost, backend)
+    if (isinstance(cost, PairCost) and _fused(x, y, cost, backend)
             and not (y.requires_grad or log_w.requires_grad)):  # fmt: skip
         if torch.is_grad_enabled() and x.requires_grad:
             return _Fused.apply(x, y, log_w, eps, cost, BUDGET, layout)

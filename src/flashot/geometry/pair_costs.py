@@ -50,12 +50,15 @@ __all__ = [
 DIFFERENCES_UP_TO = 8
 
 
-def pair_stats(x: torch.Tensor, y: torch.Tensor):
+def pair_stats(x: torch.Tensor, y: torch.Tensor, full: bool = True):
     """``(s, t, a, b)`` of two blocks: (r, c), (r, c), (r, 1), (1, c).
 
-    ``s`` from coordinate differences (exactly 0 for coincident points).
+    ``s`` from coordinate differences (exactly 0 for coincident points); ``full=False``:
+    ``s`` alone, t, a and b None (a φ of ``s`` alone needs no product or norms).
     """
     s = (x[:, None, :] - y[None, :, :]).square().sum(-1)
+    if not full:
+        return s, None, None, None
     return s, x @ y.T, x.square().sum(1, keepdim=True), y.square().sum(1)[None, :]
 
 
@@ -76,7 +79,8 @@ class PairCost:
             ∂φ/∂b)`` (each a tile or a scalar), or None: first derivatives then
             recompute in PyTorch tiles.
         translation_invariant: φ depends on ``s`` alone, so the kernels may centre
-            both clouds first (smaller ``a``, ``b``: less cancellation in ``s``).
+            both clouds first (smaller ``a``, ``b``: less cancellation in ``s``), and
+            the PyTorch tiles pass None for t, a and b.
         name: shown in messages.
 
     Example:
@@ -117,7 +121,7 @@ class PairCost:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The (r, c) cost tile of (r, D) and (c, D) blocks."""
-        c = self.torch_fn(*pair_stats(x, y))
+        c = self.torch_fn(*pair_stats(x, y, full=not self.translation_invariant))
         if not isinstance(c, torch.Tensor) or c.shape != (x.shape[0], y.shape[0]):
             got = tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__
             raise ValueError(
