@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from flashot.backends.kernel_sums import block_intervals, block_sparse_softmin, softmin
-from flashot.solver.tiled_loop import GeomLossPotentials, damping, symmetric_steps
+from flashot.solver.tiled_loop import GeomLossPotentials, damping, dense_softmin, symmetric_steps
 
 __all__ = ["Clusters", "all_pairs", "default_scale", "grid_clusters", "multiscale_potentials",
            "truncation_mask"]  # fmt: skip
@@ -55,8 +55,8 @@ class Clusters:
     Attributes:
         label: (n,) each point's cluster.
         order: (n,) the cloud's rows sorted by cluster.
+        inverse: (n,) each row's place in that order (``order``'s inverse).
         starts: (K + 1,) each cluster's offset in that order.
-        members: one (k_I,) index tensor per cluster, into the cloud's rows.
         centroids: (K, d) weighted centroids (plain means where a cluster's weight is 0).
         weights: (K,) summed weights.
         radius: (K,) the largest distance from a centroid to its members.
@@ -64,11 +64,21 @@ class Clusters:
 
     label: torch.Tensor
     order: torch.Tensor
+    inverse: torch.Tensor
     starts: torch.Tensor
-    members: list[torch.Tensor]
     centroids: torch.Tensor
     weights: torch.Tensor
     radius: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        """K, the number of clusters."""
+        return len(self.starts) - 1
+
+    @property
+    def members(self) -> list[torch.Tensor]:
+        """One (k_I,) index tensor per cluster, into the cloud's rows."""
+        return list(torch.split(self.order, (self.starts[1:] - self.starts[:-1]).tolist()))
 
 
 def grid_clusters(x: torch.Tensor, w: torch.Tensor, scale: float, origin: torch.Tensor) -> Clusters:
@@ -86,7 +96,6 @@ def grid_clusters(x: torch.Tensor, w: torch.Tensor, scale: float, origin: torch.
     counts = torch.bincount(label, minlength=k)
     starts = torch.zeros(k + 1, dtype=torch.long, device=xd.device)
     starts[1:] = torch.cumsum(counts, 0)
-    members = list(torch.split(order, counts.tolist()))
     weights = torch.zeros(k, dtype=xd.dtype, device=xd.device).index_add_(0, label, wd)
     sums = torch.zeros(k, xd.shape[1], dtype=xd.dtype, device=xd.device)
     plain = sums.index_add(0, label, xd) / counts[:, None].to(xd.dtype)
@@ -96,7 +105,7 @@ def grid_clusters(x: torch.Tensor, w: torch.Tensor, scale: float, origin: torch.
     radius = torch.zeros(k, dtype=xd.dtype, device=xd.device).scatter_reduce_(
         0, label, dist, "amax", include_self=True
     )
-    return Clusters(label, order, starts, members, centroids, weights, radius)
+    return Clusters(label, order, torch.argsort(order), starts, centroids, weights, radius)
 
 
 #: entries of one chunk of the cluster-pair bound (rows × all columns)
@@ -143,7 +152,8 @@ def truncation_mask(rows: Clusters, cols: Clusters, f, g, eps: float, tau: float
         found.append(torch.stack([i + r0, j]))
     assert col_arg is not None
     found.append(torch.stack([col_arg, torch.arange(kc, device=col_arg.device)]))
-    key = torch.unique(torch.cat(found, 1)[0] * kc + torch.cat(found, 1)[1])
+    i, j = torch.cat(found, 1)
+    key = torch.unique(i * kc + j)
     return key // kc, key % kc
 
 
@@ -153,16 +163,15 @@ def all_pairs(kr: int, kc: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return key // kc, key % kc
 
 
-def _sparse_softmin(x, rows: Clusters, y, cols: Clusters, log_w, eps, cost, pairs, backend):
-    """``softmin`` of every row over the column clusters its block keeps (n,).
+def _sparse_softmin(xs, rows: Clusters, ys, cols: Clusters, log_w, eps, cost, pairs, backend):
+    """``softmin`` of every row over the column clusters its block keeps (n,), rows' order.
 
-    Rows and columns go to cluster order, through
-    :func:`~flashot.backends.kernel_sums.block_sparse_softmin`, and back.
+    By :func:`~flashot.backends.kernel_sums.block_sparse_softmin`; ``xs``, ``ys``: the
+    clouds already in cluster order; ``log_w`` (m,) in the columns' own order.
     """
     layout = block_intervals(rows.starts, cols.starts, pairs)
-    sorted_out = block_sparse_softmin(x[rows.order], y[cols.order], log_w[cols.order], eps,
-                                      cost, layout, backend)  # fmt: skip
-    return sorted_out[torch.argsort(rows.order)]
+    out = block_sparse_softmin(xs, ys, log_w[cols.order], eps, cost, layout, backend)
+    return out[rows.inverse]
 
 
 def multiscale_potentials(
@@ -201,6 +210,7 @@ def multiscale_potentials(
         "x": grid_clusters(pts["x"], a, scale, origin),
         "y": grid_clusters(pts["y"], b, scale, origin),
     }
+    srt = {k: pts[k][c.order] for k, c in cl.items()}  # (sorted once, for every step)
     la, lb = torch.log(a).detach(), torch.log(b).detach()
     coarse = [e for e in temps if e > scale**p]
     fine = temps[len(coarse) :]
@@ -208,26 +218,20 @@ def multiscale_potentials(
     def sparse(side, log_w, pot_rows, pot_cols, eps):
         rc, cc = cl[side[0]], cl[side[1]]
         if pot_rows is None or pot_cols is None:  # (an initialization: every pair)
-            keep = all_pairs(len(rc.members), len(cc.members), rc.starts.device)
+            keep = all_pairs(rc.count, cc.count, rc.starts.device)
             h = log_w
         else:
             keep = truncation_mask(rc, cc, pot_rows, pot_cols, eps, tau, p)
             h = log_w + pot_cols / eps
         return damping(eps, rho) * _sparse_softmin(
-            pts[side[0]], rc, pts[side[1]], cc, h, eps, cost, keep, backend
+            srt[side[0]], rc, srt[side[1]], cc, h, eps, cost, keep, backend
         )
 
     start = None
     if coarse:  # GeomLoss' steps on the centroids (their weights summed), then the jump
         cen = {k: c.centroids for k, c in cl.items()}
         lw = {"x": torch.log(cl["x"].weights), "y": torch.log(cl["y"].weights)}
-
-        def dense(side, log_w, pot_rows, pot_cols, eps):
-            h = log_w if pot_cols is None else log_w + pot_cols / eps
-            return damping(eps, rho) * softmin(
-                cen[side[0]], cen[side[1]], h, eps, cost, backend=backend
-            )
-
+        dense = dense_softmin(cen, cost, rho, backend)
         pots = symmetric_steps(dense, lw["x"], lw["y"], coarse, debias)
         eps = fine[0] if fine else coarse[-1]
         with torch.no_grad():  # one extrapolation from the centroids to the points
@@ -251,7 +255,7 @@ def multiscale_potentials(
         rc, cc = cl[side[0]], cl[side[1]]
         keep = truncation_mask(rc, cc, pot_rows, pot_cols, eps, tau, p)
         return damping(eps, rho) * _sparse_softmin(
-            rows, rc, pts[side[1]], cc, log_w + pot_cols / eps, eps, cost, keep, backend
+            rows[rc.order], rc, srt[side[1]], cc, log_w + pot_cols / eps, eps, cost, keep, backend
         )
 
     # the final extrapolation, differentiated in the first argument of each cost only

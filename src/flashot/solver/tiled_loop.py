@@ -25,7 +25,8 @@ import torch
 
 from flashot.backends.kernel_sums import softmin
 
-__all__ = ["GeomLossPotentials", "damping", "geomloss_potentials", "symmetric_steps"]
+__all__ = ["GeomLossPotentials", "damping", "dense_softmin", "geomloss_potentials",
+           "symmetric_steps"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,17 @@ def damping(eps: float, rho: float | None) -> float:
     return 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
 
 
+def dense_softmin(clouds: dict, cost: Callable, rho: float | None, backend: str) -> SoftMin:
+    """The :data:`SoftMin` of two clouds ``{"x": …, "y": …}``: every pair, damped by ρ."""
+
+    def soft(side, log_w, pot_rows, pot_cols, eps):
+        h = log_w if pot_cols is None else log_w + pot_cols / eps
+        rows, cols = clouds[side[0]], clouds[side[1]]
+        return damping(eps, rho) * softmin(rows, cols, h, eps, cost, backend=backend)
+
+    return soft
+
+
 def geomloss_potentials(
     a: torch.Tensor,
     x: torch.Tensor,
@@ -107,12 +119,7 @@ def geomloss_potentials(
     """
     la, lb = torch.log(a).detach(), torch.log(b).detach()
     clouds = {"x": x.detach(), "y": y.detach()}
-
-    def soft(side, log_w, pot_rows, pot_cols, eps):
-        h = log_w if pot_cols is None else log_w + pot_cols / eps
-        rows, cols = clouds[side[0]], clouds[side[1]]
-        return damping(eps, rho) * softmin(rows, cols, h, eps, cost, backend=backend)
-
+    soft = dense_softmin(clouds, cost, rho, backend)
     f_ba, g_ab, f_aa, g_bb = symmetric_steps(soft, la, lb, temps, debias)
     eps = temps[-1]
     lam = damping(eps, rho)
