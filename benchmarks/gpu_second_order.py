@@ -14,9 +14,10 @@ Parts (env PARTS, default "A,B,C"):
 * C, ``flashot.hvp`` (a solve to a tolerance, the dual CG): time, CG iterations and
   error against float64 for ``hvp_tol`` values (TOLS).
 * P, where A's HVP spends its time (n = SIZES[0]): the profiler's top kernels, one row
-  pass and one ``plan_vjp`` timed alone; with SWEEP=1 the ``plan_vjp`` kernel's value
-  products (``_vjp.VALUE_DOT``: 3xTF32 or TF32) and tiles (``_vjp.TILES``), each with
-  one launch, the whole HVP and its error against the float64 double backward.
+  pass and one ``plan_vjp`` (as a replayed transform's backward makes it: one value
+  column) timed alone; with SWEEP=1 the ``plan_vjp`` kernel's tiles for one value column
+  (``_vjp.NARROW_TILES``), each with one launch, the whole HVP and its error against the
+  float64 double backward.
 
 Prints a short table last; rows also go to $OUT/second_order.json when OUT is set.
 """
@@ -188,20 +189,19 @@ def part_p():
 
     ra = bench(lambda: be.row_attend(form, h - bl, 0.09, log_w=lw))
     rows.append(dict(part="P", case=f"n={n} d=64", who="one row pass", ms=ra))
-    settings = [(None, vjp.TILES)]
+    settings = [vjp.NARROW_TILES]
     if os.environ.get("SWEEP"):
-        tiles = ((32, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 3))
-        settings = [(dot, t) for dot in (None, "tf32") for t in tiles]
+        settings = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2),
+                    (64, 128, 4, 2), (128, 32, 4, 2), (32, 64, 4, 2)]  # fmt: skip
     ref = hvp_of(x.double(), y.double(), v.double())()
-    kept = vjp.VALUE_DOT, vjp.TILES
-    for value_dot, tiles in settings:
-        vjp.VALUE_DOT, vjp.TILES = value_dot, tiles
+    kept = vjp.NARROW_TILES
+    for tiles in settings:
+        vjp.NARROW_TILES = tiles
         run = hvp_of(x, y, v)
-        who = f"plan_vjp {value_dot or '3xTF32'} {tiles}"
-        rows.append(dict(part="P", case=f"n={n} d=64", who=who, ms=bench(one_vjp),
-                         hvp_ms=bench(run), err=rel(run(), ref)))  # fmt: skip
+        rows.append(dict(part="P", case=f"n={n} d=64", who=f"plan_vjp p=1 {tiles}",
+                         ms=bench(one_vjp), hvp_ms=bench(run), err=rel(run(), ref)))  # fmt: skip
         print(rows[-1], flush=True)
-    vjp.VALUE_DOT, vjp.TILES = kept
+    vjp.NARROW_TILES = kept
 
 
 print(torch.cuda.get_device_name(), torch.__version__, flashot.__version__, flush=True)

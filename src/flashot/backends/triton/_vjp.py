@@ -10,10 +10,18 @@ score tiles once and never storing one:
 
 and ``Pᵀ D`` is one value pass (:func:`~flashot.backends.dual.plan_times` on the transposed
 form). Each launch and pass runs only when one of its outputs is asked for, and the
-product with the keys only for ``row_k`` / ``col_q``. The kernel
-(``_plan_vjp_kernel``) holds the features in one chunk and streams values wider than
-:data:`P_CHUNK` in chunks: ``d, p ≤ 128`` (the backend falls back to PyTorch tiles
-beyond, where cuBLAS products are as fast as recomputed score chunks).
+product with the keys only for ``row_k`` / ``col_q``.
+
+The scores read the operands the solver's passes read (:meth:`~._operands.OperandCache.
+score_pair`: split half parts at 10k d = 64, triples at d ≤ 5), split once per call, not
+3xTF32 per tile. One value column (``p = 1``, the replay's transforms) is an outer
+product ``d_i v_j``: no MMA forms it, and with split score operands the keys' product
+reads ``v ⊙ k`` split once into half parts, the weights taken against a running row
+maximum (at most 1, so half precision holds them) and split per tile as the attend
+kernel's values are (:func:`~._kernels._value_product`). Wider values
+hold the features in one chunk and stream the values in chunks of :data:`P_CHUNK`:
+``d, p ≤ 128`` (the backend falls back to PyTorch tiles beyond, where cuBLAS products are
+as fast as recomputed score chunks).
 """
 
 from __future__ import annotations
@@ -27,25 +35,25 @@ from flashot.backends.dual import plan_times
 from flashot.backends.plan_vjp import ALL, PlanVJP
 from flashot.backends.temperature import LOG2E
 from flashot.backends.triton import _configs
-from flashot.backends.triton._kernels import _load_tile, _score_tile
+from flashot.backends.triton._kernels import _load_tile, _score_tile, _value_product
+from flashot.backends.triton._operands import split_work
+from flashot.backends.triton._split import split_operand
 
 __all__ = ["FUSED_UP_TO", "fused_plan_vjp"]
 
 #: widest features and values the fused kernel takes
 FUSED_UP_TO = 128
 #: tiles (BLOCK_M, BLOCK_N, warps, stages) on a GPU for wide values and for narrow ones
-#: (p ≤ 16); the interpreter takes 16 × 16. Measured on the H200 (benchmarks/bench_vjp.py,
-#: HISTORY.md v13): 32 × 64 fastest for p = 65, 64 × 64 for p = 2; 8 warps gave wrong sums
-#: and illegal addresses under Triton 3.6: not used
+#: (p ≤ 16); the interpreter takes 16 × 16. Measured on the H200 (HISTORY.md v13, with
+#: 3xTF32 scores): 32 × 64 fastest for p = 65, 64 × 64 for p = 2; 8 warps gave wrong
+#: sums and illegal addresses under Triton 3.6: not used
 TILES = (32, 64, 4, 2)
 NARROW_TILES = (64, 64, 4, 2)
 #: values wider than this stream in chunks of it (not hoisted)
 P_CHUNK = 32
-#: ``input_precision`` of the two value products per tile (``⟨d_i, v_j⟩`` and ``T k``);
-#: None: the backend's score precision (3xTF32 in fp32 mode). The scores need it (their
-#: error is multiplied by 1/ε in the exponent), and so do the value products: TF32 there
-#: saved 21 % of a launch and took the HVP's error from 6e-5 to 7e-3 (H100, v41;
-#: ``PARTS=P SWEEP=1 python benchmarks/gpu_second_order.py``, NOTES.md)
+#: ``input_precision`` of the value products per tile (``⟨d_i, v_j⟩`` and ``T k``) when
+#: not split; None: the backend's score precision (3xTF32 in fp32 mode). TF32 there
+#: saved 21 % of a launch and took the HVP's error from 6e-5 to 7e-3 (H100, v41; NOTES.md)
 VALUE_DOT: str | None = None
 
 
@@ -63,6 +71,12 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
     dev = q.device
     out = torch.zeros(n * (d + 1 if with_k else 1), device=dev, dtype=torch.float32)  # atomics add
     out_w, out_k = out[:n], (out[n:].view(n, d) if with_k else out)
+    outer = p == 1 and extra is None
+    qs, ks, split_args, presplit, triples = backend.score_pair(q, k, work=split_work(n * m, d))
+    kv, kv_args, kv_split = k, (row_bias, 0), False
+    if outer and with_k and presplit:
+        parts = split_operand((vc * k).contiguous(), triton_interpreted())
+        kv, kv_args, kv_split = parts.parts[0], (parts.inv, parts.parts.stride(0)), True
     if triton_interpreted():
         block_m, block_n, warps, stages = 16, 16, 1, 1
     else:
@@ -76,12 +90,13 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
     block_p, p_chunks = (_width(p), 1) if p <= chunk else (chunk, triton.cdiv(p, chunk))
     with on_device(dev):
         _plan_vjp_kernel[(blocks, splits)](
-            q, k, row_bias, col_bias, dr, vc, row_bias if extra is None else extra, out_w, out_k,
-            n, m, d, p, LOG2E / eps, per,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), dr.stride(0), dr.stride(1),
-            vc.stride(0), vc.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_width(d),
-            BLOCK_P=block_p, P_CHUNKS=p_chunks, SPLIT=splits > 1, WITH_K=with_k,
-            PRECISION=backend._dot(), V_PRECISION=_value_dot(backend),
+            qs, ks, kv, row_bias, col_bias, dr, vc, row_bias if extra is None else extra, out_w,
+            out_k, n, m, d, qs.shape[1], p, LOG2E / eps, per, qs.stride(0), qs.stride(1),
+            ks.stride(0), ks.stride(1), kv.stride(0), kv.stride(1), dr.stride(0), dr.stride(1),
+            vc.stride(0), vc.stride(1), *split_args, *kv_args, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_D=_width(qs.shape[1]), BLOCK_K=_width(d), BLOCK_P=block_p,
+            P_CHUNKS=p_chunks, SPLIT=splits > 1, WITH_K=with_k, PRECISION=backend._dot(triples),
+            V_PRECISION=_value_dot(backend), PRESPLIT=presplit, OUTER=outer, KV_SPLIT=kv_split,
             EXTRA_SIDE=0 if extra is None else extra_side, **options,
         )  # fmt: skip
     return out_w, (out_k if with_k else None)
@@ -110,14 +125,15 @@ def fused_plan_vjp(
     d0 = None if d0 is None else d0.to(f32).contiguous()
     f_bias, g_bias = (f - form.alpha) * (LOG2E / eps), (g - form.beta) * (LOG2E / eps)
     per_a = row_k = per_b = col_q = pt_d = None
-    if need & {"row", "row_k"}:
-        per_a, row_k = _rows(backend, q, k, f_bias.to(f32), (g_bias + torch.log2(b)).to(f32),
-                             d, v, eps, "row_k" in need, d0, 1)  # fmt: skip
-        row_k = None if row_k is None else row_k.mul_(a[:, None])
-    if need & {"col", "col_q"}:
-        per_b, col_q = _rows(backend, k, q, g_bias.to(f32), (f_bias + torch.log2(a)).to(f32),
-                             v, d, eps, "col_q" in need, d0, 2)  # fmt: skip
-        col_q = None if col_q is None else col_q.mul_(b[:, None])
+    with backend.operand_scope():  # the launches share q's and k's split parts
+        if need & {"row", "row_k"}:
+            per_a, row_k = _rows(backend, q, k, f_bias.to(f32), (g_bias + torch.log2(b)).to(f32),
+                                 d, v, eps, "row_k" in need, d0, 1)  # fmt: skip
+            row_k = None if row_k is None else row_k.mul_(a[:, None])
+        if need & {"col", "col_q"}:
+            per_b, col_q = _rows(backend, k, q, g_bias.to(f32), (f_bias + torch.log2(a)).to(f32),
+                                 v, d, eps, "col_q" in need, d0, 2)  # fmt: skip
+            col_q = None if col_q is None else col_q.mul_(b[:, None])
     if "pt_d" in need:
         pt_d = plan_times(backend, form.T, g, f, torch.log(b), torch.log(a), eps, d)
     return PlanVJP(None if per_a is None else a * per_a, row_k,
@@ -126,85 +142,108 @@ def fused_plan_vjp(
 
 @triton.jit
 def _plan_vjp_kernel(
-    Q,
-    K,
-    ROW_B,
-    COL_B,
-    DR,
-    VC,
-    EXTRA,
-    OUT_W,
-    OUT_K,
-    n,
-    m,
-    d,
-    p,
-    scale,
-    cols_per_split,
-    stride_qn,
-    stride_qd,
-    stride_kn,
-    stride_kd,
-    stride_dn,
-    stride_dp,
-    stride_vn,
-    stride_vp,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    P_CHUNKS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    WITH_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    V_PRECISION: tl.constexpr,
-    EXTRA_SIDE: tl.constexpr,
+    Q, K, KV, ROW_B, COL_B, DR, VC, EXTRA, OUT_W, OUT_K, n, m, d, dq, p, scale, cols_per_split,
+    stride_qn, stride_qd, stride_kn, stride_kd, stride_kvn, stride_kvd, stride_dn, stride_dp,
+    stride_vn, stride_vp, Q_INV, K_INV, q_lo, k_lo, KV_INV, kv_lo,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, P_CHUNKS: tl.constexpr, SPLIT: tl.constexpr, WITH_K: tl.constexpr,
+    PRECISION: tl.constexpr, V_PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
+    OUTER: tl.constexpr, KV_SPLIT: tl.constexpr, EXTRA_SIDE: tl.constexpr,
 ):
     """Row reductions of ``T_ij = E_ij ⟨dr_i, vc_j⟩`` (the backward of a plan product).
 
-    EXTRA_SIDE 1 (2) adds ``EXTRA_i`` (``EXTRA_j``) to ``⟨dr_i, vc_j⟩``: a ones column
-    of the values (the cotangent of the plan's row sums) without a widened copy.
-
     ``E_ij = 2^{s_ij·scale + ROW_B_i + COL_B_j}`` (the column weights folded into
-    ``COL_B``): ``OUT_W_i += Σ_j T_ij`` and, with WITH_K, ``OUT_K_i += Σ_j T_ij k_j``,
-    added atomically (zeroed outputs) over the column splits of grid axis 1 with SPLIT,
-    else stored. One feature chunk (d ≤ BLOCK_D), hoisted, each key tile loaded once;
-    the values in P_CHUNKS chunks of BLOCK_P (hoisted when one).
+    ``COL_B``), ``s_ij = ⟨q_i, k_j⟩`` from the score operands Q, K (``dq`` features:
+    float32, triples, or with PRESPLIT split parts, ``Q_INV``, ``K_INV``, ``q_lo``,
+    ``k_lo`` as the attend kernel reads them): ``OUT_W_i += Σ_j T_ij`` and, with WITH_K,
+    ``OUT_K_i += Σ_j T_ij k_j`` (k_j: row j of KV, d features), added atomically (zeroed
+    outputs) over the column splits of grid axis 1 with SPLIT, else stored.
+
+    EXTRA_SIDE 1 (2) adds ``EXTRA_i`` (``EXTRA_j``) to ``⟨dr_i, vc_j⟩``: a ones column
+    of the values (the cotangent of the plan's row sums) without a widened copy. OUTER
+    (p = 1, no EXTRA): ``T_ij = dr_i E_ij vc_j``, dr_i applied once at the end; with
+    KV_SPLIT, KV holds ``vc ⊙ k`` split into half parts (``KV_INV``, ``kv_lo``) and the
+    weights, taken against the row's running maximum of the exponent (so at most 1, as
+    the attend kernel's), are split per tile. Otherwise the values stream in P_CHUNKS
+    chunks of BLOCK_P (hoisted when one).
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < n
     col_lo = pid_s * cols_per_split
     col_hi = tl.minimum(m, col_lo + cols_per_split)
-    q_tile = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
-    dr_tile = _load_tile(DR, offs_m, n, p, stride_dn, stride_dp, BLOCK_P, P_CHUNKS, False)
+    q_tile = _load_tile(Q, offs_m, n, dq, stride_qn, stride_qd, BLOCK_D, 1, False)
+    q_lo_tile = q_tile
+    unscale = 1.0
+    if PRESPLIT:
+        q_lo_tile = _load_tile(Q + q_lo, offs_m, n, dq, stride_qn, stride_qd, BLOCK_D, 1, False)
+        unscale = tl.load(Q_INV) * tl.load(K_INV)
+    kv_unscale = 1.0
+    if KV_SPLIT:
+        kv_unscale = tl.load(KV_INV)
+    if OUTER:
+        dr = tl.load(DR + offs_m * stride_dn, mask=row_ok, other=0.0)
+        dr_tile = q_tile
+    else:
+        dr_tile = _load_tile(DR, offs_m, n, p, stride_dn, stride_dp, BLOCK_P, P_CHUNKS, False)
     rb = tl.load(ROW_B + offs_m, mask=row_ok, other=0.0)
     if EXTRA_SIDE == 1:
         row_extra = tl.load(EXTRA + offs_m, mask=row_ok, other=0.0)
     acc_w = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc_k = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    acc_k = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # (KV_SPLIT)
     for start in range(col_lo, col_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < col_hi
         cb = tl.load(COL_B + offs_n, mask=col_ok, other=float("-inf"))
-        k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=col_ok[:, None] & (offs_d[None, :] < d), other=0.0)  # fmt: skip
-        s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION)
-        u = _score_tile(DR, VC, dr_tile, dr_tile, offs_m, offs_n, n, col_hi, p, stride_dn,
-                        stride_dp, stride_vn, stride_vp, BLOCK_P, P_CHUNKS, False, V_PRECISION,
-                        dr_tile, dr_tile, 0, 0, 1.0, False)  # fmt: skip
-        if EXTRA_SIDE == 1:
-            u += row_extra[:, None]
-        if EXTRA_SIDE == 2:
-            u += tl.load(EXTRA + offs_n, mask=col_ok, other=0.0)[None, :]
-        t = tl.exp2(s * scale + rb[:, None] + cb[None, :]) * u
-        acc_w += tl.sum(t, 1)
-        if WITH_K:
-            acc_k = tl.dot(t, k, acc_k, input_precision=V_PRECISION)
-    ptrs = OUT_K + offs_m[:, None] * d + offs_d[None, :]
-    k_ok = row_ok[:, None] & (offs_d[None, :] < d)
+        s = _score_tile(Q, K, q_tile, q_tile, offs_m, offs_n, n, col_hi, dq, stride_qn,
+                        stride_qd, stride_kn, stride_kd, BLOCK_D, 1, False, PRECISION,
+                        q_lo_tile, q_lo_tile, q_lo, k_lo, unscale, PRESPLIT)  # fmt: skip
+        if OUTER:
+            vc = tl.load(VC + offs_n * stride_vn, mask=col_ok, other=0.0)
+            if KV_SPLIT:  # weights against the running maximum, 2^{ROW_B} applied at the end
+                x = s * scale + cb[None, :]
+                new_max = tl.maximum(run_max, tl.max(x, 1))
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+                decay = tl.exp2(run_max - shift)
+                e = tl.exp2(x - shift[:, None])
+                run_max = new_max
+                acc_w = acc_w * decay + tl.sum(e * vc[None, :], 1)
+                if WITH_K:
+                    pv = _value_product(e, KV, offs_n, col_ok, offs_k, d, stride_kvn,
+                                        stride_kvd, kv_lo, 1.0, V_PRECISION, True)  # fmt: skip
+                    acc_k = acc_k * decay[:, None] + pv
+            else:
+                t = tl.exp2(s * scale + rb[:, None] + cb[None, :]) * vc[None, :]
+                acc_w += tl.sum(t, 1)
+                if WITH_K:
+                    kv = tl.load(KV + offs_n[:, None] * stride_kvn + offs_k[None, :] * stride_kvd,
+                                 mask=col_ok[:, None] & (offs_k[None, :] < d), other=0.0)  # fmt: skip
+                    acc_k = tl.dot(t, kv, acc_k, input_precision=V_PRECISION)
+        else:
+            e = tl.exp2(s * scale + rb[:, None] + cb[None, :])
+            u = _score_tile(DR, VC, dr_tile, dr_tile, offs_m, offs_n, n, col_hi, p, stride_dn,
+                            stride_dp, stride_vn, stride_vp, BLOCK_P, P_CHUNKS, False,
+                            V_PRECISION, dr_tile, dr_tile, 0, 0, 1.0, False)  # fmt: skip
+            if EXTRA_SIDE == 1:
+                u += row_extra[:, None]
+            if EXTRA_SIDE == 2:
+                u += tl.load(EXTRA + offs_n, mask=col_ok, other=0.0)[None, :]
+            t = e * u
+            acc_w += tl.sum(t, 1)
+            if WITH_K:
+                kv = tl.load(KV + offs_n[:, None] * stride_kvn + offs_k[None, :] * stride_kvd,
+                             mask=col_ok[:, None] & (offs_k[None, :] < d), other=0.0)  # fmt: skip
+                acc_k = tl.dot(t, kv, acc_k, input_precision=V_PRECISION)
+    if OUTER:
+        if KV_SPLIT:
+            dr = dr * tl.exp2(tl.where(run_max == float("-inf"), 0.0, run_max) + rb)
+        acc_w = acc_w * dr
+        acc_k = acc_k * (dr * kv_unscale)[:, None]
+    ptrs = OUT_K + offs_m[:, None] * d + offs_k[None, :]
+    k_ok = row_ok[:, None] & (offs_k[None, :] < d)
     if SPLIT:
         if col_hi > col_lo:
             tl.atomic_add(OUT_W + offs_m, acc_w, mask=row_ok, sem="relaxed")

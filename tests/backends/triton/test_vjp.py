@@ -1,0 +1,75 @@
+"""The fused plan product's backward (backends/triton/_vjp.py) on the operands the solver's
+passes read (split half parts, triples, float32 with 3xTF32) and, for one value column of
+a row softmax (the replay's transforms), with the weights split into half parts; against
+the dense float64 plan. In Triton's interpreter on CPU, natively on a GPU."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashot.backends import available_backends
+from tests.backends.test_base import dense_plan_vjp, problem
+from tests.conftest import rel, triton_backend
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
+
+
+def softmax_potentials(form, h, log_w, eps):
+    """``r = −LSE_j`` of the row softmax ``Π_ij = w_j e^{(r_i + h_j − β_j + ⟨q_i, k_j⟩)/ε}``,
+    in float64 then rounded (every row of Π sums to 1)."""
+    s = (form.q.double() @ form.k.double().T + (h - form.beta).double()[None]) / eps
+    return -(eps * torch.logsumexp(s + log_w.double()[None], 1)).float()
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n=st.integers(1, 70),
+    m=st.integers(1, 70),
+    d=st.sampled_from([1, 3, 5, 8, 20]),
+    eps=st.sampled_from([0.05, 0.3, 2.0]),
+    presplit=st.sampled_from([None, True, False]),
+    splits=st.sampled_from([None, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_one_value_column_of_a_softmax_matches_dense(n, m, d, eps, presplit, splits, seed):
+    """The replay's plan_vjp (p = 1, values a ones column, ``bounded``): ``row_k``,
+    ``col_q``, ``col`` and their per-weight forms within float32 rounding of the scores'
+    exponents (X/ε ulps), whichever operands the scores read."""
+    gen = torch.Generator().manual_seed(seed)
+    form, h = problem(gen, n, m, d, torch.float32, DEVICE)
+    log_w = torch.log(torch.rand(m, generator=gen) + 0.1).to(DEVICE)
+    r = softmax_potentials(form, h, log_w, eps).to(DEVICE)
+    u = torch.randn(n, generator=gen).to(DEVICE)
+    ones, w = torch.ones_like(r), torch.exp(log_w)
+    backend = triton_backend(presplit=presplit, splits=splits)
+    zero = torch.zeros_like(r)
+    flat = type(form)(form.q, form.k, zero, form.beta)
+    args = (flat, r, h, ones, w, eps, u.new_ones(m, 1), u[:, None])
+    out = backend.plan_vjp(*args, frozenset({"row_k", "col_q", "col"}))
+    want = dense_plan_vjp(*args)
+    size = float(form.q.norm(dim=1).max() * form.k.norm(dim=1).max() + r.abs().max()
+                 + (h - form.beta).abs().max())  # fmt: skip
+    tol = max(2e-5, 2.0**-21 * size / eps)
+    for key in ("row_k", "col_q", "col", "per_b"):
+        assert rel(getattr(out, key).double().cpu(), want[key]) < tol, key
+
+
+@pytest.mark.parametrize("presplit", [None, True])
+@pytest.mark.parametrize("p,d0", [(1, False), (1, True), (7, True), (40, False)])
+def test_split_scores_match_dense_for_any_values(gen, presplit, p, d0):
+    """Wider values and a row-sum cotangent take the general path (values by MMA, not
+    split); its scores read the split parts too."""
+    n, m, d, eps = 45, 61, 24, 0.2
+    form, h = problem(gen, n, m, d, torch.float32, DEVICE)
+    log_w = torch.log(torch.rand(m, generator=gen) + 0.1).to(DEVICE)
+    r = softmax_potentials(form, h, log_w, eps).to(DEVICE)
+    flat = type(form)(form.q, form.k, torch.zeros_like(r), form.beta)
+    v, dd = torch.randn(m, p, generator=gen).to(DEVICE), torch.randn(n, p, generator=gen).to(DEVICE)
+    row_sums = torch.randn(n, generator=gen).to(DEVICE) if d0 else None
+    args = (flat, r, h, torch.ones_like(r), torch.exp(log_w), eps, v, dd)
+    out = triton_backend(presplit=presplit).plan_vjp(*args, d0=row_sums)
+    want = dense_plan_vjp(*args, row_sums)
+    for key, ref in want.items():
+        assert rel(getattr(out, key).double().cpu(), ref) < 1e-4, key
