@@ -29,10 +29,8 @@ def compile_for_hopper(fn, consts, half=False):
             sig[a] = "fp32"
         elif a in ("BLOCKS", "PTR", "IV"):  # a packed batch's blocks, a sparse layout
             sig[a] = "*i32"
-        elif a == "PARTS":  # the split operand's float16 parts
-            sig[a] = "*fp16"
-        elif half and a == "KV" and consts.get("KV_SPLIT"):  # the plan product's split keys
-            sig[a] = "*fp16"
+        elif a == "PARTS" or (half and a == "KV" and consts.get("KV_SPLIT")):
+            sig[a] = "*fp16"  # a split operand's float16 parts (the plan product's keys)
         elif a[0].isupper():
             sig[a] = "*bf16" if half and a in ("Q", "K") else "*fp32"
         else:
@@ -120,17 +118,48 @@ def variants():
                                      BLOCK=_split.BLOCK), False  # fmt: skip
     from flashot.backends.triton import _triples, _vjp
 
-    vjp = dict(BLOCK_N=64, BLOCK_K=64, SPLIT=True, WITH_K=True, PRECISION="tf32x3",
-               V_PRECISION="tf32x3", EXTRA_SIDE=0)
+    vjp = dict(
+        BLOCK_N=64,
+        BLOCK_K=64,
+        SPLIT=True,
+        WITH_K=True,
+        PRECISION="tf32x3",
+        V_PRECISION="tf32x3",
+        EXTRA_SIDE=0,
+    )
     # general values (3xTF32 scores), a row-sum cotangent; split scores; one value
     # column with split weights and keys (the replay's transforms); triples, p = 1
     yield _vjp._plan_vjp_kernel, dict(vjp, BLOCK_M=32, BLOCK_D=64, BLOCK_P=32, P_CHUNKS=2,
                                       EXTRA_SIDE=1, PRESPLIT=False, OUTER=False,
                                       KV_SPLIT=False), False  # fmt: skip
-    yield _vjp._plan_vjp_kernel, dict(vjp, BLOCK_M=64, BLOCK_D=64, BLOCK_P=64, P_CHUNKS=1,
-                                      PRESPLIT=True, OUTER=False, KV_SPLIT=False), True
-    yield _vjp._plan_vjp_kernel, dict(vjp, BLOCK_M=64, BLOCK_D=64, BLOCK_P=16, P_CHUNKS=1,
-                                      PRESPLIT=True, OUTER=True, KV_SPLIT=True), True
+    yield (
+        _vjp._plan_vjp_kernel,
+        dict(
+            vjp,
+            BLOCK_M=64,
+            BLOCK_D=64,
+            BLOCK_P=64,
+            P_CHUNKS=1,
+            PRESPLIT=True,
+            OUTER=False,
+            KV_SPLIT=False,
+        ),
+        True,
+    )
+    yield (
+        _vjp._plan_vjp_kernel,
+        dict(
+            vjp,
+            BLOCK_M=64,
+            BLOCK_D=64,
+            BLOCK_P=16,
+            P_CHUNKS=1,
+            PRESPLIT=True,
+            OUTER=True,
+            KV_SPLIT=True,
+        ),
+        True,
+    )
     yield _vjp._plan_vjp_kernel, dict(vjp, BLOCK_M=64, BLOCK_D=16, BLOCK_P=16, P_CHUNKS=1,
                                       PRECISION="tf32", PRESPLIT=False, OUTER=True,
                                       KV_SPLIT=False), False  # fmt: skip

@@ -141,14 +141,61 @@ def fused_plan_vjp(
 
 
 @triton.jit
+def _keys(KV, offs_n, col_ok, offs_k, d, stride_n, stride_d):
+    """The (BLOCK_N, BLOCK_K) tile of keys ``KV[offs_n]`` (zeros off the tail)."""
+    ptrs = KV + offs_n[:, None] * stride_n + offs_k[None, :] * stride_d
+    return tl.load(ptrs, mask=col_ok[:, None] & (offs_k[None, :] < d), other=0.0)
+
+
+@triton.jit
 def _plan_vjp_kernel(
-    Q, K, KV, ROW_B, COL_B, DR, VC, EXTRA, OUT_W, OUT_K, n, m, d, dq, p, scale, cols_per_split,
-    stride_qn, stride_qd, stride_kn, stride_kd, stride_kvn, stride_kvd, stride_dn, stride_dp,
-    stride_vn, stride_vp, Q_INV, K_INV, q_lo, k_lo, KV_INV, kv_lo,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr, P_CHUNKS: tl.constexpr, SPLIT: tl.constexpr, WITH_K: tl.constexpr,
-    PRECISION: tl.constexpr, V_PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
-    OUTER: tl.constexpr, KV_SPLIT: tl.constexpr, EXTRA_SIDE: tl.constexpr,
+    Q,
+    K,
+    KV,
+    ROW_B,
+    COL_B,
+    DR,
+    VC,
+    EXTRA,
+    OUT_W,
+    OUT_K,
+    n,
+    m,
+    d,
+    dq,
+    p,
+    scale,
+    cols_per_split,
+    stride_qn,
+    stride_qd,
+    stride_kn,
+    stride_kd,
+    stride_kvn,
+    stride_kvd,
+    stride_dn,
+    stride_dp,
+    stride_vn,
+    stride_vp,
+    Q_INV,
+    K_INV,
+    q_lo,
+    k_lo,
+    KV_INV,
+    kv_lo,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    P_CHUNKS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WITH_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    V_PRECISION: tl.constexpr,
+    PRESPLIT: tl.constexpr,
+    OUTER: tl.constexpr,
+    KV_SPLIT: tl.constexpr,
+    EXTRA_SIDE: tl.constexpr,
 ):
     """Row reductions of ``T_ij = E_ij ⟨dr_i, vc_j⟩`` (the backward of a plan product).
 
@@ -219,8 +266,7 @@ def _plan_vjp_kernel(
                 t = tl.exp2(s * scale + rb[:, None] + cb[None, :]) * vc[None, :]
                 acc_w += tl.sum(t, 1)
                 if WITH_K:
-                    kv = tl.load(KV + offs_n[:, None] * stride_kvn + offs_k[None, :] * stride_kvd,
-                                 mask=col_ok[:, None] & (offs_k[None, :] < d), other=0.0)  # fmt: skip
+                    kv = _keys(KV, offs_n, col_ok, offs_k, d, stride_kvn, stride_kvd)
                     acc_k = tl.dot(t, kv, acc_k, input_precision=V_PRECISION)
         else:
             e = tl.exp2(s * scale + rb[:, None] + cb[None, :])
@@ -234,8 +280,7 @@ def _plan_vjp_kernel(
             t = e * u
             acc_w += tl.sum(t, 1)
             if WITH_K:
-                kv = tl.load(KV + offs_n[:, None] * stride_kvn + offs_k[None, :] * stride_kvd,
-                             mask=col_ok[:, None] & (offs_k[None, :] < d), other=0.0)  # fmt: skip
+                kv = _keys(KV, offs_n, col_ok, offs_k, d, stride_kvn, stride_kvd)
                 acc_k = tl.dot(t, kv, acc_k, input_precision=V_PRECISION)
     if OUTER:
         if KV_SPLIT:
