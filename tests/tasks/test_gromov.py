@@ -169,3 +169,80 @@ def test_the_plan_answers_in_the_clouds_own_spaces():
     torch.testing.assert_close(res.plan.row_sums(), torch.tensor(a), rtol=0, atol=1e-10)
     torch.testing.assert_close(res.plan @ yt, dense @ yt)
     assert res.plan.shape == (12, 9) and not hasattr(res.plan, "transport_cost")
+
+
+# ---- unbalanced GW (rho): POT's fused_unbalanced_gromov_wasserstein with alpha = 0 ----
+def _pot_ugw(x, y, a, b, eps, rho, metric="sqeuclidean"):
+    cx, cy = ot.dist(x, x, metric=metric), ot.dist(y, y, metric=metric)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan, _, log = ot.gromov.fused_unbalanced_gromov_wasserstein(
+            cx, cy, a, b, reg_marginals=rho, epsilon=eps, divergence="kl",
+            unbalanced_solver="sinkhorn", alpha=0, max_iter=3000, tol=1e-13,
+            max_iter_ot=100000, tol_ot=1e-14, log=True)  # fmt: skip
+    return plan, log["fugw_cost"]
+
+
+def _masses(seed, n, m):
+    rng = np.random.default_rng(seed)
+    return rng.uniform(0.5, 1.5, n) / n, rng.uniform(0.5, 1.5, m) * 1.3 / m
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(4, 14), m=st.integers(4, 14),
+       d=st.integers(1, 3), e=st.integers(1, 3), eps=st.sampled_from([0.2, 0.5]),
+       rho=st.sampled_from([0.5, 2.0, (1.0, None), (None, 3.0)]))  # fmt: skip
+def test_unbalanced_plan_and_cost_are_pots(seed, n, m, d, e, eps, rho):
+    """UGW (Séjourné et al.): the plan, its mass and the objective equal POT's, weights of
+    any mass (not normalized), ρ on both sides or one side balanced."""
+    x, y, _, _ = _clouds(seed, n, m, d, e)
+    a, b = _masses(seed, n, m)
+    pot_rho = tuple(math.inf if r is None else r for r in rho) if isinstance(rho, tuple) else rho
+    plan, cost = _pot_ugw(x, y, a, b, eps, pot_rho)
+    res = gromov_wasserstein(torch.tensor(x), torch.tensor(y), torch.tensor(a), torch.tensor(b),
+                             eps=eps, rho=rho, tol=1e-12, inner_tol=1e-12,
+                             inner_max_iter=100000, max_iter=3000, warn=False)  # fmt: skip
+    dense = res.plan.dense().numpy()
+    assert np.abs(dense - plan).sum() <= 1e-7 * plan.sum()
+    assert float(res.cost) == pytest.approx(cost, rel=1e-7)
+    assert res.rho == ((rho, rho) if not isinstance(rho, tuple) else rho)
+    if isinstance(rho, tuple):  # a balanced side keeps its marginal
+        side, w = (res.plan.row_sums(), a) if rho[0] is None else (res.plan.col_sums(), b)
+        np.testing.assert_allclose(side.numpy(), w, rtol=1e-7)
+
+
+def test_unbalanced_cosine_inner_cost_is_pots():
+    x, y, _, _ = _clouds(3, 11, 9, 3, 2)
+    a, b = _masses(3, 11, 9)
+    plan, cost = _pot_ugw(x, y, a, b, 0.05, 1.0, metric="cosine")
+    res = gromov_wasserstein(torch.tensor(x), torch.tensor(y), torch.tensor(a), torch.tensor(b),
+                             eps=0.05, rho=1.0, cost="cosine", tol=1e-12, inner_tol=1e-12,
+                             inner_max_iter=100000, max_iter=3000, warn=False)  # fmt: skip
+    assert np.abs(res.plan.dense().numpy() - plan).sum() <= 1e-7 * plan.sum()
+    assert float(res.cost) == pytest.approx(cost, rel=1e-7)
+
+
+def test_unbalanced_plan_products_carry_its_scale_and_large_rho_tends_to_balanced():
+    """The plan's products, sums and dense form agree (the last solve's plan rescaled);
+    as ρ grows the marginals approach a and b (mass m(a) = m(b) here)."""
+    x, y, a, b = _clouds(4, 10, 8, 2, 2)
+    res = gromov_wasserstein(torch.tensor(x), torch.tensor(y), torch.tensor(a), torch.tensor(b),
+                             eps=0.3, rho=1.0, warn=False)  # fmt: skip
+    dense, yt = res.plan.dense(), torch.tensor(y)
+    torch.testing.assert_close(res.plan @ yt, dense @ yt)
+    torch.testing.assert_close(res.plan.T @ torch.tensor(x), dense.T @ torch.tensor(x))
+    torch.testing.assert_close(res.plan.row_sums(), dense.sum(1))
+    gaps = []
+    for rho in (1.0, 1e2, 1e4):
+        r = gromov_wasserstein(torch.tensor(x), torch.tensor(y), torch.tensor(a), torch.tensor(b),
+                               eps=0.3, rho=rho, warn=False)  # fmt: skip
+        gaps.append(float((r.plan.row_sums() - torch.tensor(a)).abs().sum()))
+    assert gaps[0] > gaps[1] > gaps[2] and gaps[2] < 1e-3
+
+
+@pytest.mark.parametrize("rho,match", [(0.0, "rho"), (-1.0, "rho"), ((None, None), "rho"),
+                                       ((1.0, 2.0, 3.0), "rho"), (float("nan"), "rho")])  # fmt: skip
+def test_unbalanced_misuse_is_named(rho, match):
+    x, y = torch.randn(5, 2, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=match):
+        gromov_wasserstein(x, y, eps=0.1, rho=rho)

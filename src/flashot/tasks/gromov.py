@@ -42,8 +42,12 @@ Example (a 3-D cloud against a 2-D one)::
 The cosine inner cost ``1 − cos(z, z')`` (``cost="cosine"``) is bilinear too, with
 ``φ(z) = (1, −ẑ)``, ``ψ(z) = (1, ẑ)``: the same steps on (d + 1)-dimensional features.
 
-Limits: balanced problems (``a`` and ``b`` normalized); the squared-Euclidean and cosine
-inner costs; the result is not differentiable (the iterations run without autograd).
+With ``rho`` the problem is unbalanced GW (:func:`_solve_unbalanced`): the plan's
+marginals are penalized by KL⊗ terms instead of fixed, and each step is an unbalanced
+Sinkhorn solve on the same embedded points.
+
+Limits: the squared-Euclidean and cosine inner costs; the result is not differentiable
+(the iterations run without autograd).
 """
 
 from __future__ import annotations
@@ -68,8 +72,10 @@ class GromovWassersteinPlan:
     entropic map at new points: those belong to the linearized problem).
     """
 
-    def __init__(self, plan: flashot.TransportPlan, x: torch.Tensor, y: torch.Tensor):
-        self._plan, self._x, self._y = plan, x, y
+    def __init__(self, plan: flashot.TransportPlan, x: torch.Tensor, y: torch.Tensor,
+                 scale: float = 1.0):  # fmt: skip
+        # (unbalanced GW's plan is the last solve's, rescaled to the previous one's mass)
+        self._plan, self._x, self._y, self._scale = plan, x, y, scale
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -79,19 +85,19 @@ class GromovWassersteinPlan:
     @property
     def T(self) -> GromovWassersteinPlan:
         """``Tᵀ`` (m × n), also lazy."""
-        return GromovWassersteinPlan(self._plan.T, self._y, self._x)
+        return GromovWassersteinPlan(self._plan.T, self._y, self._x, self._scale)
 
     def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
         """``T @ v`` for v (m,) or (m, p)."""
-        return self._plan @ v
+        return self._scale * (self._plan @ v)
 
     def row_sums(self) -> torch.Tensor:
         """``T 1`` (n,)."""
-        return self._plan.row_sums()
+        return self._scale * self._plan.row_sums()
 
     def col_sums(self) -> torch.Tensor:
         """``Tᵀ 1`` (m,)."""
-        return self._plan.col_sums()
+        return self._scale * self._plan.col_sums()
 
     def barycentric_map(self) -> torch.Tensor:
         """``Σ_j T_ij y_j / Σ_j T_ij`` (n, d'): x's points carried into y's space."""
@@ -100,7 +106,7 @@ class GromovWassersteinPlan:
 
     def dense(self, max_elements: int = 10**7) -> torch.Tensor:
         """The (n, m) matrix, for small problems."""
-        return self._plan.dense(max_elements)
+        return self._scale * self._plan.dense(max_elements)
 
     def __repr__(self) -> str:
         n, m = self.shape
@@ -113,14 +119,16 @@ class GromovWassersteinResult:
 
     Attributes:
         cost: ``GW(T) = Σ_ijkl (C^x_ik − C^y_jl)² T_ij T_kl`` at the returned plan (0-dim;
-            POT's ``gw_dist``).
+            POT's ``gw_dist``); with ``rho``, the whole unbalanced objective (UGW: GW(T)
+            plus its KL⊗ terms; POT's ``fugw_cost``).
         plan: the plan T, a lazy :class:`GromovWassersteinPlan` (``plan @ V``,
             ``plan.row_sums()``, ``plan.barycentric_map()``, ``plan.dense()`` when small).
         n_iter: outer iterations run (each one entropic OT solve).
         converged: the relative change of ``M(T)`` fell under ``tol``.
         errors: that relative change at every outer iteration.
         inner_iterations: Sinkhorn iterations of each outer iteration's solve.
-        eps: ε of the entropic solves.
+        eps: ε of the entropic solves (balanced), or of the objective (unbalanced).
+        rho: ``(ρ_x, ρ_y)`` of an unbalanced problem (None on a balanced side), or None.
     """
 
     cost: torch.Tensor
@@ -130,6 +138,7 @@ class GromovWassersteinResult:
     errors: list[float] = field(default_factory=list)
     inner_iterations: list[int] = field(default_factory=list)
     eps: float = math.nan
+    rho: tuple[float | None, float | None] | None = None
 
 
 def _cloud(name: str, z) -> torch.Tensor:
@@ -178,6 +187,7 @@ def gromov_wasserstein(
     b=None,
     *,
     eps: float,
+    rho=None,
     cost: str = "sqeuclidean",
     max_iter: int = 1000,
     tol: float = 1e-5,
@@ -198,9 +208,15 @@ def gromov_wasserstein(
         x: (n, d) points of the first space.  y: (m, d') points of the second (d' may
             differ from d); same dtype and device.
         a: (n,) weights of x, None for uniform.  b: (m,) weights of y.  Both are
-            normalized to probability vectors.
+            normalized to probability vectors when balanced; with ``rho`` they keep
+            their mass (uniform: 1/n each).
         eps: ε of the entropic solves, in units of the linearized cost 2L (about twice
-            the squared inner costs' scale squared).
+            the squared inner costs' scale squared); with ``rho``, ε of the unbalanced
+            objective (units of L, POT's ``epsilon``).
+        rho: None (balanced), or ρ > 0, or a pair (ρ_x, ρ_y) with None for a balanced
+            side: unbalanced GW (Séjourné, Vialard & Peyré 2021, :func:`_solve_unbalanced`;
+            POT's ``fused_unbalanced_gromov_wasserstein`` with ``alpha=0``,
+            ``divergence="kl"``, ``reg_marginals=rho``, ``epsilon=eps``).
         cost: the inner cost of both spaces: ``"sqeuclidean"`` ``|z − z'|²`` or
             ``"cosine"`` ``1 − cos(z, z')`` (no zero points).
         max_iter: outer iterations at most.
@@ -233,6 +249,13 @@ def gromov_wasserstein(
                          f"and {y.dtype} on {y.device}")  # fmt: skip
     if relative_eps not in (True, False):
         raise TypeError(f"relative_eps must be True or False, got {relative_eps!r}")
+    if rho is not None:
+        rho = _rho_pair(rho)
+        wa, wb = _masses("a", a, x), _masses("b", b, y)
+        with torch.no_grad():
+            return _solve_unbalanced(x.detach(), y.detach(), wa, wb, eps, rho, cost,
+                                     relative_eps, max_iter, tol, inner_tol, inner_max_iter,
+                                     backend, precision, warn)  # fmt: skip
     with torch.no_grad():
         return _solve(x.detach(), y.detach(), probability_weights("a", a, len(x), x),
                       probability_weights("b", b, len(y), y), eps, cost, relative_eps,
@@ -282,14 +305,8 @@ def _solve(x, y, a, b, eps, cost, relative_eps, max_iter, tol, inner_tol, inner_
             converged = True
             break
     assert res is not None
-    if warn and not converged:
-        warnings.warn(f"gromov_wasserstein: the plan's moments still moved by {errors[-1]:.3g} "
-                      f"(relative) after max_iter={max_iter} iterations, above tol={tol:g}",
-                      flashot.ConvergenceWarning, stacklevel=3)  # fmt: skip
-    if warn and missed_inner:
-        warnings.warn(f"gromov_wasserstein: {missed_inner} of {len(inner)} Sinkhorn solves "
-                      f"missed inner_tol={inner_tol!r} within inner_max_iter="
-                      f"{inner_max_iter}", flashot.ConvergenceWarning, stacklevel=3)  # fmt: skip
+    _warn_missed(warn, converged, errors, max_iter, tol, missed_inner, inner, inner_tol,
+                 inner_max_iter)  # fmt: skip
     plan = res.plan
     # GW(T) = ⟨T1, u⟩ + ⟨Tᵀ1, w⟩ − 2⟨Φ_xᵀ T Φ_y, M(T)⟩; M(T) and T1 are the last step's
     # (``moments``, ``t_psi``), the rest one more pass: T [Φ_y, w]
@@ -300,6 +317,19 @@ def _solve(x, y, a, b, eps, cost, relative_eps, max_iter, tol, inner_tol, inner_
                                    converged, errors, inner, eps)  # fmt: skip
 
 
+def _warn_missed(warn, converged, errors, max_iter, tol, missed_inner, inner, inner_tol,
+                 inner_max_iter) -> None:  # fmt: skip
+    """The ConvergenceWarnings of a solve that missed ``tol`` or an inner tolerance."""
+    if warn and not converged:
+        warnings.warn(f"gromov_wasserstein: the plan's moments still moved by {errors[-1]:.3g} "
+                      f"(relative) after max_iter={max_iter} iterations, above tol={tol:g}",
+                      flashot.ConvergenceWarning, stacklevel=4)  # fmt: skip
+    if warn and missed_inner:
+        warnings.warn(f"gromov_wasserstein: {missed_inner} of {len(inner)} Sinkhorn solves "
+                      f"missed inner_tol={inner_tol!r} within inner_max_iter="
+                      f"{inner_max_iter}", flashot.ConvergenceWarning, stacklevel=4)  # fmt: skip
+
+
 def _embedded(phi_x, phi_y, moments, u, w):
     """Points whose squared distances are ``2L`` up to the returned row and column offsets."""
     y_emb = 2.0 * phi_y @ moments.T
@@ -307,3 +337,149 @@ def _embedded(phi_x, phi_y, moments, u, w):
     lam = float((ry / rx).sqrt()) if float(rx) > 0 and float(ry) > 0 else 1.0
     x_emb, y_emb = lam * phi_x, y_emb / lam
     return (x_emb, y_emb, 2.0 * u - x_emb.square().sum(1), 2.0 * w - y_emb.square().sum(1))
+
+
+def _rho_pair(rho) -> tuple[float | None, float | None]:
+    """``(ρ_x, ρ_y)`` from ρ or a pair (None: a balanced side); ValueError naming ``rho``."""
+    pair = tuple(rho) if isinstance(rho, (tuple, list)) else (rho, rho)
+    if len(pair) != 2 or all(r is None for r in pair):
+        raise ValueError(f"rho must be a positive number or a pair with at least one, got {rho!r}")
+    return tuple(None if r is None else check_positive(r, "rho") for r in pair)  # type: ignore[return-value]
+
+
+def _masses(name: str, w, z: torch.Tensor) -> torch.Tensor:
+    """Weights that keep their mass (uniform: 1/n each), validated as probabilities are."""
+    if w is None:
+        return probability_weights(name, None, len(z), z)
+    return probability_weights(name, w, len(z), z) * torch.as_tensor(w).to(z).sum()
+
+
+def _kl(mu: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """``Σ μ log(μ / α)`` (0 where μ = 0), the KL without its mass terms."""
+    return torch.xlogy(mu, mu).sum() - torch.xlogy(mu, alpha).sum()
+
+
+def _tensor_kl(mu_mass, kl, alpha_mass):
+    """``KL(μ⊗μ | α⊗α) = 2 m(μ) KL(μ|α) + (m(μ) − m(α))²`` from ``KL(μ|α)`` (mass terms in)."""
+    return 2.0 * mu_mass * kl + (mu_mass - alpha_mass) ** 2
+
+
+def _solve_unbalanced(x, y, a, b, eps, rho, cost, relative_eps, max_iter, tol, inner_tol,
+                      inner_max_iter, backend, precision, warn):  # fmt: skip
+    r"""Unbalanced entropic GW (Séjourné, Vialard & Peyré 2021, their Algorithm 1), streamed.
+
+    The objective, for a plan T of any mass,
+
+    .. math::
+
+        \mathrm{UGW}(T) = \mathrm{GW}(T) + \rho_x \mathrm{KL}^\otimes(T 1 | a)
+            + \rho_y \mathrm{KL}^\otimes(T^\top 1 | b)
+            + \varepsilon \mathrm{KL}^\otimes(T | a \otimes b),
+        \qquad \mathrm{KL}^\otimes(\mu | \alpha) = \mathrm{KL}(\mu\otimes\mu | \alpha\otimes\alpha),
+
+    is decreased by repeating, from ``T = a bᵀ``: with ``m = m(T)``, solve the unbalanced
+    entropic OT problem of cost :math:`L(T)_{ij} + K(T)` (``L`` the GW linearization with
+    ``T``'s own marginals, ``K`` the scalar :math:`\rho_x \langle T1, \log(T1/a)\rangle
+    + \rho_y \langle T^\top 1, \log(T^\top 1/b)\rangle + \varepsilon \langle T, \log(T/ab)\rangle`)
+    at ``(ε m, ρ m)``, and rescale its plan to mass ``√(m · m(plan))``.
+
+    The linearized cost is ``|X'_i − Y'_j|² + o_i + o'_j`` (:func:`_embedded`). Row and
+    column offsets change an unbalanced plan, yet they fold into the weights: for any
+    cost ``C``, the problem with ``C + o ⊕ o'`` and weights ``(a, b)`` has the same
+    plan as the one with ``C`` and weights ``a e^{−o/(ε+ρ_x)}``, ``b e^{−o'/(ε+ρ_y)}``
+    (the objectives differ by a constant; a balanced side keeps its weights, its
+    potential takes the offset). So each step is one :func:`flashot.sinkhorn` with
+    ``rho`` on the embedded points, and one plan pass ``T [Ψ_y, Φ_y]``; its entropy
+    :math:`\langle T, \log(T/ab)\rangle` follows from the potentials.
+    """
+    big = math.inf
+    rho_x, rho_y = (big if r is None else r for r in rho)
+    x0, y0 = x, y
+    if cost == "sqeuclidean":
+        x = x - x.mean(0)
+        y = y - y.mean(0)
+    phi_x, psi_x = _features(x, cost)
+    phi_y, psi_y = _features(y, cost)
+    log_a, log_b = torch.log(a), torch.log(b)
+    mass_a, mass_b = a.sum(), b.sum()
+    # the product plan a bᵀ: marginals, moments M = Ψxᵀ T Ψy, entropy ⟨T, log(T/ab)⟩ = 0
+    rows, cols, mass = a * mass_b, b * mass_a, mass_a * mass_b
+    moments = torch.outer(psi_x.T @ a, psi_y.T @ b)
+    entropy = torch.zeros((), dtype=x.dtype, device=x.device)
+    if relative_eps:  # × the mean linearized cost at the product plan, ⟨L(ab), ab⟩ / m
+        u, w = _second_moments(phi_x, psi_x, rows), _second_moments(phi_y, psi_y, cols)
+        mean = (rows @ u + cols @ w - 2.0 * (phi_x.T @ a) @ moments @ (phi_y.T @ b)) / mass
+        eps = eps * float(mean)
+    errors: list[float] = []
+    inner: list[int] = []
+    init = None
+    missed_inner, converged = 0, False
+    scale, res, cross_pass = 1.0, None, None
+    for _ in range(max_iter):
+        u, w = _second_moments(phi_x, psi_x, rows), _second_moments(phi_y, psi_y, cols)
+        constant = eps * entropy
+        if rho_x < big:
+            constant = constant + rho_x * _kl(rows, a)
+        if rho_y < big:
+            constant = constant + rho_y * _kl(cols, b)
+        # L = |X' − Y'|² + offsets (the embedding of 2L, halved)
+        x_emb, y_emb, row_off, col_off = _embedded(phi_x, phi_y, moments / 2, u / 2, w / 2)
+        row_off = row_off + constant
+        e1, r1 = eps * float(mass), (rho_x * float(mass), rho_y * float(mass))
+        # the share of an offset the potential holds (all of it on a balanced side)
+        fold = tuple(1.0 if r == big else r / (e1 + r) for r in r1)
+        if r1[0] < big and r1[1] < big:  # a constant moves freely between the sides: balance
+            mid = 0.5 * (row_off.mean() - col_off.mean())
+            row_off, col_off = row_off - mid, col_off + mid
+        la1 = log_a - (0.0 if r1[0] == big else 1.0 / (e1 + r1[0])) * row_off
+        lb1 = log_b - (0.0 if r1[1] == big else 1.0 / (e1 + r1[1])) * col_off
+        if init is not None:  # the last potentials of the true cost, in this step's terms
+            init = (
+                init[0] - fold[0] * row_off.to(init[0]),
+                init[1] - fold[1] * col_off.to(init[1]),
+            )
+        res = flashot.sinkhorn(x_emb, y_emb, torch.exp(la1), torch.exp(lb1), eps=e1,
+                               rho=tuple(None if r == big else r for r in r1), tol=inner_tol,
+                               max_iter=inner_max_iter, init=init, backend=backend,
+                               precision=precision, warn=False)  # fmt: skip
+        inner.append(res.n_iter)
+        missed_inner += res.converged is False
+        f, g = res.f.to(x.dtype), res.g.to(x.dtype)
+        init = (res.f + fold[0] * row_off.to(res.f), res.g + fold[1] * col_off.to(res.g))
+        # T' [Ψ_y, Φ_y] (column 0 of Ψ_y: the row sums) and T'ᵀ 1, then the rescaled plan
+        cross_pass = (res.plan @ torch.cat([psi_y, phi_y], 1).to(res.f.dtype)).to(x.dtype)
+        rows_new, cols_new = cross_pass[:, 0], res.plan.col_sums().to(x.dtype)
+        mass_new = rows_new.sum()
+        scale = float(torch.sqrt(mass / mass_new))
+        cross_pass = scale * cross_pass
+        rows_new, cols_new, mass_new = scale * rows_new, scale * cols_new, scale * mass_new
+        new = psi_x.T @ cross_pass[:, : psi_y.shape[1]]
+        # ⟨T, log(T/ab)⟩ with T = s a' b' e^{(f ⊕ g − C')/ε'}, C' = |X' − Y'|²:
+        # ⟨T, C'⟩ = ⟨T1, |X'|²⟩ + ⟨Tᵀ1, |Y'|²⟩ − 2⟨Φxᵀ T Φy, M⟩ (Y' = Φy Mᵀ/λ, X' = λ Φx)
+        cross = (phi_x.T @ cross_pass[:, psi_y.shape[1] :] * moments).sum()
+        transport = rows_new @ x_emb.square().sum(1) + cols_new @ y_emb.square().sum(1) - 2 * cross
+        entropy = (mass_new * math.log(scale) + rows_new @ (la1 - log_a) + cols_new @ (lb1 - log_b)
+                   + (rows_new @ f + cols_new @ g - transport) / e1)  # fmt: skip
+        size = torch.linalg.matrix_norm(new).clamp_min(torch.finfo(x.dtype).tiny)
+        change = max(float(torch.linalg.matrix_norm(new - moments) / size),
+                     abs(float(mass_new / mass) - 1.0))  # fmt: skip
+        errors.append(change)
+        moments, rows, cols, mass = new, rows_new, cols_new, mass_new
+        if not math.isfinite(change):
+            raise FloatingPointError(f"gromov_wasserstein: the iteration became non-finite "
+                                     f"(eps={eps:g} too small for {x.dtype}?)")  # fmt: skip
+        if change <= tol:
+            converged = True
+            break
+    assert res is not None and cross_pass is not None
+    _warn_missed(warn, converged, errors, max_iter, tol, missed_inner, inner, inner_tol,
+                 inner_max_iter)  # fmt: skip
+    # UGW at the last plan T: ⟨L(T), T⟩ + ρ KL⊗ terms + ε KL⊗(T | a ⊗ b)
+    u, w = _second_moments(phi_x, psi_x, rows), _second_moments(phi_y, psi_y, cols)
+    gw = rows @ u + cols @ w - 2.0 * (phi_x.T @ cross_pass[:, psi_y.shape[1] :] * moments).sum()
+    value = gw + eps * _tensor_kl(mass, entropy - mass + mass_a * mass_b, mass_a * mass_b)
+    for r, marg, ref in ((rho_x, rows, a), (rho_y, cols, b)):
+        if r < big:
+            value = value + r * _tensor_kl(mass, _kl(marg, ref) - mass + ref.sum(), ref.sum())
+    plan = GromovWassersteinPlan(res.plan, x0, y0, scale)
+    return GromovWassersteinResult(value, plan, len(errors), converged, errors, inner, eps, rho)
