@@ -44,11 +44,13 @@ __all__ = ["FUSED_UP_TO", "fused_plan_vjp"]
 #: widest features and values the fused kernel takes
 FUSED_UP_TO = 128
 #: tiles (BLOCK_M, BLOCK_N, warps, stages) on a GPU for wide values and for narrow ones
-#: (p ≤ 16); the interpreter takes 16 × 16. Measured on the H200 (HISTORY.md v13, with
-#: 3xTF32 scores): 32 × 64 fastest for p = 65, 64 × 64 for p = 2; 8 warps gave wrong
-#: sums and illegal addresses under Triton 3.6: not used
+#: (p ≤ 16); the interpreter takes 16 × 16. Wide: measured on the H200 (HISTORY.md v13,
+#: 3xTF32 scores), 32 × 64 fastest for p = 65; 8 warps then gave wrong sums and illegal
+#: addresses under Triton 3.6. Narrow (split scores and keys, v42, H100, one launch of
+#: the replay at 10k d = 64): 128 × 64 4 warps 0.87 ms, 8 warps 0.79, 64 × 64 1.14–1.50,
+#: 64 × 128 0.94, 32 × 64 1.17 (3xTF32 before: 1.68)
 TILES = (32, 64, 4, 2)
-NARROW_TILES = (64, 64, 4, 2)
+NARROW_TILES = (128, 64, 4, 2)
 #: values wider than this stream in chunks of it (not hoisted)
 P_CHUNK = 32
 #: ``input_precision`` of the value products per tile (``⟨d_i, v_j⟩`` and ``T k``) when
