@@ -242,3 +242,24 @@ def test_samples_loss_double_backward_on_triton_matches_float64(blur, scaling, d
         assert rel(g.detach(), plain) <= max(1e-6, 4 * rel(again, plain))
         out.append((g.detach(), h))
     assert rel(out[0][0], out[1][0]) < 1e-4 and rel(out[0][1], out[1][1]) < 1e-3
+
+
+@pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
+def test_replay_converts_each_cloud_once(monkeypatch):
+    """The replay's passes and their backward steps share the clouds' split parts
+    (``DualSpec.operands``): a double backward converts no cloud again (it converted
+    both for every pass before: 62 conversions for the gradient, 62 more for the HVP)."""
+    from flashot.backends.triton import TritonBackend
+
+    calls = []
+    split = TritonBackend._split_parts
+    monkeypatch.setattr(TritonBackend, "_split_parts",
+                        lambda self, t: calls.append(t.shape) or split(self, t))  # fmt: skip
+    x, y, _, _, v = problem(6, 8, 6, 2, dtype=torch.float32)
+    loss = flashot.SamplesLoss(blur=0.3, scaling=0.5, diameter=4.0,
+                               backend=TritonBackend(presplit=True))  # fmt: skip
+    xs = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(loss(xs, y), xs, create_graph=True)
+    first = len(calls)
+    torch.autograd.grad((g * v).sum(), xs)
+    assert first <= 16 and len(calls) - first <= 4, (first, len(calls) - first)

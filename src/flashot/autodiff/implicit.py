@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -100,13 +100,15 @@ class DualSpec:
     cg_tol: float
     cg_max_iter: int = 10_000
     segments: Segments | None = None
+    #: the operand conversions a replayed schedule's passes share (Backend.operand_scope)
+    operands: list | None = field(default=None, compare=False)
 
     @property
     def T(self) -> DualSpec:
         """The spec of the transposed problem (rows and columns swapped)."""
         seg = None if self.segments is None else self.segments.T
         return DualSpec(self.eps, self.rho[::-1], self.backend, self.cost_bound, self.cg_tol,
-                        self.cg_max_iter, seg)  # fmt: skip
+                        self.cg_max_iter, seg, self.operands)  # fmt: skip
 
 
 def _form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:

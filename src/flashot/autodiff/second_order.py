@@ -27,6 +27,7 @@ terms ``ε/2 (m(a) + m(b)) − ε m(a) m(b)`` by which they differ from it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -136,8 +137,10 @@ def _piece_gradient(piece: Piece, sources, grad) -> list:
         return [None] * len(sources)
     theta = piece.build(*sources) if piece.build is not None else sources
     if piece.trajectory is not None:
-        z = unrolled_potentials(theta, piece.trajectory, piece.spec)
-        grads = list(envelope_gradient(theta, z, piece.trajectory, piece.spec, piece.kind))
+        # one list of operand conversions for the replay, its backward and the envelope
+        spec = dataclasses.replace(piece.spec, operands=[])
+        z = unrolled_potentials(theta, piece.trajectory, spec)
+        grads = list(envelope_gradient(theta, z, piece.trajectory, spec, piece.kind))
     else:
         # (the converged problem's Hessian: potentials as converged as the accuracy asks)
         target = piece.spec.cg_tol / RESIDUAL_PER_ERROR * MARGINAL_PER_ERROR

@@ -69,8 +69,14 @@ class Trajectory:
 
 
 def _form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:
-    return AttentionForm(q.detach(), k.detach(), alpha.detach(), beta.detach(),
-                         cost_bound=spec.cost_bound, segments=spec.segments)  # fmt: skip
+    """The form of a pass, inside an autograd Function (grad mode off: no detach needed).
+
+    q and k are the replay's own tensors, not detached copies: every pass then hands
+    the backend the same objects, whose conversions its operand cache serves
+    (``spec.operands``) instead of converting them for each pass.
+    """
+    return AttentionForm(q, k, alpha.detach(), beta.detach(), cost_bound=spec.cost_bound,
+                         segments=spec.segments)  # fmt: skip
 
 
 def _at(spec: DualSpec, eps: float, warm: bool = False) -> DualSpec:
@@ -98,8 +104,9 @@ class Transform(torch.autograd.Function):
     def forward(ctx, q, alpha, k, beta, log_w, h, spec):
         """One row pass: ``(t, r)``."""
         form = _form(q, alpha, k, beta, spec)
-        lse, _ = spec.backend.row_attend(form, h.detach() - form.beta, spec.eps,
-                                         log_w=log_w.detach())  # fmt: skip
+        with spec.backend.operand_scope(spec.operands):
+            lse, _ = spec.backend.row_attend(form, h.detach() - form.beta, spec.eps,
+                                             log_w=log_w.detach())  # fmt: skip
         r = -lse
         ctx.save_for_backward(q, k, beta, log_w, h, r)
         ctx.spec = spec
@@ -115,7 +122,7 @@ class Transform(torch.autograd.Function):
             return (None,) * 7
         q, k, beta, log_w, h, r = ctx.saved_tensors
         u = u_t if u_r is None else (u_r if u_t is None else u_t + u_r)
-        with ctx.spec.backend.operand_scope():  # (a large pass splits its operands once)
+        with ctx.spec.backend.operand_scope(ctx.spec.operands):  # (the replay's conversions)
             grads = transform_vjp((q, None, k, beta, log_w, h), r, u, u_t, ctx.spec,
                                   ctx.needs_input_grad[:6])  # fmt: skip
         return (*grads, None)
@@ -183,8 +190,9 @@ class RowAverage(torch.autograd.Function):
         """One row pass with values."""
         zero = q.new_zeros(q.shape[0])
         form = _form(q, zero, k, beta, spec)
-        lse, out = spec.backend.row_attend(form, h.detach() - form.beta, spec.eps, v.detach(),
-                                           log_w.detach())  # fmt: skip
+        with spec.backend.operand_scope(spec.operands):
+            lse, out = spec.backend.row_attend(form, h.detach() - form.beta, spec.eps,
+                                               v.detach(), log_w.detach())  # fmt: skip
         ctx.save_for_backward(q, k, beta, log_w, h, v, lse, out)
         ctx.spec = spec
         return out
@@ -202,7 +210,7 @@ class RowAverage(torch.autograd.Function):
         want |= {"col_q"} if needs[1] else set()
         want |= {"col"} if any(needs[2:5]) else set()
         want |= {"pt_d"} if needs[5] else set()
-        with spec.backend.operand_scope():
+        with spec.backend.operand_scope(spec.operands):
             vjp = spec.backend.plan_vjp(_form(q, zero, k, beta, spec), -lse, h,
                                         torch.ones_like(lse), torch.exp(log_w), eps, v, d,
                                         frozenset(want), d0=-(d * out).sum(1))  # fmt: skip
@@ -259,7 +267,7 @@ def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec):
 
     schedule = CheckSchedule(len(temps), traj.check_every)
     # one scope: the replay's passes share the split operands of the accurate mode
-    with spec.backend.operand_scope():
+    with spec.backend.operand_scope(spec.operands):
         if traj.init is None:
             zf, zg = torch.zeros_like(alpha), torch.zeros_like(beta)
             f, g = rows(zg, temps[0], last > 0), cols(zf, temps[0], last > 0)

@@ -241,12 +241,18 @@ class Backend:
         """
         return None
 
-    def operand_scope(self):
+    def operand_scope(self, carry: list | None = None):
         """A block whose launches may share per-operand conversions (a solve, a dual solve).
 
         Backends that convert the clouds before their kernels read them (the Triton
         backend's split operands) keep the conversions within the block and drop them
         after, so that nothing of the clouds' size outlives the computation that uses it.
+
+        Args:
+            carry: a list the caller keeps (empty at first): the block's conversions are
+                left in it at the exit and served again by the next block given it (a
+                replayed schedule's passes, then each of its backward steps), so they
+                live as long as the caller's list.
         """
         return contextlib.nullcontext()
 

@@ -168,9 +168,9 @@ class ShardedBackend(Backend):
         """The sum over the ranks (an all-reduce)."""
         return self.comm.total(t)
 
-    def operand_scope(self):
+    def operand_scope(self, carry: list | None = None):
         """The inner backend's."""
-        return self.engine.operand_scope()
+        return self.engine.operand_scope(carry)
 
     def row_attend(self, form, h, eps, v=None, log_w=None):
         """:meth:`Backend.row_attend` of this rank's rows over every rank's columns.

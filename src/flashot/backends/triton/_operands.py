@@ -91,16 +91,22 @@ class OperandCache:
         return self.presplit is True or work is None or work >= PRESPLIT_FROM
 
     @contextlib.contextmanager
-    def operand_scope(self):
+    def operand_scope(self, carry: list | None = None):
         """See :meth:`flashot.backends.base.Backend.operand_scope`.
 
-        Split operands are made and shared within (a solve's launches), dropped after.
+        Split operands are made and shared within (a solve's launches), dropped after;
+        with ``carry`` its entries are served within and the block's are left in it.
         """
         self._scopes += 1
+        if carry:
+            held = [e for e in carry if not any(e is h for h in self._halves)]
+            self._halves = [*self._halves, *held][-4:]
         try:
             yield
         finally:
             self._scopes -= 1
+            if carry is not None:
+                carry[:] = [e for e in self._halves if e[0]() is not None]
             if self._scopes == 0 and self._splits():
                 self._halves = []
 
