@@ -9,9 +9,10 @@
   shifted by 0.05), ``SamplesLoss(blur=0.01, scaling=0.5, debias=True)`` value +
   gradient, with ``cluster_scale`` in SCALES and without (the dense call, where n ≤
   DENSE_MAX): time and the value's and gradient's difference from the dense call.
-* ``gromov_wasserstein(x, y, eps=0.05, relative_eps=True)`` at n = GW_N, d = 3 and 64:
-  time, outer and inner iterations, and ``torch.cuda.max_memory_allocated`` above the
-  inputs (POT's dense GW holds n² floats: 10 GB at 50k).
+* ``gromov_wasserstein(x, y, eps=0.05, relative_eps=True)`` at n = GW_N, d = 3 and 64,
+  balanced and unbalanced (``rho=1.0``, the same relative ε): time, outer and inner
+  iterations, and ``torch.cuda.max_memory_allocated`` above the inputs (POT's dense GW
+  holds n² floats: 10 GB at 50k).
 
 Prints a short table last.
 
@@ -99,18 +100,19 @@ for n in MS_SIZES:
             print(f"  against dense: value {abs(float(v - dense[0])) / abs(float(dense[0])):.2e}, "
                   f"gradient {float((g - dense[1]).norm() / dense[1].norm()):.2e}", flush=True)
 for d in DIMS:
-    torch.manual_seed(3)
-    x, y = torch.randn(GW_N, d, device="cuda"), torch.randn(GW_N, d, device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    t0 = time.perf_counter()
-    r = flashot.gromov_wasserstein(x, y, eps=0.05, relative_eps=True)
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    print(f"GW n={GW_N} d={d}: {time.perf_counter() - t0:.1f} s, peak {peak:.0f} MiB above the "
-          f"inputs, cost {float(r.cost):.5g}, {r.n_iter} outer (converged {r.converged}), "
-          f"{sum(r.inner_iterations)} inner", flush=True)
+    for rho in (None, 1.0):
+        torch.manual_seed(3)
+        x, y = torch.randn(GW_N, d, device="cuda"), torch.randn(GW_N, d, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        r = flashot.gromov_wasserstein(x, y, eps=0.05, rho=rho, relative_eps=True)
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        print(f"GW n={GW_N} d={d} rho={rho}: {time.perf_counter() - t0:.1f} s, peak {peak:.0f} "
+              f"MiB above the inputs, cost {float(r.cost):.5g}, {r.n_iter} outer (converged "
+              f"{r.converged}), {sum(r.inner_iterations)} inner", flush=True)
 print("\n| loss | n | d | first call s | median ms | value |\n|---|---|---|---|---|---|")
 for what, n, d, first, ms, value in rows:
     print(f"| {what} | {n} | {d} | {first:.2f} | {ms:.1f} | {value:.6g} |")

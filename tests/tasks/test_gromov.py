@@ -245,3 +245,15 @@ def test_unbalanced_misuse_is_named(rho):
     x, y = torch.randn(5, 2, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="rho"):
         gromov_wasserstein(x, y, eps=0.1, rho=rho)
+
+
+def test_unbalanced_weights_beyond_the_dtype_raise_naming_rho():
+    """ρ far below the linearized cost's spread folds offsets into weights beyond float32:
+    a FloatingPointError naming rho and the dtype, not a NaN or a failed input check."""
+    torch.manual_seed(3)
+    x, y = torch.randn(60, 3), torch.randn(50, 3)
+    with pytest.raises(FloatingPointError, match=r"rho .*float32|float32.*rho"):
+        gromov_wasserstein(x, y, eps=0.05, rho=1.0, relative_eps=True)
+    res = gromov_wasserstein(x.double(), y.double(), eps=0.05, rho=1.0, relative_eps=True,
+                             warn=False)  # fmt: skip
+    assert math.isfinite(float(res.cost)) and float(res.plan.row_sums().sum()) > 0

@@ -47,7 +47,9 @@ marginals are penalized by KL⊗ terms instead of fixed, and each step is an unb
 Sinkhorn solve on the same embedded points.
 
 Limits: the squared-Euclidean and cosine inner costs; the result is not differentiable
-(the iterations run without autograd).
+(the iterations run without autograd); an unbalanced step folds the linearized cost's
+offsets into weights ``e^{−o/(ε+ρ)}``, so ρ far below the cost's spread raises a
+FloatingPointError in float32 (float64 reaches further).
 """
 
 from __future__ import annotations
@@ -364,6 +366,22 @@ def _tensor_kl(mu_mass, kl, alpha_mass):
     return 2.0 * mu_mass * kl + (mu_mass - alpha_mass) ** 2
 
 
+def _check_range(la1: torch.Tensor, lb1: torch.Tensor, dtype) -> None:
+    """FloatingPointError when a step's folded weights ``e^{la1}``, ``e^{lb1}`` overflow.
+
+    Offsets far above ε + ρ (ρ far below the spread of the linearized cost) give weights
+    beyond the dtype; the step's problem is then not representable in it.
+    """
+    top = max(float(la1.max()), float(lb1.max()))
+    limit = math.log(torch.finfo(dtype).max) - math.log(la1.numel() + lb1.numel()) - 1.0
+    if not top < limit:
+        raise FloatingPointError(
+            f"gromov_wasserstein: an unbalanced step's weights reach e^{top:.3g}, beyond "
+            f"{dtype}: rho is far below the spread of the linearized cost (take rho of the "
+            "order of the mean cost, or float64)"
+        )
+
+
 def _solve_unbalanced(x, y, a, b, eps, rho, cost, relative_eps, max_iter, tol, inner_tol,
                       inner_max_iter, backend, precision, warn):  # fmt: skip
     r"""Unbalanced entropic GW (Séjourné, Vialard & Peyré 2021, their Algorithm 1), streamed.
@@ -433,6 +451,7 @@ def _solve_unbalanced(x, y, a, b, eps, rho, cost, relative_eps, max_iter, tol, i
             row_off, col_off = row_off - mid, col_off + mid
         la1 = log_a - (0.0 if r1[0] == big else 1.0 / (e1 + r1[0])) * row_off
         lb1 = log_b - (0.0 if r1[1] == big else 1.0 / (e1 + r1[1])) * col_off
+        _check_range(la1, lb1, x.dtype)
         if init is not None:  # the last potentials of the true cost, in this step's terms
             init = (
                 init[0] - fold[0] * row_off.to(init[0]),
