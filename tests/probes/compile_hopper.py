@@ -129,40 +129,17 @@ def variants():
     )
     # general values (3xTF32 scores), a row-sum cotangent; split scores; one value
     # column with split weights and keys (the replay's transforms); triples, p = 1
-    yield _vjp._plan_vjp_kernel, dict(vjp, BLOCK_M=32, BLOCK_D=64, BLOCK_P=32, P_CHUNKS=2,
-                                      EXTRA_SIDE=1, PRESPLIT=False, OUTER=False,
-                                      KV_SPLIT=False), False  # fmt: skip
-    yield (
-        _vjp._plan_vjp_kernel,
-        dict(
-            vjp,
-            BLOCK_M=64,
-            BLOCK_D=64,
-            BLOCK_P=64,
-            P_CHUNKS=1,
-            PRESPLIT=True,
-            OUTER=False,
-            KV_SPLIT=False,
-        ),
-        True,
-    )
-    yield (
-        _vjp._plan_vjp_kernel,
-        dict(
-            vjp,
-            BLOCK_M=64,
-            BLOCK_D=64,
-            BLOCK_P=16,
-            P_CHUNKS=1,
-            PRESPLIT=True,
-            OUTER=True,
-            KV_SPLIT=True,
-        ),
-        True,
-    )
-    yield _vjp._plan_vjp_kernel, dict(vjp, BLOCK_M=64, BLOCK_D=16, BLOCK_P=16, P_CHUNKS=1,
-                                      PRECISION="tf32", PRESPLIT=False, OUTER=True,
-                                      KV_SPLIT=False), False  # fmt: skip
+    for extra, half in (
+        (dict(BLOCK_M=32, BLOCK_D=64, BLOCK_P=32, P_CHUNKS=2, EXTRA_SIDE=1, PRESPLIT=False,
+              OUTER=False, KV_SPLIT=False), False),
+        (dict(BLOCK_M=64, BLOCK_D=64, BLOCK_P=64, P_CHUNKS=1, PRESPLIT=True, OUTER=False,
+              KV_SPLIT=False), True),
+        (dict(BLOCK_M=128, BLOCK_D=64, BLOCK_P=16, P_CHUNKS=1, PRESPLIT=True, OUTER=True,
+              KV_SPLIT=True), True),
+        (dict(BLOCK_M=64, BLOCK_D=16, BLOCK_P=16, P_CHUNKS=1, PRECISION="tf32", PRESPLIT=False,
+              OUTER=True, KV_SPLIT=False), False),
+    ):  # fmt: skip
+        yield _vjp._plan_vjp_kernel, dict(vjp, **extra), half
 
     yield _triples._triple_kernel, dict(WIDTH=_triples.TRIPLE_WIDTH,
                                         BLOCK_N=_triples.BLOCK_N), False  # fmt: skip

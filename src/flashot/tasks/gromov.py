@@ -296,13 +296,9 @@ def _solve(x, y, a, b, eps, cost, relative_eps, max_iter, tol, inner_tol, inner_
         init, offsets = (res.f, res.g), (row_off, col_off)
         t_psi = (res.plan @ psi_y.to(res.f.dtype)).to(x.dtype)  # T Ψ_y; column 0: T 1
         new = psi_x.T @ t_psi
-        size = torch.linalg.matrix_norm(new).clamp_min(torch.finfo(x.dtype).tiny)
-        change = float(torch.linalg.matrix_norm(new - moments) / size)
+        change = _relative_change(new, moments, eps)
         errors.append(change)
         moments = new
-        if not math.isfinite(change):
-            raise FloatingPointError(f"gromov_wasserstein: the iteration became non-finite "
-                                     f"(eps={eps:g} too small for {x.dtype}?)")  # fmt: skip
         if change <= tol:
             converged = True
             break
@@ -317,6 +313,16 @@ def _solve(x, y, a, b, eps, cost, relative_eps, max_iter, tol, inner_tol, inner_
     value = (t_psi[:, 0] * u).sum() + extra[:, -1].sum() - 2.0 * cross
     return GromovWassersteinResult(value, GromovWassersteinPlan(plan, x0, y0), len(errors),
                                    converged, errors, inner, eps)  # fmt: skip
+
+
+def _relative_change(new: torch.Tensor, old: torch.Tensor, eps: float, other: float = 0.0):
+    """``max(‖new − old‖_F / ‖new‖_F, other)``; FloatingPointError when not finite."""
+    size = torch.linalg.matrix_norm(new).clamp_min(torch.finfo(new.dtype).tiny)
+    change = float(torch.linalg.matrix_norm(new - old) / size)
+    if not (math.isfinite(change) and math.isfinite(other)):
+        raise FloatingPointError(f"gromov_wasserstein: the iteration became non-finite "
+                                 f"(eps={eps:g} too small for {new.dtype}?)")  # fmt: skip
+    return max(change, other)
 
 
 def _warn_missed(warn, converged, errors, max_iter, tol, missed_inner, inner, inner_tol,
@@ -479,14 +485,9 @@ def _solve_unbalanced(x, y, a, b, eps, rho, cost, relative_eps, max_iter, tol, i
         transport = rows_new @ x_emb.square().sum(1) + cols_new @ y_emb.square().sum(1) - 2 * cross
         entropy = (mass_new * math.log(scale) + rows_new @ (la1 - log_a) + cols_new @ (lb1 - log_b)
                    + (rows_new @ f + cols_new @ g - transport) / e1)  # fmt: skip
-        size = torch.linalg.matrix_norm(new).clamp_min(torch.finfo(x.dtype).tiny)
-        change = max(float(torch.linalg.matrix_norm(new - moments) / size),
-                     abs(float(mass_new / mass) - 1.0))  # fmt: skip
+        change = _relative_change(new, moments, eps, abs(float(mass_new / mass) - 1.0))
         errors.append(change)
         moments, rows, cols, mass = new, rows_new, cols_new, mass_new
-        if not math.isfinite(change):
-            raise FloatingPointError(f"gromov_wasserstein: the iteration became non-finite "
-                                     f"(eps={eps:g} too small for {x.dtype}?)")  # fmt: skip
         if change <= tol:
             converged = True
             break
