@@ -357,9 +357,8 @@ def _rho_pair(rho) -> tuple[float | None, float | None]:
 
 def _masses(name: str, w, z: torch.Tensor) -> torch.Tensor:
     """Weights that keep their mass (uniform: 1/n each), validated as probabilities are."""
-    if w is None:
-        return probability_weights(name, None, len(z), z)
-    return probability_weights(name, w, len(z), z) * torch.as_tensor(w).to(z).sum()
+    checked = probability_weights(name, w, len(z), z)  # (shape, sign, finiteness, sum > 0)
+    return checked if w is None else torch.as_tensor(w).to(z).detach()
 
 
 def _kl(mu: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashot.backends import available_backends
-from tests.backends.test_base import dense_plan_vjp, problem
+from tests.backends.test_base import dense_attend, dense_plan_vjp, problem
 from tests.conftest import rel, triton_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reas
 def softmax_potentials(form, h, log_w, eps):
     """``r = −LSE_j`` of the row softmax ``Π_ij = w_j e^{(r_i + h_j − β_j + ⟨q_i, k_j⟩)/ε}``,
     in float64 then rounded (every row of Π sums to 1)."""
-    s = (form.q.double() @ form.k.double().T + (h - form.beta).double()[None]) / eps
-    return -(eps * torch.logsumexp(s + log_w.double()[None], 1)).float()
+    bias = (h - form.beta).double() + eps * log_w.double()
+    return -dense_attend(form, bias, eps, None)[0].float()
 
 
 @settings(max_examples=12, deadline=None)

@@ -206,8 +206,8 @@ def _from_row(TEMP, temp_at, value, COLUMN: tl.constexpr):
 
 
 @triton.jit
-def _attend_weights(s, h, run_max, run_sum, scale):
-    """Online max and sum of one column tile (``h`` in base 2): ``(max, sum, e, decay)``.
+def _online_weights(s, h, run_max, scale):
+    """Online max of one column tile (``h`` in base 2): ``(max, e, decay)``.
 
     ``e = 2^{t − max}`` are the tile's weights against the new running max, ``decay``
     rescales what was accumulated against the old one.
@@ -215,8 +215,13 @@ def _attend_weights(s, h, run_max, run_sum, scale):
     t = s * scale + h[None, :]
     new_max = tl.maximum(run_max, tl.max(t, 1))
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-    decay = tl.exp2(run_max - shift)
-    e = tl.exp2(t - shift[:, None])
+    return new_max, tl.exp2(t - shift[:, None]), tl.exp2(run_max - shift)
+
+
+@triton.jit
+def _attend_weights(s, h, run_max, run_sum, scale):
+    """:func:`_online_weights` and the running sum: ``(max, sum, e, decay)``."""
+    new_max, e, decay = _online_weights(s, h, run_max, scale)
     return new_max, run_sum * decay + tl.sum(e, 1), e, decay
 
 

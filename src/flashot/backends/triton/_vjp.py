@@ -35,7 +35,12 @@ from flashot.backends.dual import plan_times
 from flashot.backends.plan_vjp import ALL, PlanVJP
 from flashot.backends.temperature import LOG2E
 from flashot.backends.triton import _configs
-from flashot.backends.triton._kernels import _load_tile, _score_tile, _value_product
+from flashot.backends.triton._kernels import (
+    _load_tile,
+    _online_weights,
+    _score_tile,
+    _value_product,
+)
 from flashot.backends.triton._operands import split_work
 from flashot.backends.triton._split import split_operand
 
@@ -250,35 +255,26 @@ def _plan_vjp_kernel(
         s = _score_tile(Q, K, q_tile, q_tile, offs_m, offs_n, n, col_hi, dq, stride_qn,
                         stride_qd, stride_kn, stride_kd, BLOCK_D, 1, False, PRECISION,
                         q_lo_tile, q_lo_tile, q_lo, k_lo, unscale, PRESPLIT)  # fmt: skip
-        if OUTER:
+        if OUTER and KV_SPLIT:  # weights against the running maximum, 2^{ROW_B} at the end
             vc = tl.load(VC + offs_n * stride_vn, mask=col_ok, other=0.0)
-            if KV_SPLIT:  # weights against the running maximum, 2^{ROW_B} applied at the end
-                x = s * scale + cb[None, :]
-                new_max = tl.maximum(run_max, tl.max(x, 1))
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-                decay = tl.exp2(run_max - shift)
-                e = tl.exp2(x - shift[:, None])
-                run_max = new_max
-                acc_w = acc_w * decay + tl.sum(e * vc[None, :], 1)
-                if WITH_K:
-                    pv = _value_product(e, KV, offs_n, col_ok, offs_k, d, stride_kvn,
-                                        stride_kvd, kv_lo, 1.0, V_PRECISION, True)  # fmt: skip
-                    acc_k = acc_k * decay[:, None] + pv
-            else:
-                t = tl.exp2(s * scale + rb[:, None] + cb[None, :]) * vc[None, :]
-                acc_w += tl.sum(t, 1)
-                if WITH_K:
-                    kv = _keys(KV, offs_n, col_ok, offs_k, d, stride_kvn, stride_kvd)
-                    acc_k = tl.dot(t, kv, acc_k, input_precision=V_PRECISION)
+            run_max, e, decay = _online_weights(s, cb, run_max, scale)
+            acc_w = acc_w * decay + tl.sum(e * vc[None, :], 1)
+            if WITH_K:
+                pv = _value_product(e, KV, offs_n, col_ok, offs_k, d, stride_kvn, stride_kvd,
+                                    kv_lo, 1.0, V_PRECISION, True)  # fmt: skip
+                acc_k = acc_k * decay[:, None] + pv
         else:
             e = tl.exp2(s * scale + rb[:, None] + cb[None, :])
-            u = _score_tile(DR, VC, dr_tile, dr_tile, offs_m, offs_n, n, col_hi, p, stride_dn,
-                            stride_dp, stride_vn, stride_vp, BLOCK_P, P_CHUNKS, False,
-                            V_PRECISION, dr_tile, dr_tile, 0, 0, 1.0, False)  # fmt: skip
-            if EXTRA_SIDE == 1:
-                u += row_extra[:, None]
-            if EXTRA_SIDE == 2:
-                u += tl.load(EXTRA + offs_n, mask=col_ok, other=0.0)[None, :]
+            if OUTER:  # ⟨dr_i, vc_j⟩ = dr_i vc_j, dr_i applied at the end
+                u = tl.load(VC + offs_n * stride_vn, mask=col_ok, other=0.0)[None, :]
+            else:
+                u = _score_tile(DR, VC, dr_tile, dr_tile, offs_m, offs_n, n, col_hi, p,
+                                stride_dn, stride_dp, stride_vn, stride_vp, BLOCK_P, P_CHUNKS,
+                                False, V_PRECISION, dr_tile, dr_tile, 0, 0, 1.0, False)  # fmt: skip
+                if EXTRA_SIDE == 1:
+                    u += row_extra[:, None]
+                if EXTRA_SIDE == 2:
+                    u += tl.load(EXTRA + offs_n, mask=col_ok, other=0.0)[None, :]
             t = e * u
             acc_w += tl.sum(t, 1)
             if WITH_K:
