@@ -263,3 +263,47 @@ def test_replay_converts_each_cloud_once(monkeypatch):
     first = len(calls)
     torch.autograd.grad((g * v).sum(), xs)
     assert first <= 16 and len(calls) - first <= 4, (first, len(calls) - first)
+
+
+@pytest.mark.gpu
+def test_replayed_schedule_graphs_give_the_eager_second_derivative():
+    """The replay and its adjoint sweep run eagerly on a key's first call, captured on
+    the second and replayed after (flashot.autodiff.replay): the same HVP each time
+    (to the atomics' rounding), one forward and one backward graph per piece."""
+    from flashot.autodiff.replay import REPLAY_GRAPHS
+
+    REPLAY_GRAPHS.clear()
+    x, y = cuda_clouds(2000, 1500, 8)
+    v = torch.randn_like(x)
+    loss = flashot.SamplesLoss(blur=0.1, scaling=0.7, debias=True, backend="triton")
+    hs = []
+    for _ in range(4):
+        xs = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(loss(xs, y), xs, create_graph=True)
+        hs.append(torch.autograd.grad((g * v).sum(), xs)[0])
+    assert len(REPLAY_GRAPHS._graphs) == 4  # (xy and xx pieces; y is fixed: no yy replay)
+    assert all(rel(h, hs[0]) < 1e-5 for h in hs[1:])
+
+
+def test_replay_routes_through_its_graph_cache_where_the_backend_keys_one(monkeypatch):
+    """With a graph key (a stand-in capture on the CPU) the replay's two directions are
+    keys of their own, served from the cache from the second call on, with the eager
+    derivative."""
+    from flashot.autodiff import replay
+    from flashot.solver.graphs import GraphCache
+
+    captured = []
+
+    def capture(fn, inputs):
+        captured.append(len(inputs))
+        return lambda inputs: tuple(fn(*inputs))
+
+    monkeypatch.setattr(replay, "REPLAY_GRAPHS", GraphCache(capture=capture))
+    x, y, a, b, v = problem(7, 6, 5, 2)
+    loss = flashot.SamplesLoss(blur=0.2, scaling=0.6, diameter=4.0, debias=False)
+    eager = double_backward(lambda t: loss(a, t, b, y), x, v)[1]
+    # (the solver's own loop keeps its eager path: only the replay is keyed)
+    monkeypatch.setattr(replay._Sweep, "graph_key", lambda self, q, k: ("stand-in",))
+    hs = [double_backward(lambda t: loss(a, t, b, y), x, v)[1] for _ in range(3)]
+    assert len(captured) == 2 and len(replay.REPLAY_GRAPHS._graphs) == 2
+    assert all(torch.equal(h, eager) for h in hs)

@@ -42,7 +42,8 @@ from flashot.autodiff.implicit import (
     refine_potentials,
     value_gradient,
 )
-from flashot.autodiff.unrolled import Trajectory, envelope_gradient, unrolled_potentials
+from flashot.autodiff.replay import unrolled_potentials
+from flashot.autodiff.unrolled import Trajectory, envelope_gradient
 from flashot.backends import entry_point
 
 __all__ = [

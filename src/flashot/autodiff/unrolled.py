@@ -17,9 +17,9 @@ value). The second derivatives consistent with it are those of ``G`` itself,
     \frac{dG}{d\theta} v = \partial_\theta G\, v + \partial_z G\, \frac{d z_K}{d\theta} v,
 
 where ``z_K(θ)`` is the schedule's K iterations: this module writes both as
-differentiable expressions. The iterations are replayed with :class:`Transform`, the soft
-c-transform differentiable once in all of its inputs (a reverse pass through them is the
-adjoint of the schedule: two or three streaming passes per iteration), and ``∂_θ V`` is
+differentiable expressions. The iterations are replayed by
+:func:`~flashot.autodiff.replay.unrolled_potentials` (one autograd node whose backward is
+the schedule's adjoint sweep: one streamed plan_vjp per pass), and ``∂_θ V`` is
 written out explicitly (:func:`envelope_gradient`) with :class:`~flashot.autodiff.implicit.
 PlanProduct`. A finite difference of the returned gradient matches it to the dtype's
 accuracy, whatever the schedule; it is symmetric only as far as the schedule converged.
@@ -37,9 +37,16 @@ from flashot.autodiff.implicit import DualSpec, other_masses
 from flashot.backends import entry_point
 from flashot.backends.near import warm_bounds
 from flashot.geometry.costs import AttentionForm
-from flashot.solver.stopping import CheckSchedule
 
-__all__ = ["Trajectory", "Transform", "envelope_gradient", "transform", "unrolled_potentials"]
+__all__ = [
+    "Trajectory",
+    "Transform",
+    "envelope_gradient",
+    "spec_at",
+    "transform",
+    "transform_pass",
+    "transform_vjp",
+]
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ def _form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:
                          segments=spec.segments)  # fmt: skip
 
 
-def _at(spec: DualSpec, eps: float, warm: bool = False) -> DualSpec:
+def spec_at(spec: DualSpec, eps: float, warm: bool = False) -> DualSpec:
     """``spec`` at ``eps``, a warm-up temperature's when ``warm``.
 
     A warm-up temperature takes the near-uniform LSE from :data:`WARM_NEAR_FROM` × the
@@ -103,15 +110,11 @@ class Transform(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, alpha, k, beta, log_w, h, spec):
         """One row pass: ``(t, r)``."""
-        form = _form(q, alpha, k, beta, spec)
-        with spec.backend.operand_scope(spec.operands):
-            lse, _ = spec.backend.row_attend(form, h.detach() - form.beta, spec.eps,
-                                             log_w=log_w.detach())  # fmt: skip
-        r = -lse
+        t, r = transform_pass(q, alpha, k, beta, log_w, h, spec)
         ctx.save_for_backward(q, k, beta, log_w, h, r)
         ctx.spec = spec
         ctx.set_materialize_grads(False)
-        return form.alpha + r, r
+        return t, r
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -126,6 +129,15 @@ class Transform(torch.autograd.Function):
             grads = transform_vjp((q, None, k, beta, log_w, h), r, u, u_t, ctx.spec,
                                   ctx.needs_input_grad[:6])  # fmt: skip
         return (*grads, None)
+
+
+def transform_pass(q, alpha, k, beta, log_w, h, spec: DualSpec):
+    """:class:`Transform`'s values without autograd: ``(t (n,), r (n,))``, one row pass."""
+    form = _form(q, alpha, k, beta, spec)
+    with spec.backend.operand_scope(spec.operands):
+        lse, _ = spec.backend.row_attend(form, h.detach() - form.beta, spec.eps,
+                                         log_w=log_w.detach())  # fmt: skip
+    return form.alpha - lse, -lse
 
 
 def transform(q, alpha, k, beta, log_w, h, spec: DualSpec) -> torch.Tensor:
@@ -240,52 +252,6 @@ def damping(rho: float | None, eps: float) -> float:
     return 1.0 if rho is None else rho / (rho + eps)
 
 
-def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec):
-    """The solve's last iterate ``(f_K (n,), g_K (m,))`` as a differentiable function of θ.
-
-    Replays :func:`flashot.solver.loop.solve`'s loop (initialization, symmetric or alternating
-    updates, damping, momentum) with :func:`transform`; the warm-up temperatures'
-    near-uniform evaluation is the same function, evaluated otherwise.
-
-    Args:
-        theta: (q, α, k, β, a, b) with their autograd history.
-        trajectory: how the solve ran.  spec: the problem's :class:`DualSpec`.
-    """
-    if trajectory.refusal is not None:
-        raise RuntimeError(trajectory.refusal)
-    q, alpha, k, beta, a, b = theta
-    log_a, log_b = torch.log(a), torch.log(b)
-    (rho_x, rho_y), temps, traj = spec.rho, trajectory.temps, trajectory
-
-    last = len(temps) - 1
-
-    def rows(g, e, warm):  # λ_x T(g)
-        return damping(rho_x, e) * transform(q, alpha, k, beta, log_b, g, _at(spec, e, warm))
-
-    def cols(f, e, warm):  # λ_y Tᵀ(f)
-        return damping(rho_y, e) * transform(k, beta, q, alpha, log_a, f, _at(spec.T, e, warm))
-
-    schedule = CheckSchedule(len(temps), traj.check_every)
-    # one scope: the replay's passes share the split operands of the accurate mode
-    with spec.backend.operand_scope(spec.operands):
-        if traj.init is None:
-            zf, zg = torch.zeros_like(alpha), torch.zeros_like(beta)
-            f, g = rows(zg, temps[0], last > 0), cols(zf, temps[0], last > 0)
-        else:
-            f, g = traj.init
-        for it in range(1, traj.iterations + 1):
-            e, warm = temps[min(it - 1, last)], it - 1 < last
-            if traj.update == "symmetric":
-                f, g = 0.5 * (f + rows(g, e, warm)), 0.5 * (g + cols(f, e, warm))
-                continue
-            omega = traj.momentum if traj.momentum is not None and not warm else 1.0
-            f_new = rows(g, e, warm)
-            f = f_new if omega == 1.0 else torch.lerp(f, f_new, omega)
-            g_new = cols(f, e, warm)
-            g = g_new if omega == 1.0 or schedule.before(it) else torch.lerp(g, g_new, omega)
-    return f, g
-
-
 def dual_partials(pot, w, eps: float, rho: float | None, kind: str):
     r"""``(∂Φ/∂f, ∂Φ/∂w)`` of one side's share ``Φ(f, w)`` of the value, as expressions.
 
@@ -313,7 +279,7 @@ def envelope_gradient(theta, z, trajectory: Trajectory, spec: DualSpec, kind: st
     constants of the step). Differentiating the result once more gives ``dG/dθ``.
 
     Args:
-        theta: (q, α, k, β, a, b).  z: (f_K, g_K) from :func:`unrolled_potentials`.
+        theta: (q, α, k, β, a, b).  z: (f_K, g_K) from :func:`~flashot.autodiff.replay.unrolled_potentials`.
         trajectory: how the solve ran.  spec: the problem's :class:`DualSpec`.
         kind: how the value is written (:func:`dual_partials`).
 

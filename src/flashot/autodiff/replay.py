@@ -1,0 +1,227 @@
+r"""A fixed-iteration solve replayed as one autograd node, and its reverse sweep.
+
+:func:`unrolled_potentials` returns the schedule's last iterate ``z_K = (f_K, g_K)`` as a
+differentiable function of θ = (q, α, k, β, log a, log b). Written with one
+:class:`~flashot.autodiff.unrolled.Transform` node per pass, its backward crossed the
+autograd engine 2K times, with a Python Function, saved tensors and ~20 small torch
+ops per node: at 10 000 points the host took four times the device's time. Here the K
+iterations are one node, :class:`Replay`:
+
+- its forward runs the schedule without autograd and keeps every iterate and every
+  pass's negated LSE ``r`` (O(K (n + m)), what the per-pass nodes kept);
+- its backward is the adjoint sweep written out: per iteration, from the cotangents
+  ``(ū_f, ū_g)`` of its output, one :func:`~flashot.autodiff.unrolled.transform_vjp`
+  per transform (one streamed plan_vjp each) gives the cotangents of its input
+  potentials and θ's share:
+
+  .. math::
+
+      f_i = \tfrac12 (f_{i-1} + λ_x T_x(g_{i-1})),\ g_i = \tfrac12 (g_{i-1} + λ_y T_y(f_{i-1}))
+      \;\Rightarrow\;
+      ū_{f_{i-1}} = \tfrac12 ū_{f_i} + (\partial_h T_y)^T \tfrac{λ_y}{2} ū_{g_i},\
+      ū_{g_{i-1}} = \tfrac12 ū_{g_i} + (\partial_h T_x)^T \tfrac{λ_x}{2} ū_{f_i}
+
+  (symmetric updates; alternating ones with momentum ω take ``f_i = (1 − ω) f_{i−1} + ω
+  λ_x T_x(g_{i−1})``, then ``g_i`` from ``f_i``, and reverse in that order).
+
+Both directions are fixed launch sequences given the shapes and the schedule: where the
+backend offers a graph key (:meth:`~flashot.backends.base.Backend.graph_key`: small
+problems on a GPU) they run through :data:`REPLAY_GRAPHS`, eagerly the first time a key
+is met, captured as a CUDA graph the second time and replayed after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flashot.autodiff.implicit import DualSpec
+from flashot.autodiff.unrolled import Trajectory, damping, spec_at, transform_pass, transform_vjp
+from flashot.backends import entry_point
+from flashot.geometry.costs import AttentionForm
+from flashot.solver.graphs import GraphCache, capture_or_eager
+from flashot.solver.stopping import CheckSchedule
+
+__all__ = ["REPLAY_GRAPHS", "Replay", "unrolled_potentials"]
+
+#: captured replays (forward and backward of each piece: a debiased value holds three)
+REPLAY_GRAPHS = GraphCache(capacity=8, capture=capture_or_eager)
+
+
+def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec):
+    """The solve's last iterate ``(f_K (n,), g_K (m,))`` as a differentiable function of θ.
+
+    Replays :func:`flashot.solver.loop.solve`'s loop (initialization, symmetric or
+    alternating updates, damping, momentum) as one :class:`Replay` node; the warm-up
+    temperatures' near-uniform evaluation is the same function, evaluated otherwise.
+
+    Args:
+        theta: (q, α, k, β, a, b) with their autograd history.
+        trajectory: how the solve ran.  spec: the problem's :class:`DualSpec`.
+    """
+    if trajectory.refusal is not None:
+        raise RuntimeError(trajectory.refusal)
+    q, alpha, k, beta, a, b = theta
+    init = () if trajectory.init is None else tuple(t.detach() for t in trajectory.init)
+    f, g, *_ = Replay.apply(q, alpha, k, beta, torch.log(a), torch.log(b), trajectory, spec,
+                            *init)  # fmt: skip
+    return f, g
+
+
+class Replay(torch.autograd.Function):
+    """``z_K(θ)``: the schedule's iterations, differentiable once (see the module).
+
+    Outputs ``(f_K, g_K)`` and, for the backward only, the stacked iterates and LSEs
+    (marked non-differentiable).
+    """
+
+    @staticmethod
+    def forward(ctx, q, alpha, k, beta, log_a, log_b, trajectory, spec, *init):
+        """The schedule, without autograd: ``(f_K, g_K, F, G, R_x, R_y)``."""
+        theta = (q, alpha, k, beta, log_a, log_b)
+        sweep = _Sweep(trajectory, spec)
+        out = _run(sweep, "forward", sweep.forward, (*theta, *init))
+        ctx.mark_non_differentiable(*out[2:])
+        ctx.save_for_backward(*theta, *out[2:])
+        ctx.sweep = sweep
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @entry_point
+    def backward(ctx, u_f, u_g, *_):
+        """The adjoint sweep: θ's gradients, then None for the trajectory, spec and init."""
+        saved, sweep = ctx.saved_tensors, ctx.sweep
+        theta, stacks = saved[:6], saved[6:]
+        u_f = torch.zeros_like(stacks[0][0]) if u_f is None else u_f
+        u_g = torch.zeros_like(stacks[1][0]) if u_g is None else u_g
+        needs = tuple(ctx.needs_input_grad[:6])
+        fn = lambda *t: sweep.backward(needs, *t)  # noqa: E731
+        grads = _run(sweep, ("backward", needs), fn, (*theta, *stacks, u_f, u_g))
+        return (*grads, None, None) + (None,) * (len(ctx.needs_input_grad) - 8)
+
+
+def _run(sweep: _Sweep, direction, fn, tensors) -> tuple:
+    """``fn(*tensors)``, through :data:`REPLAY_GRAPHS` where the backend keys a graph."""
+    key = sweep.graph_key(tensors[0], tensors[2])
+    if key is None:
+        with sweep.spec.backend.operand_scope(sweep.spec.operands):
+            return tuple(fn(*tensors))
+    shapes = tuple((t.shape, t.dtype, t.device) for t in tensors)
+
+    def captured(*t):  # a capture converts its own operands (its inputs are its buffers)
+        with sweep.spec.backend.operand_scope([]):
+            return tuple(fn(*t))
+
+    return REPLAY_GRAPHS((direction, key, shapes), captured, tensors)
+
+
+@dataclasses.dataclass
+class _Sweep:
+    """The schedule's steps, forward and in reverse, for one trajectory and spec."""
+
+    trajectory: Trajectory
+    spec: DualSpec
+
+    def graph_key(self, q: torch.Tensor, k: torch.Tensor):
+        """What pins the launch sequence besides the tensors' shapes, or None (eager)."""
+        spec, traj = self.spec, self.trajectory
+        form = AttentionForm(q, k, q.new_zeros(()), k.new_zeros(()), cost_bound=spec.cost_bound,
+                             segments=spec.segments)  # fmt: skip
+        backend_key = spec.backend.graph_key(form)
+        if backend_key is None:
+            return None
+        return (backend_key, traj.temps, traj.iterations, traj.update, traj.momentum,
+                traj.check_every, traj.init is None, spec.eps, spec.rho, spec.cost_bound)  # fmt: skip
+
+    def _steps(self):
+        """Per iteration 1…K: its ε, whether a warm-up one, ω, ω of its columns."""
+        traj, temps = self.trajectory, self.trajectory.temps
+        last, schedule = len(temps) - 1, CheckSchedule(len(temps), traj.check_every)
+        for it in range(1, traj.iterations + 1):
+            e, warm = temps[min(it - 1, last)], it - 1 < last
+            omega = traj.momentum if traj.momentum is not None and not warm else 1.0
+            col_omega = 1.0 if omega == 1.0 or schedule.before(it) else omega
+            yield it, e, warm, omega, col_omega
+
+    def _rows(self, theta, h, e, warm):
+        """``(λ_x T_x(h), r)`` at ε = e."""
+        q, alpha, k, beta, _, log_b = theta
+        t, r = transform_pass(q, alpha, k, beta, log_b, h, spec_at(self.spec, e, warm))
+        return damping(self.spec.rho[0], e) * t, r
+
+    def _cols(self, theta, h, e, warm):
+        """``(λ_y T_y(h), r)`` at ε = e."""
+        q, alpha, k, beta, log_a, _ = theta
+        t, r = transform_pass(k, beta, q, alpha, log_a, h, spec_at(self.spec.T, e, warm))
+        return damping(self.spec.rho[1], e) * t, r
+
+    def forward(self, q, alpha, k, beta, log_a, log_b, *init):
+        """``(f_K, g_K, F, G, R_x, R_y)``: iterates and LSEs stacked, index 0 the start."""
+        theta, traj = (q, alpha, k, beta, log_a, log_b), self.trajectory
+        K, temps = traj.iterations, traj.temps
+        F, RX = alpha.new_zeros(K + 1, q.shape[0]), alpha.new_zeros(K + 1, q.shape[0])
+        G, RY = beta.new_zeros(K + 1, k.shape[0]), beta.new_zeros(K + 1, k.shape[0])
+        if init:
+            F[0], G[0] = init
+        else:
+            warm = len(temps) > 1
+            F[0], RX[0] = self._rows(theta, torch.zeros_like(beta), temps[0], warm)
+            G[0], RY[0] = self._cols(theta, torch.zeros_like(alpha), temps[0], warm)
+        for it, e, warm, omega, col_omega in self._steps():
+            f, g = F[it - 1], G[it - 1]
+            if traj.update == "symmetric":
+                t_x, RX[it] = self._rows(theta, g, e, warm)
+                t_y, RY[it] = self._cols(theta, f, e, warm)
+                F[it], G[it] = 0.5 * (f + t_x), 0.5 * (g + t_y)
+                continue
+            t_x, RX[it] = self._rows(theta, g, e, warm)
+            F[it] = t_x if omega == 1.0 else torch.lerp(f, t_x, omega)
+            t_y, RY[it] = self._cols(theta, F[it], e, warm)
+            G[it] = t_y if col_omega == 1.0 else torch.lerp(g, t_y, col_omega)
+        return F[K].clone(), G[K].clone(), F, G, RX, RY
+
+    def backward(self, needs, q, alpha, k, beta, log_a, log_b, F, G, RX, RY, u_f, u_g):
+        """θ's gradients (None where ``needs`` is False) from ``(ū_{f_K}, ū_{g_K})``."""
+        traj, spec = self.trajectory, self.spec
+        grads: list = [None] * 6  # q, α, k, β, log a, log b
+
+        def add(i, t):
+            if t is not None:
+                grads[i] = t if grads[i] is None else grads[i] + t
+
+        def rows_vjp(u, h, r, e, warm, h_needed=True):  # λ_x T_x(h) with cotangent u
+            u = damping(spec.rho[0], e) * u
+            out = transform_vjp((q, alpha, k, beta, log_b, h), r, u, u, spec_at(spec, e, warm),
+                                (*needs[:4], needs[5], h_needed))  # fmt: skip
+            for i, t in zip((0, 1, 2, 3, 5), out[:5], strict=True):
+                add(i, t)
+            return out[5]
+
+        def cols_vjp(u, h, r, e, warm, h_needed=True):  # λ_y T_y(h) with cotangent u
+            u = damping(spec.rho[1], e) * u
+            out = transform_vjp((k, beta, q, alpha, log_a, h), r, u, u, spec_at(spec.T, e, warm),
+                                (needs[2], needs[3], needs[0], needs[1], needs[4], h_needed))  # fmt: skip
+            for i, t in zip((2, 3, 0, 1, 4), out[:5], strict=True):
+                add(i, t)
+            return out[5]
+
+        for it, e, warm, omega, col_omega in reversed(list(self._steps())):
+            if traj.update == "symmetric":
+                u_tx, u_ty = 0.5 * u_f, 0.5 * u_g
+                u_f, u_g = (u_tx + cols_vjp(u_ty, F[it - 1], RY[it], e, warm),
+                            u_ty + rows_vjp(u_tx, G[it - 1], RX[it], e, warm))  # fmt: skip
+                continue
+            u_f = u_f + cols_vjp(col_omega * u_g, F[it], RY[it], e, warm)
+            u_g = (1.0 - col_omega) * u_g
+            u_g = u_g + rows_vjp(omega * u_f, G[it - 1], RX[it], e, warm)
+            u_f = (1.0 - omega) * u_f
+        if traj.init is None:
+            warm = len(traj.temps) > 1
+            zero_g, zero_f = torch.zeros_like(beta), torch.zeros_like(alpha)  # (T(0), Tᵀ(0))
+            rows_vjp(u_f, zero_g, RX[0], traj.temps[0], warm, h_needed=False)
+            cols_vjp(u_g, zero_f, RY[0], traj.temps[0], warm, h_needed=False)
+        return tuple(None if not need else (torch.zeros_like(t) if g is None else g)
+                     for need, g, t in zip(needs, grads, (q, alpha, k, beta, log_a, log_b),
+                                           strict=True))  # fmt: skip
