@@ -132,8 +132,8 @@ class _Sweep:
         backend_key = spec.backend.graph_key(form)
         if backend_key is None:
             return None
-        return (backend_key, traj.temps, traj.iterations, traj.update, traj.momentum,
-                traj.check_every, traj.init is None, spec.eps, spec.rho, spec.cost_bound)  # fmt: skip
+        schedule = (traj.temps, traj.iterations, traj.update, traj.momentum, traj.check_every)
+        return backend_key, schedule, traj.init is None, spec.eps, spec.rho, spec.cost_bound
 
     def _steps(self):
         """Per iteration 1…K: its ε, whether a warm-up one, ω, ω of its columns."""
@@ -201,8 +201,9 @@ class _Sweep:
 
         def cols_vjp(u, h, r, e, warm, h_needed=True):  # λ_y T_y(h) with cotangent u
             u = damping(spec.rho[1], e) * u
+            wanted = (needs[2], needs[3], needs[0], needs[1], needs[4], h_needed)
             out = transform_vjp((k, beta, q, alpha, log_a, h), r, u, u, spec_at(spec.T, e, warm),
-                                (needs[2], needs[3], needs[0], needs[1], needs[4], h_needed))  # fmt: skip
+                                wanted)  # fmt: skip
             for i, t in zip((2, 3, 0, 1, 4), out[:5], strict=True):
                 add(i, t)
             return out[5]

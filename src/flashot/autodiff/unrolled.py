@@ -279,7 +279,8 @@ def envelope_gradient(theta, z, trajectory: Trajectory, spec: DualSpec, kind: st
     constants of the step). Differentiating the result once more gives ``dG/dθ``.
 
     Args:
-        theta: (q, α, k, β, a, b).  z: (f_K, g_K) from :func:`~flashot.autodiff.replay.unrolled_potentials`.
+        theta: (q, α, k, β, a, b).
+        z: (f_K, g_K) from :func:`~flashot.autodiff.replay.unrolled_potentials`.
         trajectory: how the solve ran.  spec: the problem's :class:`DualSpec`.
         kind: how the value is written (:func:`dual_partials`).
 
