@@ -13,7 +13,8 @@ Parts (env PARTS, default "A,B,C"):
   gradient against value, gradient and HVP: the ratio the issue bounds by 3.
 * C, ``flashot.hvp`` (a solve to a tolerance, the dual CG): time, CG iterations and
   error against float64 for ``hvp_tol`` values (TOLS).
-* P, where A's HVP spends its time (n = SIZES[0]): the profiler's top kernels, one row
+* P, where A's HVP spends its time (n = SIZES[0], d = P_D; P_CASE=geomloss profiles B's
+  setting instead): the profiler's top kernels and host calls, one row
   pass and one ``plan_vjp`` (as a replayed transform's backward makes it: one value
   column) timed alone; with SWEEP=1 the ``plan_vjp`` kernel's tiles for one value column
   (``_vjp.NARROW_TILES``), each with one launch, the whole HVP and its error against the
@@ -38,6 +39,7 @@ PARTS = os.environ.get("PARTS", "A,B,C").split(",")
 SIZES = [int(n) for n in os.environ.get("SIZES", "10000,50000").split(",")]
 REF_MAX = int(os.environ.get("REF_MAX", "50000"))
 DENSE_MAX = int(os.environ.get("DENSE_MAX", "10000"))
+P_D = int(os.environ.get("P_D", "64"))
 TOLS = [float(t) for t in os.environ.get("TOLS", "1e-2,1e-3,1e-4").split(",")]
 try:
     from flash_sinkhorn import SamplesLoss as PeerLoss
@@ -156,10 +158,11 @@ def part_p():
     from flashot.backends import resolve_backend
     from flashot.geometry.costs import AttentionForm
 
-    n = SIZES[0]
+    n, geomloss = SIZES[0], os.environ.get("P_CASE") == "geomloss"
     torch.manual_seed(0)
-    x, y, v = (torch.randn(n, 64, device="cuda") for _ in range(3))
-    loss = flashot.SamplesLoss(blur=0.3, scaling=0.9, debias=False)
+    x, y, v = (torch.randn(n, P_D, device="cuda") for _ in range(3))
+    loss = flashot.SamplesLoss() if geomloss else flashot.SamplesLoss(blur=0.3, scaling=0.9,
+                                                                      debias=False)  # fmt: skip
 
     def hvp_of(xx, yy, vv):
         xl = xx.detach().requires_grad_()
@@ -174,6 +177,10 @@ def part_p():
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12,
                                     max_name_column_width=60))  # fmt: skip
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20,
+                                    max_name_column_width=60))  # fmt: skip
+    if geomloss:  # (the kernel timings below are the peer setting's)
+        return
     # one row pass and one plan_vjp as the replay makes them, timed alone
     be = resolve_backend("auto", x.device)
     al, bl = (x * x).sum(1), (y * y).sum(1)
