@@ -125,6 +125,11 @@ for task, build in (("affine", affine), ("shuffled", shuffled)):
         continue
     make, loss, best = build()
     start = loss(make()).item()
+    # warm-up of the second-order path too (kernels compile once per process): without it
+    # the first method timed pays for the HVP's compilation (v43: NewtonCG 12 s, 4 HVPs)
+    params = make()
+    grads = torch.autograd.grad(loss(params), params, create_graph=True)
+    torch.autograd.grad(sum((g * torch.randn_like(g)).sum() for g in grads), params)
     target = best + RTOL * (start - best)
     print(f"{task}: start {start:.4g}, at the solution {best:.4g}, target {target:.4g}", flush=True)
     results = {}
