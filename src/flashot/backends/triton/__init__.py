@@ -81,7 +81,9 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         graphs: replay repeated solves of launch-bound size (n·m ≤ 2^28) as CUDA
             graphs (:mod:`flashot.solver.graphs`; to a tolerance, in blocks between checks);
             each capture keeps a copy of its inputs and its memory pool. The process
-            keeps the 8 most recent; ``flashot.solver.graphs.GRAPHS.clear()`` frees them.
+            keeps the 8 most recent; ``flashot.solver.graphs.GRAPHS.clear()`` frees them
+            (a replayed schedule's second derivatives: ``flashot.autodiff.replay.
+            REPLAY_GRAPHS.clear()``).
         presplit: in ``"fp32"``, split the score operands once per solve
             (:mod:`._split`; a copy of each cloud's size in half precision while a
             solve runs) instead of per tile by 3xTF32. Passes outside a solve
