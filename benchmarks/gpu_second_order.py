@@ -4,7 +4,8 @@ Parts (env PARTS, default "A,B,C"):
 
 * A, the peer's HVP setting: ``SamplesLoss(blur=0.3, scaling=0.9, debias=False)``, randn
   clouds, d = 64, loss + gradient (create_graph) + one HVP by double backward; the
-  double backward alone on a kept graph (``hvp``). flash-sinkhorn 0.4.1 the same way
+  double backward alone on a kept graph (``hvp``), and the whole call on points that move
+  every call (``moving_ms``: the replay's CUDA graphs key on the schedule and bound). flash-sinkhorn 0.4.1 the same way
   (``half_cost=True``, GeomLoss' convention) when installed. Accuracy against the same
   function in float64 (flashot's torch backend; SIZES_REF bounds n), and for reference
   against the converged problem's Hessian at those potentials (``dense_hvp_implicit``,
@@ -93,9 +94,15 @@ def part_a():
             dense = dense_hvp_implicit(x.double(), y.double(), f, g, v.double(), 0.09)
             torch.cuda.empty_cache()
         full = bench(lambda: double_backward(lambda t: ours(t, y), x, v))
+        # what an optimizer meets: the points move every call (a new schedule and bound,
+        # so the replay's CUDA graphs do not apply and it runs eagerly)
+        moved = iter(range(10**9))
+        moving = bench(lambda: double_backward(lambda t: ours(t, y),
+                                               x + 1e-3 * next(moved), v))  # fmt: skip
         xs = x.detach().requires_grad_()
         grad = bench(lambda: torch.autograd.grad(ours(xs, y), xs))
         row = dict(part="A", case=f"peer setting n={n} d=64", who="flashot", ms=full,
+                   moving_ms=moving,
                    grad_ms=grad, hvp_ms=hvp_only_ms(lambda t: ours(t, y), x, v),
                    err=None if ref is None else rel(h, ref),
                    err_converged_hessian=None if dense is None else rel(h, dense),
