@@ -5,8 +5,9 @@ Parts (env PARTS, default "A,B,C"):
 * A, the peer's HVP setting: ``SamplesLoss(blur=0.3, scaling=0.9, debias=False)``, randn
   clouds, d = 64, loss + gradient (create_graph) + one HVP by double backward; the
   double backward alone on a kept graph (``hvp``), and the whole call on points that move
-  every call (``moving_ms``: the replay's CUDA graphs key on the schedule and bound). flash-sinkhorn 0.4.1 the same way
-  (``half_cost=True``, GeomLoss' convention) when installed. Accuracy against the same
+  every call (``moving_ms``: the replay's CUDA graphs key on the schedule and bound).
+  flash-sinkhorn 0.4.1 the same way (``half_cost=True``, GeomLoss' convention) when
+  installed. Accuracy against the same
   function in float64 (flashot's torch backend; SIZES_REF bounds n), and for reference
   against the converged problem's Hessian at those potentials (``dense_hvp_implicit``,
   dense float64, n ≤ DENSE_MAX).
