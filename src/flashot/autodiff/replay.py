@@ -27,7 +27,13 @@ iterations are one node, :class:`Replay`:
 Both directions are fixed launch sequences given the shapes and the schedule: where the
 backend offers a graph key (:meth:`~flashot.backends.base.Backend.graph_key`: small
 problems on a GPU) they run through :data:`REPLAY_GRAPHS`, eagerly the first time a key
-is met, captured as a CUDA graph the second time and replayed after.
+is met, captured as a CUDA graph the second time and replayed after. Where its passes
+and reverse products read ε from a device table
+(:meth:`~flashot.backends.base.Backend.reads_vjp_temperatures`), the key is the
+schedule's structure (its length, which temperatures are warm-up ones, which take the
+near-uniform path, those by value) and the table is an input: a GeomLoss schedule that
+moves with the data (its diameter) replays the same graphs. Otherwise temperatures and
+the cost's bound are keyed by value.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ import torch
 from flashot.autodiff.implicit import DualSpec
 from flashot.autodiff.unrolled import Trajectory, damping, spec_at, transform_pass, transform_vjp
 from flashot.backends import entry_point
+from flashot.backends.near import is_near_uniform
+from flashot.backends.temperature import device_damping, schedule_table, temperatures_on
 from flashot.geometry.costs import AttentionForm
 from flashot.solver.graphs import GraphCache, capture_or_eager
 from flashot.solver.stopping import CheckSchedule
@@ -81,7 +89,7 @@ class Replay(torch.autograd.Function):
         """The schedule, without autograd: ``(f_K, g_K, F, G, R_x, R_y)``."""
         theta = (q, alpha, k, beta, log_a, log_b)
         sweep = _Sweep(trajectory, spec)
-        out = _run(sweep, "forward", sweep.forward, (*theta, *init))
+        out = _run(sweep, "forward", _Sweep.forward, (*theta, *init))
         ctx.mark_non_differentiable(*out[2:])
         ctx.save_for_backward(*theta, *out[2:])
         ctx.sweep = sweep
@@ -97,47 +105,97 @@ class Replay(torch.autograd.Function):
         u_f = torch.zeros_like(stacks[0][0]) if u_f is None else u_f
         u_g = torch.zeros_like(stacks[1][0]) if u_g is None else u_g
         needs = tuple(ctx.needs_input_grad[:6])
-        fn = lambda *t: sweep.backward(needs, *t)  # noqa: E731
+        fn = lambda own, *t: own.backward(needs, *t)  # noqa: E731
         grads = _run(sweep, ("backward", needs), fn, (*theta, *stacks, u_f, u_g))
         return (*grads, None, None) + (None,) * (len(ctx.needs_input_grad) - 8)
 
 
 def _run(sweep: _Sweep, direction, fn, tensors) -> tuple:
-    """``fn(*tensors)``, through :data:`REPLAY_GRAPHS` where the backend keys a graph."""
-    key = sweep.graph_key(tensors[0], tensors[2])
-    if key is None:
-        with sweep.spec.backend.operand_scope(sweep.spec.operands):
-            return tuple(fn(*tensors))
+    """``fn(sweep, *tensors)``, through :data:`REPLAY_GRAPHS` where the backend keys a graph.
+
+    Keyed by the schedule's structure where the backend's passes read temperatures from
+    a device table (which is then one more input): a replay serves points that move.
+    """
+    spec, q, k = sweep.spec, tensors[0], tensors[2]
+    form = AttentionForm(q, k, q.new_zeros(()), k.new_zeros(()), cost_bound=spec.cost_bound,
+                         segments=spec.segments)  # fmt: skip
+    backend_key = _graph_key(spec, form)
+    if backend_key is None:
+        with spec.backend.operand_scope(spec.operands):
+            return tuple(fn(sweep, *tensors))
     shapes = tuple((t.shape, t.dtype, t.device) for t in tensors)
+    if not spec.backend.reads_vjp_temperatures(form):
+        key = (direction, backend_key, shapes, sweep.values_key())
 
-    def captured(*t):  # a capture converts its own operands (its inputs are its buffers)
-        with sweep.spec.backend.operand_scope([]):
-            return tuple(fn(*t))
+        def captured(*t):  # a capture converts its own operands (its inputs are its buffers)
+            with spec.backend.operand_scope([]):
+                return tuple(fn(sweep, *t))
 
-    return REPLAY_GRAPHS((direction, key, shapes), captured, tensors)
+        return REPLAY_GRAPHS(key, captured, tensors)
+    table = sweep.table(q.device, tensors[1].dtype)
+    key = (direction, backend_key, shapes, sweep.structure_key(form))
+
+    def on_table(*t):
+        own = dataclasses.replace(sweep, temps=tuple(temperatures_on(sweep.temps, t[-1])))
+        with spec.backend.operand_scope([]):
+            return tuple(fn(own, *t[:-1]))
+
+    return REPLAY_GRAPHS(key, on_table, (*tensors, table))
+
+
+def _graph_key(spec: DualSpec, form: AttentionForm):
+    """The backend's graph key for the replay's launches, or None (eager)."""
+    return spec.backend.graph_key(form)
 
 
 @dataclasses.dataclass
 class _Sweep:
-    """The schedule's steps, forward and in reverse, for one trajectory and spec."""
+    """The schedule's steps, forward and in reverse, for one trajectory and spec.
+
+    ``temps``: the schedule's temperatures, floats or
+    :class:`~flashot.backends.temperature.Temperature` s of a device table.
+    """
 
     trajectory: Trajectory
     spec: DualSpec
+    temps: tuple = ()
 
-    def graph_key(self, q: torch.Tensor, k: torch.Tensor):
-        """What pins the launch sequence besides the tensors' shapes, or None (eager)."""
-        spec, traj = self.spec, self.trajectory
-        form = AttentionForm(q, k, q.new_zeros(()), k.new_zeros(()), cost_bound=spec.cost_bound,
-                             segments=spec.segments)  # fmt: skip
-        backend_key = spec.backend.graph_key(form)
-        if backend_key is None:
-            return None
-        schedule = (traj.temps, traj.iterations, traj.update, traj.momentum, traj.check_every)
-        return backend_key, schedule, traj.init is None, spec.eps, spec.rho, spec.cost_bound
+    def __post_init__(self):
+        self.temps = self.temps or tuple(self.trajectory.temps)
+
+    def _schedule_key(self) -> tuple:
+        traj, spec = self.trajectory, self.spec
+        return (traj.iterations, traj.update, traj.momentum, traj.check_every,
+                traj.init is None, spec.rho)  # fmt: skip
+
+    def values_key(self) -> tuple:
+        """What pins the launches besides shapes, scalars taken by value."""
+        return self._schedule_key(), self.trajectory.temps, self.spec.cost_bound
+
+    def structure_key(self, form: AttentionForm) -> tuple:
+        """What pins the launches besides shapes when they read temperatures on the device.
+
+        Per temperature: whether it is a warm-up one, and its value where it takes the
+        near-uniform path (whose launches take ε by value).
+        """
+        steps = []
+        last = len(self.temps) - 1
+        for i, e in enumerate(self.trajectory.temps):
+            at = spec_at(self.spec, e, i < last)
+            near = is_near_uniform(AttentionForm(form.q, form.k, form.alpha, form.beta,
+                                                 cost_bound=at.cost_bound), e)  # fmt: skip
+            steps.append((i < last, e if near else None))
+        return self._schedule_key(), tuple(steps)
+
+    def table(self, device, dtype) -> torch.Tensor:
+        """The schedule's device table (ε, log2(e)/ε, ratio, λ_x, λ_y per temperature)."""
+        rho_x, rho_y = self.spec.rho
+        return schedule_table(self.trajectory.temps, device, dtype,
+                              lambda e: (damping(rho_x, e), damping(rho_y, e)))  # fmt: skip
 
     def _steps(self):
         """Per iteration 1…K: its ε, whether a warm-up one, ω, ω of its columns."""
-        traj, temps = self.trajectory, self.trajectory.temps
+        traj, temps = self.trajectory, self.temps
         last, schedule = len(temps) - 1, CheckSchedule(len(temps), traj.check_every)
         for it in range(1, traj.iterations + 1):
             e, warm = temps[min(it - 1, last)], it - 1 < last
@@ -145,22 +203,27 @@ class _Sweep:
             col_omega = 1.0 if omega == 1.0 or schedule.before(it) else omega
             yield it, e, warm, omega, col_omega
 
+    def _lam(self, e) -> tuple:
+        """(λ_x, λ_y) at ε = e: a temperature's row, or floats."""
+        rho_x, rho_y = self.spec.rho
+        return device_damping(e, (damping(rho_x, e), damping(rho_y, e)))
+
     def _rows(self, theta, h, e, warm):
         """``(λ_x T_x(h), r)`` at ε = e."""
         q, alpha, k, beta, _, log_b = theta
         t, r = transform_pass(q, alpha, k, beta, log_b, h, spec_at(self.spec, e, warm))
-        return damping(self.spec.rho[0], e) * t, r
+        return self._lam(e)[0] * t, r
 
     def _cols(self, theta, h, e, warm):
         """``(λ_y T_y(h), r)`` at ε = e."""
         q, alpha, k, beta, log_a, _ = theta
         t, r = transform_pass(k, beta, q, alpha, log_a, h, spec_at(self.spec.T, e, warm))
-        return damping(self.spec.rho[1], e) * t, r
+        return self._lam(e)[1] * t, r
 
     def forward(self, q, alpha, k, beta, log_a, log_b, *init):
         """``(f_K, g_K, F, G, R_x, R_y)``: iterates and LSEs stacked, index 0 the start."""
         theta, traj = (q, alpha, k, beta, log_a, log_b), self.trajectory
-        K, temps = traj.iterations, traj.temps
+        K, temps = traj.iterations, self.temps
         F, RX = alpha.new_zeros(K + 1, q.shape[0]), alpha.new_zeros(K + 1, q.shape[0])
         G, RY = beta.new_zeros(K + 1, k.shape[0]), beta.new_zeros(K + 1, k.shape[0])
         if init:
@@ -192,7 +255,7 @@ class _Sweep:
                 grads[i] = t if grads[i] is None else grads[i] + t
 
         def rows_vjp(u, h, r, e, warm, h_needed=True):  # λ_x T_x(h) with cotangent u
-            u = damping(spec.rho[0], e) * u
+            u = self._lam(e)[0] * u
             out = transform_vjp((q, alpha, k, beta, log_b, h), r, u, u, spec_at(spec, e, warm),
                                 (*needs[:4], needs[5], h_needed))  # fmt: skip
             for i, t in zip((0, 1, 2, 3, 5), out[:5], strict=True):
@@ -200,7 +263,7 @@ class _Sweep:
             return out[5]
 
         def cols_vjp(u, h, r, e, warm, h_needed=True):  # λ_y T_y(h) with cotangent u
-            u = damping(spec.rho[1], e) * u
+            u = self._lam(e)[1] * u
             wanted = (needs[2], needs[3], needs[0], needs[1], needs[4], h_needed)
             out = transform_vjp((k, beta, q, alpha, log_a, h), r, u, u, spec_at(spec.T, e, warm),
                                 wanted)  # fmt: skip
@@ -221,8 +284,8 @@ class _Sweep:
         if traj.init is None:
             warm = len(traj.temps) > 1
             zero_g, zero_f = torch.zeros_like(beta), torch.zeros_like(alpha)  # (T(0), Tᵀ(0))
-            rows_vjp(u_f, zero_g, RX[0], traj.temps[0], warm, h_needed=False)
-            cols_vjp(u_g, zero_f, RY[0], traj.temps[0], warm, h_needed=False)
+            rows_vjp(u_f, zero_g, RX[0], self.temps[0], warm, h_needed=False)
+            cols_vjp(u_g, zero_f, RY[0], self.temps[0], warm, h_needed=False)
         return tuple(None if not need else (torch.zeros_like(t) if g is None else g)
                      for need, g, t in zip(needs, grads, (q, alpha, k, beta, log_a, log_b),
                                            strict=True))  # fmt: skip

@@ -36,6 +36,7 @@ import torch
 from flashot.autodiff.implicit import DualSpec, other_masses
 from flashot.backends import entry_point
 from flashot.backends.near import warm_bounds
+from flashot.backends.temperature import device_value
 from flashot.geometry.costs import AttentionForm
 
 __all__ = [
@@ -92,8 +93,8 @@ def spec_at(spec: DualSpec, eps: float, warm: bool = False) -> DualSpec:
     A warm-up temperature takes the near-uniform LSE from :data:`WARM_NEAR_FROM` × the
     bound, as the solve did: the same function, and the usual path is cheaper.
     """
-    if not warm:
-        return spec if eps == spec.eps else dataclasses.replace(spec, eps=eps)
+    if not warm:  # (a Temperature equal to spec.eps still replaces it: its row is read)
+        return spec if eps is spec.eps else dataclasses.replace(spec, eps=eps)
     bound, seg = warm_bounds(spec.cost_bound, spec.segments)
     return dataclasses.replace(spec, eps=eps, cost_bound=bound, segments=seg)
 
@@ -242,7 +243,7 @@ def _fill(out: list, needs, eps: float, row_k, col_q, pt_u) -> None:
     if needs[3]:
         out[3] = pt_u
     if needs[4]:
-        out[4] = -eps * pt_u
+        out[4] = -device_value(eps) * pt_u
     if needs[5]:
         out[5] = -pt_u
 

@@ -277,6 +277,19 @@ class Backend:
         """
         return False
 
+    def reads_vjp_temperatures(self, form: AttentionForm) -> bool:
+        """Whether :meth:`row_attend` and :meth:`plan_vjp` on ``form`` read a device ε.
+
+        That is, given a :class:`~flashot.backends.temperature.Temperature`, they read ε
+        from its cell (with one value column, as a replayed transform's reverse product
+        has), none from its float value. Then a replayed schedule's second derivatives
+        (:mod:`flashot.autodiff.replay`) key their CUDA graphs by the schedule's
+        structure, not its values, and serve points that move between calls.
+        Near-uniform steps are still keyed by value.
+        The default, False, keys by value.
+        """
+        return False
+
     def graph_key(self, form: AttentionForm):
         """A key if fixed-iteration solves on ``form`` should replay as CUDA graphs, or None.
 

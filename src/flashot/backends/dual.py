@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from flashot.backends.temperature import device_value
+
 __all__ = [
     "log_residual",
     "marginal_error",
@@ -27,7 +29,7 @@ def log_residual(
 
     ``lse`` is the row LSE of the other potential's bias; 0 at the Sinkhorn fixed point.
     """
-    return (pot - offset + lse) / eps
+    return (pot - offset + lse) / device_value(eps)
 
 
 def row_mass(

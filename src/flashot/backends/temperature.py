@@ -32,6 +32,7 @@ import torch
 __all__ = [
     "Temperature",
     "device_damping",
+    "device_scale",
     "device_value",
     "follows",
     "schedule_table",
@@ -119,6 +120,11 @@ def device_value(eps: float) -> float | torch.Tensor:
     dtype first, as the table was); a division may differ from the scalar one by an ulp.
     """
     return eps.cell[EPS] if isinstance(eps, Temperature) else eps
+
+
+def device_scale(eps: float) -> float | torch.Tensor:
+    """``log2(e)/ε`` for a torch op: the row's (0-dim) for a :class:`Temperature`, else a float."""
+    return eps.cell[SCALE] if isinstance(eps, Temperature) else LOG2E / eps
 
 
 def device_damping(eps: float, lam: tuple) -> tuple:

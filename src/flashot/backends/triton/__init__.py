@@ -375,6 +375,14 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         capturing = form.q.is_cuda and torch.cuda.is_current_stream_capturing()
         return form.segments is None and not capturing
 
+    def reads_vjp_temperatures(self, form):
+        """See :meth:`~flashot.backends.base.Backend.reads_vjp_temperatures`.
+
+        Within the fused reverse product's features (its tiled fallback takes ε as a
+        Python scalar).
+        """
+        return self.reads_temperatures(form) and form.q.shape[1] <= FUSED_UP_TO
+
     def graph_key(self, form):
         """See :meth:`flashot.backends.base.Backend.graph_key`: small problems on CUDA."""
         n, m = form.shape

@@ -33,14 +33,17 @@ import triton.language as tl
 from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.dual import plan_times
 from flashot.backends.plan_vjp import ALL, PlanVJP
-from flashot.backends.temperature import LOG2E
+from flashot.backends.temperature import LOG2E, device_scale
 from flashot.backends.triton import _configs
 from flashot.backends.triton._kernels import (
+    SCALE,
+    _from_row,
     _load_tile,
     _online_weights,
     _score_tile,
     _value_product,
 )
+from flashot.backends.triton._launch import temp_args
 from flashot.backends.triton._operands import split_work
 from flashot.backends.triton._split import split_operand
 
@@ -98,7 +101,8 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
     with on_device(dev):
         _plan_vjp_kernel[(blocks, splits)](
             qs, ks, kv, row_bias, col_bias, dr, vc, row_bias if extra is None else extra, out_w,
-            out_k, n, m, d, qs.shape[1], p, LOG2E / eps, per, qs.stride(0), qs.stride(1),
+            out_k, n, m, d, qs.shape[1], p, LOG2E / eps, *temp_args(eps, out_w), per,
+            qs.stride(0), qs.stride(1),
             ks.stride(0), ks.stride(1), kv.stride(0), kv.stride(1), dr.stride(0), dr.stride(1),
             vc.stride(0), vc.stride(1), *split_args, *kv_args, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_D=_width(qs.shape[1]), BLOCK_K=_width(d), BLOCK_P=block_p,
@@ -130,7 +134,8 @@ def fused_plan_vjp(
     q, k = form.q.contiguous(), form.k.contiguous()
     v, d = v.to(f32).contiguous(), d.to(f32).contiguous()
     d0 = None if d0 is None else d0.to(f32).contiguous()
-    f_bias, g_bias = (f - form.alpha) * (LOG2E / eps), (g - form.beta) * (LOG2E / eps)
+    scale = device_scale(eps)  # (a Temperature's row: read on the device, as the kernel does)
+    f_bias, g_bias = (f - form.alpha) * scale, (g - form.beta) * scale
     per_a = row_k = per_b = col_q = pt_d = None
     with backend.operand_scope():  # the launches share q's and k's split parts
         if need & {"row", "row_k"}:
@@ -154,7 +159,7 @@ def _keys(KV, offs_n, col_ok, offs_k, d, stride_n, stride_d):
     return tl.load(ptrs, mask=col_ok[:, None] & (offs_k[None, :] < d), other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["temp_at"], do_not_specialize_on_alignment=["TEMP"])
 def _plan_vjp_kernel(
     Q,
     K,
@@ -172,6 +177,8 @@ def _plan_vjp_kernel(
     dq,
     p,
     scale,
+    TEMP,
+    temp_at,
     cols_per_split,
     stride_qn,
     stride_qd,
@@ -219,10 +226,12 @@ def _plan_vjp_kernel(
     KV_SPLIT, KV holds ``vc ⊙ k`` split into half parts (``KV_INV``, ``kv_lo``) and the
     weights, taken against the row's running maximum of the exponent (so at most 1, as
     the attend kernel's), are split per tile. Otherwise the values stream in P_CHUNKS
-    chunks of BLOCK_P (hoisted when one).
+    chunks of BLOCK_P (hoisted when one). ``temp_at`` ≠ 0: ``scale`` is read from the
+    temperature row ``TEMP`` (:mod:`flashot.backends.temperature`).
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
+    scale = _from_row(TEMP, temp_at, scale, SCALE)  # (a captured replay's temperature)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < n

@@ -1,0 +1,99 @@
+"""The replayed schedule as one autograd node (flashot.autodiff.replay): its graph routing.
+
+The derivative itself is tested through every entry point in test_unrolled.py (against
+finite differences of float64 gradients); here, that the node's two directions go
+through their graph cache, by value or by the schedule's structure, with the eager
+numbers.
+"""
+
+import pytest
+import torch
+
+import flashot
+from flashot.autodiff import replay
+from flashot.backends import available_backends
+from flashot.solver.graphs import GraphCache
+from flashot.solver.loop import geomloss_schedule
+from tests.autodiff.test_unrolled import double_backward, problem
+from tests.conftest import cuda_clouds, rel
+
+
+def stand_in(captured: list):
+    """A capture for the CPU: records the call and replays by calling the captured fn."""
+
+    def capture(fn, inputs):
+        captured.append(len(inputs))
+        return lambda inputs: tuple(fn(*inputs))
+
+    return capture
+
+
+@pytest.mark.gpu
+def test_replayed_schedule_graphs_give_the_eager_second_derivative():
+    """The replay and its adjoint sweep run eagerly on a key's first call, captured on
+    the second and replayed after (flashot.autodiff.replay): the same HVP each time
+    (to the atomics' rounding), one forward and one backward graph per piece."""
+    from flashot.solver.graphs import _Captured
+
+    REPLAY_GRAPHS = replay.REPLAY_GRAPHS
+    REPLAY_GRAPHS.clear()
+    x, y = cuda_clouds(2000, 1500, 8)
+    v = torch.randn_like(x)
+    loss = flashot.SamplesLoss(blur=0.1, scaling=0.7, debias=True, backend="triton")
+    hs = []
+    for _ in range(4):
+        xs = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(loss(xs, y), xs, create_graph=True)
+        hs.append(torch.autograd.grad((g * v).sum(), xs)[0])
+    # (xy and xx pieces; y is fixed: no yy replay), each a CUDA graph, not the eager
+    # fallback of a capture that failed (something in it waited for the host)
+    assert len(REPLAY_GRAPHS._graphs) == 4
+    assert all(isinstance(c, _Captured) for c in REPLAY_GRAPHS._graphs.values())
+    assert all(rel(h, hs[0]) < 1e-5 for h in hs[1:])
+
+
+def test_replay_routes_through_its_graph_cache_where_the_backend_keys_one(monkeypatch):
+    """With a graph key (a stand-in capture on the CPU) the replay's two directions are
+    keys of their own, served from the cache from the second call on, with the eager
+    derivative."""
+    captured: list = []
+    monkeypatch.setattr(replay, "REPLAY_GRAPHS", GraphCache(capture=stand_in(captured)))
+    x, y, a, b, v = problem(7, 6, 5, 2)
+    loss = flashot.SamplesLoss(blur=0.2, scaling=0.6, diameter=4.0, debias=False)
+    eager = double_backward(lambda t: loss(a, t, b, y), x, v)[1]
+    # (the solver's own loop keeps its eager path: only the replay is keyed)
+    monkeypatch.setattr(replay, "_graph_key", lambda spec, form: ("stand-in",))
+    hs = [double_backward(lambda t: loss(a, t, b, y), x, v)[1] for _ in range(3)]
+    assert len(captured) == 2 and len(replay.REPLAY_GRAPHS._graphs) == 2
+    assert all(torch.equal(h, eager) for h in hs)
+
+
+@pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
+@pytest.mark.parametrize("reach", [None, 0.7])
+def test_a_structure_key_serves_a_moved_schedule_by_its_device_table(monkeypatch, reach):
+    """On the Triton kernels (interpreter), a replay keyed by the schedule's structure is
+    captured once and then serves another schedule of that structure (another diameter),
+    with that schedule's eager derivative: every launch and torch op of both directions
+    reads the temperatures' device table (ε, and the damping of a relaxed side), none the
+    captured call's floats."""
+    from flashot.backends.triton import TritonBackend
+
+    x, y, a, b, v = problem(9, 8, 6, 2, dtype=torch.float32)
+    backend = TritonBackend()
+    diameters = (3.0, 3.5)  # (7 temperatures each, all different)
+    assert len({len(geomloss_schedule(d, 0.09, 0.6)) for d in diameters}) == 1
+
+    def hvp(diameter):
+        loss = flashot.SamplesLoss(blur=0.3, scaling=0.6, diameter=diameter, reach=reach,
+                                   backend=backend)  # fmt: skip
+        return double_backward(lambda t: loss(a, t, b, y), x, v)[1]
+
+    want = [hvp(d) for d in diameters]  # eager: the backend keys no graph on the CPU
+    captured: list = []
+    monkeypatch.setattr(replay, "REPLAY_GRAPHS", GraphCache(capture=stand_in(captured)))
+    monkeypatch.setattr(replay, "_graph_key", lambda spec, form: ("stand-in",))
+    got = [hvp(d) for d in (diameters[0], diameters[0], diameters[1])]
+    # forward and backward of the xy and xx pieces (y is fixed: no yy replay), once each
+    assert len(captured) == 4, captured
+    assert rel(got[1], want[0]) < 1e-5 and rel(got[2], want[1]) < 1e-5
+    assert rel(want[0], want[1]) > 1e-3  # (the schedules' derivatives differ)
