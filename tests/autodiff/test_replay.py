@@ -97,3 +97,36 @@ def test_a_structure_key_serves_a_moved_schedule_by_its_device_table(monkeypatch
     assert len(captured) == 4, captured
     assert rel(got[1], want[0]) < 1e-5 and rel(got[2], want[1]) < 1e-5
     assert rel(want[0], want[1]) > 1e-3  # (the schedules' derivatives differ)
+
+
+@pytest.mark.gpu
+def test_points_that_move_replay_the_same_graphs_with_the_eager_derivative():
+    """A GeomLoss schedule moves with the data's diameter: on the Triton kernels the
+    replay keys its graphs by the schedule's structure, so points that move every call
+    (an optimizer's) replay the graphs captured once, with the derivative an eager
+    replay (graphs=False) gives at each point."""
+    from flashot.backends.triton import TritonBackend
+    from flashot.solver.graphs import _Captured
+
+    replay.REPLAY_GRAPHS.clear()
+    x, y = cuda_clouds(2000, 1500, 8)
+    v = torch.randn_like(x)
+    points = [x * (1 + 0.002 * i) for i in range(5)]
+    diameters = [8.0 + 0.05 * i for i in range(5)]  # (a new schedule of one length each call)
+    assert len({len(geomloss_schedule(d, 0.01, 0.7)) for d in diameters}) == 1
+
+    def hvps(backend):
+        out = []
+        for p, diameter in zip(points, diameters, strict=True):
+            loss = flashot.SamplesLoss(blur=0.1, scaling=0.7, diameter=diameter, backend=backend)
+            ps = p.clone().requires_grad_()
+            (g,) = torch.autograd.grad(loss(ps, y), ps, create_graph=True)
+            out.append(torch.autograd.grad((g * v).sum(), ps)[0])
+        return out
+
+    eager = hvps(TritonBackend(graphs=False))
+    assert len(replay.REPLAY_GRAPHS._graphs) == 0
+    got = hvps(TritonBackend())
+    graphs = list(replay.REPLAY_GRAPHS._graphs.values())
+    assert len(graphs) == 4 and all(isinstance(c, _Captured) for c in graphs)
+    assert all(rel(h, e) < 1e-5 for h, e in zip(got, eager, strict=True))
