@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import flashot
 from flashot.backends import available_backends
+from flashot.backends.dual import Potentials
 from flashot.batched import sinkhorn_batched, sinkhorn_varlen
 from tests.conftest import rel
 from tests.references import dense_cost, entropic_ot, geomloss_loop, plan_dense, sinkhorn_dense
@@ -315,7 +316,7 @@ def test_triton_fused_plan_sums_stream_only_the_diagonal_blocks(gen):
     f = 0.1 * torch.randn(len(form.q), generator=gen).to(DEVICE)
     g = 0.1 * torch.randn(len(form.k), generator=gen).to(DEVICE)
     log_a, log_b = pp.a.log(), pp.b.log()
-    r, c = TritonBackend().plan_sums(form, f, g, log_a, log_b, 0.7)
+    r, c = TritonBackend().plan_sums(Potentials(form, f, g, log_a, log_b, 0.7))
     e = torch.exp((f[:, None] + g[None, :] - form.dense().double()) / 0.7)
     assert torch.allclose(r.double(), e @ pp.b.double(), rtol=1e-5)
     assert torch.allclose(c.double(), e.T @ pp.a.double(), rtol=1e-5)

@@ -33,7 +33,7 @@ from flashot.autodiff.functions import relaxed_side
 from flashot.autodiff.second_order import exact_second_order, packed_piece
 from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
-from flashot.backends.dual import phi_sum
+from flashot.backends.dual import Potentials, phi_sum
 from flashot.caller import warn_at_caller
 from flashot.geometry.segments import Segments
 from flashot.packing import PackedProblem, _eps_per_problem, pack_problems, pair_packing
@@ -314,7 +314,8 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
     # one pass for the plan's marginals, when the value or a tol needs them (else the
     # errors are measured only when asked)
     if relaxed or tol is not None:
-        r, c = engine.marginals(detached, fd, gd, log_a, log_b, eps0)
+        pot = Potentials(detached, fd, gd, log_a, log_b, eps0)
+        r, c = engine.marginals(pot)
     if relaxed:  # the dual value per problem, with envelope-exact derivatives
         value = _relaxed_values(seg, f, g, a, b, r, eps0, pp.rho)
     else:
@@ -338,7 +339,7 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
         assert err_host is not None
         converged = err_host <= tol
         if isinstance(tol, FloorTolerance):
-            floors = precision_floor(detached, fd, gd, log_a, log_b, eps0, per_problem=True)
+            floors = precision_floor(pot, per_problem=True)
             converged |= (err_host <= tol.SLACK * tol) & (err_host <= floors)
         missed = int((~converged).sum())
         if missed and warn:

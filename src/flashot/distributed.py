@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from flashot.autodiff.functions import relaxed_side, soft_c_transform
 from flashot.backends import entry_point, resolve_backend
-from flashot.backends.dual import marginal_error, phi_sum, row_mass
+from flashot.backends.dual import Potentials, marginal_error, phi_sum, row_mass
 from flashot.backends.sharded import Comm, ShardedBackend
 from flashot.caller import warn_at_caller
 from flashot.geometry.costs import (
@@ -374,7 +374,7 @@ def sinkhorn(
         raise FloatingPointError("Sinkhorn produced non-finite potentials; try a larger eps or "
                                  "an eps_schedule")  # fmt: skip
     floor_now = functools.cache(
-        lambda: precision_floor(form, fd, gd, log_a, log_b, eps, backend=sharded)
+        lambda: precision_floor(Potentials(form, fd, gd, log_a, log_b, eps), backend=sharded)
     )
     converged, cause, why = final_verdict(tol, err_t if tol is not None else None, out,
                                           floor_now, dtype, update,

@@ -13,7 +13,7 @@ from flashot.autodiff.implicit import implicit_potentials
 from flashot.autodiff.second_order import Piece, check_hvp_tol, exact_second_order, spec_of
 from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
-from flashot.backends.dual import phi_sum
+from flashot.backends.dual import Potentials, phi_sum
 from flashot.batched import sinkhorn_batched
 from flashot.caller import warn_at_caller
 from flashot.geometry.costs import attention_form, bounding_diameter
@@ -273,7 +273,8 @@ def sinkhorn(
             "Sinkhorn produced non-finite potentials; try a larger eps, an eps_schedule, "
             "or float64 inputs"
         )
-    floor_now = functools.cache(lambda: precision_floor(form, fd, gd, log_a, log_b, eps))
+    at_end = Potentials(form, fd, gd, log_a, log_b, eps)
+    floor_now = functools.cache(lambda: precision_floor(at_end))
     bound = problem.form.cost_bound
     converged, cause, why = final_verdict(tol, error, out, floor_now, problem.form.q.dtype, update,
                                           None if bound is None else bound / eps)  # fmt: skip

@@ -23,7 +23,14 @@ import torch
 from flashot.autodiff.implicit import DualSpec, implicit_potentials, plan_product
 from flashot.backends import entry_point
 from flashot.backends.base import Backend, _given
-from flashot.backends.dual import marginal_error, mass_excess, phi_sum, plan_times, row_mass
+from flashot.backends.dual import (
+    Potentials,
+    marginal_error,
+    mass_excess,
+    phi_sum,
+    plan_times,
+    row_mass,
+)
 from flashot.geometry.costs import AttentionForm
 
 __all__ = ["SinkhornResult", "SolveHistory", "TransportPlan"]
@@ -172,16 +179,19 @@ class TransportPlan:
             lse, out = self._backend.row_attend(self._form, h, self._eps, v, self._log_b)
             return row_mass(self._f, lse, self._form.alpha, self._log_a, self._eps), out
 
+    def _potentials(self) -> Potentials:
+        return Potentials(self._form, self._f, self._g, self._log_a, self._log_b, self._eps)
+
     def _sums(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(r, c, m(P) − m(a) m(b))``: the marginals and the mass excess (detached).
 
         One fused pass, and a second at ε above the cost's bound (see
         :func:`~flashot.backends.dual.mass_excess`).
         """
-        form, f, g, log_a, log_b = self._form, self._f, self._g, self._log_a, self._log_b
+        pot = self._potentials()
         with torch.no_grad():
-            r, c = self._backend.marginals(form, f, g, log_a, log_b, self._eps)
-            return r, c, mass_excess(self._backend, form, f, g, log_a, log_b, self._eps, r)
+            r, c = self._backend.marginals(pot)
+            return r, c, mass_excess(self._backend, pot, r)
 
     def _marginal_error(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(L1 violation of both marginal conditions, ``m(P) − m(a) m(b)``)."""
@@ -264,8 +274,7 @@ class TransportPlan:
     def _apply(self, vv: torch.Tensor) -> torch.Tensor:
         self._check_fresh()
         with torch.no_grad():
-            return plan_times(self._backend, self._form, self._f, self._g, self._log_a,
-                              self._log_b, self._eps, vv)  # fmt: skip
+            return plan_times(self._backend, self._potentials(), vv)
 
     @entry_point
     def row_sums(self) -> torch.Tensor:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flashot.backends import available_backends, resolve_backend
+from flashot.backends.dual import Potentials
 from flashot.backends.torch_backend import TorchBackend
 from flashot.geometry.costs import attention_form, get_cost
 from tests.conftest import rel
@@ -175,16 +176,15 @@ def test_plan_matvec_matches_dense(gen, name, shape, eps):
         w = torch.randn(m, generator=gen, dtype=torch.float64)
         u = torch.randn(n, generator=gen, dtype=torch.float64)
         r, c = P.sum(1).to(device, dtype), P.sum(0).to(device, dtype)
-        pw, ptu = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, w.to(device, dtype),
-                                      u.to(device, dtype))  # fmt: skip
+        pot = Potentials(form, f, g, log_a, log_b, eps)
+        pw, ptu = backend.plan_matvec(pot, r, c, w.to(device, dtype), u.to(device, dtype))
         assert rel(pw.double().cpu(), P @ w) < tol and rel(ptu.double().cpu(), P.T @ u) < tol
-        pots = (form, f, g, log_a, log_b, eps, r, c)
+        pots = (pot, r, c)
         alone, none = backend.plan_matvec(*pots, w=w.to(device, dtype))
         assert none is None and rel(alone.double().cpu(), P @ w) < tol
         none, alone = backend.plan_matvec(*pots, u=u.to(device, dtype))
         assert none is None and rel(alone.double().cpu(), P.T @ u) < tol
-        ones = backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, torch.ones_like(g),
-                                   torch.ones_like(f))  # fmt: skip
+        ones = backend.plan_matvec(pot, r, c, torch.ones_like(g), torch.ones_like(f))
         assert rel(ones[0], r) < 4 * torch.finfo(dtype).eps  # P 1 = r to rounding
         assert rel(ones[1], c) < 4 * torch.finfo(dtype).eps
 

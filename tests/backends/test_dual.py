@@ -6,7 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashot.backends import TorchBackend
-from flashot.backends.dual import marginal_error, phi_sum, plan_times, relaxed_weight, row_mass
+from flashot.backends.dual import (
+    Potentials,
+    marginal_error,
+    phi_sum,
+    plan_times,
+    relaxed_weight,
+    row_mass,
+)
 from flashot.geometry.costs import attention_form, get_cost
 from tests.references import dense_cost
 
@@ -34,7 +41,7 @@ def test_row_masses_errors_and_products_are_the_dense_plans(seed, n, m, eps, rho
     err = marginal_error(f, r, a.log(), rho)
     want = float((plan.sum(1) - target).abs().sum())
     assert float(err) == pytest.approx(want, rel=1e-9, abs=1e-300)
-    pv = plan_times(TorchBackend(), form, f, g, a.log(), b.log(), eps, v)
+    pv = plan_times(TorchBackend(), Potentials(form, f, g, a.log(), b.log(), eps), v)
     assert torch.allclose(pv, plan @ v, rtol=1e-9, atol=1e-12)
     phi = f if rho is None else rho * (1 - torch.exp(-f / rho))
     assert float(phi_sum(f, a, rho)) == pytest.approx(float((a * phi).sum()), rel=1e-12)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import flashot
 from flashot.backends import available_backends
-from flashot.backends.dual import log_residual
+from flashot.backends.dual import Potentials, log_residual
 from flashot.backends.torch_backend import TorchBackend
 from flashot.geometry.costs import attention_form, get_cost
 from tests.conftest import clouds, rel
@@ -70,22 +70,22 @@ def test_one_pass_step_matches_the_float64_step(gen, one_pass, splits, rho):
     args32 = [t.float().to(DEVICE) for t in (f, g, la, lb)]
     lam = tuple(1.0 if r is None else r / (r + eps) for r in rho)
     state = be.fast_state(form.q.device)
-    ours = be.jacobi_step(form, *args32, eps, lam, rho, check=True, state=state)
-    want = ref.jacobi_step(ref_form, f, g, la, lb, eps, lam, rho, check=True)
+    ours = be.jacobi_step(Potentials(form, *args32, eps), lam, rho, check=True, state=state)
+    want = ref.jacobi_step(Potentials(ref_form, f, g, la, lb, eps), lam, rho, check=True)
     # the new potentials move by ε·|ln R| ≈ 50: compare to float32's rounding of that
     for o, w in zip(ours[:2], want[:2], strict=True):
         assert (o.double().cpu() - w).abs().max() < 64 * 2.0**-24 * float(w.abs().max() + 50)
     if float(want[2]) < 1e30:  # (the update's float32 terms a·e^{ln R} overflow past e^88)
         assert float(ours[2]) == pytest.approx(float(want[2]), rel=1e-4)
-    ours = be.extrapolate(form, *args32, eps, (0.9, 0.8))
-    want = ref.extrapolate(ref_form, f, g, la, lb, eps, (0.9, 0.8))
+    ours = be.extrapolate(Potentials(form, *args32, eps), (0.9, 0.8))
+    want = ref.extrapolate(Potentials(ref_form, f, g, la, lb, eps), (0.9, 0.8))
     for o, w in zip(ours, want, strict=True):
         assert (o.double().cpu() - w).abs().max() < 64 * 2.0**-24 * float(w.abs().max() + 50)
     near = [t.clone() for t in args32]  # close to the fixed point: marginals within range
     res = flashot.sinkhorn(x, y, la.exp(), lb.exp(), eps=0.3, tol=1e-9, backend="torch")
     near[0], near[1] = res.f.float().to(DEVICE), res.g.float().to(DEVICE)
-    ours = be.marginals(form, *near, 0.3)
-    want = ref.marginals(ref_form, res.f, res.g, la, lb, 0.3)
+    ours = be.marginals(Potentials(form, *near, 0.3))
+    want = ref.marginals(Potentials(ref_form, res.f, res.g, la, lb, 0.3))
     assert rel(ours[0].double().cpu(), want[0]) < 2e-5
     assert rel(ours[1].double().cpu(), want[1]) < 2e-5
     assert one_pass and all(one_pass)
@@ -102,8 +102,8 @@ def test_one_pass_step_records_its_residual_range_for_the_gate(gen, one_pass):
     state = be.fast_state(form.q.device)
     state.slots.fill_(1e30)  # stale values that a missing clear would keep
     args32 = [t.float().to(DEVICE) for t in (f, g, la, lb)]
-    be.jacobi_step(form, *args32, eps, (1.0, 1.0), (None, None), state=state)
-    lse_r, lse_c = TorchBackend().potential_lse(ref_form, f, g, la, lb, eps)
+    be.jacobi_step(Potentials(form, *args32, eps), (1.0, 1.0), (None, None), state=state)
+    lse_r, lse_c = TorchBackend().potential_lse(Potentials(ref_form, f, g, la, lb, eps))
     logs = torch.cat([log_residual(f, lse_r, ref_form.alpha, eps),
                       log_residual(g, lse_c, ref_form.beta, eps)])  # fmt: skip
     want = [max(0.0, float(logs.max())), max(0.0, float(-logs.min()))]
@@ -149,11 +149,11 @@ def test_partials_past_their_budget_take_the_two_pass_step(gen, one_pass, monkey
     _, form = _forms(x, y)
     args32 = [t.float().to(DEVICE) for t in (f, g, la, lb)]
     be = backend.TritonBackend()
-    one = be.jacobi_step(form, *args32, eps, (1.0, 1.0), (None, None))
+    one = be.jacobi_step(Potentials(form, *args32, eps), (1.0, 1.0), (None, None))
     from flashot.backends.triton import _one_pass
 
     monkeypatch.setattr(_one_pass, "partials_budget", lambda n, m, d: 0)
-    two = be.jacobi_step(form, *args32, eps, (1.0, 1.0), (None, None))
+    two = be.jacobi_step(Potentials(form, *args32, eps), (1.0, 1.0), (None, None))
     assert one_pass == [True, False]
     assert rel(one[0], two[0]) < 1e-5 and rel(one[1], two[1]) < 1e-5
 
@@ -194,5 +194,5 @@ def test_row_partials_take_one_float_per_row_and_column_block(gen, one_pass, mon
     need = 4 * -(-k.shape[0] // block_n) * q.shape[0]
     monkeypatch.setattr(_one_pass, "partials_budget", lambda n, m, d: need + spare)
     args32 = [t.float().to(DEVICE) for t in (f, g, la, lb)]
-    be.jacobi_step(form, *args32, eps, (1.0, 1.0), (None, None))
+    be.jacobi_step(Potentials(form, *args32, eps), (1.0, 1.0), (None, None))
     assert one_pass == [spare == 0]

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashot.backends import available_backends
+from flashot.backends.dual import Potentials
 from flashot.backends.triton._triples import (
     TRIPLE_UP_TO,
     TRIPLE_WIDTH,
@@ -156,7 +157,7 @@ def test_fp32_launches_take_triples_up_to_five_features(gen, d, presplit):
     la, lb = torch.rand(40, generator=gen).log().to(DEVICE), torch.zeros(50, device=DEVICE)
     with be.operand_scope():
         lse, _ = be.row_attend(form, h, 0.5)
-        r, c = be.plan_sums(small, f, g, la, lb, 0.5)
+        r, c = be.plan_sums(Potentials(small, f, g, la, lb, 0.5))
     ref = dense_attend(form, h, 0.5, None)[0]
     scale = float(form.dense().double().abs().max())
     assert scale > 200 and float((lse.double().cpu() - ref.cpu()).abs().max()) < 4e-7 * scale

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flashot.backends import available_backends
+from flashot.backends.dual import Potentials
 from flashot.backends.temperature import schedule_table, temperatures_on
 from flashot.solver import loop as solver
 from tests.backends.test_base import problem
@@ -54,7 +55,9 @@ def test_a_step_reads_the_row_as_its_scalars(gen, rho):
     outs = []
     for e in (eps, temp):
         state = be.fast_state(f.device)
-        outs.append(be.jacobi_step(form, f, g, la, lb, e, lam, rho, check=True, state=state))
+        outs.append(
+            be.jacobi_step(Potentials(form, f, g, la, lb, e), lam, rho, check=True, state=state)
+        )
     for plain, read in zip(*outs, strict=True):
         assert torch.equal(plain, read)
     for column, value in ((0, 2 * eps), (3, 0.9 * lam[0])):  # ε, then λ_x, from the row
@@ -62,7 +65,7 @@ def test_a_step_reads_the_row_as_its_scalars(gen, rho):
             continue
         moved_temp = _on_device([eps], damping=lambda e: lam)[0]
         moved_temp.cell[column] = value
-        moved = be.jacobi_step(form, f, g, la, lb, moved_temp, lam, rho, check=True,
+        moved = be.jacobi_step(Potentials(form, f, g, la, lb, moved_temp), lam, rho, check=True,
                                state=be.fast_state(f.device))  # fmt: skip
         assert not torch.equal(moved[0], outs[0][0]), column
 
@@ -78,7 +81,7 @@ def test_the_gate_limit_takes_the_rows_ratio(gen):
     _, temp = _on_device([2.8, 0.7])  # ratio 1/4
     for ratio, skipped in ((False, False), (True, True)):
         gate = (torch.tensor([3.0, 0.0], device=DEVICE), torch.zeros(2, device=DEVICE))
-        r, c = be.plan_sums(form, f, g, la, lb, temp, gate, 5.0, ratio=ratio)
+        r, c = be.plan_sums(Potentials(form, f, g, la, lb, temp), gate, 5.0, ratio=ratio)
         assert (float(r.abs().sum()) == 0.0) == skipped
         assert (float(c.abs().sum()) == 0.0) == skipped
 

@@ -9,6 +9,7 @@ import torch
 
 import flashot
 from flashot.backends import available_backends
+from flashot.backends.dual import Potentials
 from flashot.geometry.costs import attention_form, get_cost
 from tests.backends.test_base import dense_attend, problem
 from tests.conftest import clouds, cuda_clouds, rel, triton_backend
@@ -143,7 +144,7 @@ def test_plan_sums_match_dense(gen, splits, n, m, d):
     f, g = torch.randn(n, generator=gen).to(DEVICE), torch.randn(m, generator=gen).to(DEVICE)
     a, b = torch.rand(n, generator=gen).to(DEVICE), torch.rand(m, generator=gen).to(DEVICE)
     a[3] = 0.0
-    r, c = triton_backend(splits=splits).plan_sums(form, f, g, a.log(), b.log(), 0.7)
+    r, c = triton_backend(splits=splits).plan_sums(Potentials(form, f, g, a.log(), b.log(), 0.7))
     E = torch.exp((f.double()[:, None] + g.double()[None] - form.dense().double()) / 0.7)
     assert rel(r.cpu(), (E @ b.double()).cpu()) < 2e-5
     assert rel(c.cpu(), (a.double() @ E).cpu()) < 2e-5
@@ -165,7 +166,9 @@ def test_plan_sums_gate_skips_the_pass_and_clears_the_next_slot(gen):
         gate_in_t = torch.tensor(gate_in, device=DEVICE)
         gate_out = torch.tensor([7.0, 7.0], device=DEVICE)
         gate = (gate_in_t, gate_out)
-        r, c = be.plan_sums(form, f, g, la.to(DEVICE), lb.to(DEVICE), 0.7, gate, 5.0, span)
+        r, c = be.plan_sums(
+            Potentials(form, f, g, la.to(DEVICE), lb.to(DEVICE), 0.7), gate, 5.0, span
+        )
         assert gate_out.tolist() == [0.0, 0.0]
         assert (float(r.abs().sum()) == 0.0) == limit_hit
         assert (float(c.abs().sum()) == 0.0) == limit_hit
@@ -176,8 +179,8 @@ def test_plan_sums_shift_scales_the_sums(gen):
     f, g = torch.randn(33, generator=gen).to(DEVICE), torch.randn(45, generator=gen).to(DEVICE)
     la, lb = torch.full((33,), -math.log(33)), torch.full((45,), -math.log(45))
     be = triton_backend()
-    plain = be.plan_sums(form, f, g, la.to(DEVICE), lb.to(DEVICE), 0.7)
-    shifted = be.plan_sums(form, f, g, la.to(DEVICE), lb.to(DEVICE), 0.7, shift=18.0)
+    plain = be.plan_sums(Potentials(form, f, g, la.to(DEVICE), lb.to(DEVICE), 0.7))
+    shifted = be.plan_sums(Potentials(form, f, g, la.to(DEVICE), lb.to(DEVICE), 0.7), shift=18.0)
     for p, s in zip(plain, shifted, strict=True):
         assert rel(s, p * 2.0**18) < 1e-6
 
@@ -197,12 +200,12 @@ def _step_setup(gen, rho, n=40, m=30, eps=0.3):
 def test_fast_jacobi_step_matches_exact_step(gen, rho):
     form, f, g, la, lb, eps, lam = _step_setup(gen, rho)
     be = triton_backend()
-    args = (form, f, g, la, lb, eps, lam, rho)
+    args = (Potentials(form, f, g, la, lb, eps), lam, rho)
     exact = be.jacobi_step(*args, check=True)
     state = be.fast_state(f.device)
     fast = be.jacobi_step(*args, check=True, state=state)  # gate starts closed: exact
     again = be.jacobi_step(*args, check=True, state=state)  # now fused
-    r, c = be.plan_sums(form, f, g, la, lb, eps)
+    r, c = be.plan_sums(Potentials(form, f, g, la, lb, eps))
     assert (r > be.valid_range(30)[0]).all() and (c > be.valid_range(40)[0]).all()
     for out in (fast, again):
         assert rel(out[0], exact[0]) < 1e-5 and rel(out[1], exact[1]) < 1e-5
@@ -277,7 +280,7 @@ def test_probe_writes_the_sampled_residual_extremes(gen, monkeypatch):
     form, f, g, la, lb, eps, _ = _step_setup(gen, (None, None))
     f, g = f + 0.3 * torch.randn(40, generator=gen).to(DEVICE), g - 0.2
     slot = torch.full((2,), -1.0, device=DEVICE)
-    triton_backend()._probe(form, f, g, la, lb, eps, slot)
+    triton_backend()._probe(Potentials(form, f, g, la, lb, eps), slot)
     z = (f.double()[:, None] + g.double()[None, :] - form.dense().double()) / eps
     ln_r, ln_c = (z + lb.double()).logsumexp(1)[::5], (z + la.double()[:, None]).logsumexp(0)[::3]
     logs = torch.cat([ln_r, ln_c])  # rows 0, 5, …, 35 of 40; columns 0, 3, …, 27 of 30
@@ -298,9 +301,10 @@ def test_packed_probe_samples_each_problem_against_its_own_columns(gen, monkeypa
     seen = []
     probe = backend.TritonBackend._probe
 
-    def spy(self, form, f, g, la, lb, eps, slot):
-        probe(self, form, f, g, la, lb, eps, slot)
-        seen.append((form, f.clone(), g.clone(), la, lb, eps, slot.clone()))
+    def spy(self, pot, slot):
+        probe(self, pot, slot)
+        seen.append((pot.form, pot.f.clone(), pot.g.clone(), pot.log_a, pot.log_b, pot.eps,
+                     slot.clone()))  # fmt: skip
 
     monkeypatch.setattr(backend.TritonBackend, "_probe", spy)
     sizes = [(30, 20), (5, 19), (27, 24)]  # rows 0, 7, …; a small problem; blocks cut mid
@@ -437,7 +441,7 @@ def test_gate_limit_follows_eps_scaling(gen, monkeypatch):
     state = be.fast_state(f.device)
     for step_eps in (eps, eps / 4):
         state.slots.fill_(50.0)
-        be.jacobi_step(form, f, g, la, lb, step_eps, lam, (None, None), state=state)
+        be.jacobi_step(Potentials(form, f, g, la, lb, step_eps), lam, (None, None), state=state)
     assert ran == [True, False]
 
 
@@ -447,12 +451,12 @@ def test_out_of_range_rows_and_columns_are_repaired_exactly(gen):
     f[[3, 17]] += 60.0  # these rows' sums overflow, and every column sum with them
     g[5] -= 60.0  # this column's sum underflows
     be = triton_backend()
-    r, c = be.plan_sums(form, f, g, la, lb, eps)
+    r, c = be.plan_sums(Potentials(form, f, g, la, lb, eps))
     lo_r, hi = be.valid_range(30)
     bad = ~((r > lo_r) & (r < hi))
     assert bad[[3, 17]].all() and bad.sum() == 2
     assert not ((c > be.valid_range(40)[0]) & (c < hi)).all()
-    args = (form, f, g, la, lb, eps, lam, (None, None))
+    args = (Potentials(form, f, g, la, lb, eps), lam, (None, None))
     exact = be.jacobi_step(*args, check=True)
     state = be.fast_state(f.device)
     state.slots.zero_()  # open the gate at once
@@ -477,11 +481,11 @@ def test_extrapolate_and_marginals_match_the_torch_backend(gen, fused):
     # exponents reach 86 nats, where one float32 ulp of the exponent is 86·2^-24 of
     # the sum: allow 8 such ulps (the GPU's scores round differently from the CPU's)
     tol = 8 * 86 * 2.0**-24
-    ours = be.extrapolate(form, f, g, la, lb, eps, (0.9, 0.8))
-    want = ref.extrapolate(form, f, g, la, lb, eps, (0.9, 0.8))
+    ours = be.extrapolate(Potentials(form, f, g, la, lb, eps), (0.9, 0.8))
+    want = ref.extrapolate(Potentials(form, f, g, la, lb, eps), (0.9, 0.8))
     assert rel(ours[0], want[0]) < 1e-5 and rel(ours[1], want[1]) < 1e-5
-    ours = be.marginals(form, f, g, la, lb, eps)
-    want = ref.marginals(form, f, g, la, lb, eps)
+    ours = be.marginals(Potentials(form, f, g, la, lb, eps))
+    want = ref.marginals(Potentials(form, f, g, la, lb, eps))
     assert rel(ours[0], want[0]) < tol and rel(ours[1], want[1]) < tol
 
 
@@ -707,13 +711,14 @@ def test_gate_views_at_any_offset_share_one_compiled_kernel():
     def builds():
         return sum(len(cache[0]) for cache in _kernels._plan_sums_kernel.device_caches.values())
 
-    sums = [be.plan_sums(form, f, g, la, lb, 1.0, gate=(buf[0:2], buf[2:4]))]
+    sums = [be.plan_sums(Potentials(form, f, g, la, lb, 1.0), gate=(buf[0:2], buf[2:4]))]
     before = builds()
     for off in (2, 4, 6, 1, 3):  # 8-, 16- and 4-byte aligned views
         buf.zero_()
         sums.append(
             be.plan_sums(
-                form, f, g, la, lb, 1.0, gate=(buf[off : off + 2], buf[off + 8 : off + 10])
+                Potentials(form, f, g, la, lb, 1.0),
+                gate=(buf[off : off + 2], buf[off + 8 : off + 10]),
             )
         )
     assert builds() == before

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashot
+from flashot.backends.dual import Potentials
 from flashot.backends.torch_backend import TorchBackend
 from flashot.solver import graphs
 from flashot.solver import loop as solver
@@ -213,7 +214,9 @@ def test_final_step_runs_with_the_loop_and_matches_the_extrapolation(gen, monkey
     args = (form, la, lb, [1.0, 0.3], prob.damping, (0.5, 0.5), prob.engine)
     for _ in range(3):  # eager, captured, replayed
         out = solver.solve(*args, max_iter=5, tol=None, final_step=True)
-        ref = prob.engine.extrapolate(form, out.f, out.g, la, lb, 0.3, prob.damping(0.3))
+        ref = prob.engine.extrapolate(
+            Potentials(form, out.f, out.g, la, lb, 0.3), prob.damping(0.3)
+        )
         assert out.final is not None
         assert rel(out.final[0], ref[0]) < 1e-14 and rel(out.final[1], ref[1]) < 1e-14
     assert solver.solve(*args, max_iter=5, tol=None).final is None

@@ -24,6 +24,7 @@ import torch
 
 from flashot.backends import entry_point
 from flashot.backends.base import Backend
+from flashot.backends.dual import Potentials
 from flashot.geometry.costs import AttentionForm
 
 __all__ = [
@@ -235,7 +236,7 @@ def extrapolate(
     if not needs_grad(form):
         form = form.detach()
         if update != "alternating":
-            return backend.extrapolate(form, f, g, log_a, log_b, eps, lam)
+            return backend.extrapolate(Potentials(form, f, g, log_a, log_b, eps), lam)
         f_new = lam[0] * (form.alpha - backend.row_attend(form, g - form.beta, eps, log_w=log_b)[0])
         lse_c = backend.row_attend(form.T, f_new - form.alpha, eps, log_w=log_a)[0]
         return f_new, lam[1] * (form.beta - lse_c)

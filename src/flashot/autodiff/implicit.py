@@ -45,7 +45,7 @@ from flashot.autodiff import dense_dual
 from flashot.autodiff.dual_log import DualSolveInfo, DualSolveLog, log_solve, record_dual_solves
 from flashot.backends import entry_point
 from flashot.backends.base import Backend
-from flashot.backends.dual import marginal_error, plan_times, relaxed_weight, row_mass
+from flashot.backends.dual import Potentials, marginal_error, plan_times, relaxed_weight, row_mass
 from flashot.backends.near import is_near_uniform
 from flashot.backends.plan_vjp import outputs_for
 from flashot.geometry.costs import AttentionForm
@@ -263,7 +263,7 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
                                (form.q.shape[0], form.k.shape[0])))  # fmt: skip
             return w_f, w_g
     log_a, log_b = torch.log(a), torch.log(b)
-    r, c = backend.marginals(form, f, g, log_a, log_b, eps)
+    r, c = backend.marginals(Potentials(form, f, g, log_a, log_b, eps))
     d_r = r if rho_x is None else r + (eps / rho_x) * relaxed_weight(f, a, rho_x)
     d_c = c if rho_y is None else c + (eps / rho_y) * relaxed_weight(g, b, rho_y)
     d_r_inv = torch.where(d_r > 0, 1.0 / d_r, torch.zeros_like(d_r))
@@ -276,10 +276,10 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
         d_r_inv, d_c, d_c_inv, c_unit = (t[:, None] for t in (d_r_inv, d_c, d_c_inv, c_unit))
 
         def p_times(w):  # P W: (m, k) -> (n, k), one pass
-            return plan_times(backend, form, f, g, log_a, log_b, eps, w)
+            return plan_times(backend, Potentials(form, f, g, log_a, log_b, eps), w)
 
         def pt_times(u):  # Pᵀ U: (n, k) -> (m, k), one pass
-            return plan_times(backend, form.T, g, f, log_b, log_a, eps, u)
+            return plan_times(backend, Potentials(form, f, g, log_a, log_b, eps).T, u)
 
     else:
         data = (form.q, form.k, form.alpha, form.beta, f, g, log_a, log_b, r, c, d_r_inv, d_c,
@@ -288,11 +288,13 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
         q, k, alpha, beta, f, g, log_a, log_b, r, c, d_r_inv, d_c, d_c_inv, c_unit = data
         form = AttentionForm(q, k, alpha, beta, cost_bound=form.cost_bound, segments=form.segments)
 
+        pot = Potentials(form, f, g, log_a, log_b, eps)
+
         def p_times(w):  # P w: (m,) -> (n,)
-            return backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, w=w)[0]
+            return backend.plan_matvec(pot, r, c, w=w)[0]
 
         def pt_times(u):  # Pᵀ u: (n,) -> (m,)
-            return backend.plan_matvec(form, f, g, log_a, log_b, eps, r, c, u=u)[1]
+            return backend.plan_matvec(pot, r, c, u=u)[1]
 
     def schur(w):
         out = (1 + shift) * d_c * w - pt_times(d_r_inv * p_times(w))

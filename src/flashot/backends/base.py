@@ -29,7 +29,7 @@ from dataclasses import fields
 
 import torch
 
-from flashot.backends.dual import marginal_error, row_mass
+from flashot.backends.dual import Potentials, marginal_error, row_mass
 from flashot.backends.near import NEAR_FROM, is_near_uniform, near_attend
 from flashot.backends.plan_vjp import ALL, PlanVJP, plan_vjp_tiles
 from flashot.backends.temperature import device_damping, device_value
@@ -163,25 +163,19 @@ class Backend:
             self.row_attend(form.T, h_row, eps, log_w=log_w_row)[0],
         )
 
-    def potential_lse(
-        self, form: AttentionForm, f, g, log_a, log_b, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def potential_lse(self, pot: Potentials) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`symmetric_lse` with the biases of potentials, ``h = g − β``, weights b.
 
         Args:
-            form: attention form.  f: (n,), g: (m,) potentials.
-            log_a: (n,), log_b: (m,) log weights.  eps: ε.
+            pot: the problem at potentials (f, g).
         """
-        return self.symmetric_lse(form, g - form.beta, f - form.alpha, eps, log_b, log_a)
+        form = pot.form
+        return self.symmetric_lse(form, pot.g - form.beta, pot.f - form.alpha, pot.eps,
+                                  pot.log_b, pot.log_a)  # fmt: skip
 
     def jacobi_step(
         self,
-        form: AttentionForm,
-        f: torch.Tensor,
-        g: torch.Tensor,
-        log_a: torch.Tensor,
-        log_b: torch.Tensor,
-        eps: float,
+        pot: Potentials,
         lam: tuple[float, float],
         rho: tuple[float | None, float | None],
         *,
@@ -196,10 +190,8 @@ class Backend:
             g' = \tfrac12\big(g + \lambda_y T(f)\big).
 
         Args:
-            form: attention form (detached).
-            f: (n,) and g: (m,) current potentials.
-            log_a: (n,) and log_b: (m,) log weights.
-            eps: ε.  lam: (λ_x, λ_y).  rho: (ρ_x, ρ_y) for the error's targets.
+            pot: the problem at the current potentials (f, g).
+            lam: (λ_x, λ_y).  rho: (ρ_x, ρ_y) for the error's targets.
             check: also return the L1 marginal error of the plan at (f, g).
             state: the solve's :meth:`fast_state` (None: exact path). A backend's fast
                 path must return the exact step's result (it may fall back per row).
@@ -207,7 +199,8 @@ class Backend:
         Returns:
             ``(f', g', err)``, err a 0-dim tensor or None.
         """
-        lse_r, lse_c = self.potential_lse(form, f, g, log_a, log_b, eps)
+        form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
+        lse_r, lse_c = self.potential_lse(pot)
         err = None
         if check:
             r, c = (
@@ -300,16 +293,15 @@ class Backend:
         return None
 
     def extrapolate(
-        self, form: AttentionForm, f, g, log_a, log_b, eps: float, lam: tuple[float, float]
+        self, pot: Potentials, lam: tuple[float, float]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One undamped Jacobi step, ``(λ_x T(g), λ_y T(f))``, without autograd.
 
         Args:
-            form: attention form.  f: (n,), g: (m,) potentials.
-            log_a: (n,), log_b: (m,) log weights.  eps: ε.  lam: (λ_x, λ_y).
+            pot: the problem at potentials (f, g).  lam: (λ_x, λ_y).
         """
-        lse_r, lse_c = self.potential_lse(form, f, g, log_a, log_b, eps)
-        return lam[0] * (form.alpha - lse_r), lam[1] * (form.beta - lse_c)
+        lse_r, lse_c = self.potential_lse(pot)
+        return lam[0] * (pot.form.alpha - lse_r), lam[1] * (pot.form.beta - lse_c)
 
     def plan_vjp(
         self,
@@ -359,7 +351,7 @@ class Backend:
         return plan_vjp_tiles(form, f, g, a, b, eps, v, d, budget, need, d0)
 
     def plan_matvec(
-        self, form: AttentionForm, f, g, log_a, log_b, eps: float, r, c, w=None, u=None
+        self, pot: Potentials, r, c, w=None, u=None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         r"""``(P w, Pᵀ u)`` for the plan ``P = a b e^{(f⊕g−C)/ε}`` (a CG's matvec).
 
@@ -370,11 +362,11 @@ class Backend:
         one :meth:`row_attend` pass per product asked for.
 
         Args:
-            form: attention form (detached).  f: (n,), g: (m,) potentials.
-            log_a: (n,), log_b: (m,) log weights.  eps: ε.
+            pot: the problem at potentials (f, g) (detached).
             r: (n,), c: (m,) the plan's row and column sums (:meth:`marginals`).
             w: (m,) or None.  u: (n,) or None: the products not wanted are None.
         """
+        form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
         pw = ptu = None
         if w is not None:
             _, avg = self.row_attend(form, g - form.beta, eps, w[:, None], log_b)
@@ -384,17 +376,16 @@ class Backend:
             ptu = c * _given(avg)[:, 0]
         return pw, ptu
 
-    def marginals(
-        self, form: AttentionForm, f, g, log_a, log_b, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def marginals(self, pot: Potentials) -> tuple[torch.Tensor, torch.Tensor]:
         """Row and column sums (n,), (m,) of the plan ``P = a b e^{(f⊕g−C)/ε}``.
 
         Args:
-            form: attention form.  f: (n,), g: (m,) potentials.
-            log_a: (n,), log_b: (m,) log weights.  eps: ε.
+            pot: the problem at potentials (f, g).
         """
-        lse_r, lse_c = self.potential_lse(form, f, g, log_a, log_b, eps)
-        return row_mass(f, lse_r, form.alpha, log_a, eps), row_mass(g, lse_c, form.beta, log_b, eps)
+        lse_r, lse_c = self.potential_lse(pot)
+        form, eps = pot.form, pot.eps
+        return (row_mass(pot.f, lse_r, form.alpha, pot.log_a, eps),
+                row_mass(pot.g, lse_c, form.beta, pot.log_b, eps))  # fmt: skip
 
 
 def _given(t: torch.Tensor | None) -> torch.Tensor:

@@ -7,11 +7,18 @@ attention form its rows are softmaxes of the biased scores ``⟨q_i, k_j⟩ + h_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from flashot.backends.temperature import device_value
 
+if TYPE_CHECKING:
+    from flashot.geometry.costs import AttentionForm
+
 __all__ = [
+    "Potentials",
     "log_residual",
     "marginal_error",
     "mass_excess",
@@ -20,6 +27,39 @@ __all__ = [
     "relaxed_weight",
     "row_mass",
 ]
+
+
+@dataclass(frozen=True)
+class Potentials:
+    r"""The dual problem at potentials (f, g): all that the plan needs.
+
+    .. math::
+
+        P_{ij} = a_i b_j \exp\big((f_i + g_j - C_{ij})/\varepsilon\big),
+        \qquad C_{ij} = \alpha_i + \beta_j - \langle q_i, k_j\rangle.
+
+    Attributes:
+        form: the attention form (q (n, d'), k (m, d'), α (n,), β (m,)), detached.
+        f: (n,), g: (m,) potentials.
+        log_a: (n,), log_b: (m,) log weights (``-inf`` for zero weights).
+        eps: ε (a float, or a :class:`~flashot.backends.temperature.Temperature`).
+    """
+
+    form: AttentionForm
+    f: torch.Tensor
+    g: torch.Tensor
+    log_a: torch.Tensor
+    log_b: torch.Tensor
+    eps: float
+
+    @property
+    def T(self) -> Potentials:
+        """The transposed problem's (rows and columns swapped)."""
+        return Potentials(self.form.T, self.g, self.f, self.log_b, self.log_a, self.eps)
+
+    def at(self, f: torch.Tensor, g: torch.Tensor) -> Potentials:
+        """The same problem at other potentials."""
+        return Potentials(self.form, f, g, self.log_a, self.log_b, self.eps)
 
 
 def log_residual(
@@ -42,15 +82,15 @@ def row_mass(
     return torch.exp(log_w + log_residual(pot, lse, offset, eps))
 
 
-def plan_times(backend, form, f, g, log_a, log_b, eps: float, v: torch.Tensor) -> torch.Tensor:
+def plan_times(backend, pot: Potentials, v: torch.Tensor) -> torch.Tensor:
     """``P v`` (n, p) for values v (m, p): one streaming ``row_attend`` pass, row-scaled.
 
     Args:
-        backend: the streaming primitives.  form: attention form (detached).
-        f: (n,), g: (m,) potentials.  log_a: (n,), log_b: (m,) log weights.  eps: ε.
+        backend: the streaming primitives.  pot: the problem at its potentials.
     """
-    lse, out = backend.row_attend(form, g - form.beta, eps, v, log_b)
-    r = row_mass(f, lse, form.alpha, log_a, eps)[:, None]
+    form = pot.form
+    lse, out = backend.row_attend(form, pot.g - form.beta, pot.eps, v, pot.log_b)
+    r = row_mass(pot.f, lse, form.alpha, pot.log_a, pot.eps)[:, None]
     if out.requires_grad or r.requires_grad:
         return r * out
     return out.mul_(r)  # the pass's own output: scaled in place, no second (n, p) array
@@ -72,7 +112,7 @@ def marginal_error(
     return (mass - torch.exp(target)).abs().sum()
 
 
-def mass_excess(backend, form, f, g, log_a, log_b, eps: float, r: torch.Tensor) -> torch.Tensor:
+def mass_excess(backend, pot: Potentials, r: torch.Tensor) -> torch.Tensor:
     r"""``m(P) − m(a) m(b)``, the plan's mass over that of ``a ⊗ b``, to a few ulps of the cost.
 
     The relaxed dual value holds ``ε (m(P) − m(a) m(b))``. From the row sums ``r`` its
@@ -89,11 +129,12 @@ def mass_excess(backend, form, f, g, log_a, log_b, eps: float, r: torch.Tensor) 
     the accuracy of the cost. Elsewhere ``Σ r − m(a) m(b)`` is as accurate.
 
     Args:
-        backend: the solve's backend.  form: attention form (detached).
-        f: (n,), g: (m,) potentials.  log_a: (n,), log_b: (m,) log weights.  eps: ε.
+        backend: the solve's backend.  pot: the problem at its potentials.
         r: (n,) row sums of the plan.
     """
     from flashot.backends.near import is_near_uniform, log_mass  # (backends import this module)
+
+    form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
 
     m_a, m_b = torch.exp(log_a).sum(), torch.exp(log_b).sum()
     if not is_near_uniform(form, eps):

@@ -25,7 +25,7 @@ import torch
 
 from flashot.autodiff.functions import extrapolate, extrapolation_parts, transform_parts
 from flashot.backends.base import Backend
-from flashot.backends.dual import marginal_error, row_mass
+from flashot.backends.dual import Potentials, marginal_error, row_mass
 from flashot.backends.near import is_near_uniform, warm_bounds
 from flashot.backends.temperature import device_damping, schedule_table, temperatures_on
 from flashot.geometry.costs import AttentionForm
@@ -236,7 +236,7 @@ def _solve_in_blocks(form, log_a, log_b, init, backend_key, table, options) -> S
         return out.f, out.g, *((out.pending,) if checks else ())
 
     def floor(f, g):
-        return precision_floor(form, f, g, log_a, log_b, eps_list[-1])
+        return precision_floor(Potentials(form, f, g, log_a, log_b, eps_list[-1]))
 
     names = ("eps_list", "damping", "max_iter", "check_every", "min_iter", "tol")
     (f, g), it, error, stop = _in_blocks(key, tensors, init or (), block, form=form, floor=floor,
@@ -334,14 +334,15 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
         assert first == 1, "a block after the first starts from the previous one's potentials"
         lam_x, lam_y = damping(eps)
         zf, zg = torch.zeros_like(q_alpha), torch.zeros_like(k_beta)
-        lse_r, lse_c = backend.potential_lse(warm, zf, zg, log_a, log_b, eps)
+        lse_r, lse_c = backend.potential_lse(Potentials(warm, zf, zg, log_a, log_b, eps))
         lam_x, lam_y = device_damping(eps, (lam_x, lam_y))
         f, g = lam_x * (q_alpha - lse_r), lam_y * (k_beta - lse_c)
     else:
         f, g = init
     bar = Progress(progress, max_iter)
-    stop = _Stopping(tol, lambda: precision_floor(form, f, g, log_a, log_b, eps_list[-1],
-                                                  backend=backend))  # fmt: skip
+    # (f and g read when called: the potentials the loop has then)
+    stop = _Stopping(tol, lambda: precision_floor(
+        Potentials(form, f, g, log_a, log_b, eps_list[-1]), backend=backend))  # fmt: skip
     last = len(eps_list) - 1
     schedule = CheckSchedule(len(eps_list), check_every)
     # a backend's fast path (one exponential per element for both updates) keeps its
@@ -363,7 +364,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
         step_form = form if it - 1 >= last else warm
         if update == "symmetric":
             f, g, err = backend.jacobi_step(
-                step_form, f, g, log_a, log_b, eps, lam, rho, check=check, state=state
+                Potentials(step_form, f, g, log_a, log_b, eps), lam, rho, check=check, state=state
             )
         else:
             lse_r, _ = backend.row_attend(step_form, g - k_beta, eps, log_w=log_b)
@@ -462,7 +463,7 @@ def solve_self(
             return (out.f, *((out.pending,) if checks else ()))
 
         def floor(p):
-            return precision_floor(form, p, p, log_a, log_a, eps_list[-1])
+            return precision_floor(Potentials(form, p, p, log_a, log_a, eps_list[-1]))
 
         with backend.operand_scope():
             (p,), it, error, stop = _in_blocks(
@@ -566,7 +567,8 @@ def _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol
         p = _self_damping(eps_list[0], damping) * (alpha - lse)
     else:
         p = init
-    stop = _Stopping(tol, lambda: precision_floor(form, p, p, log_a, log_a, eps_list[-1]))
+    stop = _Stopping(tol, lambda: precision_floor(Potentials(form, p, p, log_a, log_a,
+                                                             eps_list[-1])))  # fmt: skip
     error, it, pending = float("nan"), 0, None
     for it in range(first, final_it + 1):
         eps = eps_list[min(it - 1, last)]

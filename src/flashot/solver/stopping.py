@@ -147,8 +147,7 @@ def _is_self_problem(problem) -> bool:
     return all(torch.equal(u, v) for u, v in zip(_row_blocks(x), _row_blocks(y), strict=True))
 
 
-def precision_floor(form, f, g, log_a, log_b, eps: float, per_problem: bool = False,
-                    backend=None):  # fmt: skip
+def precision_floor(pot, per_problem: bool = False, backend=None):
     r"""The smallest L1 marginal error the dtype can attain at these potentials.
 
     A row's log residual ``ln R_i = (f_i − α_i + ℓ_i)/ε`` is formed from terms of size
@@ -165,11 +164,13 @@ def precision_floor(form, f, g, log_a, log_b, eps: float, per_problem: bool = Fa
     it). A solve whose error stalls under :data:`FLOOR_FACTOR` times it has stopped for
     precision, not for lack of iterations.
 
+    ``pot``: the problem at potentials (f, g) (:class:`~flashot.backends.dual.Potentials`).
     ``backend``: sums and sizes over a sharded problem's ranks
     (:meth:`~flashot.backends.base.Backend.reduce`). With ``per_problem``, a packed
     form's (:mod:`flashot.geometry.segments`) floors of each of its problems, (B,) float64
     on the host; otherwise one float.
     """
+    form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
     u = torch.finfo(f.dtype).eps
     n, m = (f.shape[0], g.shape[0]) if backend is None else backend.global_shape(form)
     seg = form.segments if per_problem else None

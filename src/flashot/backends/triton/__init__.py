@@ -21,7 +21,7 @@ import triton
 
 from flashot.backends.base import Backend
 from flashot.backends.device import on_device, triton_interpreted
-from flashot.backends.dual import log_residual
+from flashot.backends.dual import Potentials, log_residual
 from flashot.backends.near import NEAR_FROM, is_near_uniform
 from flashot.backends.plan_vjp import ALL
 from flashot.backends.temperature import LOG2E, Temperature, device_value, follows
@@ -254,8 +254,8 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         return self._attend(form.q, form.k, eps, (h.to(torch.float32).contiguous(),), v,
                             segments=form.segments)  # fmt: skip
 
-    def plan_sums(self, form, f, g, log_a, log_b, eps, gate=None, limit=GATE_LIMIT, span=False,
-                  shift=0.0, mul=None, ratio=False):  # fmt: skip
+    def plan_sums(self, pot, gate=None, limit=GATE_LIMIT, span=False, shift=0.0, mul=None,
+                  ratio=False):  # fmt: skip
         r"""Weighted row and column sums of ``E_ij = exp((f_i + g_j − C_ij)/ε)``.
 
         .. math::
@@ -267,8 +267,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         terms may have over- or underflowed.
 
         Args:
-            form: attention form.  f: (n,), g: (m,) potentials.
-            log_a: (n,), log_b: (m,) log weights.  eps: ε.
+            pot: the problem at potentials (f, g) (:class:`~flashot.backends.dual.Potentials`).
             gate: optional ``(gate_in, gate_out)`` 2-element float32 tensors: skip the
                 pass (sums stay 0) when the bound ``gate_in`` gives exceeds ``limit``,
                 and zero ``gate_out``. ``gate_in`` holds the largest ``ln R`` and
@@ -285,6 +284,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             ``(R (n,), C (m,))``; with ``mul``, ``(R, C, R₀, C₀)`` with ``R₀``, ``C₀`` the
             sums without it.
         """
+        form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
         q, k, split_args, presplit, nb, mb, key = self._sums_operands(form)
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
@@ -401,8 +401,8 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         """See :meth:`flashot.backends.base.Backend.fast_state`: the residual gate."""
         return Gate(device) if self.fused else None
 
-    def _step(self, form, f, g, log_a, log_b, eps, w_old, w_new, *, rho=(None, None),
-              check=False, state=None, log_sums=False, damped=False):  # fmt: skip
+    def _step(self, pot, w_old, w_new, *, rho=(None, None), check=False, state=None,
+              log_sums=False, damped=False):  # fmt: skip
         """Fused sums (when allowed), exact repair where needed, then both updates.
 
         The gate: a balanced averaged step ``f' = f − ½ε ln R``, ``g' = g − ½ε ln C``
@@ -415,26 +415,27 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         In "fp32" from :data:`ONE_PASS_FROM_D` features a step is one exact pass instead
         (:mod:`._one_pass`), with no gate, when its partials fit their budget.
         """
+        form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
         n, m = f.shape[0], g.shape[0]
         dev = f.device
         bias_r, bias_c = (g, form.beta, log_b), (f, form.alpha, log_a)
         gate = None if state is None else state.swap()
         wide = self.fused and self.precision == "fp32" and ONE_PASS_FROM_D is not None
         wide = wide and form.q.shape[1] >= ONE_PASS_FROM_D
-        both = exact_lse(self, form, f, g, log_a, log_b, eps) if wide else None
+        both = exact_lse(self, pot) if wide else None
         if both is not None:
             if state is not None:  # the update records this step's residual range
                 gate[1].zero_()
                 state.eps, state.steps = eps, state.steps + 1
-            return self._update(form, f, g, log_a, log_b, eps, w_old, w_new, rho, check,
-                                state, log_sums, gate, *both, damped=damped)  # fmt: skip
+            return self._update(pot, w_old, w_new, rho, check, state, log_sums, gate, *both,
+                                damped=damped)  # fmt: skip
         span = rho == (None, None) and w_old == w_new == (0.5, 0.5)
         ratio = False
         limit = _window(n, m) if span else GATE_LIMIT
         probe = span and self.fused and state is not None and state.steps == 1
         probe = probe and min(n, m) >= PROBE_FROM
         if probe:  # an estimate at this ε replaces the bound
-            self._probe(form, f, g, log_a, log_b, eps, gate[0])
+            self._probe(pot, gate[0])
         elif state is not None:  # |ln R| scales as 1/ε: after an ε-scaling step, predict it
             ratio = follows(eps, state.eps)
             if not ratio:  # (else on the device: a replayed schedule's ratio)
@@ -442,8 +443,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         if state is not None:
             state.eps, state.steps = eps, state.steps + 1
         if self.fused:
-            r, c = self.plan_sums(form, f, g, log_a, log_b, eps, gate, limit, span and not probe,
-                                  SUM_SHIFT, ratio=ratio)  # fmt: skip
+            r, c = self.plan_sums(pot, gate, limit, span and not probe, SUM_SHIFT, ratio=ratio)
         else:
             r, c = torch.zeros(n, device=dev), torch.zeros(m, device=dev)
         lo, hi = sum_ranges(log_a, log_b, state)
@@ -452,16 +452,17 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
                              segments=seg)[0]  # fmt: skip
         lse_c = self._attend(form.k, form.q, eps, bias_c, repair=(c, lo[1:2], hi),
                              segments=None if seg is None else seg.T)[0]  # fmt: skip
-        return self._update(form, f, g, log_a, log_b, eps, w_old, w_new, rho, check, state,
-                            log_sums, gate, lse_r, lse_c, (r, c, lo, hi), damped)  # fmt: skip
+        return self._update(pot, w_old, w_new, rho, check, state, log_sums, gate, lse_r, lse_c,
+                            (r, c, lo, hi), damped)  # fmt: skip
 
-    def _update(self, form, f, g, log_a, log_b, eps, w_old, w_new, rho, check, state,
-                log_sums, gate, lse_r, lse_c, sums=None, damped=False):  # fmt: skip
+    def _update(self, pot, w_old, w_new, rho, check, state, log_sums, gate, lse_r, lse_c,
+                sums=None, damped=False):  # fmt: skip
         """The update launch of :meth:`_step`: fused sums where valid, else the LSEs.
 
         ``sums=(r, c, lo, hi)``; None: the LSEs hold every row and column. ``damped``:
         ``w_new`` is scaled by the damping of ``eps``'s device row.
         """
+        form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
         n, m, dev = f.shape[0], g.shape[0], f.device
         if sums is None:  # no sum is in range: every entry takes its LSE
             lo, hi = sum_ranges(log_a, log_b, state)
@@ -488,7 +489,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             )  # fmt: skip
         return f_out, g_out, (err[0] if check else None)
 
-    def _probe(self, form, f, g, log_a, log_b, eps, slot):
+    def _probe(self, pot, slot):
         """Write an estimate of this step's largest ``ln R`` and ``−ln R`` into ``slot``.
 
         The exact residuals of :data:`PROBE_ROWS` strided rows and as many columns
@@ -496,6 +497,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         times :data:`PROBE_MARGIN`: a sample, not a bound. Where it is wrong the fused
         pass's out-of-range sums are repaired exactly, at the cost of that pass.
         """
+        form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
         logs = []
         seg = form.segments
         for q, k, p, offset, bias, sides in (
@@ -511,7 +513,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         ln = torch.cat(logs)
         slot.copy_(torch.stack([ln.max(), -ln.min()]).clamp_min(0.0) * PROBE_MARGIN)
 
-    def jacobi_step(self, form, f, g, log_a, log_b, eps, lam, rho, *, check=False, state=None):
+    def jacobi_step(self, pot, lam, rho, *, check=False, state=None):
         """See :meth:`flashot.backends.base.Backend.jacobi_step`.
 
         The fast path shares one score tile and one exponential per element between the
@@ -520,21 +522,21 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         every row takes the exact path. Either way the update and the marginal error are
         one more small launch, and nothing waits for the host.
         """
-        if _near(form, eps):  # ε above the cost's range: the exact near path
-            return super().jacobi_step(form, f, g, log_a, log_b, eps, lam, rho, check=check)
+        if _near(pot.form, pot.eps):  # ε above the cost's range: the exact near path
+            return super().jacobi_step(pot, lam, rho, check=check)
         # a replayed schedule's damping is read from its row (the update scales ½ by it)
-        damped = isinstance(eps, Temperature) and rho != (None, None)
+        damped = isinstance(pot.eps, Temperature) and rho != (None, None)
         w_new = (0.5, 0.5) if damped else (0.5 * lam[0], 0.5 * lam[1])
-        return self._step(form, f, g, log_a, log_b, eps, (0.5, 0.5), w_new, rho=rho, check=check,
-                          state=state, damped=damped)  # fmt: skip
+        return self._step(pot, (0.5, 0.5), w_new, rho=rho, check=check, state=state,
+                          damped=damped)  # fmt: skip
 
-    def extrapolate(self, form, f, g, log_a, log_b, eps, lam):
+    def extrapolate(self, pot, lam):
         """See :meth:`flashot.backends.base.Backend.extrapolate` (fused where valid)."""
-        if _near(form, eps):
-            return super().extrapolate(form, f, g, log_a, log_b, eps, lam)
-        return self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), lam)[:2]
+        if _near(pot.form, pot.eps):
+            return super().extrapolate(pot, lam)
+        return self._step(pot, (0.0, 0.0), lam)[:2]
 
-    def plan_matvec(self, form, f, g, log_a, log_b, eps, r, c, w=None, u=None):
+    def plan_matvec(self, pot, r, c, w=None, u=None):
         """See :meth:`flashot.backends.base.Backend.plan_matvec`: one fused pass.
 
         The rows are first moved to their fixed point, ``f̃ = f − ε ln(r/a)`` with row
@@ -542,16 +544,17 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         range (``E_ij ≤ 1/b_j``) and no max needs tracking; the pass also sums the plain
         weights, whose ratios give the averages.
         """
-        if _generic(form, eps):
-            return super().plan_matvec(form, f, g, log_a, log_b, eps, r, c, w, u)
+        if _generic(pot.form, pot.eps):
+            return super().plan_matvec(pot, r, c, w, u)
+        f, eps = pot.f, pot.eps
         # row weights r with f̃ keep r_i E'_ij = a_i E_ij for the columns; rows without
         # mass add nothing (and must not overflow into 0 · inf)
         log_r = torch.log(r)
-        f_fixed = torch.where(r > 0, f - eps * (log_r - log_a), -math.inf)
+        f_fixed = torch.where(r > 0, f - eps * (log_r - pot.log_a), -math.inf)
         mul_a = torch.zeros_like(r) if u is None else u.to(torch.float32)
         mul_b = torch.zeros_like(c) if w is None else w.to(torch.float32)
-        rows, cols, rows_den, cols_den = self.plan_sums(form, f_fixed, g, log_r, log_b, eps,
-                                                        mul=(mul_a, mul_b))  # fmt: skip
+        fixed = Potentials(pot.form, f_fixed, pot.g, log_r, pot.log_b, eps)
+        rows, cols, rows_den, cols_den = self.plan_sums(fixed, mul=(mul_a, mul_b))
         pw = None if w is None else torch.where(r > 0, r * rows / rows_den, 0.0)
         ptu = None if u is None else torch.where(c > 0, c * cols / cols_den, 0.0)
         return pw, ptu
@@ -562,13 +565,12 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             return super().plan_vjp(form, f, g, a, b, eps, v, d, need, d0)
         return fused_plan_vjp(self, form, f, g, a, b, eps, v, d, need, d0)
 
-    def marginals(self, form, f, g, log_a, log_b, eps):
+    def marginals(self, pot):
         """See :meth:`flashot.backends.base.Backend.marginals` (fused where valid)."""
-        if _near(form, eps):
-            return super().marginals(form, f, g, log_a, log_b, eps)
-        ln_r, ln_c, _ = self._step(form, f, g, log_a, log_b, eps, (0.0, 0.0), (0.0, 0.0),
-                                   log_sums=True)  # fmt: skip
-        return torch.exp(log_a + ln_r), torch.exp(log_b + ln_c)
+        if _near(pot.form, pot.eps):
+            return super().marginals(pot)
+        ln_r, ln_c, _ = self._step(pot, (0.0, 0.0), (0.0, 0.0), log_sums=True)
+        return torch.exp(pot.log_a + ln_r), torch.exp(pot.log_b + ln_c)
 
 
 def _near(form, eps: float) -> bool:

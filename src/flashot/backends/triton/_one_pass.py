@@ -46,13 +46,14 @@ def partials_budget(n: int, m: int, d: int) -> int:
     return max(PARTIALS_FLOOR, 8 * (n + m) * d)
 
 
-def exact_lse(backend, form, f, g, log_a, log_b, eps):
+def exact_lse(backend, pot):
     """``(lse_r (n,), lse_c (m,))`` of potentials f, g (see module), or None.
 
     None over the partials' budget or for a packed form (its blocks are the fused pass's).
     ``backend``: the :class:`~flashot.backends.triton.TritonBackend` (its operands,
-    tiles and launches).
+    tiles and launches); ``pot``: a :class:`~flashot.backends.dual.Potentials`.
     """
+    form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
     if form.segments is not None:
         return None
     q, k, split_args, presplit, nb, mb, key = backend._sums_operands(form)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from flashot.backends.device import on_device, triton_interpreted
-from flashot.backends.dual import plan_times
+from flashot.backends.dual import Potentials, plan_times
 from flashot.backends.plan_vjp import ALL, PlanVJP
 from flashot.backends.temperature import LOG2E, device_scale
 from flashot.backends.triton import _configs
@@ -147,7 +147,7 @@ def fused_plan_vjp(
                                  v, d, eps, "col_q" in need, d0, 2)  # fmt: skip
             col_q = None if col_q is None else col_q.mul_(b[:, None])
     if "pt_d" in need:
-        pt_d = plan_times(backend, form.T, g, f, torch.log(b), torch.log(a), eps, d)
+        pt_d = plan_times(backend, Potentials(form.T, g, f, torch.log(b), torch.log(a), eps), d)
     return PlanVJP(None if per_a is None else a * per_a, row_k,
                    None if per_b is None else b * per_b, col_q, pt_d, per_a, per_b)  # fmt: skip
 
