@@ -263,7 +263,8 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
                                (form.q.shape[0], form.k.shape[0])))  # fmt: skip
             return w_f, w_g
     log_a, log_b = torch.log(a), torch.log(b)
-    r, c = backend.marginals(Potentials(form, f, g, log_a, log_b, eps))
+    at_z = Potentials(form, f, g, log_a, log_b, eps)
+    r, c = backend.marginals(at_z)
     d_r = r if rho_x is None else r + (eps / rho_x) * relaxed_weight(f, a, rho_x)
     d_c = c if rho_y is None else c + (eps / rho_y) * relaxed_weight(g, b, rho_y)
     d_r_inv = torch.where(d_r > 0, 1.0 / d_r, torch.zeros_like(d_r))
@@ -276,10 +277,10 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
         d_r_inv, d_c, d_c_inv, c_unit = (t[:, None] for t in (d_r_inv, d_c, d_c_inv, c_unit))
 
         def p_times(w):  # P W: (m, k) -> (n, k), one pass
-            return plan_times(backend, Potentials(form, f, g, log_a, log_b, eps), w)
+            return plan_times(backend, at_z, w)
 
         def pt_times(u):  # Pᵀ U: (n, k) -> (m, k), one pass
-            return plan_times(backend, Potentials(form, f, g, log_a, log_b, eps).T, u)
+            return plan_times(backend, at_z.T, u)
 
     else:
         data = (form.q, form.k, form.alpha, form.beta, f, g, log_a, log_b, r, c, d_r_inv, d_c,
@@ -287,8 +288,7 @@ def solve_dual(form: AttentionForm, f, g, a, b, spec: DualSpec, f_bar, g_bar):
         capture, data = _capture_plan(spec, form, data)
         q, k, alpha, beta, f, g, log_a, log_b, r, c, d_r_inv, d_c, d_c_inv, c_unit = data
         form = AttentionForm(q, k, alpha, beta, cost_bound=form.cost_bound, segments=form.segments)
-
-        pot = Potentials(form, f, g, log_a, log_b, eps)
+        pot = Potentials(form, f, g, log_a, log_b, eps)  # (the captured blocks' buffers)
 
         def p_times(w):  # P w: (m,) -> (n,)
             return backend.plan_matvec(pot, r, c, w=w)[0]

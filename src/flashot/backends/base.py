@@ -199,7 +199,7 @@ class Backend:
         Returns:
             ``(f', g', err)``, err a 0-dim tensor or None.
         """
-        form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
+        form, f, g, log_a, log_b, eps = pot.parts()
         lse_r, lse_c = self.potential_lse(pot)
         err = None
         if check:
@@ -366,7 +366,7 @@ class Backend:
             r: (n,), c: (m,) the plan's row and column sums (:meth:`marginals`).
             w: (m,) or None.  u: (n,) or None: the products not wanted are None.
         """
-        form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
+        form, f, g, log_a, log_b, eps = pot.parts()
         pw = ptu = None
         if w is not None:
             _, avg = self.row_attend(form, g - form.beta, eps, w[:, None], log_b)

@@ -57,9 +57,9 @@ class Potentials:
         """The transposed problem's (rows and columns swapped)."""
         return Potentials(self.form.T, self.g, self.f, self.log_b, self.log_a, self.eps)
 
-    def at(self, f: torch.Tensor, g: torch.Tensor) -> Potentials:
-        """The same problem at other potentials."""
-        return Potentials(self.form, f, g, self.log_a, self.log_b, self.eps)
+    def parts(self) -> tuple:
+        """``(form, f, g, log_a, log_b, eps)``, for code that reads all six."""
+        return self.form, self.f, self.g, self.log_a, self.log_b, self.eps
 
 
 def log_residual(
@@ -134,7 +134,7 @@ def mass_excess(backend, pot: Potentials, r: torch.Tensor) -> torch.Tensor:
     """
     from flashot.backends.near import is_near_uniform, log_mass  # (backends import this module)
 
-    form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
+    form, f, g, log_a, log_b, eps = pot.parts()
 
     m_a, m_b = torch.exp(log_a).sum(), torch.exp(log_b).sum()
     if not is_near_uniform(form, eps):

@@ -170,7 +170,7 @@ def precision_floor(pot, per_problem: bool = False, backend=None):
     form's (:mod:`flashot.geometry.segments`) floors of each of its problems, (B,) float64
     on the host; otherwise one float.
     """
-    form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
+    form, f, g, log_a, log_b, eps = pot.parts()
     u = torch.finfo(f.dtype).eps
     n, m = (f.shape[0], g.shape[0]) if backend is None else backend.global_shape(form)
     seg = form.segments if per_problem else None

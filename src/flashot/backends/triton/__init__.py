@@ -284,7 +284,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
             ``(R (n,), C (m,))``; with ``mul``, ``(R, C, R₀, C₀)`` with ``R₀``, ``C₀`` the
             sums without it.
         """
-        form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
+        form, f, g, log_a, log_b, eps = pot.parts()
         q, k, split_args, presplit, nb, mb, key = self._sums_operands(form)
         n, m, d = q.shape[0], k.shape[0], q.shape[1]
         dev = q.device
@@ -415,7 +415,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         In "fp32" from :data:`ONE_PASS_FROM_D` features a step is one exact pass instead
         (:mod:`._one_pass`), with no gate, when its partials fit their budget.
         """
-        form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
+        form, f, g, log_a, log_b, eps = pot.parts()
         n, m = f.shape[0], g.shape[0]
         dev = f.device
         bias_r, bias_c = (g, form.beta, log_b), (f, form.alpha, log_a)
@@ -462,7 +462,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         ``sums=(r, c, lo, hi)``; None: the LSEs hold every row and column. ``damped``:
         ``w_new`` is scaled by the damping of ``eps``'s device row.
         """
-        form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
+        form, f, g, log_a, log_b, eps = pot.parts()
         n, m, dev = f.shape[0], g.shape[0], f.device
         if sums is None:  # no sum is in range: every entry takes its LSE
             lo, hi = sum_ranges(log_a, log_b, state)
@@ -497,7 +497,7 @@ class TritonBackend(TunedLaunches, OperandCache, Backend):
         times :data:`PROBE_MARGIN`: a sample, not a bound. Where it is wrong the fused
         pass's out-of-range sums are repaired exactly, at the cost of that pass.
         """
-        form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
+        form, f, g, log_a, log_b, eps = pot.parts()
         logs = []
         seg = form.segments
         for q, k, p, offset, bias, sides in (

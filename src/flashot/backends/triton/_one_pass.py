@@ -53,7 +53,7 @@ def exact_lse(backend, pot):
     ``backend``: the :class:`~flashot.backends.triton.TritonBackend` (its operands,
     tiles and launches); ``pot``: a :class:`~flashot.backends.dual.Potentials`.
     """
-    form, f, g, log_a, log_b, eps = pot.form, pot.f, pot.g, pot.log_a, pot.log_b, pot.eps
+    form, f, g, log_a, log_b, eps = pot.parts()
     if form.segments is not None:
         return None
     q, k, split_args, presplit, nb, mb, key = backend._sums_operands(form)
