@@ -162,3 +162,31 @@ def test_a_parameter_the_loss_does_not_use_is_named(cls):
     stray = torch.zeros(3, dtype=F64, requires_grad=True)
     with pytest.raises(ValueError, match=r"parameter 2 \(shape \(3,\)\)"):
         cls([A, t, stray]).step(closure)
+
+
+@pytest.mark.parametrize("cls", [NewtonCG, TrustRegion])
+def test_an_accepted_point_is_evaluated_once(cls, monkeypatch):
+    """The next step differentiates the evaluation that accepted its point (one closure
+    call per accepted step and per rejected trial), with the same iterates as a fresh
+    evaluation at every step."""
+    logs, calls = [], []
+    for reuse in (True, False):
+        if not reuse:  # (the reference: every step evaluates the closure anew)
+            monkeypatch.setattr(cls, "_reusable", lambda self, tol: setattr(self, "_kept", None))
+        params, closure, _ = registration()
+        count = [0]
+
+        def counted(closure=closure, count=count):
+            count[0] += 1
+            return closure()
+
+        opt = cls(params)
+        for _ in range(4):
+            opt.step(counted)
+        logs.append([(e["loss"], e["grad_norm"], e["step"]) for e in opt.log])
+        rejected = sum(e["step"] == "rejected" for e in opt.log)
+        calls.append((count[0], rejected, [e["t"] for e in opt.log]))
+    assert logs[0] == logs[1]
+    (reused, _, steps), (fresh, _, _) = calls
+    # every step that accepted a point saved the next step its evaluation
+    assert fresh >= 8 and reused == fresh - sum(t > 0 for t in steps[:-1])

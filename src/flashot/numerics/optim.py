@@ -22,6 +22,12 @@ convergence). The HVPs follow it: each step's dual solves run to the accuracy
 ``η_k / 10`` (:func:`flashot.sinkhorn`'s ``hvp_tol``, at most 5 %), since an HVP more
 accurate than the CG that uses it buys nothing.
 
+Evaluations: the point a Newton or trust-region step accepts was evaluated with autograd
+on (and with the next step's HVP accuracy), so the next step differentiates that
+evaluation instead of calling the closure again: one closure call per accepted step,
+plus the line search's rejected trials (as :class:`torch.optim.LBFGS` reuses its line
+search's last evaluation).
+
 Every optimizer appends one dict per step to :attr:`log`: ``loss``, ``grad_norm``,
 ``step`` (the step type), ``cg_iters``, ``lambda_min`` (when computed, with
 ``lambda_residual`` and ``lambda_converged`` of its Lanczos estimate), ``t`` (the step
@@ -51,6 +57,10 @@ class _SecondOrder(torch.optim.Optimizer):
         if len(self.param_groups) != 1:
             raise ValueError(f"{type(self).__name__} supports a single parameter group")
         self.log: list[dict] = []
+        # (parameters, hvp_tol, loss with its graph) of the last point evaluated with
+        # autograd, which the next step's derivatives take instead of a new evaluation
+        self._kept: tuple | None = None
+        self._trial: tuple | None = None
 
     @property
     def _params(self) -> list[torch.Tensor]:
@@ -66,10 +76,31 @@ class _SecondOrder(torch.optim.Optimizer):
                 p.copy_(flat[start : start + p.numel()].view_as(p))
                 start += p.numel()
 
-    def _loss_at(self, closure, flat: torch.Tensor) -> float:
+    def _loss_at(self, closure, flat: torch.Tensor, keep: tuple | None = None) -> float:
+        """The loss at ``flat`` (the parameters then hold it).
+
+        ``keep=(hvp_tol,)``: evaluated with autograd and that accuracy, so that
+        :meth:`_accept` can hand it to the next step's derivatives.
+        """
         self._assign(flat)
-        with torch.no_grad():
-            return float(closure())
+        if keep is None:
+            with torch.no_grad():
+                return float(closure())
+        with torch.enable_grad(), _accuracy(keep[0]):
+            loss = closure()
+        self._trial = (flat.clone(), keep[0], loss)
+        return float(loss.detach())
+
+    def _accept(self, accepted: bool) -> None:
+        """The last trial becomes the next step's evaluation if the step took it."""
+        self._kept, self._trial = (self._trial if accepted else None), None
+
+    def _reusable(self, hvp_tol: float | None):
+        """The kept loss if it was evaluated at these parameters with this accuracy."""
+        kept, self._kept = self._kept, None
+        if kept is None or kept[1] != hvp_tol or not torch.equal(kept[0], self._flat()):
+            return None
+        return kept[2]
 
     def _derivatives(self, closure, hvp_tol: float | None = None
                      ) -> tuple[float, torch.Tensor, Callable]:  # fmt: skip
@@ -78,11 +109,9 @@ class _SecondOrder(torch.optim.Optimizer):
         ``hvp_tol``: the HVPs' relative accuracy for this step (the dual solves of the
         flashot values the closure builds); None: the closure's own.
         """
-        options: contextlib.AbstractContextManager = contextlib.nullcontext()
-        if hvp_tol is not None:
-            options = dual_solve_options(hvp_tol * RESIDUAL_PER_ERROR)
-        with torch.enable_grad(), options:
-            loss = closure()
+        loss = self._reusable(hvp_tol)
+        with torch.enable_grad(), _accuracy(hvp_tol):
+            loss = closure() if loss is None else loss
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise TypeError("the closure must return the loss as a 0-dim tensor")
             grads = torch.autograd.grad(loss, self._params, create_graph=True,
@@ -108,14 +137,20 @@ class _SecondOrder(torch.optim.Optimizer):
 
         return float(loss.detach()), flat_grad, hvp
 
-    def _line_search(self, closure, x, loss, grad, direction, t, c1=1e-4, shrink=0.5, tries=30):
-        """Armijo backtracking from step ``t``; returns (t, new loss) or (0, loss)."""
+    def _line_search(self, closure, x, loss, grad, direction, t, c1=1e-4, shrink=0.5, tries=30,
+                     keep=None):  # fmt: skip
+        """Armijo backtracking from step ``t``; returns (t, new loss) or (0, loss).
+
+        ``keep``: as :meth:`_loss_at`'s, for the point accepted.
+        """
         slope = float(grad @ direction)
         for _ in range(tries):
-            new = self._loss_at(closure, x + t * direction)
+            new = self._loss_at(closure, x + t * direction, keep)
             if math.isfinite(new) and new <= loss + c1 * t * slope:
+                self._accept(keep is not None)
                 return t, new
             t *= shrink
+        self._accept(False)
         self._assign(x)
         return 0.0, loss
 
@@ -141,11 +176,22 @@ class _SecondOrder(torch.optim.Optimizer):
         known: it is set from the η the previous step's ‖g‖ gives (η/10, at most 5 %);
         the first step keeps the closure's own.
         """
-        hvp_tol = None
-        if adaptive and forcing.last is not None:
-            hvp_tol = min(0.1 * forcing.peek(forcing.last[0]), 0.05)
-        loss, grad, hvp = self._derivatives(closure, hvp_tol)
+        loss, grad, hvp = self._derivatives(closure, _next_hvp_tol(forcing, adaptive))
         return loss, grad, hvp, forcing.next(float(grad.norm()))
+
+
+def _accuracy(hvp_tol: float | None) -> contextlib.AbstractContextManager:
+    """Values built within take ``hvp_tol`` for their dual solves (None: their own)."""
+    if hvp_tol is None:
+        return contextlib.nullcontext()
+    return dual_solve_options(hvp_tol * RESIDUAL_PER_ERROR)
+
+
+def _next_hvp_tol(forcing: Forcing, adaptive: bool) -> float | None:
+    """The HVP accuracy of a step after ``forcing``'s last one: η/10, at most 5 %."""
+    if not adaptive or forcing.last is None:
+        return None
+    return min(0.1 * forcing.peek(forcing.last[0]), 0.05)
 
 
 class Forcing:
@@ -222,7 +268,9 @@ class NewtonCG(_SecondOrder):
             self.log.append(dict(entry, step="converged"))
             return loss
         direction, iters, kind = self._newton_direction(grad, hvp, group["cg_max_iter"], eta)
-        t, _ = self._line_search(closure, self._flat(), loss, grad, direction, group["lr"])
+        keep = (_next_hvp_tol(self._forcing, self._adaptive),)
+        t, _ = self._line_search(closure, self._flat(), loss, grad, direction, group["lr"],
+                                 keep=keep)  # fmt: skip
         self.log.append(dict(entry, step=kind, cg_iters=iters, t=t))
         return loss
 
@@ -291,13 +339,14 @@ class TrustRegion(_SecondOrder):
         x = self._flat()
         p, iters, boundary = steihaug(hvp, grad, group["radius"], tol, group["cg_max_iter"])
         predicted = -(float(grad @ p) + 0.5 * float(p @ hvp(p)))
-        new = self._loss_at(closure, x + p)
+        new = self._loss_at(closure, x + p, (_next_hvp_tol(self._forcing, self._adaptive),))
         ratio = (loss - new) / predicted if predicted > 0 else -1.0
         if ratio < 0.25:
             group["radius"] *= 0.25
         elif ratio > 0.75 and boundary:
             group["radius"] = min(2 * group["radius"], group["max_radius"])
         accepted = math.isfinite(new) and ratio > group["eta"]
+        self._accept(accepted)
         if not accepted:
             self._assign(x)
         self.log.append(dict(entry, step="trust" if accepted else "rejected", cg_iters=iters,
