@@ -164,7 +164,7 @@ def test_a_parameter_the_loss_does_not_use_is_named(cls):
         cls([A, t, stray]).step(closure)
 
 
-@pytest.mark.parametrize("cls", [NewtonCG, TrustRegion])
+@pytest.mark.parametrize("cls", [NewtonCG, TrustRegion, AdamNewton])
 def test_an_accepted_point_is_evaluated_once(cls, monkeypatch):
     """The next step differentiates the evaluation that accepted its point (one closure
     call per accepted step and per rejected trial), with the same iterates as a fresh
@@ -180,7 +180,8 @@ def test_an_accepted_point_is_evaluated_once(cls, monkeypatch):
             count[0] += 1
             return closure()
 
-        opt = cls(params)
+        # (AdamNewton: curvature steps from the start, not Adam's)
+        opt = cls(params, switch_grad_norm=1e9) if cls is AdamNewton else cls(params)
         for _ in range(4):
             opt.step(counted)
         logs.append([(e["loss"], e["grad_norm"], e["step"]) for e in opt.log])

@@ -450,7 +450,8 @@ class AdamNewton(_SecondOrder):
                 grad, hvp, group["cg_max_iter"], self._forcing.next(gnorm)
             )
             if kind == "newton":
-                t, _ = self._line_search(closure, x, loss, grad, direction, 1.0, tries=12)
+                t, _ = self._line_search(closure, x, loss, grad, direction, 1.0, tries=12,
+                                         keep=(None,))  # fmt: skip
                 if t > 0:
                     self.log.append(dict(entry, step=kind, cg_iters=iters, t=t))
                     return loss
@@ -491,7 +492,7 @@ class AdamNewton(_SecondOrder):
         direction, iters, kind = self._newton_direction(
             grad, hvp, group["cg_max_iter"], self._forcing.next(gnorm)
         )
-        t, _ = self._line_search(closure, x, loss, grad, direction, 1.0, tries=12)
+        t, _ = self._line_search(closure, x, loss, grad, direction, 1.0, tries=12, keep=(None,))
         self._newton_mode = kind == "newton" and t > 0
         # no negative curvature and no Newton step lowers the loss: the loss's own
         # accuracy (a Sinkhorn tolerance) is reached before grad_tol
