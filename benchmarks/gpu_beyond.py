@@ -15,7 +15,7 @@
   iterations, and ``torch.cuda.max_memory_allocated`` above the inputs (POT's dense GW
   holds n² floats: 10 GB at 50k).
 
-Prints a short table last.
+Prints a short table last. PARTS (default ``p,kernels,multiscale,gw``) picks sections.
 
     python benchmarks/gpu_beyond.py
 """
@@ -37,6 +37,7 @@ GW_N = int(os.environ.get("GW_N", "50000"))
 MS_SIZES = [int(n) for n in os.environ.get("MS_SIZES", "100000,1000000").split(",")]
 SCALES = [float(c) for c in os.environ.get("SCALES", "0.02,0.05").split(",")]
 DENSE_MAX = int(os.environ.get("DENSE_MAX", "100000"))
+PARTS = os.environ.get("PARTS", "p,kernels,multiscale,gw").split(",")
 rows: list[tuple] = []
 
 
@@ -58,14 +59,14 @@ def timed(what, loss, x, y):
 
 
 print(torch.cuda.get_device_name(), torch.__version__, flashot.__version__, flush=True)
-for n in SIZES:
+for n in SIZES if "p" in PARTS else ():
     for d in DIMS:
         torch.manual_seed(0)
         x, y = torch.randn(n, d, device="cuda"), torch.randn(n, d, device="cuda") + 0.5
         for p in (2, 1):
             loss = flashot.SamplesLoss(p=p, blur=0.05, scaling=0.5, debias=True)
             timed((f"sinkhorn p={p}", n, d), loss, x, y)
-for d in DIMS:
+for d in DIMS if "p" in PARTS else ():
     torch.manual_seed(1)
     x, y = torch.randn(REF_N, d, device="cuda"), torch.randn(REF_N, d, device="cuda") + 0.5
     loss = flashot.SamplesLoss(p=1, blur=0.05, scaling=0.5, debias=True)
@@ -77,7 +78,7 @@ for d in DIMS:
 torch.manual_seed(2)
 n = SIZES[0]
 x, y = torch.randn(n, 3, device="cuda"), torch.randn(n, 3, device="cuda") + 0.5
-for name in ("energy", "gaussian", "laplacian", "hausdorff"):
+for name in ("energy", "gaussian", "laplacian", "hausdorff") if "kernels" in PARTS else ():
     timed((name, n, 3), flashot.SamplesLoss(name, blur=0.5), x, y)
 
 
@@ -86,7 +87,7 @@ def sphere(n, shift):
     return 0.5 * v / v.norm(dim=1, keepdim=True) + 0.5 + shift
 
 
-for n in MS_SIZES:
+for n in MS_SIZES if "multiscale" in PARTS else ():
     torch.manual_seed(4)
     x, y = sphere(n, 0.0), sphere(n, 0.05)
     dense = None
@@ -100,7 +101,7 @@ for n in MS_SIZES:
             v, g = value_and_grad(loss, x, y)
             print(f"  against dense: value {abs(float(v - dense[0])) / abs(float(dense[0])):.2e}, "
                   f"gradient {float((g - dense[1]).norm() / dense[1].norm()):.2e}", flush=True)
-for d in DIMS:
+for d in DIMS if "gw" in PARTS else ():
     for rho in (None, 100.0):
         torch.manual_seed(3)
         x, y = torch.randn(GW_N, d, device="cuda"), torch.randn(GW_N, d, device="cuda")
