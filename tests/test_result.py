@@ -383,3 +383,32 @@ def test_plan_products_match_float64():
     assert rel((res.plan @ v).double(), ref.plan @ v.double()) < 1e-4
     assert rel(res.plan.barycentric_map().double(), ref.plan.barycentric_map()) < 1e-4
     assert rel(res.transport_cost.double(), ref.transport_cost) < 1e-4
+
+
+@pytest.mark.parametrize("cost", ["sqeuclidean", "cosine"])
+def test_a_result_keeps_the_clouds_not_its_form(gen, cost):
+    """Without autograd a plan makes its attention form again when used (LazyForm): the
+    result holds x and y, not two more cloud-sized operands, and its products, blocks,
+    transpose and pickle agree with the dense plan."""
+    import gc
+    import pickle
+
+    from flashot.geometry.costs import LazyForm
+
+    x, y = clouds(gen, 40, 30, 3)
+    with torch.no_grad():
+        res = flashot.sinkhorn(x, y, eps=0.3, cost=cost, tol=1e-9)
+    gc.collect()
+    source = res.plan._source
+    assert isinstance(source, LazyForm) and source._ref() is None  # (no form alive)
+    a, b = res.plan._log_a.exp(), res.plan._log_b.exp()
+    P = plan_dense(dense_cost(x, y, cost), a, b, res.f, res.g, 0.3)
+    v = torch.randn(30, 2, generator=gen, dtype=F64)
+    u = torch.randn(40, generator=gen, dtype=F64)
+    assert rel(res.plan @ v, P @ v) < 1e-10 and rel(res.plan.T @ u, P.T @ u) < 1e-10
+    assert rel(res.plan[5:17] @ v, P[5:17] @ v) < 1e-10
+    again = pickle.loads(pickle.dumps(res))
+    assert rel(again.plan @ v, P @ v) < 1e-10
+    # with autograd the plan keeps its (differentiable) form
+    xs = x.clone().requires_grad_()
+    assert not isinstance(flashot.sinkhorn(xs, y, eps=0.3, cost=cost).plan._source, LazyForm)

@@ -16,7 +16,7 @@ from flashot.backends import entry_point
 from flashot.backends.dual import Potentials, phi_sum
 from flashot.batched import sinkhorn_batched
 from flashot.caller import warn_at_caller
-from flashot.geometry.costs import attention_form, bounding_diameter
+from flashot.geometry.costs import AttentionForm, LazyForm, attention_form, bounding_diameter
 from flashot.problem import Problem, check_init, cloud_tensor, make_problem
 from flashot.result import SinkhornResult, SolveHistory, TransportPlan
 from flashot.solver.loop import final_potentials, solve, temperatures
@@ -35,6 +35,24 @@ def resolve_schedule(eps_schedule, problem: Problem) -> list[float]:
     return temperatures(
         eps_schedule, problem.eps, lambda: bounding_diameter(problem.cost, problem.x, problem.y)
     )
+
+
+def _remade(problem, form: AttentionForm) -> AttentionForm | LazyForm:
+    """The plan's form, made again from the clouds when used (:class:`LazyForm`).
+
+    So a result holds the caller's x and y, not two more cloud-sized operands. Packed
+    forms are kept.
+    """
+    if form.segments is not None:
+        return form
+    cost, rounding = problem.cost, problem.engine.rounding
+    x, y, dtype, bound = problem.x, problem.y, form.q.dtype, form.cost_bound
+
+    def build() -> AttentionForm:
+        with torch.no_grad():
+            return attention_form(cost, x, y, dtype, rounding, bound)
+
+    return LazyForm(build, form.shape, current=form)
 
 
 def _piece(problem, f: torch.Tensor, g: torch.Tensor, spec, trajectory=None) -> Piece:
@@ -246,8 +264,8 @@ def sinkhorn(
     exact = None
     if torch.is_grad_enabled() and any(t.requires_grad for t in theta):
         exact = (theta, spec_of(problem, fd.dtype, hvp_tol))
-    plan = TransportPlan(form, fd, gd, log_a, log_b, eps, engine, problem.x, problem.y, rhos,
-                         exact)  # fmt: skip
+    plan = TransportPlan(form if exact is not None else _remade(problem, form), fd, gd, log_a,
+                         log_b, eps, engine, problem.x, problem.y, rhos, exact)  # fmt: skip
     # a fixed-iteration balanced solve needs neither the error nor the plan's mass:
     # the error is then measured only if asked for (it costs a pass over the plan)
     error_t = excess = None

@@ -31,7 +31,7 @@ from flashot.backends.dual import (
     plan_times,
     row_mass,
 )
-from flashot.geometry.costs import AttentionForm
+from flashot.geometry.costs import AttentionForm, LazyForm
 
 __all__ = ["SinkhornResult", "SolveHistory", "TransportPlan"]
 
@@ -61,7 +61,7 @@ class TransportPlan:
 
     def __init__(
         self,
-        form: AttentionForm,
+        form: AttentionForm | LazyForm,
         f: torch.Tensor,
         g: torch.Tensor,
         log_a: torch.Tensor,
@@ -73,7 +73,9 @@ class TransportPlan:
         rho: tuple[float | None, float | None] = (None, None),
         exact: tuple | None = None,
     ):
-        self._form, self._f, self._g = form, f.detach(), g.detach()
+        # (a LazyForm: the form made again when used, not kept; see LazyForm)
+        self._source, self._shape = form, (int(form.shape[0]), int(form.shape[1]))
+        self._f, self._g = f.detach(), g.detach()
         self._log_a, self._log_b, self._eps, self._backend = log_a, log_b, eps, backend
         self._x, self._y, self._rho = x.detach(), y.detach(), (rho[0], rho[1])
         self._x_graph, self._y_graph = x, y  # the maps' values, differentiable
@@ -85,10 +87,14 @@ class TransportPlan:
         state = dict(self.__dict__)
         state["_x_graph"], state["_y_graph"], state["_exact"] = self._x, self._y, None
         state["_log_a"], state["_log_b"] = self._log_a.detach(), self._log_b.detach()
+        state["_source"] = self._form  # (a snapshot holds its form: nothing to rebuild from)
         del state["_versions"]
         return state
 
     def __setstate__(self, state: dict) -> None:
+        if "_form" in state:  # (a plan pickled before its form could be made again)
+            state["_source"] = state.pop("_form")
+            state["_shape"] = tuple(int(s) for s in state["_source"].shape)
         self.__dict__.update(state)
         self._versions = self._state()
 
@@ -114,15 +120,20 @@ class TransportPlan:
         return self._backend
 
     @property
+    def _form(self) -> AttentionForm:
+        source = self._source
+        return source.get() if isinstance(source, LazyForm) else source
+
+    @property
     def shape(self) -> tuple[int, int]:
         """``(n, m)``."""
-        return self._form.shape
+        return self._shape
 
     @property
     def T(self) -> TransportPlan:
         """The transposed plan ``Pᵀ`` (m × n), also lazy."""
         return TransportPlan(
-            self._form.T,
+            self._source.T,
             self._g,
             self._f,
             self._log_b,
@@ -154,13 +165,17 @@ class TransportPlan:
             raise RuntimeError("row blocks of a plan are not differentiable in x, y, a or b, "
                                "which need gradients here: solve under torch.no_grad() or "
                                "with detached inputs")  # fmt: skip
-        form = self._form
-        if form.segments is not None:
+        source = self._source
+        if not isinstance(source, LazyForm) and source.segments is not None:
             raise ValueError("a packed batch's plan has no row blocks (slice its problems)")
         self._check_fresh()
         hi = max(lo, hi)
-        block = AttentionForm(form.q[lo:hi], form.k, form.alpha[lo:hi], form.beta,
-                              form.row_features, form.col_features, form.cost_bound)  # fmt: skip
+        if isinstance(source, LazyForm):
+            block: AttentionForm | LazyForm = LazyForm(
+                lambda: source.get().rows(lo, hi), (hi - lo, self._shape[1])
+            )
+        else:
+            block = source.rows(lo, hi)
         out = TransportPlan(block, self._f[lo:hi], self._g, self._log_a[lo:hi], self._log_b,
                             self._eps, self._backend, self._x_graph[lo:hi], self._y_graph,
                             self._rho)  # fmt: skip
@@ -175,9 +190,10 @@ class TransportPlan:
         """Row masses r (n,) and the softmax averages of v (n, p)."""
         self._check_fresh()
         with torch.no_grad():
-            h = self._g - self._form.beta
-            lse, out = self._backend.row_attend(self._form, h, self._eps, v, self._log_b)
-            return row_mass(self._f, lse, self._form.alpha, self._log_a, self._eps), out
+            form = self._form
+            lse, out = self._backend.row_attend(form, self._g - form.beta, self._eps, v,
+                                                self._log_b)  # fmt: skip
+            return row_mass(self._f, lse, form.alpha, self._log_a, self._eps), out
 
     def _potentials(self) -> Potentials:
         return Potentials(self._form, self._f, self._g, self._log_a, self._log_b, self._eps)

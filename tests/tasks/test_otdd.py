@@ -103,6 +103,11 @@ def test_class_mass_is_the_plan_summed_by_class():
     )
     assert torch.allclose(out.class_mass, ref, atol=1e-12)
     assert float(out.class_mass.sum()) == pytest.approx(1.0, abs=1e-10)
+    # the result holds the datasets, not the labeled operands (made again when used)
+    import gc
+
+    gc.collect()
+    assert out.result.plan._source._ref() is None
 
 
 def test_self_distance_is_zero_and_swapping_is_symmetric():

@@ -19,6 +19,7 @@ cost produced the form.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ __all__ = [
     "AttentionForm",
     "Cost",
     "FeatureMap",
+    "LazyForm",
     "attention_form",
     "bounding_diameter",
     "box_cost_bound",
@@ -104,6 +106,11 @@ class AttentionForm:
         return AttentionForm(self.q[rows], self.k[cols], self.alpha[rows], self.beta[cols],
                              cost_bound=bound)  # fmt: skip
 
+    def rows(self, lo: int, hi: int) -> AttentionForm:
+        """Rows ``lo:hi`` of a single problem's form (views of its operands)."""
+        return AttentionForm(self.q[lo:hi], self.k, self.alpha[lo:hi], self.beta,
+                             self.row_features, self.col_features, self.cost_bound)  # fmt: skip
+
     def detach(self) -> AttentionForm:
         """The same form cut from the autograd graph.
 
@@ -121,6 +128,38 @@ class AttentionForm:
             self.cost_bound,
             self.segments,
         )
+
+
+class LazyForm:
+    """An attention form made again from its clouds when used, held weakly between uses.
+
+    A plan that keeps it holds references to the clouds and the cost instead of the
+    form's operands, two cloud-sized copies (OTDD: 60 000 × 804 floats each) that would
+    otherwise live as long as the result. Making the form costs O((n + m) d), against
+    O(n m d) for any use of the plan.
+
+    Args:
+        build: makes the form (the same one each time: a detached, deterministic compile).
+        shape: its ``(n, m)``.  current: the form already made, kept weakly.
+    """
+
+    def __init__(self, build: Callable[[], AttentionForm], shape: tuple[int, int],
+                 current: AttentionForm | None = None):  # fmt: skip
+        self._build, self.shape = build, (int(shape[0]), int(shape[1]))
+        self._ref = None if current is None else weakref.ref(current)
+
+    def get(self) -> AttentionForm:
+        """The form: the one in use if any, else made again."""
+        form = None if self._ref is None else self._ref()
+        if form is None:
+            form = self._build()
+            self._ref = weakref.ref(form)
+        return form
+
+    @property
+    def T(self) -> LazyForm:
+        """The transposed form's, also lazy."""
+        return LazyForm(lambda: self.get().T, self.shape[::-1])
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,9 @@ class DatasetDistance:
 
     Attributes:
         distance: 0-dim tensor, differentiable w.r.t. both datasets' features.
-        result: the :class:`~flashot.SinkhornResult` of OT_ε(A, B) (lazy plan over the
-            labeled points: features with the label index appended).
+        result: the :class:`~flashot.SinkhornResult` of OT_ε(A, B): its lazy plan holds
+            the features and labels given (without autograd it makes the labeled
+            attention form again when used, so no operand copy outlives the call).
         class_mass: (K_a, K_b) mass the plan moves from each class of A to each of B.
         label_cost: (K_a + K_b, K_a + K_b) the ``W²`` table over A's classes then B's.
         classes_a: (K_a,) A's label values, in table order.  classes_b: (K_b,) B's.
