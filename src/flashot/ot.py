@@ -37,6 +37,17 @@ def resolve_schedule(eps_schedule, problem: Problem) -> list[float]:
     )
 
 
+def _compiler(problem):
+    """``(x, y) ↦`` the problem's attention form: what compiles it, not the form.
+
+    A closure over it holds the cost and the options (not the form, nor the problem
+    holding it): results and second-order pieces make the form again from the clouds.
+    """
+    pf = problem.form
+    cost, dtype, rounding, bound = problem.cost, pf.q.dtype, problem.engine.rounding, pf.cost_bound
+    return lambda x, y: attention_form(cost, x, y, dtype, rounding, bound)
+
+
 def _remade(problem, form: AttentionForm) -> AttentionForm | LazyForm:
     """The plan's form, made again from the clouds when used (:class:`LazyForm`).
 
@@ -45,12 +56,11 @@ def _remade(problem, form: AttentionForm) -> AttentionForm | LazyForm:
     """
     if form.segments is not None:
         return form
-    cost, rounding = problem.cost, problem.engine.rounding
-    x, y, dtype, bound = problem.x, problem.y, form.q.dtype, form.cost_bound
+    compile_form, x, y = _compiler(problem), problem.x, problem.y
 
     def build() -> AttentionForm:
         with torch.no_grad():
-            return attention_form(cost, x, y, dtype, rounding, bound)
+            return compile_form(x, y)
 
     return LazyForm(build, form.shape, current=form)
 
@@ -66,12 +76,10 @@ def _piece(problem, f: torch.Tensor, g: torch.Tensor, spec, trajectory=None) -> 
     if pf.segments is not None:
         return Piece(1.0, (pf.q, pf.alpha, pf.k, pf.beta, problem.a, problem.b), f, g, spec,
                      trajectory=trajectory)  # fmt: skip
-
-    # the closure holds what compiles the form, not the form (nor the problem holding it)
-    cost, dtype, rounding, bound = problem.cost, pf.q.dtype, problem.engine.rounding, pf.cost_bound
+    compile_form = _compiler(problem)
 
     def theta(x, y, a, b):  # run by a double backward only
-        form = attention_form(cost, x, y, dtype, rounding, bound)
+        form = compile_form(x, y)
         return form.q, form.alpha, form.k, form.beta, a, b
 
     return Piece(

@@ -165,20 +165,13 @@ class TransportPlan:
             raise RuntimeError("row blocks of a plan are not differentiable in x, y, a or b, "
                                "which need gradients here: solve under torch.no_grad() or "
                                "with detached inputs")  # fmt: skip
-        source = self._source
-        if not isinstance(source, LazyForm) and source.segments is not None:
+        if self._source.segments is not None:
             raise ValueError("a packed batch's plan has no row blocks (slice its problems)")
         self._check_fresh()
         hi = max(lo, hi)
-        if isinstance(source, LazyForm):
-            block: AttentionForm | LazyForm = LazyForm(
-                lambda: source.get().rows(lo, hi), (hi - lo, self._shape[1])
-            )
-        else:
-            block = source.rows(lo, hi)
-        out = TransportPlan(block, self._f[lo:hi], self._g, self._log_a[lo:hi], self._log_b,
-                            self._eps, self._backend, self._x_graph[lo:hi], self._y_graph,
-                            self._rho)  # fmt: skip
+        out = TransportPlan(self._source.rows(lo, hi), self._f[lo:hi], self._g,
+                            self._log_a[lo:hi], self._log_b, self._eps, self._backend,
+                            self._x_graph[lo:hi], self._y_graph, self._rho)  # fmt: skip
         out._versions = self._versions  # (slices share their base's version counters)
         return out
 

@@ -43,7 +43,14 @@ import dataclasses
 import torch
 
 from flashot.autodiff.implicit import DualSpec
-from flashot.autodiff.unrolled import Trajectory, damping, spec_at, transform_pass, transform_vjp
+from flashot.autodiff.unrolled import (
+    Trajectory,
+    damping,
+    spec_at,
+    transform_form,
+    transform_pass,
+    transform_vjp,
+)
 from flashot.backends import entry_point
 from flashot.backends.near import is_near_uniform
 from flashot.backends.temperature import device_damping, schedule_table, temperatures_on
@@ -116,9 +123,8 @@ def _run(sweep: _Sweep, direction, fn, tensors) -> tuple:
     Keyed by the schedule's structure where the backend's passes read temperatures from
     a device table (which is then one more input): a replay serves points that move.
     """
-    spec, q, k = sweep.spec, tensors[0], tensors[2]
-    form = AttentionForm(q, k, q.new_zeros(()), k.new_zeros(()), cost_bound=spec.cost_bound,
-                         segments=spec.segments)  # fmt: skip
+    spec, (q, alpha, k, beta) = sweep.spec, tensors[:4]
+    form = transform_form(q, alpha, k, beta, spec)
     backend_key = _graph_key(spec, form)
     if backend_key is None:
         with spec.backend.operand_scope(spec.operands):
@@ -132,7 +138,7 @@ def _run(sweep: _Sweep, direction, fn, tensors) -> tuple:
                 return tuple(fn(sweep, *t))
 
         return REPLAY_GRAPHS(key, captured, tensors)
-    table = sweep.table(q.device, tensors[1].dtype)
+    table = sweep.table(q.device, alpha.dtype)
     key = (direction, backend_key, shapes, sweep.structure_key(form))
 
     def on_table(*t):
@@ -181,17 +187,18 @@ class _Sweep:
         steps = []
         last = len(self.temps) - 1
         for i, e in enumerate(self.trajectory.temps):
-            at = spec_at(self.spec, e, i < last)
-            near = is_near_uniform(AttentionForm(form.q, form.k, form.alpha, form.beta,
-                                                 cost_bound=at.cost_bound), e)  # fmt: skip
+            bound = spec_at(self.spec, e, i < last).cost_bound
+            near = is_near_uniform(dataclasses.replace(form, cost_bound=bound), e)
             steps.append((i < last, e if near else None))
         return self._schedule_key(), tuple(steps)
 
     def table(self, device, dtype) -> torch.Tensor:
         """The schedule's device table (ε, log2(e)/ε, ratio, λ_x, λ_y per temperature)."""
-        rho_x, rho_y = self.spec.rho
-        return schedule_table(self.trajectory.temps, device, dtype,
-                              lambda e: (damping(rho_x, e), damping(rho_y, e)))  # fmt: skip
+        return schedule_table(self.trajectory.temps, device, dtype, self._damping)
+
+    def _damping(self, e: float) -> tuple[float, float]:
+        """(λ_x, λ_y) at ε = e, as floats."""
+        return damping(self.spec.rho[0], e), damping(self.spec.rho[1], e)
 
     def _steps(self):
         """Per iteration 1…K: its ε, whether a warm-up one, ω, ω of its columns."""
@@ -203,22 +210,15 @@ class _Sweep:
             col_omega = 1.0 if omega == 1.0 or schedule.before(it) else omega
             yield it, e, warm, omega, col_omega
 
-    def _lam(self, e) -> tuple:
-        """(λ_x, λ_y) at ε = e: a temperature's row, or floats."""
-        rho_x, rho_y = self.spec.rho
-        return device_damping(e, (damping(rho_x, e), damping(rho_y, e)))
+    def _lam(self, e, side: int):
+        """λ of ``side`` (0: rows, 1: columns) at ε = e: a temperature's row, or a float."""
+        return device_damping(e, self._damping(e))[side]
 
-    def _rows(self, theta, h, e, warm):
-        """``(λ_x T_x(h), r)`` at ε = e."""
-        q, alpha, k, beta, _, log_b = theta
-        t, r = transform_pass(q, alpha, k, beta, log_b, h, spec_at(self.spec, e, warm))
-        return self._lam(e)[0] * t, r
-
-    def _cols(self, theta, h, e, warm):
-        """``(λ_y T_y(h), r)`` at ε = e."""
-        q, alpha, k, beta, log_a, _ = theta
-        t, r = transform_pass(k, beta, q, alpha, log_a, h, spec_at(self.spec.T, e, warm))
-        return self._lam(e)[1] * t, r
+    def _transform(self, theta, side: int, h, e, warm):
+        """``(λ T(h), r)`` at ε = e: the rows' transform T_x (side 0) or the columns' T_y."""
+        (q, alpha, k, beta, log_w, _), _, spec = _side(theta, side, h, self.spec)
+        t, r = transform_pass(q, alpha, k, beta, log_w, h, spec_at(spec, e, warm))
+        return self._lam(e, side) * t, r
 
     def forward(self, q, alpha, k, beta, log_a, log_b, *init):
         """``(f_K, g_K, F, G, R_x, R_y)``: iterates and LSEs stacked, index 0 the start."""
@@ -230,62 +230,64 @@ class _Sweep:
             F[0], G[0] = init
         else:
             warm = len(temps) > 1
-            F[0], RX[0] = self._rows(theta, torch.zeros_like(beta), temps[0], warm)
-            G[0], RY[0] = self._cols(theta, torch.zeros_like(alpha), temps[0], warm)
+            F[0], RX[0] = self._transform(theta, 0, torch.zeros_like(beta), temps[0], warm)
+            G[0], RY[0] = self._transform(theta, 1, torch.zeros_like(alpha), temps[0], warm)
         for it, e, warm, omega, col_omega in self._steps():
             f, g = F[it - 1], G[it - 1]
             if traj.update == "symmetric":
-                t_x, RX[it] = self._rows(theta, g, e, warm)
-                t_y, RY[it] = self._cols(theta, f, e, warm)
+                t_x, RX[it] = self._transform(theta, 0, g, e, warm)
+                t_y, RY[it] = self._transform(theta, 1, f, e, warm)
                 F[it], G[it] = 0.5 * (f + t_x), 0.5 * (g + t_y)
                 continue
-            t_x, RX[it] = self._rows(theta, g, e, warm)
+            t_x, RX[it] = self._transform(theta, 0, g, e, warm)
             F[it] = t_x if omega == 1.0 else torch.lerp(f, t_x, omega)
-            t_y, RY[it] = self._cols(theta, F[it], e, warm)
+            t_y, RY[it] = self._transform(theta, 1, F[it], e, warm)
             G[it] = t_y if col_omega == 1.0 else torch.lerp(g, t_y, col_omega)
         return F[K].clone(), G[K].clone(), F, G, RX, RY
 
     def backward(self, needs, q, alpha, k, beta, log_a, log_b, F, G, RX, RY, u_f, u_g):
         """θ's gradients (None where ``needs`` is False) from ``(ū_{f_K}, ū_{g_K})``."""
-        traj, spec = self.trajectory, self.spec
+        traj, theta = self.trajectory, (q, alpha, k, beta, log_a, log_b)
         grads: list = [None] * 6  # q, α, k, β, log a, log b
 
-        def add(i, t):
-            if t is not None:
-                grads[i] = t if grads[i] is None else grads[i] + t
-
-        def rows_vjp(u, h, r, e, warm, h_needed=True):  # λ_x T_x(h) with cotangent u
-            u = self._lam(e)[0] * u
-            out = transform_vjp((q, alpha, k, beta, log_b, h), r, u, u, spec_at(spec, e, warm),
-                                (*needs[:4], needs[5], h_needed))  # fmt: skip
-            for i, t in zip((0, 1, 2, 3, 5), out[:5], strict=True):
-                add(i, t)
-            return out[5]
-
-        def cols_vjp(u, h, r, e, warm, h_needed=True):  # λ_y T_y(h) with cotangent u
-            u = self._lam(e)[1] * u
-            wanted = (needs[2], needs[3], needs[0], needs[1], needs[4], h_needed)
-            out = transform_vjp((k, beta, q, alpha, log_a, h), r, u, u, spec_at(spec.T, e, warm),
-                                wanted)  # fmt: skip
-            for i, t in zip((2, 3, 0, 1, 4), out[:5], strict=True):
-                add(i, t)
+        def vjp(side, u, h, r, e, warm, h_needed=True):  # λ T(h) with cotangent u: ū_h
+            parts, order, spec = _side(theta, side, h, self.spec)
+            u = self._lam(e, side) * u
+            wanted = (*(needs[i] for i in order), h_needed)
+            out = transform_vjp(parts, r, u, u, spec_at(spec, e, warm), wanted)
+            for i, t in zip(order, out[:5], strict=True):
+                if t is not None:
+                    grads[i] = t if grads[i] is None else grads[i] + t
             return out[5]
 
         for it, e, warm, omega, col_omega in reversed(list(self._steps())):
             if traj.update == "symmetric":
                 u_tx, u_ty = 0.5 * u_f, 0.5 * u_g
-                u_f, u_g = (u_tx + cols_vjp(u_ty, F[it - 1], RY[it], e, warm),
-                            u_ty + rows_vjp(u_tx, G[it - 1], RX[it], e, warm))  # fmt: skip
+                u_f, u_g = (u_tx + vjp(1, u_ty, F[it - 1], RY[it], e, warm),
+                            u_ty + vjp(0, u_tx, G[it - 1], RX[it], e, warm))  # fmt: skip
                 continue
-            u_f = u_f + cols_vjp(col_omega * u_g, F[it], RY[it], e, warm)
+            u_f = u_f + vjp(1, col_omega * u_g, F[it], RY[it], e, warm)
             u_g = (1.0 - col_omega) * u_g
-            u_g = u_g + rows_vjp(omega * u_f, G[it - 1], RX[it], e, warm)
+            u_g = u_g + vjp(0, omega * u_f, G[it - 1], RX[it], e, warm)
             u_f = (1.0 - omega) * u_f
         if traj.init is None:
             warm = len(traj.temps) > 1
             zero_g, zero_f = torch.zeros_like(beta), torch.zeros_like(alpha)  # (T(0), Tᵀ(0))
-            rows_vjp(u_f, zero_g, RX[0], self.temps[0], warm, h_needed=False)
-            cols_vjp(u_g, zero_f, RY[0], self.temps[0], warm, h_needed=False)
+            vjp(0, u_f, zero_g, RX[0], self.temps[0], warm, h_needed=False)
+            vjp(1, u_g, zero_f, RY[0], self.temps[0], warm, h_needed=False)
         return tuple(None if not need else (torch.zeros_like(t) if g is None else g)
-                     for need, g, t in zip(needs, grads, (q, alpha, k, beta, log_a, log_b),
-                                           strict=True))  # fmt: skip
+                     for need, g, t in zip(needs, grads, theta, strict=True))  # fmt: skip
+
+
+#: θ's indices (q, α, k, β, log a, log b) in the parts of each side's transform
+_ORDER = ((0, 1, 2, 3, 5), (2, 3, 0, 1, 4))
+
+
+def _side(theta, side: int, h, spec: DualSpec):
+    """``(parts, θ indices, spec)`` of one side's transform.
+
+    Side 0: the rows' T_x(h) over q's rows with weights b; side 1: the columns' T_y(h)
+    over k's rows with weights a.
+    """
+    order = _ORDER[side]
+    return (*(theta[i] for i in order), h), order, (spec if side == 0 else spec.T)

@@ -44,7 +44,7 @@ __all__ = [
     "Transform",
     "envelope_gradient",
     "spec_at",
-    "transform",
+    "transform_form",
     "transform_pass",
     "transform_vjp",
 ]
@@ -76,7 +76,7 @@ class Trajectory:
     refusal: str | None = None
 
 
-def _form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:
+def transform_form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:
     """The form of a pass, inside an autograd Function (grad mode off: no detach needed).
 
     q and k are the replay's own tensors, not detached copies: every pass then hands
@@ -134,16 +134,11 @@ class Transform(torch.autograd.Function):
 
 def transform_pass(q, alpha, k, beta, log_w, h, spec: DualSpec):
     """:class:`Transform`'s values without autograd: ``(t (n,), r (n,))``, one row pass."""
-    form = _form(q, alpha, k, beta, spec)
+    form = transform_form(q, alpha, k, beta, spec)
     with spec.backend.operand_scope(spec.operands):
         lse, _ = spec.backend.row_attend(form, h.detach() - form.beta, spec.eps,
                                          log_w=log_w.detach())  # fmt: skip
     return form.alpha - lse, -lse
-
-
-def transform(q, alpha, k, beta, log_w, h, spec: DualSpec) -> torch.Tensor:
-    """:class:`Transform`'s ``t``: the soft c-transform ``T(h)`` (n,) at ``spec.eps``."""
-    return Transform.apply(q, alpha, k, beta, log_w, h, spec)[0]
 
 
 def transform_vjp(parts, r, u, u_alpha, spec: DualSpec, needs) -> list:
@@ -175,7 +170,7 @@ def transform_vjp(parts, r, u, u_alpha, spec: DualSpec, needs) -> list:
         want |= {"col_q"} if needs[2] else set()
         want |= {"col"} if any(needs[3:]) else set()
         if want:
-            vjp = spec.backend.plan_vjp(_form(q, zero, k, beta, spec), r, h,
+            vjp = spec.backend.plan_vjp(transform_form(q, zero, k, beta, spec), r, h,
                                         *weights, spec.eps, u.new_ones(k.shape[0], 1), u[:, None],
                                         frozenset(want))  # fmt: skip
             _fill(out, needs, spec.eps, vjp.row_k, vjp.col_q, vjp.col)
@@ -202,7 +197,7 @@ class RowAverage(torch.autograd.Function):
     def forward(ctx, q, k, beta, log_w, h, v, spec):
         """One row pass with values."""
         zero = q.new_zeros(q.shape[0])
-        form = _form(q, zero, k, beta, spec)
+        form = transform_form(q, zero, k, beta, spec)
         with spec.backend.operand_scope(spec.operands):
             lse, out = spec.backend.row_attend(form, h.detach() - form.beta, spec.eps,
                                                v.detach(), log_w.detach())  # fmt: skip
@@ -224,7 +219,7 @@ class RowAverage(torch.autograd.Function):
         want |= {"col"} if any(needs[2:5]) else set()
         want |= {"pt_d"} if needs[5] else set()
         with spec.backend.operand_scope(spec.operands):
-            vjp = spec.backend.plan_vjp(_form(q, zero, k, beta, spec), -lse, h,
+            vjp = spec.backend.plan_vjp(transform_form(q, zero, k, beta, spec), -lse, h,
                                         torch.ones_like(lse), torch.exp(log_w), eps, v, d,
                                         frozenset(want), d0=-(d * out).sum(1))  # fmt: skip
         col = vjp.col

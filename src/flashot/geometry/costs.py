@@ -156,10 +156,17 @@ class LazyForm:
             self._ref = weakref.ref(form)
         return form
 
+    #: a single problem's (packed forms are kept as they are)
+    segments = None
+
     @property
     def T(self) -> LazyForm:
         """The transposed form's, also lazy."""
         return LazyForm(lambda: self.get().T, self.shape[::-1])
+
+    def rows(self, lo: int, hi: int) -> LazyForm:
+        """Rows ``lo:hi`` (:meth:`AttentionForm.rows`), also lazy."""
+        return LazyForm(lambda: self.get().rows(lo, hi), (hi - lo, self.shape[1]))
 
 
 @dataclass(frozen=True)
