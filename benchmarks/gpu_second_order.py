@@ -16,7 +16,8 @@ Parts (env PARTS, default "A,B,C"):
 * C, ``flashot.hvp`` (a solve to a tolerance, the dual CG): time, CG iterations and
   error against float64 for ``hvp_tol`` values (TOLS).
 * P, where A's HVP spends its time (n = SIZES[0], d = P_D; P_CASE=geomloss profiles B's
-  setting instead, without the float64 error): the profiler's top kernels and host calls, one row
+  setting instead, without the float64 error; P_WHOLE=1 profiles the whole call, loss and
+  gradient included): the profiler's top kernels and host calls, one row
   pass and one ``plan_vjp`` (as a replayed transform's backward makes it: one value
   column) timed alone; with SWEEP=1 the ``plan_vjp`` kernel's tiles for one value column
   (``_vjp.NARROW_TILES``), each with one launch, the whole HVP and its error against the
@@ -172,12 +173,17 @@ def part_p():
     loss = flashot.SamplesLoss() if geomloss else flashot.SamplesLoss(blur=0.3, scaling=0.9,
                                                                       debias=False)  # fmt: skip
 
+    def loss_y(t):
+        return loss(t, y)
+
     def hvp_of(xx, yy, vv):
         xl = xx.detach().requires_grad_()
         (gg,) = torch.autograd.grad(loss(xl, yy), xl, create_graph=True)
         return lambda: torch.autograd.grad((gg * vv).sum(), xl, retain_graph=True)[0]
 
     run = hvp_of(x, y, v)
+    if os.environ.get("P_WHOLE"):  # the whole call (loss, gradient, HVP), not the HVP alone
+        run = lambda: double_backward(loss_y, x, v)  # noqa: E731
     run(), run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
