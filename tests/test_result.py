@@ -244,9 +244,9 @@ def test_triton_backend_pickles_without_its_caches():
     from flashot.backends.triton import TritonBackend
 
     be = TritonBackend("tf32", fused=False, splits=2)
-    be._halves.append(("stale", 0, None))
+    be.operands.cache.append(("stale", 0, None))
     back = pickle.loads(pickle.dumps(be))
-    assert (back.precision, back.fused, back.splits, back._halves) == ("tf32", False, 2, [])
+    assert (back.precision, back.fused, back.splits, back.operands.cache) == ("tf32", False, 2, [])
     assert back.launch_key() == be.launch_key()
 
 

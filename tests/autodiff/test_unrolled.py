@@ -250,10 +250,11 @@ def test_replay_converts_each_cloud_once(monkeypatch):
     (``DualSpec.operands``): a double backward converts no cloud again (it converted
     both for every pass before: 62 conversions for the gradient, 62 more for the HVP)."""
     from flashot.backends.triton import TritonBackend
+    from flashot.backends.triton._operands import Operands
 
     calls = []
-    split = TritonBackend._split_parts
-    monkeypatch.setattr(TritonBackend, "_split_parts",
+    split = Operands.split_parts
+    monkeypatch.setattr(Operands, "split_parts",
                         lambda self, t: calls.append(t.shape) or split(self, t))  # fmt: skip
     x, y, _, _, v = problem(6, 8, 6, 2, dtype=torch.float32)
     loss = flashot.SamplesLoss(blur=0.3, scaling=0.5, diameter=4.0,

@@ -13,7 +13,7 @@ from flashot.backends.dual import Potentials
 from flashot.backends.temperature import schedule_table, temperatures_on
 from flashot.solver import loop as solver
 from tests.backends.test_base import problem
-from tests.backends.test_triton import _step_setup, triton_backend
+from tests.backends.triton.test_backend import _step_setup, triton_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")

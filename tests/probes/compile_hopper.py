@@ -10,11 +10,17 @@ import time
 
 os.environ.pop("TRITON_INTERPRET", None)
 
+from types import SimpleNamespace
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashot.backends.triton import _kernels as K
+from flashot.backends.triton import _attend, _plan_sums, _update
+
+K = SimpleNamespace(_attend_kernel=_attend._attend_kernel,
+                    _plan_sums_kernel=_plan_sums._plan_sums_kernel,
+                    _update_kernel=_update._update_kernel)  # fmt: skip
 
 FLOATS = {"scale", "scale_e", "eps", "hi", "gate_limit", "inv_rho_x", "inv_rho_y"}
 FLOATS |= {f"w_{age}_{side}" for age in ("old", "new") for side in "xy"}
@@ -101,7 +107,7 @@ def variants():
     )  # the one-pass step of wide features
     yield K._plan_sums_kernel, dict(exact, PRECISION="tf32x3", PRESPLIT=True), True
     yield K._plan_sums_kernel, dict(exact, PRECISION="tf32", PRESPLIT=False), False
-    from flashot.backends.triton import COMBINE_TILE
+    from flashot.backends.triton._attend import COMBINE_TILE
     from flashot.backends.triton._combine import _combine_kernel
 
     rows, cols = COMBINE_TILE  # the split merge's tiles as launched

@@ -1,6 +1,6 @@
 """Print the sm_90 TTGIR of the split score tile with several feature chunks.
 
-Run by ``tests/backends/test_split.py`` in a process without ``TRITON_INTERPRET`` (the
+Run by ``tests/backends/triton/test_split.py`` in a process without ``TRITON_INTERPRET`` (the
 interpreter compiles nothing); needs only Triton's compiler and its bundled ptxas.
 """
 
@@ -9,7 +9,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashot.backends.triton._kernels import _score_tile
+from flashot.backends.triton._common import _score_tile
 
 
 @triton.jit

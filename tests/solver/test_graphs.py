@@ -331,13 +331,13 @@ def test_repeated_fixed_iteration_solves_replay_a_cuda_graph(precision, monkeypa
     """New data each call (the bf16 copies must be remade inside the graph); replays
     equal eager solves; a warm start is another key. The second step's probe runs
     inside the graph too."""
-    from flashot.backends import triton as backend
+    from flashot.backends.triton import _step
     from flashot.solver import graphs
     from flashot.solver import loop as solver
 
     cache = graphs.GraphCache()
     monkeypatch.setattr(solver, "GRAPHS", cache)
-    monkeypatch.setattr(backend, "PROBE_FROM", 1024)
+    monkeypatch.setattr(_step, "PROBE_FROM", 1024)
     kw = dict(eps=0.1, max_iter=10, tol=None)
     for seed in range(4):
         x, y = cuda_clouds(3000, 2000, 64, seed)

@@ -1,6 +1,6 @@
 """The merge of column-split partials (max, sum, values) into row LSEs and averages.
 
-Split from :mod:`._kernels`: the attend launches with column splits and the exact one
+The attend launches (:mod:`._attend`) with column splits and the exact one
 pass (:mod:`._one_pass`) write partials; one small launch merges them here.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashot.backends.triton._kernels import (
+from flashot.backends.triton._common import (
     CONTROL_POINTERS,
     EPS,
     LOG2E,

@@ -26,24 +26,51 @@ import torch
 import triton
 
 from flashot.backends.device import on_device
-from flashot.backends.temperature import LOG2E
-from flashot.backends.triton import _configs
 from flashot.backends.triton._combine import _combine_kernel
-from flashot.backends.triton._kernels import _plan_sums_kernel
-from flashot.backends.triton._launch import temp_args
+from flashot.backends.triton._launch import run, table_tiles, temp_args
+from flashot.backends.triton._plan_sums import SumsLaunch
 
-__all__ = ["exact_lse", "partials_budget"]
+__all__ = ["ExactLaunch", "exact_lse", "partials_budget"]
 
 #: bytes of partials any one-pass step may take (see partials_budget)
 PARTIALS_FLOOR = 1 << 26
 
 
 def partials_budget(n: int, m: int, d: int) -> int:
-    """Bytes of partials a one-pass step may take: the clouds and their split copies.
+    """Bytes of partials any one-pass step may take: the clouds and their split copies.
 
     At least :data:`PARTIALS_FLOOR`; memory then stays O((n + m)·d).
     """
     return max(PARTIALS_FLOOR, 8 * (n + m) * d)
+
+
+class ExactLaunch(SumsLaunch):
+    """``_plan_sums_kernel`` with EXACT: base-2 LSE partials of rows and columns."""
+
+    def __init__(self, backend, pot):
+        super().__init__(backend, pot)
+        self.consts = {**self.consts, "EXACT": True}
+        self.key = (*self.key, "exact")  # its own occupancy and fitted tiles
+        self.autotuned = self.full = None
+        self.lse_r = self.sums
+        self.lse_c = torch.empty(self.m, device=self.device, dtype=torch.float32)
+
+    def allocate(self):
+        """The row LSEs (no sums are accumulated)."""
+        return torch.empty(self.n, device=self.device, dtype=torch.float32)
+
+    def outputs(self, splits, tiles, probe):
+        """Row LSE partials per column block, column (max, sum) pairs per row split."""
+        unused = self.lse_r
+        row_lse = col_max = col_sum = unused
+        if not probe:
+            blocks = triton.cdiv(self.m, tiles.kwargs["BLOCK_N"])
+            row_lse = torch.empty(blocks, self.n, device=self.device, dtype=torch.float32)
+            col_max = torch.empty(splits, self.m, device=self.device, dtype=torch.float32)
+            col_sum = torch.empty_like(col_max)
+        return dict(R=unused, C=unused, GATE_IN=unused, GATE_OUT=unused, MUL_A=unused,
+                    MUL_B=unused, R_DEN=unused, C_DEN=unused, ROW_LSE=row_lse,
+                    COL_MAX=col_max, COL_SUM=col_sum)  # fmt: skip
 
 
 def exact_lse(backend, pot):
@@ -53,56 +80,24 @@ def exact_lse(backend, pot):
     ``backend``: the :class:`~flashot.backends.triton.TritonBackend` (its operands,
     tiles and launches); ``pot``: a :class:`~flashot.backends.dual.Potentials`.
     """
-    form, f, g, log_a, log_b, eps = pot.parts()
-    if form.segments is not None:
+    if pot.form.segments is not None:
         return None
-    q, k, split_args, presplit, nb, mb, key = backend._sums_operands(form)
-    n, m, d = q.shape[0], k.shape[0], q.shape[1]
-    dev = q.device
-    bd, chunks = _configs.block_d(d, q.element_size())
-    cfg = backend._table_tiles(key, nb, mb, dev)
-    if 4 * triton.cdiv(m, cfg.kwargs["BLOCK_N"]) * n > partials_budget(n, m, d):
+    op = ExactLaunch(backend, pot)
+    n, m, dev = op.n, op.m, op.device
+    cfg = table_tiles(op.key[:-1], op.nb, op.mb, dev, backend.autotune)
+    if 4 * triton.cdiv(m, cfg.kwargs["BLOCK_N"]) * n > partials_budget(n, m, op.d):
         return None
-    lse_r = torch.empty(n, device=dev, dtype=torch.float32)
-    lse_c = torch.empty(m, device=dev, dtype=torch.float32)
-    block_n = cfg.kwargs["BLOCK_N"]
-
-    def build(splits, per, probe=False):
-        """Grid, arguments and constexprs with ``splits`` row splits; partials unless probe."""
-        row_lse = col_max = col_sum = lse_r
-        if not probe:
-            row_lse = torch.empty(triton.cdiv(m, block_n), n, device=dev, dtype=torch.float32)
-            col_max = torch.empty(splits, m, device=dev, dtype=torch.float32)
-            col_sum = torch.empty_like(col_max)
-
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_N"]), splits)
-
-        unused = (lse_r,) * 9  # R, C, the gate, the products' weights and sums, BLOCKS
-        args = (q, k, f, form.alpha, g, form.beta, log_a, log_b, *unused, n, m, d,
-                LOG2E / eps, 0.0, 0.0, 0, *temp_args(eps, lse_r), per, q.stride(0),
-                q.stride(1), k.stride(0), k.stride(1), nb, mb, *split_args, row_lse, col_max,
-                col_sum)  # fmt: skip
-        consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=False, MULTIPLY=False,
-                      PRECISION=backend._kernel_dot(key[4]), PRESPLIT=presplit,
-                      SEGMENTED=False, EXACT=True)  # fmt: skip
-        return grid, args, consts
-
-    exact_key = (*key, "exact")  # its own occupancy and fitted tiles
-
-    def plan_for(tiles):
-        nonlocal block_n
-        block_n = tiles.kwargs["BLOCK_N"]
-        return build(*backend._split(_plan_sums_kernel, exact_key, tiles, build, m, n, dev))
-
-    plan = backend._run_fitting(_plan_sums_kernel, exact_key, cfg, plan_for, dev)
-    row_lse, col_max, col_sum = plan[1][-3:]
+    plan = run(op, cfg, dev, backend.splits)
+    eps = pot.eps
     with on_device(dev):  # rows: LSE partials (unit sums); columns: (max, sum) pairs
-        for part_max, part_sum, out, size in ((row_lse, row_lse, lse_r, n),
-                                              (col_max, col_sum, lse_c, m)):  # fmt: skip
+        for part_max, part_sum, out, size in (
+            (plan.args["ROW_LSE"], plan.args["ROW_LSE"], op.lse_r, n),
+            (plan.args["COL_MAX"], plan.args["COL_SUM"], op.lse_c, m),
+        ):
             _combine_kernel[(triton.cdiv(size, 128), 1)](
-                part_max, part_sum, part_max, out, out, size, 1, part_max.shape[0], eps,
-                *temp_args(eps, out), 0, 0,
-                BLOCK=128, BLOCK_P=1, HAS_V=False, UNIT_SUMS=part_sum is part_max,
+                PART_MAX=part_max, PART_SUM=part_sum, PART_ACC=part_max, LSE=out, OUT=out,
+                n=size, p=1, splits=part_max.shape[0], eps=eps, **temp_args(eps, out),
+                stride_on=0, stride_op=0, BLOCK=128, BLOCK_P=1, HAS_V=False,
+                UNIT_SUMS=part_sum is part_max,
             )  # fmt: skip
-    return lse_r, lse_c
+    return op.lse_r, op.lse_c

@@ -1,8 +1,8 @@
 """How the Triton kernels read the clouds: float32, half copies, split parts or triples.
 
-:class:`OperandCache` is the :class:`~flashot.backends.triton.TritonBackend`'s side of
+:class:`Operands` (a :class:`~flashot.backends.triton.TritonBackend`'s ``operands``) holds
 that: per precision mode, the operand a kernel takes for a feature matrix, converted
-once and shared by the launches that reuse it.
+once and shared by the launches that reuse it, and the MMA precisions the kernels use.
 """
 
 from __future__ import annotations
@@ -17,7 +17,12 @@ from flashot.backends.device import triton_interpreted
 from flashot.backends.triton._split import SplitOperand, split_operand
 from flashot.backends.triton._triples import TRIPLE_UP_TO, triple_pair
 
-__all__ = ["OperandCache", "score_operands", "split_work"]
+__all__ = ["SPLIT_DOT", "Operands", "score_operands", "split_work"]
+
+# tl.dot input precisions per mode (float32 operands); the interpreter knows only IEEE
+_DOT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "tf32", "fp16": "tf32"}
+#: the tile tables' name for the split score operands' dot (:mod:`._split`)
+SPLIT_DOT = "split16"
 
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: ``presplit=None`` splits a launch's operands when its :func:`split_work` reaches this:
@@ -38,27 +43,38 @@ def split_work(elements: int, d: int) -> int:
     return elements * max(4 * d, 64)
 
 
-class OperandCache:
-    """Conversions of q and k for the kernels (a mixin of the Triton backend).
+class Operands:
+    """Conversions of q and k for the kernels, cached (one per Triton backend).
 
-    Needs ``precision`` and ``presplit``; keeps ``_halves`` (the cache) and ``_scopes``.
+    Args:
+        precision: the backend's mode (``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``).
+        presplit: the backend's ``presplit`` option (None, True or False).
     """
 
-    precision: str
-    presplit: bool | None
-    _halves: list
-    _scopes: int
+    def __init__(self, precision: str, presplit: bool | None):
+        self.precision, self.presplit = precision, presplit
+        self.cache: list = []  # (weakref to the source, its version, captured, triples, copy)
+        self.scopes = 0
 
     def __getstate__(self) -> dict:
-        """Options only (pickling): the cached half operands are rebuilt on demand."""
-        return {
-            key: value for key, value in self.__dict__.items() if key not in ("_halves", "_scopes")
-        }
+        """Options only (pickling): the cached operands are rebuilt on demand."""
+        return {"precision": self.precision, "presplit": self.presplit}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _halves=[], _scopes=0)
+        self.precision, self.presplit = state["precision"], state["presplit"]
+        self.cache, self.scopes = [], 0
 
-    def _triples(self, d: int) -> bool:
+    def dot(self, triples: bool = False) -> str:
+        """The score MMAs' ``input_precision`` (``triples``: one TF32 product of triples)."""
+        if triton_interpreted():
+            return "ieee"
+        return "tf32" if triples else _DOT[self.precision]
+
+    def kernel_dot(self, dot: str) -> str:
+        """The kernels' ``PRECISION`` for a tile key's dot (split parts do not read it)."""
+        return self.dot() if dot == SPLIT_DOT else dot
+
+    def triples(self, d: int) -> bool:
         """Whether score operands of d features are triples (:mod:`._triples`).
 
         In "fp32" with ``presplit=None`` (``False`` asks for 3xTF32 per tile, ``True``
@@ -74,13 +90,13 @@ class OperandCache:
         and the kernels read plain float32 operands of 16 features with one TF32 MMA).
         ``keep_q``: cache q's copy; ``work``: the launch's :func:`split_work`.
         """
-        if self._triples(q.shape[1]):
-            qt, kt = self._operand(q, keep_q, triples=True)[0], self._operand(k, triples=True)[1]
-            return qt, kt, (qt, kt, 0, 0), False, True
-        return (*score_operands(self._operand(q, keep_q, work), self._operand(k, work=work)),
+        if self.triples(q.shape[1]):
+            qt, kt = self.operand(q, keep_q, triples=True)[0], self.operand(k, triples=True)[1]
+            return qt, kt, _split_args(qt, kt, 0, 0), False, True
+        return (*score_operands(self.operand(q, keep_q, work), self.operand(k, work=work)),
                 False)  # fmt: skip
 
-    def _splits(self, work: int | None = None) -> bool:
+    def splits(self, work: int | None = None) -> bool:
         """Whether score operands are split once per solve (:mod:`._split`).
 
         ``work``: the launch's :func:`split_work`, which decides for ``presplit=None``
@@ -91,33 +107,33 @@ class OperandCache:
         return self.presplit is True or work is None or work >= PRESPLIT_FROM
 
     @contextlib.contextmanager
-    def operand_scope(self, carry: list | None = None):
+    def scope(self, carry: list | None = None):
         """See :meth:`flashot.backends.base.Backend.operand_scope`.
 
         Split operands are made and shared within (a solve's launches), dropped after;
         with ``carry`` its entries are served within and the block's are left in it.
         """
-        self._scopes += 1
+        self.scopes += 1
         if carry:
-            held = [e for e in carry if not any(e is h for h in self._halves)]
-            self._halves = [*self._halves, *held][-4:]
+            held = [e for e in carry if not any(e is h for h in self.cache)]
+            self.cache = [*self.cache, *held][-4:]
         try:
             yield
         finally:
-            self._scopes -= 1
+            self.scopes -= 1
             if carry is not None:
-                carry[:] = [e for e in self._halves if e[0]() is not None]
-            if self._scopes == 0 and self._splits():
-                self._halves = []
+                carry[:] = [e for e in self.cache if e[0]() is not None]
+            if self.scopes == 0 and self.splits():
+                self.cache = []
 
-    def _operand(self, t: torch.Tensor, keep: bool = True, work: int | None = None,
+    def operand(self, t: torch.Tensor, keep: bool = True, work: int | None = None,
                  triples: bool = False):  # fmt: skip
         """A feature matrix as the kernels read it: float32, a half copy, parts or triples.
 
         ``triples``: both sides' triples (:func:`._triples.triple_pair`). Copies are cached
-        (``keep``); ``work`` is the launch's :func:`split_work` (see :meth:`_splits`).
+        (``keep``); ``work`` is the launch's :func:`split_work` (see :meth:`splits`).
         Split parts (``"fp32"``) are made only within
-        :meth:`operand_scope` (a solve's many passes share them); a pass outside one
+        :meth:`scope` (a solve's many passes share them); a pass outside one
         reads the float32 features with 3xTF32 and needs no copy.
         """
         if t.dtype != torch.float32:
@@ -125,12 +141,12 @@ class OperandCache:
         convert: Callable[[torch.Tensor], torch.Tensor | SplitOperand]
         if triples:
             convert = triple_pair
-        elif self._splits(work):
-            if self._scopes == 0:  # a one-off pass: 3xTF32 per tile, no copy
+        elif self.splits(work):
+            if self.scopes == 0:  # a one-off pass: 3xTF32 per tile, no copy
                 return t
-            convert = self._split_parts
+            convert = self.split_parts
         elif self.precision in _HALF:
-            convert = self._half
+            convert = self.half
         else:
             return t
         if not keep:  # a one-off sample
@@ -141,19 +157,19 @@ class OperandCache:
         # CUDA graph being captured converts for itself (a copy made outside would be
         # stale on replay).
         capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
-        self._halves = [e for e in self._halves if e[0]() is not None]
-        for ref, version, inside, kind, half in self._halves:
+        self.cache = [e for e in self.cache if e[0]() is not None]
+        for ref, version, inside, kind, half in self.cache:
             if ref() is t and version == t._version and inside == capturing and kind == triples:
                 return half
         half = convert(t)
         entry = (weakref.ref(t), t._version, capturing, triples, half)
-        self._halves = [*self._halves[-3:], entry]
+        self.cache = [*self.cache[-3:], entry]
         return half
 
-    def _split_parts(self, t: torch.Tensor) -> SplitOperand:
+    def split_parts(self, t: torch.Tensor) -> SplitOperand:
         return split_operand(t, triton_interpreted())
 
-    def _half(self, t: torch.Tensor) -> torch.Tensor:
+    def half(self, t: torch.Tensor) -> torch.Tensor:
         half = t.to(_HALF[self.precision])
         if triton_interpreted():  # numpy has no bfloat16: round, compute in float32
             half = half.float()  # (exact: products of halves fit in float32)
@@ -161,11 +177,17 @@ class OperandCache:
 
 
 def score_operands(q, k):
-    """``(Q, K, (Q_INV, K_INV, q_lo, k_lo), presplit)``: the kernels' score operands.
+    """``(Q, K, split_args, presplit)``: the kernels' score operands.
 
-    For :class:`~._split.SplitOperand` s, the high parts, the scales and the low parts'
-    offsets; otherwise the tensors themselves (the split arguments are then unused).
+    For :class:`~._split.SplitOperand` s, the high parts, and as ``split_args`` the
+    kernels' ``Q_INV``, ``K_INV`` (the scales) and ``q_lo``, ``k_lo`` (the low parts'
+    offsets); otherwise the tensors themselves (the split arguments are then unused).
     """
     if isinstance(q, SplitOperand):
-        return q.parts[0], k.parts[0], (q.inv, k.inv, q.parts.stride(0), k.parts.stride(0)), True
-    return q, k, (q, k, 0, 0), False
+        return (q.parts[0], k.parts[0],
+                _split_args(q.inv, k.inv, q.parts.stride(0), k.parts.stride(0)), True)  # fmt: skip
+    return q, k, _split_args(q, k, 0, 0), False
+
+
+def _split_args(q_inv, k_inv, q_lo: int, k_lo: int) -> dict:
+    return {"Q_INV": q_inv, "K_INV": k_inv, "q_lo": q_lo, "k_lo": k_lo}

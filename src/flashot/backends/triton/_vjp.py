@@ -12,13 +12,13 @@ and ``Pᵀ D`` is one value pass (:func:`~flashot.backends.dual.plan_times` on t
 form). Each launch and pass runs only when one of its outputs is asked for, and the
 product with the keys only for ``row_k`` / ``col_q``.
 
-The scores read the operands the solver's passes read (:meth:`~._operands.OperandCache.
+The scores read the operands the solver's passes read (:meth:`~._operands.Operands.
 score_pair`: split half parts at 10k d = 64, triples at d ≤ 5), split once per call, not
 3xTF32 per tile. One value column (``p = 1``, the replay's transforms) is an outer
 product ``d_i v_j``: no MMA forms it, and with split score operands the keys' product
 reads ``v ⊙ k`` split once into half parts, the weights taken against a running row
 maximum (at most 1, so half precision holds them) and split per tile as the attend
-kernel's values are (:func:`~._kernels._value_product`). Wider values
+kernel's values are (:func:`~._common._value_product`). Wider values
 hold the features in one chunk and stream the values in chunks of :data:`P_CHUNK`:
 ``d, p ≤ 128`` (the backend falls back to PyTorch tiles beyond, where cuBLAS products are
 as fast as recomputed score chunks).
@@ -35,7 +35,7 @@ from flashot.backends.dual import Potentials, plan_times
 from flashot.backends.plan_vjp import ALL, PlanVJP
 from flashot.backends.temperature import LOG2E, device_scale
 from flashot.backends.triton import _configs
-from flashot.backends.triton._kernels import (
+from flashot.backends.triton._common import (
     SCALE,
     _from_row,
     _load_tile,
@@ -82,11 +82,14 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
     out = torch.zeros(n * (d + 1 if with_k else 1), device=dev, dtype=torch.float32)  # atomics add
     out_w, out_k = out[:n], (out[n:].view(n, d) if with_k else out)
     outer = p == 1 and extra is None
-    qs, ks, split_args, presplit, triples = backend.score_pair(q, k, work=split_work(n * m, d))
-    kv, kv_args, kv_split = k, (row_bias, 0), False
+    qs, ks, split_args, presplit, triples = backend.operands.score_pair(
+        q, k, work=split_work(n * m, d)
+    )
+    kv, kv_args, kv_split = k, {"KV_INV": row_bias, "kv_lo": 0}, False
     if outer and with_k and presplit:
         parts = split_operand((vc * k).contiguous(), triton_interpreted())
-        kv, kv_args, kv_split = parts.parts[0], (parts.inv, parts.parts.stride(0)), True
+        kv_args = {"KV_INV": parts.inv, "kv_lo": parts.parts.stride(0)}
+        kv, kv_split = parts.parts[0], True
     if triton_interpreted():
         block_m, block_n, warps, stages = 16, 16, 1, 1
     else:
@@ -100,21 +103,24 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
     block_p, p_chunks = (_width(p), 1) if p <= chunk else (chunk, triton.cdiv(p, chunk))
     with on_device(dev):
         _plan_vjp_kernel[(blocks, splits)](
-            qs, ks, kv, row_bias, col_bias, dr, vc, row_bias if extra is None else extra, out_w,
-            out_k, n, m, d, qs.shape[1], p, LOG2E / eps, *temp_args(eps, out_w), per,
-            qs.stride(0), qs.stride(1),
-            ks.stride(0), ks.stride(1), kv.stride(0), kv.stride(1), dr.stride(0), dr.stride(1),
-            vc.stride(0), vc.stride(1), *split_args, *kv_args, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_D=_width(qs.shape[1]), BLOCK_K=_width(d), BLOCK_P=block_p,
-            P_CHUNKS=p_chunks, SPLIT=splits > 1, WITH_K=with_k, PRECISION=backend._dot(triples),
-            V_PRECISION=_value_dot(backend), PRESPLIT=presplit, OUTER=outer, KV_SPLIT=kv_split,
+            Q=qs, K=ks, KV=kv, ROW_B=row_bias, COL_B=col_bias, DR=dr, VC=vc,
+            EXTRA=row_bias if extra is None else extra, OUT_W=out_w, OUT_K=out_k, n=n, m=m,
+            d=d, dq=qs.shape[1], p=p, scale=LOG2E / eps, **temp_args(eps, out_w),
+            cols_per_split=per, stride_qn=qs.stride(0), stride_qd=qs.stride(1),
+            stride_kn=ks.stride(0), stride_kd=ks.stride(1), stride_kvn=kv.stride(0),
+            stride_kvd=kv.stride(1), stride_dn=dr.stride(0), stride_dp=dr.stride(1),
+            stride_vn=vc.stride(0), stride_vp=vc.stride(1), **split_args, **kv_args,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_width(qs.shape[1]), BLOCK_K=_width(d),
+            BLOCK_P=block_p, P_CHUNKS=p_chunks, SPLIT=splits > 1, WITH_K=with_k,
+            PRECISION=backend.operands.dot(triples), V_PRECISION=_value_dot(backend),
+            PRESPLIT=presplit, OUTER=outer, KV_SPLIT=kv_split,
             EXTRA_SIDE=0 if extra is None else extra_side, **options,
         )  # fmt: skip
-    return out_w, (out_k if with_k else None)
+        return out_w, (out_k if with_k else None)
 
 
 def _value_dot(backend) -> str:
-    return backend._dot() if VALUE_DOT is None or triton_interpreted() else VALUE_DOT
+    return backend.operands.dot() if VALUE_DOT is None or triton_interpreted() else VALUE_DOT
 
 
 def fused_plan_vjp(
@@ -137,7 +143,7 @@ def fused_plan_vjp(
     scale = device_scale(eps)  # (a Temperature's row: read on the device, as the kernel does)
     f_bias, g_bias = (f - form.alpha) * scale, (g - form.beta) * scale
     per_a = row_k = per_b = col_q = pt_d = None
-    with backend.operand_scope():  # the launches share q's and k's split parts
+    with backend.operands.scope():  # the launches share q's and k's split parts
         if need & {"row", "row_k"}:
             per_a, row_k = _rows(backend, q, k, f_bias.to(f32), (g_bias + torch.log2(b)).to(f32),
                                  d, v, eps, "row_k" in need, d0, 1)  # fmt: skip

@@ -108,7 +108,6 @@ def test_tuning_says_so_and_keeps_its_tiles(tables, monkeypatch, capsys):
 
 
 def test_launches_take_table_tiles_unless_tuning_is_opted_in(tables, monkeypatch):
-    from flashot.backends import triton as backend
     from flashot.backends.triton import _launch
 
     monkeypatch.setattr(_launch, "triton_interpreted", lambda: False)
@@ -117,18 +116,23 @@ def test_launches_take_table_tiles_unless_tuning_is_opted_in(tables, monkeypatch
     monkeypatch.setattr(_tables, "arch", lambda index: "sm_90")
     gpu = torch.device("cuda", 0)  # (only its arch is asked for, patched)
     big = _configs.TUNE_FROM_LOG2
-    plain = backend.TritonBackend(autotune=False)
-    assert tiles(plain._tiles(ATTEND, big, gpu)) == tiles(_tables.heuristic(ATTEND))
+    assert tiles(_launch.tiles_for(ATTEND, big, gpu, False)) == tiles(_tables.heuristic(ATTEND))
     shipped = tables / "shipped" / "sm_90.json"
     _tables.record(ATTEND, config(64, 32, 4, 2), "sm_90", path=shipped)
-    assert tiles(plain._tiles(ATTEND, big, gpu)) == tiles(_tables.heuristic(ATTEND))  # cached
+    assert tiles(_launch.tiles_for(ATTEND, big, gpu, False)) == tiles(
+        _tables.heuristic(ATTEND)
+    )  # cached
     _tables._CHOSEN.clear()
-    assert tiles(plain._tiles(ATTEND, big, gpu)) == (64, 32, 4, 2)
-    tuning = backend.TritonBackend(autotune=True)
-    assert tuning._tiles(ATTEND, big, gpu) is None  # tune: the shipped table is no answer
-    assert tiles(tuning._tiles(ATTEND, big - 1, gpu)) == (64, 32, 4, 2)  # too small to tune
+    assert tiles(_launch.tiles_for(ATTEND, big, gpu, False)) == (64, 32, 4, 2)
+    assert _launch.tiles_for(ATTEND, big, gpu, True) is None  # tune: the shipped table is no answer
+    assert tiles(_launch.tiles_for(ATTEND, big - 1, gpu, True)) == (
+        64,
+        32,
+        4,
+        2,
+    )  # too small to tune
     _tables.record(ATTEND, config(128, 128, 8, 3), "sm_90")  # an earlier run's tuning
-    assert tiles(tuning._tiles(ATTEND, big, gpu)) == (128, 128, 8, 3)
+    assert tiles(_launch.tiles_for(ATTEND, big, gpu, True)) == (128, 128, 8, 3)
 
 
 def test_provenance_names_each_chosen_keys_source(tables, monkeypatch):

@@ -109,20 +109,20 @@ def test_split_operands_live_only_while_a_solve_runs():
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(30, 4, generator=gen).to(DEV), torch.randn(20, 4, generator=gen).to(DEV)
     seen = []
-    real = backend._split_parts
+    real = backend.operands.split_parts
 
     def spy(t):
         seen.append(t)
         return real(t)
 
-    backend._split_parts = spy
+    backend.operands.split_parts = spy
     flashot.sinkhorn(x, y, eps=0.5, max_iter=30, tol=None, backend=backend)
-    assert backend._halves == [] and len(seen) == 2  # q and k once (aliases hit: final step)
+    assert backend.operands.cache == [] and len(seen) == 2  # q and k once (aliases hit: final step)
     with backend.operand_scope():
         form = attention_form(get_cost("sqeuclidean"), x, y)
-        first = backend._operand(form.q)
-        assert isinstance(first, SplitOperand) and backend._operand(form.q) is first
-    assert backend._halves == []
+        first = backend.operands.operand(form.q)
+        assert isinstance(first, SplitOperand) and backend.operands.operand(form.q) is first
+    assert backend.operands.cache == []
 
 
 def test_the_differentiated_step_splits_q_and_k_once():
@@ -136,11 +136,11 @@ def test_the_differentiated_step_splits_q_and_k_once():
     x = torch.randn(30, 4, generator=gen).to(DEV).requires_grad_()
     y = torch.randn(20, 4, generator=gen).to(DEV)
     seen = []
-    real = backend._split_parts
-    backend._split_parts = lambda t: seen.append(t) or real(t)
+    real = backend.operands.split_parts
+    backend.operands.split_parts = lambda t: seen.append(t) or real(t)
     cost = flashot.sinkhorn(x, y, eps=0.5, max_iter=30, tol=None, backend=backend).cost
     (grad,) = torch.autograd.grad(cost, x)
-    assert len(seen) == 2 and backend._halves == []
+    assert len(seen) == 2 and backend.operands.cache == []
     ref_x = x.detach().double().requires_grad_()
     ref = flashot.sinkhorn(ref_x, y.double(), eps=0.5, max_iter=30, tol=None, backend="torch")
     (ref_grad,) = torch.autograd.grad(ref.cost, ref_x)
@@ -169,8 +169,8 @@ def test_split_values_average_like_float64(log_v, eps, seed):
     cost = get_cost("sqeuclidean")
     backend = TritonBackend(presplit=True)
     splits = []
-    real = backend._split_parts
-    backend._split_parts = lambda t: splits.append(t) or real(t)
+    real = backend.operands.split_parts
+    backend.operands.split_parts = lambda t: splits.append(t) or real(t)
     with backend.operand_scope():
         lse, out = backend.row_attend(attention_form(cost, x, y), h, eps, v)
     assert len(splits) == 3  # q, k and the values: the split path ran
@@ -195,17 +195,19 @@ def test_default_presplit_follows_the_launch_size():
 
     auto, always = TritonBackend(), TritonBackend(presplit=True)
     never = TritonBackend(presplit=False)
-    assert not auto._splits(PRESPLIT_FROM - 1) and auto._splits(PRESPLIT_FROM)
-    assert always._splits(1) and not never._splits(PRESPLIT_FROM)
-    assert not TritonBackend(precision="tf32")._splits(PRESPLIT_FROM)
+    assert not auto.operands.splits(PRESPLIT_FROM - 1) and auto.operands.splits(PRESPLIT_FROM)
+    assert always.operands.splits(1) and not never.operands.splits(PRESPLIT_FROM)
+    assert not TritonBackend(precision="tf32").operands.splits(PRESPLIT_FROM)
     # the measured sides of the rule (H200): 10k d = 3 unsplit, 10k d = 64, 50k d = 3 split
-    assert not auto._splits(split_work(10_000**2, 3))
-    assert auto._splits(split_work(10_000**2, 64)) and auto._splits(split_work(50_000**2, 3))
+    assert not auto.operands.splits(split_work(10_000**2, 3))
+    assert auto.operands.splits(split_work(10_000**2, 64)) and auto.operands.splits(
+        split_work(50_000**2, 3)
+    )
     gen = torch.Generator().manual_seed(2)
     x, y = torch.randn(30, 4, generator=gen).to(DEV), torch.randn(20, 4, generator=gen).to(DEV)
     seen = []
-    real = auto._split_parts
-    auto._split_parts = lambda t: seen.append(t) or real(t)
+    real = auto.operands.split_parts
+    auto.operands.split_parts = lambda t: seen.append(t) or real(t)
     flashot.sinkhorn(x, y, eps=0.5, max_iter=5, tol=None, backend=auto)
     assert seen == []  # a small solve reads float32 with 3xTF32 per tile
     with pytest.raises(TypeError, match="presplit"):
@@ -231,8 +233,9 @@ def test_split_chunks_are_summed_outside_the_mma():
     import re
     import subprocess
     import sys
+    from pathlib import Path
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = str(Path(__file__).resolve().parents[3])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), env.get("PYTHONPATH", "")])
     # (a script beside tests/backends/triton/ would import that folder as triton)

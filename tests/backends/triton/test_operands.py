@@ -149,9 +149,9 @@ def test_fp32_launches_take_triples_up_to_five_features(gen, d, presplit):
 
     form, h = problem(gen, 40, 50, d, torch.float32, DEVICE, spread=6.0)
     be = TritonBackend(presplit=presplit)
-    _, _, _, _, triples = be.score_pair(form.q, form.k)
+    _, _, _, _, triples = be.operands.score_pair(form.q, form.k)
     assert triples == (presplit is None and d <= TRIPLE_UP_TO)
-    assert not TritonBackend("tf32").score_pair(form.q, form.k)[4]
+    assert not TritonBackend("tf32").operands.score_pair(form.q, form.k)[4]
     small = problem(gen, 40, 50, d, torch.float32, DEVICE)[0]  # sums within float32
     f, g = torch.randn(40, generator=gen).to(DEVICE), torch.randn(50, generator=gen).to(DEVICE)
     la, lb = torch.rand(40, generator=gen).log().to(DEVICE), torch.zeros(50, device=DEVICE)
@@ -175,8 +175,8 @@ def test_a_cloud_serves_both_sides_as_its_own_triple(gen):
     x = torch.randn(30, 3, generator=gen).to(DEVICE)
     be = TritonBackend()
     with be.operand_scope():
-        qt, kt, *_ = be.score_pair(x, x)
-        again = be.score_pair(x, x)
+        qt, kt, *_ = be.operands.score_pair(x, x)
+        again = be.operands.score_pair(x, x)
     assert torch.equal(qt, triple_operand(x, "q")) and torch.equal(kt, triple_operand(x, "k"))
     assert not torch.equal(qt, kt)  # one conversion serves both sides, kept for the next:
     assert again[0].data_ptr() == qt.data_ptr() and again[1].data_ptr() == kt.data_ptr()

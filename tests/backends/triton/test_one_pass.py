@@ -23,18 +23,18 @@ pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reas
 def one_pass(monkeypatch):
     """Every step one pass (d ≥ 1); records which steps took it and which fell back (over
     the partials' budget)."""
-    from flashot.backends import triton as backend
+    from flashot.backends.triton import _step
 
-    monkeypatch.setattr(backend, "ONE_PASS_FROM_D", 1)
+    monkeypatch.setattr(_step, "ONE_PASS_FROM_D", 1)
     taken = []
-    exact = backend.exact_lse
+    exact = _step.exact_lse
 
     def spy(*args, **kw):
         out = exact(*args, **kw)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(backend, "exact_lse", spy)
+    monkeypatch.setattr(_step, "exact_lse", spy)
     return taken
 
 
@@ -124,18 +124,18 @@ def test_one_pass_step_records_its_residual_range_for_the_gate(gen, one_pass):
 def test_one_pass_solves_equal_float64(n, m, d, log_eps, update):
     """Fixed-iteration solves (ε from 10^-3 to 10 of clouds ~2d apart) on the one-pass
     steps equal the float64 torch solve to float32 accuracy on the cost."""
-    from flashot.backends import triton as backend
+    from flashot.backends.triton import _step
 
     gen = torch.Generator().manual_seed(n * 1000 + m * 10 + d)
     x, y = clouds(gen, n, m, d, dtype=torch.float64)
     kw = dict(eps=10.0**log_eps, tol=None, max_iter=12, update=update)
     ref = flashot.sinkhorn(x, y, backend="torch", **kw)
-    old = backend.ONE_PASS_FROM_D
-    backend.ONE_PASS_FROM_D = 1
+    old = _step.ONE_PASS_FROM_D
+    _step.ONE_PASS_FROM_D = 1
     try:
         res = flashot.sinkhorn(x.float().to(DEVICE), y.float().to(DEVICE), backend="triton", **kw)
     finally:
-        backend.ONE_PASS_FROM_D = old
+        _step.ONE_PASS_FROM_D = old
     scale = float((torch.cdist(x, y) ** 2).max() / 2 + ref.cost.abs())
     assert abs(float(res.cost) - float(ref.cost)) < 2e-6 * scale
 
@@ -169,8 +169,9 @@ def test_the_default_takes_the_one_pass_from_its_width_in_fp32_only(gen, one_pas
     step is one pass; narrower clouds, one-MMA precisions (tf32, bf16: exps bound there)
     and ``fused=False`` (two exact passes asked for) keep the fused/two-pass path."""
     from flashot.backends import triton as backend
+    from flashot.backends.triton import _step
 
-    monkeypatch.setattr(backend, "ONE_PASS_FROM_D", 6)
+    monkeypatch.setattr(_step, "ONE_PASS_FROM_D", 6)
     x, y = clouds(gen, 40, 33, d, dtype=torch.float32)
     be = backend.TritonBackend(**options)
     flashot.sinkhorn(x.to(DEVICE), y.to(DEVICE), eps=0.1, tol=None, max_iter=4, backend=be)
@@ -184,14 +185,16 @@ def test_row_partials_take_one_float_per_row_and_column_block(gen, one_pass, mon
     memory, so 50k d256 and 100k d512 exceeded the budget): a budget of exactly
     4·⌈m / BLOCK_N⌉·n bytes takes the one pass, one byte less falls back."""
     from flashot.backends import triton as backend
-    from flashot.backends.triton import _one_pass
+    from flashot.backends.triton import _launch, _one_pass
 
     x, y, f, g, la, lb, eps = _far_step(gen)
     _, form = _forms(x, y)
     be = backend.TritonBackend()
-    q, k, *_, nb, mb, key = be._sums_operands(form)
-    block_n = be._table_tiles(key, nb, mb, q.device).kwargs["BLOCK_N"]
-    need = 4 * -(-k.shape[0] // block_n) * q.shape[0]
+    op = _one_pass.ExactLaunch(
+        be, Potentials(form, *(t.float().to(DEVICE) for t in (f, g, la, lb)), eps)
+    )
+    block_n = _launch.table_tiles(op.key[:-1], op.nb, op.mb, op.device, False).kwargs["BLOCK_N"]
+    need = 4 * -(-op.m // block_n) * op.n
     monkeypatch.setattr(_one_pass, "partials_budget", lambda n, m, d: need + spare)
     args32 = [t.float().to(DEVICE) for t in (f, g, la, lb)]
     be.jacobi_step(Potentials(form, *args32, eps), (1.0, 1.0), (None, None))

@@ -10,14 +10,14 @@ pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reas
 
 
 def refuse_big_tiles(monkeypatch, most):
-    """Make ``_run`` raise Triton's OutOfResources (as loading a kernel whose shared
+    """Make ``start`` raise Triton's OutOfResources (as loading a kernel whose shared
     memory exceeds the GPU's does) for tiles of more than ``most`` elements·stages;
     returns the list of tiles it was asked for."""
     from triton.runtime.errors import OutOfResources
 
     from flashot.backends.triton import _launch
 
-    asked, run = [], _launch.TunedLaunches._run
+    asked, run = [], _launch.start
 
     def guarded(raw, cfg, plan, device):
         size = cfg.kwargs["BLOCK_M"] * cfg.kwargs["BLOCK_N"] * cfg.num_stages
@@ -26,7 +26,7 @@ def refuse_big_tiles(monkeypatch, most):
             raise OutOfResources(size * 8, most * 8, "shared memory")
         return run(raw, cfg, plan, device)
 
-    monkeypatch.setattr(_launch.TunedLaunches, "_run", staticmethod(guarded))
+    monkeypatch.setattr(_launch, "start", guarded)
     monkeypatch.setattr(_launch, "_FITTED", {})
     return asked
 
@@ -47,7 +47,7 @@ def test_tiles_that_do_not_fit_step_down_and_are_remembered(monkeypatch):
     asked = refuse_big_tiles(monkeypatch, most=16 * 16 * 2)
     backend = TritonBackend()
     key, big = ("attend", 3), triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_stages=4)
-    monkeypatch.setattr(backend, "_tiles", lambda *args: big)
+    monkeypatch.setattr(_launch, "tiles_for", lambda *args: big)
     got = backend.row_attend(*_form(x, y), 0.5)[0]
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
     # 4 stages asked for twice what the GPU has: 3 stages would still not fit by the
@@ -65,7 +65,7 @@ def test_a_launch_that_fails_otherwise_raises(monkeypatch):
     def broken(raw, cfg, plan, device):
         raise RuntimeError("not a resource problem")
 
-    monkeypatch.setattr(_launch.TunedLaunches, "_run", staticmethod(broken))
+    monkeypatch.setattr(_launch, "start", broken)
     x = torch.randn(8, 3).to(DEVICE)
     with pytest.raises(RuntimeError, match="not a resource problem"):
         TritonBackend().row_attend(*_form(x, x), 0.5)

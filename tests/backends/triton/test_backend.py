@@ -72,7 +72,7 @@ def test_split_merge_of_wide_values_runs_in_bounded_tiles(gen, monkeypatch):
     """The merge of column-split partials takes its values in chunks of COMBINE_TILE:
     one program over all 784 columns of a flow's barycenters (a (128, 1024) tile) took
     Triton 3.6 over 70 s to compile for sm_90, on every first flow step."""
-    import flashot.backends.triton as tb
+    from flashot.backends.triton import _attend as tb
 
     n, m, d, p = 70, 300, 3, 784 if DEVICE == "cuda" else 130
     form, h = problem(gen, n, m, d, torch.float32, DEVICE)
@@ -100,8 +100,7 @@ def test_value_partials_stay_within_their_budget(gen, monkeypatch):
     """Each split of a pass with values holds an (n, p) partial: no more of them than
     VALUE_PARTIALS floats (a 60k flow's 794-wide barycenters take no split; two splits
     were two more copies of the output), the same result."""
-    import flashot.backends.triton as tb
-    from flashot.backends.triton import _configs
+    from flashot.backends.triton import _attend, _configs, _launch
 
     monkeypatch.setattr(_configs, "column_splits", lambda *args: 8)  # untuned: 8 splits
     n, m, d, p = 20, 1024, 5, 6
@@ -109,15 +108,15 @@ def test_value_partials_stay_within_their_budget(gen, monkeypatch):
     v = torch.randn(m, p, generator=gen).to(DEVICE)
     ref = dense_attend(form, h, 0.4, v)[1].cpu()
     backend, made = triton_backend(), []
-    split = backend._split
+    split = _launch.splits_for
 
     def recorded(*args, **kwargs):
         made.append(split(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(backend, "_split", recorded)
+    monkeypatch.setattr(_launch, "splits_for", recorded)
     for budget, most in ((1 << 24, 8), (3 * n * p, 3), (n * p - 1, 1)):
-        monkeypatch.setattr(tb, "VALUE_PARTIALS", budget)
+        monkeypatch.setattr(_attend, "VALUE_PARTIALS", budget)
         made.clear()
         _, out = backend.row_attend(form, h, 0.4, v)
         assert rel(out.cpu(), ref) < 2e-5
@@ -249,7 +248,8 @@ def test_averaged_step_keeps_residuals_within_half_their_span(gen):
 def test_balanced_solve_runs_only_fused_passes_that_need_no_repair(gen, monkeypatch):
     """The span bound is rigorous for balanced steps: a fused pass that the gate lets
     run has every sum inside its window (shifted by SUM_SHIFT)."""
-    from flashot.backends.triton import SUM_SHIFT, TritonBackend
+    from flashot.backends.triton import TritonBackend
+    from flashot.backends.triton._step import SUM_SHIFT
 
     runs = []
     plan_sums = TritonBackend.plan_sums
@@ -274,17 +274,17 @@ def test_balanced_solve_runs_only_fused_passes_that_need_no_repair(gen, monkeypa
 
 
 def test_probe_writes_the_sampled_residual_extremes(gen, monkeypatch):
-    from flashot.backends import triton as backend
+    from flashot.backends.triton import _step
 
-    monkeypatch.setattr(backend, "PROBE_ROWS", 8)
+    monkeypatch.setattr(_step, "PROBE_ROWS", 8)
     form, f, g, la, lb, eps, _ = _step_setup(gen, (None, None))
     f, g = f + 0.3 * torch.randn(40, generator=gen).to(DEVICE), g - 0.2
     slot = torch.full((2,), -1.0, device=DEVICE)
-    triton_backend()._probe(Potentials(form, f, g, la, lb, eps), slot)
+    _step.probe(triton_backend(), Potentials(form, f, g, la, lb, eps), slot)
     z = (f.double()[:, None] + g.double()[None, :] - form.dense().double()) / eps
     ln_r, ln_c = (z + lb.double()).logsumexp(1)[::5], (z + la.double()[:, None]).logsumexp(0)[::3]
     logs = torch.cat([ln_r, ln_c])  # rows 0, 5, …, 35 of 40; columns 0, 3, …, 27 of 30
-    margin = backend.PROBE_MARGIN
+    margin = _step.PROBE_MARGIN
     want = [max(0.0, float(logs.max())) * margin, max(0.0, float(-logs.min())) * margin]
     assert slot.tolist() == pytest.approx(want, rel=1e-4, abs=1e-5)
     assert want[1] > 1.0  # the shift made the residuals negative: a real check
@@ -294,19 +294,20 @@ def test_packed_probe_samples_each_problem_against_its_own_columns(gen, monkeypa
     """A packed batch's probe: every problem's sampled rows (and columns) against its own
     block only, as the float64 block-diagonal residuals of those rows say."""
     from flashot.backends import triton as backend
+    from flashot.backends.triton import _step
     from flashot.batched import sinkhorn_varlen
 
-    monkeypatch.setattr(backend, "PROBE_ROWS", 8)
-    monkeypatch.setattr(backend, "PROBE_FROM", 16)
+    monkeypatch.setattr(_step, "PROBE_ROWS", 8)
+    monkeypatch.setattr(_step, "PROBE_FROM", 16)
     seen = []
-    probe = backend.TritonBackend._probe
+    probe = _step.probe
 
-    def spy(self, pot, slot):
-        probe(self, pot, slot)
+    def spy(be, pot, slot):
+        probe(be, pot, slot)
         seen.append((pot.form, pot.f.clone(), pot.g.clone(), pot.log_a, pot.log_b, pot.eps,
                      slot.clone()))  # fmt: skip
 
-    monkeypatch.setattr(backend.TritonBackend, "_probe", spy)
+    monkeypatch.setattr(_step, "probe", spy)
     sizes = [(30, 20), (5, 19), (27, 24)]  # rows 0, 7, …; a small problem; blocks cut mid
     xs = [torch.randn(n, 4, generator=gen) for n, _ in sizes]
     ys = [torch.randn(m, 4, generator=gen) + 2.0 * s for s, (_, m) in enumerate(sizes)]
@@ -321,7 +322,7 @@ def test_packed_probe_samples_each_problem_against_its_own_columns(gen, monkeypa
     rows = torch.cat([torch.arange(a, b, 62 // 8) for a, b in itertools.pairwise(offsets[0])])
     cols = torch.cat([torch.arange(a, b, 63 // 8) for a, b in itertools.pairwise(offsets[1])])
     logs = torch.cat([ln_r[rows], ln_c[cols]])
-    margin = backend.PROBE_MARGIN
+    margin = _step.PROBE_MARGIN
     want = [max(0.0, float(logs.max())) * margin, max(0.0, float(-logs.min())) * margin]
     assert slot.tolist() == pytest.approx(want, rel=1e-4, abs=1e-5)
     assert max(want) > 1.0  # far from the window: a real check
@@ -334,17 +335,19 @@ def test_packed_launches_split_like_one_problems_launches(gen, monkeypatch):
     programs past its end stream nothing): the same potentials and costs as the float64
     solve, with both kernels launched split. Forward and gradient."""
     from flashot.backends import triton as backend
+    from flashot.backends.triton import _launch
     from flashot.batched import sinkhorn_varlen
 
     made = []
-    split = backend.TritonBackend._split
+    split = _launch.splits_for
 
-    def spy(self, raw, *args, **kw):
-        out = split(self, raw, *args, **kw)
+    def spy(op, *args, **kw):
+        out = split(op, *args, **kw)
+        raw = op.kernel
         made.append((raw.fn.__name__ if hasattr(raw, "fn") else raw.__name__, out[0]))
         return out
 
-    monkeypatch.setattr(backend.TritonBackend, "_split", spy)
+    monkeypatch.setattr(_launch, "splits_for", spy)
     sizes = [(290, 300), (40, 150), (140, 20)]  # the widest and the tallest: 3 splits
     xs = [torch.randn(n, 3, generator=gen) for n, _ in sizes]
     ys = [torch.randn(m, 3, generator=gen) + 0.5 for _, m in sizes]
@@ -368,9 +371,10 @@ def _fused_steps(monkeypatch, probe):
     """Probes on (on 16+ points, 8 rows) or off; the list that records, per plan-sums
     pass, whether its sums ran fused (any nonzero)."""
     from flashot.backends import triton as backend
+    from flashot.backends.triton import _step
 
-    monkeypatch.setattr(backend, "PROBE_ROWS", 8)
-    monkeypatch.setattr(backend, "PROBE_FROM", 16 if probe else 10**9)
+    monkeypatch.setattr(_step, "PROBE_ROWS", 8)
+    monkeypatch.setattr(_step, "PROBE_FROM", 16 if probe else 10**9)
     ran = []
     plan_sums = backend.TritonBackend.plan_sums
 
@@ -579,11 +583,11 @@ def test_half_operand_cache_never_serves_another_tensor(gen):
         return torch.empty(0, device=DEVICE).set_(storage, 0, (64, 4), (4, 1))
 
     q1 = view()
-    first = be._operand(q1).float().clone()
+    first = be.operands.operand(q1).float().clone()
     view().copy_(torch.randn(64, 4, generator=gen))  # new data; q1's version is untouched
     q2 = view()
     assert q2._version == q1._version and q2.data_ptr() == q1.data_ptr()
-    again = be._operand(q2).float()
+    again = be.operands.operand(q2).float()
     assert torch.equal(again, q2.to(torch.bfloat16).float())
     assert not torch.equal(again, first)
 
@@ -624,7 +628,7 @@ class _FakeAutotuner:
 
 class _FakeKernel:
     def __init__(self):
-        self.block_m = []
+        self.block_m, self.arg_names = [], []
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.block_m.append(kwargs["BLOCK_M"])
@@ -636,7 +640,6 @@ def test_tuning_times_the_finalists_again_at_their_own_splits(monkeypatch, cache
     then timed at their own balanced splits, and the winner is what later calls run."""
     import triton
 
-    from flashot.backends import triton as backend
     from flashot.backends.triton import _launch
 
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": 64}) for bm in (16, 32, 64, 128)]
@@ -647,21 +650,29 @@ def test_tuning_times_the_finalists_again_at_their_own_splits(monkeypatch, cache
     monkeypatch.setattr(_launch, "_RETIMED", {})
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or again[raw.block_m[-1]])
 
-    def plan_for(cfg):
-        return (lambda meta: (1,), (), {"SPLITS": None if cfg is None else cfg.kwargs["BLOCK_M"]})
+    class Op(_launch.Launch):
+        kernel, autotuned, key, full = raw, tuned, ("k",), {"FULL": True}
 
-    be = backend.TritonBackend()
+        def sizes(self, tiles):
+            return 1, 1, None
+
+        def plan(self, splits, per, tiles, probe=False):
+            at = None if tiles is None else tiles.kwargs["BLOCK_M"]
+            return _launch.Plan(lambda meta: (1,), {}, {"SPLITS": at})
+
+        def reset(self):
+            resets.append(1)
+
     cpu = torch.device("cpu")
-    reset = lambda: resets.append(1)  # noqa: E731
-    plan = be._launch(tuned, raw, ("k",), None, plan_for, cpu, {"FULL": True}, reset)
+    plan = _launch.launch(Op(), None, cpu)
     assert tuned.launches == [{"SPLITS": None, "FULL": True}]  # tuned at the first guess
     winner = 32 if cached else 128  # a cached ranking (no new timings) is kept as it is
     assert _launch._BEST[("k",)].kwargs["BLOCK_M"] == winner
     assert raw.block_m == ([] if cached else [32, 128, 64]) + [winner]  # retimed, then run
-    assert plan[2]["SPLITS"] == winner and resets == [1]
+    assert plan.consts["SPLITS"] == winner and resets == [1]
     # a later call that finds the ranking kept (no new timings) takes the retimed winner
     _launch._BEST.clear()
-    be._launch(tuned, raw, ("k",), None, plan_for, cpu)
+    _launch.launch(Op(), None, cpu)
     assert _launch._BEST[("k",)].kwargs["BLOCK_M"] == winner
 
 
@@ -698,7 +709,7 @@ def test_gate_views_at_any_offset_share_one_compiled_kernel():
     """A fused pass's gates are views of a small state buffer at various offsets; the
     kernel is not compiled again per offset (CONTROL_POINTERS: the GeomLoss call's first
     call built one set of constexprs three times)."""
-    from flashot.backends.triton import _kernels
+    from flashot.backends.triton import _plan_sums
     from flashot.geometry.costs import attention_form, get_cost
 
     be = triton_backend("fp32", autotune=False)
@@ -709,7 +720,7 @@ def test_gate_views_at_any_offset_share_one_compiled_kernel():
     buf = torch.zeros(16, device="cuda")
 
     def builds():
-        return sum(len(cache[0]) for cache in _kernels._plan_sums_kernel.device_caches.values())
+        return sum(len(cache[0]) for cache in _plan_sums._plan_sums_kernel.device_caches.values())
 
     sums = [be.plan_sums(Potentials(form, f, g, la, lb, 1.0), gate=(buf[0:2], buf[2:4]))]
     before = builds()

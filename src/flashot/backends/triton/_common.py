@@ -1,0 +1,242 @@
+"""Device functions the streaming kernels share: score tiles, softmax weights, values.
+
+Scores are computed in base 2, ``t_ij = (⟨q_i, k_j⟩ + h_j) · log2(e)/ε``, so every
+exponential is one ``exp2``. Features are tiled over d in BLOCK_D chunks (``D_CHUNKS``
+of them); with one chunk the stationary tile is loaded once; ``-inf`` biases mark zero
+weights. The ops (:mod:`._attend`, :mod:`._plan_sums`, :mod:`._update`, :mod:`._vjp`)
+build their kernels from these.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashot.backends import temperature as _row
+
+# fmt: off
+LOG2E = tl.constexpr(_row.LOG2E)  # (the host's, :mod:`flashot.backends.temperature`)
+#: a temperature row's columns and the bits of ``temp_at`` (:mod:`flashot.backends.temperature`)
+EPS, SCALE, RATIO, LAM_X, LAM_Y = (tl.constexpr(c) for c in (_row.EPS, _row.SCALE, _row.RATIO,
+                                                            _row.LAM_X, _row.LAM_Y))  # fmt: skip
+READ_RATIO, READ_DAMPING = tl.constexpr(_row.READ_RATIO), tl.constexpr(_row.READ_DAMPING)
+#: scalar control pointers (gates, the error sum, repair bounds): views at any offset of
+#: small state buffers. Specialized on their alignment, one set of constexprs compiled
+#: again per offset (the GeomLoss call's first call on the H200: 3 plan-sums, 2 attend
+#: and 2 update builds of one set, 0.3–0.65 s each)
+CONTROL_POINTERS = {
+    "_attend_kernel": ["LO", "TEMP"],
+    "_combine_kernel": ["TEMP"],
+    "_plan_sums_kernel": ["GATE_IN", "GATE_OUT", "TEMP"],
+    "_update_kernel": ["ERR", "GATE", "LO", "TEMP"],
+}
+#: integer arguments that change between launches of one set of constexprs: Triton
+#: compiles an int again when it is 1 or a multiple of 16 (a flag 0/1, a split count)
+#: (the combine's row count too: a 2 µs merge, rebuilt for a count not a multiple of 16)
+#: (``temp_at``: read the temperature from ``TEMP``, a device row,
+#: :mod:`flashot.backends.temperature`)
+RUNTIME_INTS = {"_attend_kernel": ["temp_at"], "_combine_kernel": ["n", "splits", "temp_at"],
+                "_plan_sums_kernel": ["gate_span", "temp_at"], "_update_kernel": ["temp_at"]}
+
+
+@triton.jit
+def _load_tile(X, offs, size, d, stride_n, stride_d, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+):
+    """A (len(offs), BLOCK_D) tile of X, or its transpose, hoisted out of a streaming loop.
+
+    Only when d fits in one chunk; a dummy otherwise.
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    if D_CHUNKS == 1:
+        if TRANSPOSED:
+            t = tl.load(
+                X + offs[None, :] * stride_n + offs_d[:, None] * stride_d,
+                mask=(offs[None, :] < size) & (offs_d[:, None] < d),
+                other=0.0,
+            )
+        else:
+            t = tl.load(
+                X + offs[:, None] * stride_n + offs_d[None, :] * stride_d,
+                mask=(offs[:, None] < size) & (offs_d[None, :] < d),
+                other=0.0,
+            )
+    else:
+        if TRANSPOSED:
+            t = tl.zeros((BLOCK_D, offs.shape[0]), dtype=X.dtype.element_ty)
+        else:
+            t = tl.zeros((offs.shape[0], BLOCK_D), dtype=X.dtype.element_ty)
+    return t
+
+
+@triton.jit
+def _split_dot(a_hi, a_lo, b_hi, b_lo):
+    """``a·b`` of split parts ``x = hi + 2^-11 lo``: the low terms, then the high product.
+
+    Three MMAs; the high product starts from the low terms. That non-zero accumulator
+    keeps a caller's later ``s += _split_dot(...)`` a rounded float32 add: Triton folds
+    an add of a zero-accumulator dot into the MMA, whose accumulator truncates (see
+    ``_split``).
+    """
+    c = tl.dot(a_hi, b_lo)
+    c = tl.dot(a_lo, b_hi, c)
+    return tl.dot(a_hi, b_hi, c * 0.00048828125)  # 2^-11
+
+
+@triton.jit
+def _score_tile(
+    Q, K, q_tile, kt_tile, offs_m, offs_n, n, m, d, stride_qn, stride_qd, stride_kn, stride_kd,
+    BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, HOIST_K: tl.constexpr, PRECISION: tl.constexpr,
+    q_lo_tile, kt_lo_tile, q_lo, k_lo, unscale, PRESPLIT: tl.constexpr,
+):
+    """``⟨q_i, k_j⟩`` for one (BLOCK_M, BLOCK_N) tile, in float32.
+
+    With one chunk the stationary side comes hoisted (``q_tile``, or ``kt_tile`` with
+    HOIST_K) and the other side is loaded; with several chunks both are loaded per chunk.
+    With PRESPLIT the operands are split once per solve into half-precision parts,
+    ``2^e x = hi + 2^-11 lo`` (the low parts ``q_lo``/``k_lo`` elements after the high
+    ones, hoisted as ``q_lo_tile``/``kt_lo_tile``): three half MMAs,
+    ``⟨q, k⟩ = unscale · (hi·hi' + 2^-11 (hi·lo' + lo·hi'))``, about 22 bits like
+    3xTF32 but with no split of the streamed tile in the loop. Per chunk the low terms
+    come first and the high product adds onto them; chunks are summed in float32.
+    """
+    if PRESPLIT:
+        if D_CHUNKS == 1:
+            if HOIST_K:
+                q = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
+                ql = _load_tile(Q + q_lo, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
+                s = _split_dot(q, ql, kt_tile, kt_lo_tile)
+            else:
+                kt = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
+                ktl = _load_tile(K + k_lo, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
+                s = _split_dot(q_tile, q_lo_tile, kt, ktl)
+        else:
+            # chunks add in rounded float32, not in the MMA's truncating accumulator (H200:
+            # a 13-chunk sum there drifted by 6e-4 on scores of 250, 3xTF32's 4e-5)
+            offs_d = tl.arange(0, BLOCK_D)
+            s = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
+            for ch in range(D_CHUNKS):
+                dd = ch * BLOCK_D + offs_d
+                q_ptrs = Q + offs_m[:, None] * stride_qn + dd[None, :] * stride_qd
+                q_ok = (offs_m[:, None] < n) & (dd[None, :] < d)
+                k_ptrs = K + offs_n[None, :] * stride_kn + dd[:, None] * stride_kd
+                k_ok = (offs_n[None, :] < m) & (dd[:, None] < d)
+                q = tl.load(q_ptrs, mask=q_ok, other=0.0)
+                kt = tl.load(k_ptrs, mask=k_ok, other=0.0)
+                s += _split_dot(q, tl.load(q_ptrs + q_lo, mask=q_ok, other=0.0), kt,
+                                tl.load(k_ptrs + k_lo, mask=k_ok, other=0.0))  # fmt: skip
+        return s * unscale
+    if D_CHUNKS == 1:
+        if HOIST_K:
+            q = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
+            s = tl.dot(q, kt_tile, input_precision=PRECISION)
+        else:
+            kt = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
+            s = tl.dot(q_tile, kt, input_precision=PRECISION)
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        s = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
+        for c in range(D_CHUNKS):
+            dd = c * BLOCK_D + offs_d
+            q = tl.load(
+                Q + offs_m[:, None] * stride_qn + dd[None, :] * stride_qd,
+                mask=(offs_m[:, None] < n) & (dd[None, :] < d),
+                other=0.0,
+            )
+            kt = tl.load(
+                K + offs_n[None, :] * stride_kn + dd[:, None] * stride_kd,
+                mask=(offs_n[None, :] < m) & (dd[:, None] < d),
+                other=0.0,
+            )
+            s = tl.dot(q, kt, s, input_precision=PRECISION)
+    return s
+
+
+@triton.jit
+def _side_load(P, OFFSET, LOG_W, offs, ok, FULL: tl.constexpr):
+    """One tile's side vectors as stored: ``(p, offset, log w)``.
+
+    Off the tail the log weight is ``-inf``; without FULL only ``p`` is loaded (``-inf``
+    off the tail) and returned three times.
+    """
+    if FULL:
+        p = tl.load(P + offs, mask=ok, other=0.0)
+        offset = tl.load(OFFSET + offs, mask=ok, other=0.0)
+        return p, offset, tl.load(LOG_W + offs, mask=ok, other=float("-inf"))
+    p = tl.load(P + offs, mask=ok, other=float("-inf"))
+    return p, p, p
+
+
+@triton.jit
+def _side_ahead(P, OFFSET, LOG_W, offs, hi, ahead_p, ahead_o, ahead_w):
+    """This tile's side vectors (loaded one tile earlier), then the next tile's.
+
+    A whole tile then hides the loads' latency, which in the sm_90 SASS otherwise only
+    the tile's MMA covered (measured on the H200, fused pass at n = 50k: bf16 1.29 →
+    1.16 ms, tf32 1.46 → 1.34 ms; the exact pass did not gain, see benchmarks/HISTORY.md v7).
+    """
+    nxt = offs + offs.shape[0]
+    p, o, w = _side_load(P, OFFSET, LOG_W, nxt, nxt < hi, True)
+    return ahead_p, ahead_o, ahead_w, p, o, w
+
+
+@triton.jit
+def _from_row(TEMP, temp_at, value, COLUMN: tl.constexpr):
+    """A scalar argument, or with ``temp_at`` ≠ 0 column COLUMN of the temperature row."""
+    if temp_at != 0:
+        value = tl.load(TEMP + COLUMN)
+    return value
+
+
+@triton.jit
+def _online_weights(s, h, run_max, scale):
+    """Online max of one column tile (``h`` in base 2): ``(max, e, decay)``.
+
+    ``e = 2^{t − max}`` are the tile's weights against the new running max, ``decay``
+    rescales what was accumulated against the old one.
+    """
+    t = s * scale + h[None, :]
+    new_max = tl.maximum(run_max, tl.max(t, 1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    return new_max, tl.exp2(t - shift[:, None]), tl.exp2(run_max - shift)
+
+
+@triton.jit
+def _attend_weights(s, h, run_max, run_sum, scale):
+    """:func:`_online_weights` and the running sum: ``(max, sum, e, decay)``."""
+    new_max, e, decay = _online_weights(s, h, run_max, scale)
+    return new_max, run_sum * decay + tl.sum(e, 1), e, decay
+
+
+@triton.jit
+def _value_product(
+    e, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, v_lo, v_unscale,
+    V_PRECISION: tl.constexpr, V_SPLIT: tl.constexpr,
+):
+    """``e @ V[offs_n, offs_p]`` for one tile's weights and one chunk of value columns.
+
+    V_SPLIT: the values come split once per solve like the score operands (``V`` the
+    high parts, ``v_lo`` elements to the low ones, ``v_unscale`` their ``2^-e``); the
+    weights ``e ∈ [0, 1]`` are split here into half ``hi + 2^-11 lo`` (absolute error
+    2^-36 per weight): three half MMAs with float32 accumulation, the accuracy of
+    3xTF32 at half its tensor-core work and with no split of the values per tile.
+    """
+    v_ok = col_ok[:, None] & (offs_p[None, :] < p)
+    v_ptrs = V + offs_n[:, None] * stride_vn + offs_p[None, :] * stride_vp
+    v = tl.load(v_ptrs, mask=v_ok, other=0.0)
+    if V_SPLIT:
+        # .to(v.dtype): a no-op on the GPU; float32 parts under the interpreter
+        e_hi = e.to(tl.float16).to(v.dtype)
+        e_lo = ((e - e_hi.to(tl.float32)) * 2048.0).to(tl.float16).to(v.dtype)
+        pv = _split_dot(e_hi, e_lo, v, tl.load(v_ptrs + v_lo, mask=v_ok, other=0.0))
+        return pv * v_unscale
+    return tl.dot(e.to(v.dtype), v, input_precision=V_PRECISION)
+
+
+@triton.jit
+def _value_chunk(base, stride_n, stride_p, offs_m, row_ok, c, p, BLOCK_P: tl.constexpr):
+    """``(pointers, mask)`` of value chunk ``c`` of rows ``offs_m`` in a (rows, p) buffer."""
+    offs_c = c * BLOCK_P + tl.arange(0, BLOCK_P)
+    ok = row_ok[:, None] & (offs_c[None, :] < p)
+    return base + offs_m[:, None] * stride_n + offs_c[None, :] * stride_p, ok, offs_c
+# fmt: on
