@@ -38,6 +38,7 @@ from flashot.backends.triton._common import (
     _value_chunk,
     _value_product,
 )
+from flashot.backends.triton._configs import cdiv, next_pow2
 from flashot.backends.triton._operands import SPLIT_DOT, split_work
 
 __all__ = ["COMBINE_TILE", "VALUE_PARTIALS", "AttendLaunch", "attend"]
@@ -201,7 +202,7 @@ class AttendLaunch(_launch.Launch):
         p_loop = _configs.value_loop(self.p) if self.has_v else 1
         bd, chunks = _configs.block_d(self.d, qs.element_size())
         bp = _configs.block_p(self.p)
-        self.p_chunks = triton.cdiv(self.p, bp * p_loop) if self.has_v else 1  # (grid axis 2)
+        self.p_chunks = cdiv(self.p, bp * p_loop) if self.has_v else 1  # (grid axis 2)
         if segments is None:
             self.nb, self.mb = _configs.bucket(self.n), _configs.bucket(self.m)
         else:  # tiles for the batch's largest problem
@@ -245,7 +246,7 @@ class AttendLaunch(_launch.Launch):
         def grid(meta):
             if seg is not None:
                 return (len(seg.blocks(meta["BLOCK_M"], dev)), splits, chunks)
-            return (triton.cdiv(n, meta["BLOCK_M"]), splits, chunks)
+            return (cdiv(n, meta["BLOCK_M"]), splits, chunks)
 
         table = lse if seg is None else seg.blocks(tiles.kwargs["BLOCK_M"], dev)
         has_v, v, out, repair = self.has_v, self.v, self.out, self.repair
@@ -271,9 +272,9 @@ class AttendLaunch(_launch.Launch):
         part_max = plan.args["PART_MAX"]
         n, p, has_v, out = self.n, self.p, self.has_v, self.out
         blk, bpc = COMBINE_TILE if has_v else (128, 1)
-        bpc = min(bpc, triton.next_power_of_2(p))
+        bpc = min(bpc, next_pow2(p))
         with on_device(self.device):
-            _combine_kernel[(triton.cdiv(n, blk), triton.cdiv(p, bpc))](
+            _combine_kernel[(cdiv(n, blk), cdiv(p, bpc))](
                 PART_MAX=part_max, PART_SUM=plan.args["PART_SUM"],
                 PART_ACC=plan.args["PART_ACC"], LSE=self.lse, OUT=out, n=n, p=p,
                 splits=part_max.shape[0], eps=self.eps, **_launch.temp_args(self.eps, self.lse),

@@ -17,6 +17,17 @@ import triton
 
 from flashot.backends.device import triton_interpreted
 
+
+def cdiv(a: int, b: int) -> int:
+    """``⌈a / b⌉`` on the host (``triton.cdiv`` is a constexpr function: ~2 µs a call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The least power of 2 ≥ n, on the host (see :func:`cdiv`); 0 for n ≤ 0, as Triton's."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
 __all__ = [
     "attend_configs",
     "balanced_splits",
@@ -56,11 +67,11 @@ def block_d(d: int, itemsize: int = 4) -> tuple[int, int]:
     32-feature chunks 11.2 ms (tf32), 64-feature chunks 5.5 ms (bf16).
     """
     if triton_interpreted():
-        return 16, triton.cdiv(d, 16)
+        return 16, cdiv(d, 16)
     if d <= 128:
-        return max(16, triton.next_power_of_2(d)), 1
+        return max(16, next_pow2(d)), 1
     bd = 128 // itemsize
-    return bd, triton.cdiv(d, bd)
+    return bd, cdiv(d, bd)
 
 
 #: most value columns per program on a GPU. Each further chunk of values recomputes the
@@ -74,7 +85,7 @@ VALUE_TILE_CAP = 128
 def block_p(p: int) -> int:
     """Value columns per chunk (more chunks: programs on the grid's third axis, or looped)."""
     cap = 16 if triton_interpreted() else VALUE_TILE_CAP
-    return min(max(16, triton.next_power_of_2(p)), cap)
+    return min(max(16, next_pow2(p)), cap)
 
 
 #: from this many value columns (None: never) one attend program loops over all value
@@ -89,7 +100,7 @@ VALUE_LOOP_FROM: int | None = 256
 
 def value_loop(p: int) -> int:
     """``P_LOOP``: the value chunks one program loops over (1: a program per chunk)."""
-    chunks = triton.cdiv(p, block_p(p))
+    chunks = cdiv(p, block_p(p))
     return chunks if VALUE_LOOP_FROM is not None and p >= VALUE_LOOP_FROM and chunks > 1 else 1
 
 
@@ -108,7 +119,7 @@ def column_splits(n_row_blocks: int, m: int, block_n: int, device: torch.device)
     """
     if device.type != "cuda":
         return 1
-    want = triton.cdiv(2 * sm_count(device.index or 0), n_row_blocks)
+    want = cdiv(2 * sm_count(device.index or 0), n_row_blocks)
     return max(1, min(want, m // (4 * block_n)))
 
 
@@ -127,7 +138,7 @@ def resident_programs(kernel, props) -> int | None:
     regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
     smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
     threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
-    per_warp = triton.cdiv(max(regs, 1) * 32, 256) * 256
+    per_warp = cdiv(max(regs, 1) * 32, 256) * 256
     limits = (regs_sm // (per_warp * warps), smem_sm // (smem + 1024), threads_sm // (32 * warps))
     return max(1, min(32, *limits))
 
@@ -149,11 +160,11 @@ def balanced_splits(units: int, moving: int, slots: int, most: int) -> tuple[int
     """
     best = None
     for want in range(1, max(1, most) + 1):
-        per = triton.cdiv(triton.cdiv(moving, want), 128) * 128
-        splits = triton.cdiv(moving, per)
+        per = cdiv(cdiv(moving, want), 128) * 128
+        splits = cdiv(moving, per)
         if splits > 1 and per < 512:  # at least 4 tiles of ≤128 items per program
             break
-        cost = triton.cdiv(units * splits, slots) * (per + PROGRAM_OVERHEAD)
+        cost = cdiv(units * splits, slots) * (per + PROGRAM_OVERHEAD)
         if best is None or cost < best[0]:
             best = (cost, splits, per)
     assert best is not None  # (one split always fits)

@@ -23,6 +23,7 @@ from triton.runtime.errors import OutOfResources
 from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.temperature import READ_DAMPING, READ_RATIO, READ_ROW, Temperature
 from flashot.backends.triton import _configs, _tables
+from flashot.backends.triton._configs import cdiv
 
 __all__ = ["FINALISTS", "Launch", "Plan", "dispatch", "launch", "run", "splits_for",
            "table_tiles", "temp_args", "tiles_for", "tuned"]  # fmt: skip
@@ -155,11 +156,11 @@ def splits_for(op: Launch, cfg, device, forced: int | None = None) -> tuple[int,
     stationary, moving, most = op.sizes(cfg)
     block = cfg.kwargs[op.stationary_block] if cfg else 128
     guess = forced or min(
-        _configs.column_splits(triton.cdiv(stationary, block), moving, 64, device),
+        _configs.column_splits(cdiv(stationary, block), moving, 64, device),
         most or moving,
     )
-    per = triton.cdiv(triton.cdiv(moving, guess), 128) * 128
-    guess = triton.cdiv(moving, per)
+    per = cdiv(cdiv(moving, guess), 128) * 128
+    guess = cdiv(moving, per)
     if cfg is None or forced or device.type != "cuda" or triton_interpreted():
         return guess, per
     rkey = (op.key, str(cfg))
@@ -179,7 +180,7 @@ def splits_for(op: Launch, cfg, device, forced: int | None = None) -> tuple[int,
     if _RESIDENT[rkey] is None:
         return guess, per
     slots = _RESIDENT[rkey] * _configs.sm_count(device.index or 0)
-    return _configs.balanced_splits(triton.cdiv(stationary, block), moving, slots,
+    return _configs.balanced_splits(cdiv(stationary, block), moving, slots,
                                     most or moving)  # fmt: skip
 
 

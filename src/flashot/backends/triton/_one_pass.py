@@ -23,10 +23,10 @@ d = 256; 625 MB at 100k, within it at d = 512).
 from __future__ import annotations
 
 import torch
-import triton
 
 from flashot.backends.device import on_device
 from flashot.backends.triton._combine import _combine_kernel
+from flashot.backends.triton._configs import cdiv
 from flashot.backends.triton._launch import run, table_tiles, temp_args
 from flashot.backends.triton._plan_sums import SumsLaunch
 
@@ -64,7 +64,7 @@ class ExactLaunch(SumsLaunch):
         unused = self.lse_r
         row_lse = col_max = col_sum = unused
         if not probe:
-            blocks = triton.cdiv(self.m, tiles.kwargs["BLOCK_N"])
+            blocks = cdiv(self.m, tiles.kwargs["BLOCK_N"])
             row_lse = torch.empty(blocks, self.n, device=self.device, dtype=torch.float32)
             col_max = torch.empty(splits, self.m, device=self.device, dtype=torch.float32)
             col_sum = torch.empty_like(col_max)
@@ -85,7 +85,7 @@ def exact_lse(backend, pot):
     op = ExactLaunch(backend, pot)
     n, m, dev = op.n, op.m, op.device
     cfg = table_tiles(op.key[:-1], op.nb, op.mb, dev, backend.autotune)
-    if 4 * triton.cdiv(m, cfg.kwargs["BLOCK_N"]) * n > partials_budget(n, m, op.d):
+    if 4 * cdiv(m, cfg.kwargs["BLOCK_N"]) * n > partials_budget(n, m, op.d):
         return None
     plan = run(op, cfg, dev, backend.splits)
     eps = pot.eps
@@ -94,7 +94,7 @@ def exact_lse(backend, pot):
             (plan.args["ROW_LSE"], plan.args["ROW_LSE"], op.lse_r, n),
             (plan.args["COL_MAX"], plan.args["COL_SUM"], op.lse_c, m),
         ):
-            _combine_kernel[(triton.cdiv(size, 128), 1)](
+            _combine_kernel[(cdiv(size, 128), 1)](
                 PART_MAX=part_max, PART_SUM=part_sum, PART_ACC=part_max, LSE=out, OUT=out,
                 n=size, p=1, splits=part_max.shape[0], eps=eps, **temp_args(eps, out),
                 stride_on=0, stride_op=0, BLOCK=128, BLOCK_P=1, HAS_V=False,

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from flashot.backends import temperature as _row
 from flashot.backends.device import on_device, triton_interpreted
+from flashot.backends.triton._configs import cdiv, next_pow2
 from flashot.backends.triton._pair_functions import triton_functions
 from flashot.geometry.pair_costs import DIFFERENCES_UP_TO, PairCost
 
@@ -392,7 +393,7 @@ def _grad_kernel(
 
 
 def _width(size: int) -> int:
-    return max(16, triton.next_power_of_2(size))
+    return max(16, next_pow2(size))
 
 
 def _layout(d: int, whole: bool):
@@ -402,7 +403,7 @@ def _layout(d: int, whole: bool):
     if diff or whole:
         return diff, _width(d), 1, tiles
     block_d = min(_width(d), D_CHUNK)
-    return diff, block_d, triton.cdiv(d, block_d), tiles
+    return diff, block_d, cdiv(d, block_d), tiles
 
 
 def _splits(blocks: int, size: int, block: int, device) -> tuple[int, int]:
@@ -411,11 +412,11 @@ def _splits(blocks: int, size: int, block: int, device) -> tuple[int, int]:
     ``per`` is a multiple of ``block``: a tile never crosses into the next split.
     """
     if device.type != "cuda" or triton_interpreted():
-        return 1, triton.cdiv(size, block) * block
+        return 1, cdiv(size, block) * block
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = max(1, min(triton.cdiv(2 * sms, blocks), size // (4 * block)))
-    per = triton.cdiv(triton.cdiv(size, splits), block) * block
-    return triton.cdiv(size, per), per
+    splits = max(1, min(cdiv(2 * sms, blocks), size // (4 * block)))
+    per = cdiv(cdiv(size, splits), block) * block
+    return cdiv(size, per), per
 
 
 def _prepared(x, y, cost: PairCost):
@@ -445,14 +446,14 @@ def _launch_forward(x, y, vec, scale: float, cost: PairCost, sum_mode: bool, spa
     n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
     diff, block_d, chunks, (bm, bn, warps, stages) = _layout(d, whole=d <= GRAD_UP_TO)
     bm = sparse[2] if sparse else bm  # (the layout's row blocks)
-    splits, per = (1, m) if sparse else _splits(triton.cdiv(n, bm), m, bn, xs.device)
+    splits, per = (1, m) if sparse else _splits(cdiv(n, bm), m, bn, xs.device)
     parts = torch.empty(splits, n, device=xs.device, dtype=torch.float32)
     ptr, iv = sparse[:2] if sparse else (parts, parts)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
     args = (xs, ys, xn, yn, vec.contiguous(), parts, ptr, iv, n, m, d, scale, per,
             *xs.stride(), *ys.stride())  # fmt: skip
     with on_device(xs.device):
-        _softmin_kernel[(triton.cdiv(n, bm), splits)](
+        _softmin_kernel[(cdiv(n, bm), splits)](
             *args, COST=fn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, D_CHUNKS=chunks,
             DIFF=diff, PRECISION=_precision(), SUM=sum_mode, SPARSE=sparse is not None,
             **options,
@@ -527,18 +528,18 @@ def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols:
     gx = gy = gv = None
     with on_device(xs.device):
         if rows:
-            splits, per = (1, m) if sparse else _splits(triton.cdiv(n, bm), m, bn, xs.device)
+            splits, per = (1, m) if sparse else _splits(cdiv(n, bm), m, bn, xs.device)
             gx = torch.empty(splits, n, d, device=xs.device, dtype=torch.float32)
-            _grad_kernel[(triton.cdiv(n, bm), splits)](
+            _grad_kernel[(cdiv(n, bm), splits)](
                 *head, gx, gx, *tail, per, *strides, COLUMNS=False, SPARSE=sparse is not None,
                 **flags,
             )  # fmt: skip
             gx = gx.sum(0)
         if cols:
-            splits, per = _splits(triton.cdiv(m, bn), n, bm, xs.device)
+            splits, per = _splits(cdiv(m, bn), n, bm, xs.device)
             gy = torch.empty(splits, m, d, device=xs.device, dtype=torch.float32)
             gv = torch.empty(splits, m, device=xs.device, dtype=torch.float32)
-            _grad_kernel[(triton.cdiv(m, bn), splits)](
+            _grad_kernel[(cdiv(m, bn), splits)](
                 *head, gy, gv, *tail, per, *strides, COLUMNS=True, SPARSE=False, **flags
             )
             gy, gv = gy.sum(0), gv.sum(0)

@@ -34,6 +34,7 @@ from flashot.backends.triton._common import (
     _side_ahead,
     _side_load,
 )
+from flashot.backends.triton._configs import cdiv
 from flashot.backends.triton._operands import SPLIT_DOT, split_work
 
 __all__ = ["SumsLaunch", "plan_sums"]
@@ -255,7 +256,7 @@ class SumsLaunch(_launch.Launch):
         def grid(meta):
             if seg_t is not None:
                 return (len(seg_t.blocks(meta["BLOCK_N"], dev)), splits)
-            return (triton.cdiv(m, meta["BLOCK_N"]), splits)
+            return (cdiv(m, meta["BLOCK_N"]), splits)
 
         out = self.outputs(splits, tiles, probe)
         table = self.sums if seg_t is None else seg_t.blocks(tiles.kwargs["BLOCK_N"], dev)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from flashot.backends.device import on_device
+from flashot.backends.triton._configs import cdiv
 
 __all__ = ["SplitOperand", "split_operand"]
 
@@ -76,7 +77,7 @@ def split_operand(t: torch.Tensor, interpreted: bool = False) -> SplitOperand:
     if t.numel():
         low, high = torch.aminmax(t)
         with on_device(t.device):  # Triton launches on the current device
-            _split_kernel[(triton.cdiv(t.numel(), BLOCK),)](
+            _split_kernel[(cdiv(t.numel(), BLOCK),)](
                 t, low, high, parts, inv, t.numel(), HEADROOM=HEADROOM, LO_BITS=LO_BITS,
                 BLOCK=BLOCK,
             )  # fmt: skip

@@ -43,6 +43,7 @@ from flashot.backends.triton._common import (
     _score_tile,
     _value_product,
 )
+from flashot.backends.triton._configs import cdiv, next_pow2
 from flashot.backends.triton._launch import temp_args
 from flashot.backends.triton._operands import split_work
 from flashot.backends.triton._split import split_operand
@@ -68,7 +69,7 @@ VALUE_DOT: str | None = None
 
 
 def _width(size: int) -> int:
-    return max(16, triton.next_power_of_2(size))
+    return max(16, next_pow2(size))
 
 
 def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, extra_side=0):
@@ -94,13 +95,13 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
         block_m, block_n, warps, stages = 16, 16, 1, 1
     else:
         block_m, block_n, warps, stages = NARROW_TILES if p <= 16 else TILES
-    blocks = triton.cdiv(n, block_m)
+    blocks = cdiv(n, block_m)
     splits = backend.splits or _configs.column_splits(blocks, m, block_n, dev)
-    per = triton.cdiv(triton.cdiv(m, splits), block_n) * block_n
-    splits = triton.cdiv(m, per)
+    per = cdiv(cdiv(m, splits), block_n) * block_n
+    splits = cdiv(m, per)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
     chunk = 16 if triton_interpreted() else P_CHUNK
-    block_p, p_chunks = (_width(p), 1) if p <= chunk else (chunk, triton.cdiv(p, chunk))
+    block_p, p_chunks = (_width(p), 1) if p <= chunk else (chunk, cdiv(p, chunk))
     with on_device(dev):
         _plan_vjp_kernel[(blocks, splits)](
             Q=qs, K=ks, KV=kv, ROW_B=row_bias, COL_B=col_bias, DR=dr, VC=vc,
