@@ -214,6 +214,38 @@ def test_default_presplit_follows_the_launch_size():
         TritonBackend(presplit="yes")
 
 
+def test_default_presplit_makes_no_copies_past_their_memory_cap(monkeypatch):
+    """presplit=None splits only while both operands' copies fit PRESPLIT_MAX_BYTES:
+    OTDD at 60k with d' = 804 (386 MB of copies) reads 3xTF32 per tile, 50k d = 64 and
+    50k d = 512 split. A solve past the cap makes no copy and gives the answer of one
+    under it."""
+    from flashot.backends.triton import TritonBackend, _operands
+    from flashot.backends.triton._operands import PRESPLIT_FROM, PRESPLIT_MAX_BYTES, split_work
+
+    ops = TritonBackend().operands
+
+    def copies(n, m, d):
+        return 4 * (n + m) * d
+
+    assert not ops.splits(split_work(60_000**2, 804), copies(60_000, 60_000, 804))
+    assert ops.splits(split_work(50_000**2, 64), copies(50_000, 50_000, 64))
+    assert ops.splits(split_work(50_000**2, 512), copies(50_000, 50_000, 512))
+    assert not ops.splits(PRESPLIT_FROM, PRESPLIT_MAX_BYTES + 1)
+    assert TritonBackend(presplit=True).operands.splits(PRESPLIT_FROM, PRESPLIT_MAX_BYTES + 1)
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(30, 8, generator=gen).to(DEV), torch.randn(20, 8, generator=gen).to(DEV)
+    monkeypatch.setattr(_operands, "PRESPLIT_FROM", 1)  # every launch large enough
+    costs = []
+    for cap, made in ((copies(30, 20, 8), True), (copies(30, 20, 8) - 1, False)):
+        monkeypatch.setattr(_operands, "PRESPLIT_MAX_BYTES", cap)
+        be, seen = TritonBackend(), []
+        real = be.operands.split_parts
+        be.operands.split_parts = lambda t, real=real, seen=seen: seen.append(t) or real(t)
+        costs.append(flashot.sinkhorn(x, y, eps=0.5, max_iter=5, tol=None, backend=be).cost)
+        assert bool(seen) == made
+    assert torch.allclose(costs[0], costs[1], rtol=1e-6)
+
+
 def test_a_packed_batch_counts_the_work_of_its_diagonal_blocks():
     """presplit=None on a packed batch weighs Σ n_s m_s, not the packed N·M."""
     from flashot.geometry.segments import Segments

@@ -31,6 +31,11 @@ _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: d = 64 189 → 96 ms, 10k d = 512 with the gradient 44 → 24 ms; v26, with the call's
 #: CUDA graphs, 10k d = 64 9.82 → 9.49 ms)
 PRESPLIT_FROM = 1 << 34
+#: ... and while both operands' copies (4 bytes per point and feature, as much as the
+#: float32 operands themselves) stay within this many bytes; above, every pass reads the
+#: operands with 3xTF32 per tile instead (OTDD at 60k, d' = 804: 386 MB of copies, a
+#: whole-process peak of 1.32 GB on the H100 in v44, against 0.75 GB in tf32)
+PRESPLIT_MAX_BYTES = 1 << 28
 
 
 def split_work(elements: int, d: int) -> int:
@@ -93,18 +98,23 @@ class Operands:
         if self.triples(q.shape[1]):
             qt, kt = self.operand(q, keep_q, triples=True)[0], self.operand(k, triples=True)[1]
             return qt, kt, _split_args(qt, kt, 0, 0), False, True
-        return (*score_operands(self.operand(q, keep_q, work), self.operand(k, work=work)),
-                False)  # fmt: skip
+        copies = 4 * (q.shape[0] + k.shape[0]) * q.shape[1]
+        qs = self.operand(q, keep_q, work, copies=copies)
+        return (*score_operands(qs, self.operand(k, work=work, copies=copies)), False)
 
-    def splits(self, work: int | None = None) -> bool:
+    def splits(self, work: int | None = None, copies: int | None = None) -> bool:
         """Whether score operands are split once per solve (:mod:`._split`).
 
         ``work``: the launch's :func:`split_work`, which decides for ``presplit=None``
-        (:data:`PRESPLIT_FROM`); None asks whether this backend ever splits.
+        (:data:`PRESPLIT_FROM`), with ``copies``, the bytes the split copies of both
+        operands take (:data:`PRESPLIT_MAX_BYTES`); None asks whether this backend
+        ever splits.
         """
         if self.precision != "fp32" or self.presplit is False:
             return False
-        return self.presplit is True or work is None or work >= PRESPLIT_FROM
+        if self.presplit is True or work is None:
+            return True
+        return work >= PRESPLIT_FROM and (copies is None or copies <= PRESPLIT_MAX_BYTES)
 
     @contextlib.contextmanager
     def scope(self, carry: list | None = None):
@@ -127,11 +137,12 @@ class Operands:
                 self.cache = []
 
     def operand(self, t: torch.Tensor, keep: bool = True, work: int | None = None,
-                 triples: bool = False):  # fmt: skip
+                triples: bool = False, copies: int | None = None):  # fmt: skip
         """A feature matrix as the kernels read it: float32, a half copy, parts or triples.
 
         ``triples``: both sides' triples (:func:`._triples.triple_pair`). Copies are cached
-        (``keep``); ``work`` is the launch's :func:`split_work` (see :meth:`splits`).
+        (``keep``); ``work`` is the launch's :func:`split_work` and ``copies`` the bytes
+        of both operands' split copies (see :meth:`splits`).
         Split parts (``"fp32"``) are made only within
         :meth:`scope` (a solve's many passes share them); a pass outside one
         reads the float32 features with 3xTF32 and needs no copy.
@@ -141,7 +152,7 @@ class Operands:
         convert: Callable[[torch.Tensor], torch.Tensor | SplitOperand]
         if triples:
             convert = triple_pair
-        elif self.splits(work):
+        elif self.splits(work, copies):
             if self.scopes == 0:  # a one-off pass: 3xTF32 per tile, no copy
                 return t
             convert = self.split_parts

@@ -66,8 +66,10 @@ class TritonBackend(Backend):
             solve runs) instead of per tile by 3xTF32. Passes outside a solve
             (gradients, plan products, dual solves) keep 3xTF32. None (default):
             for launches with n·m·max(4d, 64) ≥ 2^34 (:data:`._operands.PRESPLIT_FROM`),
-            where the split pays for its conversions; and up to 5 features every score
-            launch, solve or not, reads TF32 triples (:mod:`._triples`:
+            where the split pays for its conversions, while the copies of both
+            operands take at most 256 MB (:data:`._operands.PRESPLIT_MAX_BYTES`;
+            beyond, 3xTF32 per tile keeps the memory at the clouds'); and up to 5
+            features every score launch, solve or not, reads TF32 triples (:mod:`._triples`:
             3xTF32's three terms in one TF32 MMA of 16 features) instead.
     """
 
