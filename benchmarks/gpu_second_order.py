@@ -20,7 +20,7 @@ Parts (env PARTS, default "A,B,C"):
   gradient included): the profiler's top kernels and host calls, one row
   pass and one ``plan_vjp`` (as a replayed transform's backward makes it: one value
   column) timed alone; with SWEEP=1 the ``plan_vjp`` kernel's tiles for one value column
-  (``_vjp.NARROW_TILES``), each with one launch, the whole HVP and its error against the
+  (``_configs.VJP_NARROW_TILES``), each with one launch, the whole HVP and its error against the
   float64 double backward.
 
 Prints a short table last; rows also go to $OUT/second_order.json when OUT is set.
@@ -163,8 +163,8 @@ def part_c():
 def part_p():
     from torch.profiler import ProfilerActivity, profile
 
-    import flashot.backends.triton._vjp as vjp
     from flashot.backends import resolve_backend
+    from flashot.backends.triton import _configs as vjp
     from flashot.geometry.costs import AttentionForm
 
     n, geomloss = SIZES[0], os.environ.get("P_CASE") == "geomloss"
@@ -209,22 +209,22 @@ def part_p():
     ra = bench(lambda: be.row_attend(form, h - bl, 0.09, log_w=lw))
     case = f"n={n} d={P_D}" + (" geomloss" if geomloss else "")
     rows.append(dict(part="P", case=case, who="one row pass", ms=ra))
-    settings = [vjp.NARROW_TILES]
+    settings = [vjp.VJP_NARROW_TILES]
     if os.environ.get("SWEEP"):
         settings = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2),
                     (64, 128, 4, 2), (128, 32, 4, 2), (32, 64, 4, 2), (128, 128, 8, 2),
                     (256, 64, 8, 2), (64, 32, 4, 2)]  # fmt: skip
     # (GeomLoss' defaults: no float64 double backward, which takes minutes at 10k)
     ref = None if geomloss else hvp_of(x.double(), y.double(), v.double())()
-    kept = vjp.NARROW_TILES
+    kept = vjp.VJP_NARROW_TILES
     for tiles in settings:
-        vjp.NARROW_TILES = tiles
+        vjp.VJP_NARROW_TILES = tiles
         run = hvp_of(x, y, v)
         err = None if ref is None else rel(run(), ref)
         rows.append(dict(part="P", case=case, who=f"plan_vjp p=1 {tiles}", ms=bench(one_vjp),
                          hvp_ms=bench(run), err=err))  # fmt: skip
         print(rows[-1], flush=True)
-    vjp.NARROW_TILES = kept
+    vjp.VJP_NARROW_TILES = kept
 
 
 print(torch.cuda.get_device_name(), torch.__version__, flashot.__version__, flush=True)

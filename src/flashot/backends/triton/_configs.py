@@ -253,6 +253,24 @@ def smaller(config, need: int | None = None, have: int | None = None):
     return step
 
 
+#: the reverse plan product's (:mod:`._vjp`) tiles (BLOCK_M, BLOCK_N, warps, stages) on a
+#: GPU for wide values and for narrow ones (p ≤ 16); the interpreter takes 16 × 16.
+#: Narrow at d = 3 (v44, H100, GeomLoss' defaults at 10k): 128 × 64 × 4 × 2 0.50 ms
+#: against 0.62–1.18 for nine others. Wide: measured on the H200 (HISTORY.md v13,
+#: 3xTF32 scores), 32 × 64 fastest for p = 65; 8 warps then gave wrong sums and illegal
+#: addresses under Triton 3.6. Narrow (split scores and keys, v42, H100, one launch of
+#: the replay at 10k d = 64): 128 × 64 4 warps 0.87 ms, 8 warps 0.79, 64 × 64 1.14–1.50,
+#: 64 × 128 0.94, 32 × 64 1.17 (3xTF32 before: 1.68)
+
+VJP_TILES = (32, 64, 4, 2)
+VJP_NARROW_TILES = (128, 64, 4, 2)
+#: values wider than this stream in chunks of it (not hoisted)
+VJP_P_CHUNK = 32
+
+#: the pair-cost kernels' (:mod:`._pairwise`) tiles on a GPU (BLOCK_M, BLOCK_N, warps,
+#: stages); the interpreter takes 16 × 16
+PAIRWISE_TILES = (64, 64, 4, 2)
+
 #: autotune only when n·m ≥ 2^TUNE_FROM_LOG2 (smaller solves cost less than tuning them)
 TUNE_FROM_LOG2 = 24
 

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from flashot.backends import temperature as _row
 from flashot.backends.device import on_device, triton_interpreted
+from flashot.backends.triton import _configs
 from flashot.backends.triton._configs import cdiv, next_pow2
 from flashot.backends.triton._pair_functions import triton_functions
 from flashot.geometry.pair_costs import DIFFERENCES_UP_TO, PairCost
@@ -38,8 +39,6 @@ __all__ = ["GRAD_UP_TO", "fused_grads", "fused_kernel_sum", "fused_softmin"]
 
 #: widest features the gradient kernels take with the product form (one feature chunk)
 GRAD_UP_TO = 128
-#: (BLOCK_M, BLOCK_N, warps, stages) on a GPU; the interpreter takes 16 × 16
-TILES = (64, 64, 4, 2)
 #: the forward's feature chunk beyond GRAD_UP_TO (up to it, one chunk: the forward forms
 #: each score as the gradient kernels do, so their weights see the same rounding)
 D_CHUNK = 64
@@ -399,7 +398,7 @@ def _width(size: int) -> int:
 def _layout(d: int, whole: bool):
     """(DIFF, BLOCK_D, D_CHUNKS, tiles) for feature size d (``whole``: one feature chunk)."""
     diff = d <= DIFFERENCES_UP_TO
-    tiles = (16, 16, 1, 1) if triton_interpreted() else TILES
+    tiles = (16, 16, 1, 1) if triton_interpreted() else _configs.PAIRWISE_TILES
     if diff or whole:
         return diff, _width(d), 1, tiles
     block_d = min(_width(d), D_CHUNK)

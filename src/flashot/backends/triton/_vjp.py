@@ -18,8 +18,8 @@ score_pair`: split half parts at 10k d = 64, triples at d ≤ 5), split once per
 product ``d_i v_j``: no MMA forms it, and with split score operands the keys' product
 reads ``v ⊙ k`` split once into half parts, the weights taken against a running row
 maximum (at most 1, so half precision holds them) and split per tile as the attend
-kernel's values are (:func:`~._common._value_product`). Wider values
-hold the features in one chunk and stream the values in chunks of :data:`P_CHUNK`:
+kernel's values are (:func:`~._common._value_product`). Wider values hold the features
+in one chunk and stream the values in chunks of :data:`._configs.VJP_P_CHUNK`:
 ``d, p ≤ 128`` (the backend falls back to PyTorch tiles beyond, where cuBLAS products are
 as fast as recomputed score chunks).
 """
@@ -52,16 +52,6 @@ __all__ = ["FUSED_UP_TO", "fused_plan_vjp"]
 
 #: widest features and values the fused kernel takes
 FUSED_UP_TO = 128
-#: tiles (BLOCK_M, BLOCK_N, warps, stages) on a GPU for wide values and for narrow ones
-#: (p ≤ 16); the interpreter takes 16 × 16. Wide: measured on the H200 (HISTORY.md v13,
-#: 3xTF32 scores), 32 × 64 fastest for p = 65; 8 warps then gave wrong sums and illegal
-#: addresses under Triton 3.6. Narrow (split scores and keys, v42, H100, one launch of
-#: the replay at 10k d = 64): 128 × 64 4 warps 0.87 ms, 8 warps 0.79, 64 × 64 1.14–1.50,
-#: 64 × 128 0.94, 32 × 64 1.17 (3xTF32 before: 1.68)
-TILES = (32, 64, 4, 2)
-NARROW_TILES = (128, 64, 4, 2)
-#: values wider than this stream in chunks of it (not hoisted)
-P_CHUNK = 32
 #: ``input_precision`` of the value products per tile (``⟨d_i, v_j⟩`` and ``T k``) when
 #: not split; None: the backend's score precision (3xTF32 in fp32 mode). TF32 there
 #: saved 21 % of a launch and took the HVP's error from 6e-5 to 7e-3 (H100, v41; NOTES.md)
@@ -94,13 +84,15 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
     if triton_interpreted():
         block_m, block_n, warps, stages = 16, 16, 1, 1
     else:
-        block_m, block_n, warps, stages = NARROW_TILES if p <= 16 else TILES
+        block_m, block_n, warps, stages = (
+            _configs.VJP_NARROW_TILES if p <= 16 else _configs.VJP_TILES
+        )
     blocks = cdiv(n, block_m)
     splits = backend.splits or _configs.column_splits(blocks, m, block_n, dev)
     per = cdiv(cdiv(m, splits), block_n) * block_n
     splits = cdiv(m, per)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
-    chunk = 16 if triton_interpreted() else P_CHUNK
+    chunk = 16 if triton_interpreted() else _configs.VJP_P_CHUNK
     block_p, p_chunks = (_width(p), 1) if p <= chunk else (chunk, cdiv(p, chunk))
     with on_device(dev):
         _plan_vjp_kernel[(blocks, splits)](
