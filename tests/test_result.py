@@ -238,6 +238,25 @@ def test_results_pickle_and_torch_save_round_trip(gen, cost, tmp_path):
         assert not (back.plan @ V).requires_grad
 
 
+def test_triton_backend_options_set_later_reach_its_operands():
+    """The operands' conversions follow the backend's precision and presplit however
+    they are set (one value for both; a stale mode would pick the wrong MMA silently)."""
+    from flashot.backends.triton import TritonBackend
+
+    be = TritonBackend()
+    be.operands.cache.append(("stale", 0, None))
+    be.precision = "bf16"
+    assert be.operands.precision == "bf16" and be.operands.cache == []
+    assert not be.operands.splits(1)  # half copies, never splits, in bf16
+    be.precision, be.presplit = "fp32", True
+    assert be.operands.presplit is True and be.operands.splits(1)
+    with pytest.raises(TypeError, match="presplit"):
+        be.presplit = "yes"
+    with pytest.raises(ValueError, match="precision"):
+        be.precision = "fp8"
+    assert be.precision == be.operands.precision == "fp32"
+
+
 def test_triton_backend_pickles_without_its_caches():
     import pickle
 

@@ -109,6 +109,22 @@ class TritonBackend(Backend):
         """The ``presplit`` option (see the class)."""
         return self.operands.presplit
 
+    @presplit.setter
+    def presplit(self, value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"presplit must be None, True or False, got {value!r}")
+        self.operands.presplit = value
+        self.operands.cache = []  # (copies made under the old rule)
+
+    def __setattr__(self, name: str, value) -> None:
+        # the operands read the precision mode: one value for both, whenever it is set
+        if name == "precision" and value not in self.precisions:
+            raise ValueError(f"precision must be one of {self.precisions}, got {value!r}")
+        super().__setattr__(name, value)
+        if name == "precision" and "operands" in self.__dict__:
+            self.operands.precision = value
+            self.operands.cache = []
+
     def operand_scope(self, carry: list | None = None) -> contextlib.AbstractContextManager:
         """See :meth:`flashot.backends.base.Backend.operand_scope`.
 
