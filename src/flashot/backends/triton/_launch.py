@@ -89,6 +89,8 @@ class Launch:
         stationary_block: the tile constexpr of the side each program keeps on chip.
         full: constexpr overrides with which a tuning launch does all its work (gated or
             repair launches would otherwise time nothing).
+        device: the data's device.  nb, mb: the tile key's size buckets (rows, columns).
+        segments: a packed batch (:mod:`flashot.geometry.segments`) or None.
     """
 
     kernel: Any
@@ -96,7 +98,6 @@ class Launch:
     key: tuple = ()
     stationary_block = "BLOCK_M"
     full: dict | None = None
-    #: the data's device, the size buckets of the tile key, a packed batch or None
     device: torch.device
     nb: int
     mb: int
