@@ -19,7 +19,8 @@ Parts (env PARTS, default "A,B,C"):
   setting instead, without the float64 error; P_WHOLE=1 profiles the whole call, loss and
   gradient included): the profiler's top kernels and host calls, one row
   pass and one ``plan_vjp`` (as a replayed transform's backward makes it: one value
-  column) timed alone; with SWEEP=1 the ``plan_vjp`` kernel's tiles for one value column
+  column) timed alone; with FUSED=1 also with the column sums in the rows' launch
+  (``_configs.VJP_FUSED_COLUMNS``); with SWEEP=1 the ``plan_vjp`` kernel's tiles for one value column
   (``_configs.VJP_NARROW_TILES``), each with one launch, the whole HVP and its error against the
   float64 double backward.
 
@@ -163,6 +164,7 @@ def part_c():
 def part_p():
     from torch.profiler import ProfilerActivity, profile
 
+    from flashot.autodiff.replay import REPLAY_GRAPHS
     from flashot.backends import resolve_backend
     from flashot.backends.triton import _configs as vjp
     from flashot.geometry.costs import AttentionForm
@@ -216,15 +218,19 @@ def part_p():
                     (256, 64, 8, 2), (64, 32, 4, 2)]  # fmt: skip
     # (GeomLoss' defaults: no float64 double backward, which takes minutes at 10k)
     ref = None if geomloss else hvp_of(x.double(), y.double(), v.double())()
-    kept = vjp.VJP_NARROW_TILES
+    kept = vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS
+    # FUSED=1: each setting also with the columns' sums in the rows' launch
+    fusions = (False, True) if os.environ.get("FUSED") else (kept[1],)
     for tiles in settings:
-        vjp.VJP_NARROW_TILES = tiles
-        run = hvp_of(x, y, v)
-        err = None if ref is None else rel(run(), ref)
-        rows.append(dict(part="P", case=case, who=f"plan_vjp p=1 {tiles}", ms=bench(one_vjp),
-                         hvp_ms=bench(run), err=err))  # fmt: skip
-        print(rows[-1], flush=True)
-    vjp.VJP_NARROW_TILES = kept
+        for fused in fusions:
+            vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS = tiles, fused
+            REPLAY_GRAPHS.clear()  # (captured replays keep the launches they were made with)
+            run = hvp_of(x, y, v)
+            err = None if ref is None else rel(run(), ref)
+            rows.append(dict(part="P", case=case, who=f"plan_vjp p=1 {tiles} fused={fused}",
+                             ms=bench(one_vjp), hvp_ms=bench(run), err=err))  # fmt: skip
+            print(rows[-1], flush=True)
+    vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS = kept
 
 
 print(torch.cuda.get_device_name(), torch.__version__, flashot.__version__, flush=True)

@@ -144,6 +144,11 @@ def variants():
               KV_SPLIT=True), True),
         (dict(BLOCK_M=64, BLOCK_D=16, BLOCK_P=16, P_CHUNKS=1, PRECISION="tf32", PRESPLIT=False,
               OUTER=True, KV_SPLIT=False), False),
+        # the column sums in the rows' launch (VJP_FUSED_COLUMNS), both weight forms
+        (dict(BLOCK_M=128, BLOCK_D=64, BLOCK_P=16, P_CHUNKS=1, PRESPLIT=True, OUTER=True,
+              KV_SPLIT=True, COLS=True), True),
+        (dict(BLOCK_M=64, BLOCK_D=16, BLOCK_P=16, P_CHUNKS=1, PRECISION="tf32", PRESPLIT=False,
+              OUTER=True, KV_SPLIT=False, WITH_K=False, COLS=True), False),
     ):  # fmt: skip
         yield _vjp._plan_vjp_kernel, dict(vjp, **extra), half
 

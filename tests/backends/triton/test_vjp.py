@@ -73,3 +73,62 @@ def test_split_scores_match_dense_for_any_values(gen, presplit, p, d0):
     want = dense_plan_vjp(*args, row_sums)
     for key, ref in want.items():
         assert rel(getattr(out, key).double().cpu(), ref) < 1e-4, key
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    m=st.integers(1, 60),
+    d=st.sampled_from([1, 3, 8, 20]),
+    eps=st.sampled_from([0.05, 0.3, 2.0]),
+    presplit=st.sampled_from([None, True, False]),
+    splits=st.sampled_from([None, 3]),
+    rows=st.sampled_from(["row_k", "row"]),
+    seed=st.integers(0, 2**16),
+)
+def test_column_sums_in_the_rows_launch_match_dense(n, m, d, eps, presplit, splits, rows, seed):
+    """VJP_FUSED_COLUMNS: one value column whose column sums ride along the rows' launch
+    (one launch instead of two) gives the dense float64 reductions, ``per_b`` included
+    where a column weight is 0, at potentials off the fixed point (rows pushed by up to
+    e^±2) and with a zero row weight."""
+    from flashot.backends.triton import _configs, _vjp
+    from tests.backends.test_base import off_fixed_point
+
+    gen = torch.Generator().manual_seed(seed)
+    form, _ = problem(gen, n, m, d, torch.float32, DEVICE)
+    a, b, _, f, g = off_fixed_point(gen, form, eps, steps=3, push=2.0, zero_b=m > 1)
+    u = torch.randn(n, generator=gen, dtype=torch.float64)
+    args = [t.to(DEVICE, torch.float32) for t in (f, g, a, b)]
+    v, dd = torch.randn(m, 1, generator=gen), u[:, None].float()
+    need = frozenset({rows, "col"})
+    launches = []
+    real = _vjp._plan_vjp_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a_, **kw):
+                launches.append(kw["COLS"])
+                return real[grid](*a_, **kw)
+
+            return launch
+
+    backend = triton_backend(presplit=presplit, splits=splits)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_vjp, "_plan_vjp_kernel", Spy())
+        mp.setattr(_configs, "VJP_FUSED_COLUMNS", True)
+        out = backend.plan_vjp(form, *args, eps, v.to(DEVICE), dd.to(DEVICE), need)
+        assert launches == [True]  # one launch for both sides
+        mp.setattr(_configs, "VJP_FUSED_COLUMNS", False)
+        launches.clear()
+        apart = backend.plan_vjp(form, *args, eps, v.to(DEVICE), dd.to(DEVICE), need)
+        assert launches == [False, False]  # (the two launches it replaces)
+    want = dense_plan_vjp(form, *args, eps, v, dd)
+    offsets = (form.alpha.abs().max() + form.beta.abs().max()).cpu()
+    size = float(form.q.norm(dim=1).max() * form.k.norm(dim=1).max() + f.abs().max()
+                 + g.abs().max() + offsets)  # fmt: skip
+    tol = max(2e-5, 2.0**-21 * size / eps)
+    keys = ("col", "per_b", "row_k" if rows == "row_k" else "row", "per_a")
+    for key in keys:
+        assert rel(getattr(out, key).double().cpu(), want[key]) < tol, key
+    for key in keys:
+        assert rel(getattr(out, key).cpu(), getattr(apart, key).cpu()) < tol, key

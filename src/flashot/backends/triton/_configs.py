@@ -266,6 +266,12 @@ VJP_TILES = (32, 64, 4, 2)
 VJP_NARROW_TILES = (128, 64, 4, 2)
 #: values wider than this stream in chunks of it (not hoisted)
 VJP_P_CHUNK = 32
+#: a reverse product of one value column that needs the column sums but not their keys
+#: (a replayed row transform's) forms them in the rows' launch (one more exp2 per score,
+#: atomics per tile) instead of a second launch on the transposed form. Off until timed
+#: on a GPU: predicted 3 → 2 launches per iteration at the peer's setting, its 10k HVP
+#: 46.9 → ~35 ms (H100; `gpu_second_order.py` part P times both)
+VJP_FUSED_COLUMNS = False
 
 #: the pair-cost kernels' (:mod:`._pairwise`) tiles on a GPU (BLOCK_M, BLOCK_N, warps,
 #: stages); the interpreter takes 16 × 16

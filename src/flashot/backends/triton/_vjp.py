@@ -62,17 +62,25 @@ def _width(size: int) -> int:
     return max(16, next_pow2(size))
 
 
-def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, extra_side=0):
-    """``(Σ_j T_ij, Σ_j T_ij k_j or None)`` with ``T_ij = 2^{…} (⟨dr_i, vc_j⟩ + extra)``.
+def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, extra_side=0,
+          cols=None):  # fmt: skip
+    """``(Σ_j T_ij, Σ_j T_ij k_j or None, column sums or None)``.
+
+    ``T_ij = 2^{…} (⟨dr_i, vc_j⟩ + extra)``.
 
     ``extra``: None, or a vector added on the rows' side (``extra_side`` 1) or the
-    columns' (2); see the kernel.
+    columns' (2); see the kernel. ``cols``: None, or the column sums' biases
+    ``(COL_RB (n,), COL_CB (m,))`` (one value column, no extra; the kernel's COLS).
     """
     n, m, d, p = q.shape[0], k.shape[0], q.shape[1], dr.shape[1]
     dev = q.device
     out = torch.zeros(n * (d + 1 if with_k else 1), device=dev, dtype=torch.float32)  # atomics add
     out_w, out_k = out[:n], (out[n:].view(n, d) if with_k else out)
     outer = p == 1 and extra is None
+    if cols is not None and not outer:
+        raise ValueError("internal: column sums ride along one value column only")
+    out_c = torch.zeros(m if cols is not None else 1, device=dev, dtype=torch.float32)
+    col_rb, col_cb = cols if cols is not None else (row_bias, col_bias)
     qs, ks, split_args, presplit, triples = backend.operands.score_pair(
         q, k, work=split_work(n * m, d)
     )
@@ -97,7 +105,8 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
     with on_device(dev):
         _plan_vjp_kernel[(blocks, splits)](
             Q=qs, K=ks, KV=kv, ROW_B=row_bias, COL_B=col_bias, DR=dr, VC=vc,
-            EXTRA=row_bias if extra is None else extra, OUT_W=out_w, OUT_K=out_k, n=n, m=m,
+            EXTRA=row_bias if extra is None else extra, OUT_W=out_w, OUT_K=out_k,
+            COL_RB=col_rb, COL_CB=col_cb, OUT_C=out_c, n=n, m=m,
             d=d, dq=qs.shape[1], p=p, scale=LOG2E / eps, **temp_args(eps, out_w),
             cols_per_split=per, stride_qn=qs.stride(0), stride_qd=qs.stride(1),
             stride_kn=ks.stride(0), stride_kd=ks.stride(1), stride_kvn=kv.stride(0),
@@ -107,9 +116,9 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
             BLOCK_P=block_p, P_CHUNKS=p_chunks, SPLIT=splits > 1, WITH_K=with_k,
             PRECISION=backend.operands.dot(triples), V_PRECISION=_value_dot(backend),
             PRESPLIT=presplit, OUTER=outer, KV_SPLIT=kv_split,
-            EXTRA_SIDE=0 if extra is None else extra_side, **options,
+            EXTRA_SIDE=0 if extra is None else extra_side, COLS=cols is not None, **options,
         )  # fmt: skip
-        return out_w, (out_k if with_k else None)
+        return out_w, (out_k if with_k else None), (out_c if cols is not None else None)
 
 
 def _value_dot(backend) -> str:
@@ -136,14 +145,23 @@ def fused_plan_vjp(
     scale = device_scale(eps)  # (a Temperature's row: read on the device, as the kernel does)
     f_bias, g_bias = (f - form.alpha) * scale, (g - form.beta) * scale
     per_a = row_k = per_b = col_q = pt_d = None
+    # one value column, the columns' sums without their keys: they ride along the rows'
+    # launch (_configs.VJP_FUSED_COLUMNS), which forms each score once for both sides
+    fused = (_configs.VJP_FUSED_COLUMNS and "col" in need and "col_q" not in need
+             and bool(need & {"row", "row_k"}) and v.shape[1] == 1 and d0 is None)  # fmt: skip
     with backend.operands.scope():  # the launches share q's and k's split parts
         if need & {"row", "row_k"}:
-            per_a, row_k = _rows(backend, q, k, f_bias.to(f32), (g_bias + torch.log2(b)).to(f32),
-                                 d, v, eps, "row_k" in need, d0, 1)  # fmt: skip
+            cols = None
+            if fused:
+                cols = ((f_bias + torch.log2(a)).to(f32), g_bias.to(f32))
+            per_a, row_k, per_b = _rows(backend, q, k, f_bias.to(f32),
+                                        (g_bias + torch.log2(b)).to(f32), d, v, eps,
+                                        "row_k" in need, d0, 1, cols)  # fmt: skip
             row_k = None if row_k is None else row_k.mul_(a[:, None])
-        if need & {"col", "col_q"}:
-            per_b, col_q = _rows(backend, k, q, g_bias.to(f32), (f_bias + torch.log2(a)).to(f32),
-                                 v, d, eps, "col_q" in need, d0, 2)  # fmt: skip
+        if need & {"col", "col_q"} and not fused:
+            per_b, col_q, _ = _rows(backend, k, q, g_bias.to(f32),
+                                    (f_bias + torch.log2(a)).to(f32), v, d, eps,
+                                    "col_q" in need, d0, 2)  # fmt: skip
             col_q = None if col_q is None else col_q.mul_(b[:, None])
     if "pt_d" in need:
         pt_d = plan_times(backend, Potentials(form.T, g, f, torch.log(b), torch.log(a), eps), d)
@@ -170,6 +188,9 @@ def _plan_vjp_kernel(
     EXTRA,
     OUT_W,
     OUT_K,
+    COL_RB,
+    COL_CB,
+    OUT_C,
     n,
     m,
     d,
@@ -209,6 +230,7 @@ def _plan_vjp_kernel(
     OUTER: tl.constexpr,
     KV_SPLIT: tl.constexpr,
     EXTRA_SIDE: tl.constexpr,
+    COLS: tl.constexpr = False,
 ):
     """Row reductions of ``T_ij = E_ij ⟨dr_i, vc_j⟩`` (the backward of a plan product).
 
@@ -227,6 +249,11 @@ def _plan_vjp_kernel(
     the attend kernel's), are split per tile. Otherwise the values stream in P_CHUNKS
     chunks of BLOCK_P (hoisted when one). ``temp_at`` ≠ 0: ``scale`` is read from the
     temperature row ``TEMP`` (:mod:`flashot.backends.temperature`).
+
+    COLS (OUTER only): also the column sums ``OUT_C_j += vc_j Σ_i dr_i 2^{s_ij·scale +
+    COL_RB_i + COL_CB_j}`` from the same score tiles, one more exp2 per score and
+    BLOCK_N atomics per tile (zeroed output): with ``COL_RB = ROW_B + log2 a`` and
+    ``COL_CB = COL_B − log2 b`` the transposed launch's ``per_b``, absolute as it is.
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -251,6 +278,10 @@ def _plan_vjp_kernel(
     else:
         dr_tile = _load_tile(DR, offs_m, n, p, stride_dn, stride_dp, BLOCK_P, P_CHUNKS, False)
     rb = tl.load(ROW_B + offs_m, mask=row_ok, other=0.0)
+    crb, dr_c = rb, rb  # (defined on every path: the loop reads them under COLS)
+    if COLS:
+        crb = tl.load(COL_RB + offs_m, mask=row_ok, other=float("-inf"))
+        dr_c = tl.load(DR + offs_m * stride_dn, mask=row_ok, other=0.0)
     if EXTRA_SIDE == 1:
         row_extra = tl.load(EXTRA + offs_m, mask=row_ok, other=0.0)
     acc_w = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -263,6 +294,12 @@ def _plan_vjp_kernel(
         s = _score_tile(Q, K, q_tile, q_tile, offs_m, offs_n, n, col_hi, dq, stride_qn,
                         stride_qd, stride_kn, stride_kd, BLOCK_D, 1, False, PRECISION,
                         q_lo_tile, q_lo_tile, q_lo, k_lo, unscale, PRESPLIT)  # fmt: skip
+        if COLS:  # (OUTER) the columns' terms, absolute: no running maximum across programs
+            ccb = tl.load(COL_CB + offs_n, mask=col_ok, other=float("-inf"))
+            ce = tl.exp2(s * scale + crb[:, None] + ccb[None, :])
+            vcol = tl.load(VC + offs_n * stride_vn, mask=col_ok, other=0.0)
+            tl.atomic_add(OUT_C + offs_n, tl.sum(ce * dr_c[:, None], 0) * vcol, mask=col_ok,
+                          sem="relaxed")  # fmt: skip
         if OUTER and KV_SPLIT:  # weights against the running maximum, 2^{ROW_B} at the end
             vc = tl.load(VC + offs_n * stride_vn, mask=col_ok, other=0.0)
             run_max, e, decay = _online_weights(s, cb, run_max, scale)
