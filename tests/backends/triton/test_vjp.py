@@ -132,3 +132,48 @@ def test_column_sums_in_the_rows_launch_match_dense(n, m, d, eps, presplit, spli
         assert rel(getattr(out, key).double().cpu(), want[key]) < tol, key
     for key in keys:
         assert rel(getattr(out, key).cpu(), getattr(apart, key).cpu()) < tol, key
+
+
+def test_replayed_hvp_is_the_same_with_the_columns_in_the_rows_launch(monkeypatch):
+    """End to end: the HVP of a debiased ε-scaled SamplesLoss (its replay takes fused row
+    transforms and unfused column and self transforms) with VJP_FUSED_COLUMNS equals the
+    two-launch HVP, and both the float64 torch backend's."""
+    import flashot
+    from flashot.autodiff.replay import REPLAY_GRAPHS
+    from flashot.backends.triton import _configs
+
+    gen = torch.Generator().manual_seed(5)
+    x, y, v = (torch.randn(n, 3, generator=gen) for n in (14, 11, 14))
+    y = y + 0.4
+
+    def hvp(backend, dtype):
+        loss = flashot.SamplesLoss(blur=0.3, scaling=0.5, backend=backend)
+        xs = x.to(DEVICE, dtype).requires_grad_()
+        (g,) = torch.autograd.grad(loss(xs, y.to(DEVICE, dtype)), xs, create_graph=True)
+        return torch.autograd.grad((g * v.to(DEVICE, dtype)).sum(), xs)[0].double().cpu()
+
+    from flashot.backends.triton import _vjp
+
+    launches, real = [], _vjp._plan_vjp_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a_, **kw):
+                launches.append(kw["COLS"])
+                return real[grid](*a_, **kw)
+
+            return launch
+
+    monkeypatch.setattr(_vjp, "_plan_vjp_kernel", Spy())
+    want = hvp("torch", torch.float64)
+    got, fused_launches = {}, {}
+    for fused in (False, True):
+        monkeypatch.setattr(_configs, "VJP_FUSED_COLUMNS", fused)
+        REPLAY_GRAPHS.clear()
+        launches.clear()
+        got[fused] = hvp("triton", torch.float32)
+        fused_launches[fused] = (sum(launches), len(launches))
+    assert fused_launches[False][0] == 0 and fused_launches[True][0] > 0
+    assert fused_launches[True][1] < fused_launches[False][1]  # fewer launches in all
+    assert rel(got[True], got[False]) < 1e-5
+    assert rel(got[True], want) < 1e-4
