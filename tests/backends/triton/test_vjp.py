@@ -75,6 +75,20 @@ def test_split_scores_match_dense_for_any_values(gen, presplit, p, d0):
         assert rel(getattr(out, key).double().cpu(), ref) < 1e-4, key
 
 
+class _LaunchSpy:
+    """Stands in for ``_plan_vjp_kernel``: records each launch's COLS, then launches it."""
+
+    def __init__(self, kernel, record: list):
+        self.kernel, self.record = kernel, record
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.record.append(kwargs["COLS"])
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     n=st.integers(1, 60),
@@ -101,20 +115,10 @@ def test_column_sums_in_the_rows_launch_match_dense(n, m, d, eps, presplit, spli
     args = [t.to(DEVICE, torch.float32) for t in (f, g, a, b)]
     v, dd = torch.randn(m, 1, generator=gen), u[:, None].float()
     need = frozenset({rows, "col"})
-    launches = []
-    real = _vjp._plan_vjp_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a_, **kw):
-                launches.append(kw["COLS"])
-                return real[grid](*a_, **kw)
-
-            return launch
-
+    launches: list = []
     backend = triton_backend(presplit=presplit, splits=splits)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_vjp, "_plan_vjp_kernel", Spy())
+        mp.setattr(_vjp, "_plan_vjp_kernel", _LaunchSpy(_vjp._plan_vjp_kernel, launches))
         mp.setattr(_configs, "VJP_FUSED_COLUMNS", True)
         out = backend.plan_vjp(form, *args, eps, v.to(DEVICE), dd.to(DEVICE), need)
         assert launches == [True]  # one launch for both sides
@@ -154,17 +158,8 @@ def test_replayed_hvp_is_the_same_with_the_columns_in_the_rows_launch(monkeypatc
 
     from flashot.backends.triton import _vjp
 
-    launches, real = [], _vjp._plan_vjp_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a_, **kw):
-                launches.append(kw["COLS"])
-                return real[grid](*a_, **kw)
-
-            return launch
-
-    monkeypatch.setattr(_vjp, "_plan_vjp_kernel", Spy())
+    launches: list = []
+    monkeypatch.setattr(_vjp, "_plan_vjp_kernel", _LaunchSpy(_vjp._plan_vjp_kernel, launches))
     want = hvp("torch", torch.float64)
     got, fused_launches = {}, {}
     for fused in (False, True):

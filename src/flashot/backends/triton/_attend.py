@@ -31,15 +31,15 @@ from flashot.backends.triton._common import (
     RUNTIME_INTS,
     SCALE,
     _attend_weights,
+    _block_range,
     _from_row,
-    _load_tile,
     _score_tile,
     _side_load,
+    _stationary_tiles,
     _value_chunk,
     _value_product,
 )
 from flashot.backends.triton._configs import cdiv, next_pow2
-from flashot.backends.triton._operands import SPLIT_DOT, split_work
 
 __all__ = ["COMBINE_TILE", "VALUE_PARTIALS", "AttendLaunch", "attend"]
 
@@ -88,10 +88,7 @@ def _attend_kernel(
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_p = tl.program_id(2)
-    row_lo, row_end, seg_lo, seg_hi = pid_m * BLOCK_M, n, 0, m
-    if SEGMENTED:
-        row_lo, row_end = tl.load(BLOCKS + 4 * pid_m), tl.load(BLOCKS + 4 * pid_m + 1)
-        seg_lo, seg_hi = tl.load(BLOCKS + 4 * pid_m + 2), tl.load(BLOCKS + 4 * pid_m + 3)
+    row_lo, row_end, seg_lo, seg_hi = _block_range(BLOCKS, pid_m, BLOCK_M, n, m, SEGMENTED)
     offs_m = row_lo + tl.arange(0, BLOCK_M)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     row_ok = offs_m < row_end
@@ -102,13 +99,9 @@ def _attend_kernel(
         lo = tl.load(LO)  # on the device: it depends on the weights, and nobody waits
         bad = row_ok & ((sums <= lo) | (sums >= hi) | (sums != sums))
         col_hi = tl.where(tl.max(bad.to(tl.int32), 0) > 0, col_hi, col_lo)
-    q_tile = _load_tile(Q, offs_m, row_end, d, stride_qn, stride_qd, BLOCK_D, D_CHUNKS, False)
-    q_lo_tile = q_tile
-    unscale = 1.0
-    if PRESPLIT:
-        q_lo_tile = _load_tile(Q + q_lo, offs_m, row_end, d, stride_qn, stride_qd, BLOCK_D,
-                               D_CHUNKS, False)  # fmt: skip
-        unscale = tl.load(Q_INV) * tl.load(K_INV)
+    q_tile, q_lo_tile, unscale = _stationary_tiles(Q, q_lo, offs_m, row_end, d, stride_qn,
+                                                   stride_qd, Q_INV, K_INV, BLOCK_D, D_CHUNKS,
+                                                   False, PRESPLIT)  # fmt: skip
     v_unscale = 1.0
     if V_SPLIT:
         v_unscale = tl.load(V_INV)
@@ -179,9 +172,9 @@ class AttendLaunch(_launch.Launch):
     kernel = _attend_kernel
     stationary_block = "BLOCK_M"
 
-    def __init__(self, ops, q, k, eps, bias, v, repair, segments, scores):
+    def __init__(self, ops, q, k, eps, bias, v, repair, segments, keep_q=True):
         self.full = {"REPAIR": False}
-        qs, ks, split_args, presplit, dot = scores
+        qs, ks, split_args, presplit, dot = ops.for_launch(q, k, segments, keep_q)
         self.q, self.k, self.eps, self.repair, self.segments = qs, ks, eps, repair, segments
         self.n, self.m, self.d = qs.shape[0], ks.shape[0], qs.shape[1]
         dev = self.device = qs.device
@@ -203,11 +196,7 @@ class AttendLaunch(_launch.Launch):
         bd, chunks = _configs.block_d(self.d, qs.element_size())
         bp = _configs.block_p(self.p)
         self.p_chunks = cdiv(self.p, bp * p_loop) if self.has_v else 1  # (grid axis 2)
-        if segments is None:
-            self.nb, self.mb = _configs.bucket(self.n), _configs.bucket(self.m)
-        else:  # tiles for the batch's largest problem
-            self.nb = _configs.largest_bucket(segments.rows)
-            self.mb = _configs.largest_bucket(segments.cols)
+        self.nb, self.mb = _configs.buckets(self.n, self.m, segments)
         self.consts = dict(BLOCK_D=bd, BLOCK_P=bp, D_CHUNKS=chunks, HAS_V=self.has_v,
                            POTENTIAL_BIAS=self.potential, REPAIR=repair is not None,
                            PRECISION=ops.kernel_dot(dot), V_PRECISION=ops.dot(),
@@ -284,8 +273,8 @@ class AttendLaunch(_launch.Launch):
 
 
 _TUNED = _launch.tuned(_attend_kernel, _configs.attend_configs(),
-               ["d", "p", "n_bucket", "m_bucket", "HAS_V", "POTENTIAL_BIAS", "PRECISION",
-                "PRESPLIT"])  # fmt: skip
+                       ["d", "p", "n_bucket", "m_bucket", "HAS_V", "POTENTIAL_BIAS",
+                        "PRECISION", "PRESPLIT"])  # fmt: skip
 
 
 def attend(backend, q, k, eps, bias, v=None, repair=None, keep_q=True, segments=None):
@@ -307,13 +296,7 @@ def attend(backend, q, k, eps, bias, v=None, repair=None, keep_q=True, segments=
             as one problem's are (the widest problem's columns set the splits; a narrower
             problem's programs past its columns stream nothing).
     """
-    ops = backend.operands
-    elements = q.shape[0] * k.shape[0] if segments is None else segments.elements
-    work = split_work(elements, q.shape[1])
-    qs, ks, split_args, presplit, triples = ops.score_pair(q, k, keep_q, work)
-    dot = SPLIT_DOT if presplit else ops.dot(triples)
-    op = AttendLaunch(ops, q, k, eps, bias, v, repair, segments,
-                      (qs, ks, split_args, presplit, dot))  # fmt: skip
+    op = AttendLaunch(backend.operands, q, k, eps, bias, v, repair, segments, keep_q)
     plan = _launch.dispatch(op, backend.autotune, backend.splits)
     op.combine(plan)
     return op.lse, (op.out if op.has_v else None)

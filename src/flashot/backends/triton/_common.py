@@ -181,6 +181,40 @@ def _side_ahead(P, OFFSET, LOG_W, offs, hi, ahead_p, ahead_o, ahead_w):
 
 
 @triton.jit
+def _stationary_tiles(X, x_lo, offs, size, d, stride_n, stride_d, Q_INV, K_INV,
+                      BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, TRANSPOSED: tl.constexpr,
+                      PRESPLIT: tl.constexpr):  # fmt: skip
+    """``(tile, low tile, unscale)``: a program's stationary operand, hoisted (:func:`_load_tile`).
+
+    With PRESPLIT also its low half part (at offset ``x_lo``) and the parts' product of
+    inverse scales ``Q_INV·K_INV`` (see :func:`_score_tile`); otherwise the tile twice
+    and 1.
+    """
+    tile = _load_tile(X, offs, size, d, stride_n, stride_d, BLOCK_D, D_CHUNKS, TRANSPOSED)
+    lo_tile = tile
+    unscale = 1.0
+    if PRESPLIT:
+        lo_tile = _load_tile(X + x_lo, offs, size, d, stride_n, stride_d, BLOCK_D, D_CHUNKS,
+                             TRANSPOSED)  # fmt: skip
+        unscale = tl.load(Q_INV) * tl.load(K_INV)
+    return tile, lo_tile, unscale
+
+
+@triton.jit
+def _block_range(BLOCKS, pid, BLOCK: tl.constexpr, size, other, SEGMENTED: tl.constexpr):
+    """``(lo, end, other_lo, other_hi)``: program ``pid``'s stationary items and the moving range.
+
+    One problem: items ``[pid·BLOCK, size)`` against ``[0, other)``; a packed batch
+    (SEGMENTED, :mod:`flashot.geometry.segments`): row ``pid`` of the table ``BLOCKS``.
+    """
+    lo, end, other_lo, other_hi = pid * BLOCK, size, 0, other
+    if SEGMENTED:
+        lo, end = tl.load(BLOCKS + 4 * pid), tl.load(BLOCKS + 4 * pid + 1)
+        other_lo, other_hi = tl.load(BLOCKS + 4 * pid + 2), tl.load(BLOCKS + 4 * pid + 3)
+    return lo, end, other_lo, other_hi
+
+
+@triton.jit
 def _from_row(TEMP, temp_at, value, COLUMN: tl.constexpr):
     """A scalar argument, or with ``temp_at`` ≠ 0 column COLUMN of the temperature row."""
     if temp_at != 0:

@@ -34,6 +34,7 @@ __all__ = [
     "block_d",
     "block_p",
     "bucket",
+    "buckets",
     "column_splits",
     "fits",
     "plan_sums_configs",
@@ -55,6 +56,13 @@ def bucket(size: int) -> int:
 def largest_bucket(offsets) -> int:
     """The size bucket of the largest problem of a packing (B + 1 offsets)."""
     return bucket(max(b - a for a, b in itertools.pairwise(offsets)))
+
+
+def buckets(n: int, m: int, segments=None) -> tuple[int, int]:
+    """The tile key's size buckets of rows and columns (a packed batch: its largest problem's)."""
+    if segments is None:
+        return bucket(n), bucket(m)
+    return largest_bucket(segments.rows), largest_bucket(segments.cols)
 
 
 def block_d(d: int, itemsize: int = 4) -> tuple[int, int]:

@@ -102,6 +102,20 @@ class Operands:
         qs = self.operand(q, keep_q, work, copies=copies)
         return (*score_operands(qs, self.operand(k, work=work, copies=copies)), False)
 
+    def for_launch(self, q: torch.Tensor, k: torch.Tensor, segments=None, keep_q: bool = True):
+        """``(Q, K, split_args, presplit, dot)``: a score launch's operands and its tile dot.
+
+        :meth:`score_pair` with the launch's :func:`split_work` (a packed batch's
+        ``segments`` count their diagonal blocks only); ``dot`` is the tile tables' name
+        of the score MMAs (:data:`SPLIT_DOT` for split parts; :meth:`kernel_dot` maps it
+        to the kernels' ``PRECISION``).
+        """
+        elements = q.shape[0] * k.shape[0] if segments is None else segments.elements
+        qs, ks, split_args, presplit, triples = self.score_pair(
+            q, k, keep_q, split_work(elements, q.shape[1])
+        )
+        return qs, ks, split_args, presplit, SPLIT_DOT if presplit else self.dot(triples)
+
     def splits(self, work: int | None = None, copies: int | None = None) -> bool:
         """Whether score operands are split once per solve (:mod:`._split`).
 

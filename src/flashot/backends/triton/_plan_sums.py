@@ -28,14 +28,14 @@ from flashot.backends.triton._common import (
     READ_RATIO,
     RUNTIME_INTS,
     SCALE,
+    _block_range,
     _from_row,
-    _load_tile,
     _score_tile,
     _side_ahead,
     _side_load,
+    _stationary_tiles,
 )
 from flashot.backends.triton._configs import cdiv
-from flashot.backends.triton._operands import SPLIT_DOT, split_work
 
 __all__ = ["SumsLaunch", "plan_sums"]
 
@@ -96,10 +96,7 @@ def _plan_sums_kernel(
         gate_limit = gate_limit * tl.load(TEMP + RATIO)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    col_lo, col_end, seg_lo, seg_hi = pid_n * BLOCK_N, m, 0, n
-    if SEGMENTED:
-        col_lo, col_end = tl.load(BLOCKS + 4 * pid_n), tl.load(BLOCKS + 4 * pid_n + 1)
-        seg_lo, seg_hi = tl.load(BLOCKS + 4 * pid_n + 2), tl.load(BLOCKS + 4 * pid_n + 3)
+    col_lo, col_end, seg_lo, seg_hi = _block_range(BLOCKS, pid_n, BLOCK_N, m, n, SEGMENTED)
     offs_n = col_lo + tl.arange(0, BLOCK_N)
     col_ok = offs_n < col_end
     row_lo = seg_lo + pid_s * rows_per_split
@@ -111,13 +108,9 @@ def _plan_sums_kernel(
         if (pid_n == 0) & (pid_s == 0):
             tl.store(GATE_OUT, 0.0)
             tl.store(GATE_OUT + 1, 0.0)
-    kt_tile = _load_tile(K, offs_n, col_end, d, stride_kn, stride_kd, BLOCK_D, D_CHUNKS, True)
-    kt_lo_tile = kt_tile
-    unscale = 1.0
-    if PRESPLIT:
-        kt_lo_tile = _load_tile(K + k_lo, offs_n, col_end, d, stride_kn, stride_kd, BLOCK_D,
-                                D_CHUNKS, True)  # fmt: skip
-        unscale = tl.load(Q_INV) * tl.load(K_INV)
+    kt_tile, kt_lo_tile, unscale = _stationary_tiles(K, k_lo, offs_n, col_end, d, stride_kn,
+                                                     stride_kd, Q_INV, K_INV, BLOCK_D,
+                                                     D_CHUNKS, True, PRESPLIT)  # fmt: skip
     g, beta, log_b = _side_load(G, BETA, LOG_B, offs_n, col_ok, True)
     v, b = _side_terms(g, beta, log_b, col_ok, scale)
     b_den = b
@@ -192,18 +185,10 @@ class SumsLaunch(_launch.Launch):
         form = pot.form
         self.pot, self.segments = pot, form.segments
         seg = self.segments
-        elements = form.q.shape[0] * form.k.shape[0] if seg is None else seg.elements
-        work = split_work(elements, form.q.shape[1])
-        self.q, self.k, self.split_args, presplit, triples = ops.score_pair(
-            form.q, form.k, work=work
-        )
+        self.q, self.k, self.split_args, presplit, dot = ops.for_launch(form.q, form.k, seg)
         self.n, self.m, self.d = self.q.shape[0], self.k.shape[0], self.q.shape[1]
         self.device = self.q.device
-        if seg is None:
-            self.nb, self.mb = _configs.bucket(self.n), _configs.bucket(self.m)
-        else:
-            self.nb, self.mb = _configs.largest_bucket(seg.rows), _configs.largest_bucket(seg.cols)
-        dot = SPLIT_DOT if presplit else ops.dot(triples)
+        self.nb, self.mb = _configs.buckets(self.n, self.m, seg)
         self.key = ("plan_sums", form.q.shape[1], self.nb, self.mb, dot, self.q.dtype)
         bd, chunks = _configs.block_d(self.d, self.q.element_size())
         self.consts = dict(BLOCK_D=bd, D_CHUNKS=chunks, GATED=gate is not None,
@@ -279,7 +264,7 @@ class SumsLaunch(_launch.Launch):
 
 
 _TUNED = _launch.tuned(_plan_sums_kernel, _configs.plan_sums_configs(),
-               ["d", "n_bucket", "m_bucket", "PRECISION", "PRESPLIT"])  # fmt: skip
+                       ["d", "n_bucket", "m_bucket", "PRECISION", "PRESPLIT"])  # fmt: skip
 
 
 def plan_sums(backend, pot, gate=None, limit=0.0, span=False, shift=0.0, mul=None,

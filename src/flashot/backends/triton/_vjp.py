@@ -41,11 +41,11 @@ from flashot.backends.triton._common import (
     _load_tile,
     _online_weights,
     _score_tile,
+    _stationary_tiles,
     _value_product,
 )
 from flashot.backends.triton._configs import cdiv, next_pow2
 from flashot.backends.triton._launch import temp_args
-from flashot.backends.triton._operands import split_work
 from flashot.backends.triton._split import split_operand
 
 __all__ = ["FUSED_UP_TO", "fused_plan_vjp"]
@@ -81,9 +81,7 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
         raise ValueError("internal: column sums ride along one value column only")
     out_c = torch.zeros(m if cols is not None else 1, device=dev, dtype=torch.float32)
     col_rb, col_cb = cols if cols is not None else (row_bias, col_bias)
-    qs, ks, split_args, presplit, triples = backend.operands.score_pair(
-        q, k, work=split_work(n * m, d)
-    )
+    qs, ks, split_args, presplit, dot = backend.operands.for_launch(q, k)
     kv, kv_args, kv_split = k, {"KV_INV": row_bias, "kv_lo": 0}, False
     if outer and with_k and presplit:
         parts = split_operand((vc * k).contiguous(), triton_interpreted())
@@ -114,7 +112,7 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
             stride_vn=vc.stride(0), stride_vp=vc.stride(1), **split_args, **kv_args,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_width(qs.shape[1]), BLOCK_K=_width(d),
             BLOCK_P=block_p, P_CHUNKS=p_chunks, SPLIT=splits > 1, WITH_K=with_k,
-            PRECISION=backend.operands.dot(triples), V_PRECISION=_value_dot(backend),
+            PRECISION=backend.operands.kernel_dot(dot), V_PRECISION=_value_dot(backend),
             PRESPLIT=presplit, OUTER=outer, KV_SPLIT=kv_split,
             EXTRA_SIDE=0 if extra is None else extra_side, COLS=cols is not None, **options,
         )  # fmt: skip
@@ -150,10 +148,9 @@ def fused_plan_vjp(
     fused = (_configs.VJP_FUSED_COLUMNS and "col" in need and "col_q" not in need
              and bool(need & {"row", "row_k"}) and v.shape[1] == 1 and d0 is None)  # fmt: skip
     with backend.operands.scope():  # the launches share q's and k's split parts
+        # the columns' sums (fused or a launch of their own) read f's bias with log2 a
         if need & {"row", "row_k"}:
-            cols = None
-            if fused:
-                cols = ((f_bias + torch.log2(a)).to(f32), g_bias.to(f32))
+            cols = ((f_bias + torch.log2(a)).to(f32), g_bias.to(f32)) if fused else None
             per_a, row_k, per_b = _rows(backend, q, k, f_bias.to(f32),
                                         (g_bias + torch.log2(b)).to(f32), d, v, eps,
                                         "row_k" in need, d0, 1, cols)  # fmt: skip
@@ -263,12 +260,9 @@ def _plan_vjp_kernel(
     row_ok = offs_m < n
     col_lo = pid_s * cols_per_split
     col_hi = tl.minimum(m, col_lo + cols_per_split)
-    q_tile = _load_tile(Q, offs_m, n, dq, stride_qn, stride_qd, BLOCK_D, 1, False)
-    q_lo_tile = q_tile
-    unscale = 1.0
-    if PRESPLIT:
-        q_lo_tile = _load_tile(Q + q_lo, offs_m, n, dq, stride_qn, stride_qd, BLOCK_D, 1, False)
-        unscale = tl.load(Q_INV) * tl.load(K_INV)
+    q_tile, q_lo_tile, unscale = _stationary_tiles(
+        Q, q_lo, offs_m, n, dq, stride_qn, stride_qd, Q_INV, K_INV, BLOCK_D, 1, False, PRESPLIT
+    )
     kv_unscale = 1.0
     if KV_SPLIT:
         kv_unscale = tl.load(KV_INV)
