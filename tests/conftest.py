@@ -53,6 +53,14 @@ def rel(u, v):
     return float((u - v).norm() / v.norm().clamp_min(1e-300))
 
 
+def nan_rows(t):
+    """``t`` as the leading rows of a buffer holding NaN in the 16 rows past its end: a
+    kernel that reads past a tensor's last row (Triton's tail tiles) turns NaN."""
+    buf = torch.full((len(t) + 16, *t.shape[1:]), float("nan"), device=t.device, dtype=t.dtype)
+    buf[: len(t)] = t
+    return buf[: len(t)]
+
+
 def run_cli(argv, capsys):
     """``flashot ARGV`` in process: ``(exit code, stdout, stderr)``."""
     from flashot.cli import main

@@ -12,20 +12,22 @@ from flashot.backends import available_backends
 from flashot.backends.dual import Potentials
 from flashot.geometry.costs import attention_form, get_cost
 from tests.backends.test_base import dense_attend, problem
-from tests.conftest import clouds, cuda_clouds, rel, triton_backend
+from tests.conftest import clouds, cuda_clouds, nan_rows, rel, triton_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
 
 
 def nan_padded(form):
-    """The same form with q and k as strided views of buffers holding NaN past column d."""
+    """The same form with q and k as strided views of buffers holding NaN past column d
+    and in the rows past their ends (a load must neither ignore d nor read past the last
+    row: the kernels clamp tail rows instead of masking them)."""
     d = form.q.shape[1]
     views = []
     for t in (form.q, form.k):
-        buf = torch.full((len(t), d + 16), math.nan, device=t.device)
-        buf[:, :d] = t
-        views.append(buf[:, :d])
+        buf = torch.full((len(t) + 16, d + 16), math.nan, device=t.device)
+        buf[: len(t), :d] = t
+        views.append(buf[: len(t), :d])
     return type(form)(*views, form.alpha, form.beta)
 
 
@@ -40,7 +42,7 @@ def test_row_attend_splits_chunks_and_value_tiles(gen, splits, n, m, d, p):
     features (strided views) catches a load that ignores d."""
     form, h = problem(gen, n, m, d, torch.float32, DEVICE)
     form = nan_padded(form)
-    v = torch.randn(m, p, generator=gen).to(DEVICE)
+    v = nan_rows(torch.randn(m, p, generator=gen).to(DEVICE))
     lse, out = triton_backend(splits=splits).row_attend(form, h, 0.4, v)
     ref_lse, ref_out = dense_attend(form, h, 0.4, v)
     assert rel(lse.cpu(), ref_lse.cpu()) < 2e-5 and rel(out.cpu(), ref_out.cpu()) < 2e-5
@@ -56,7 +58,7 @@ def test_looped_value_chunks_match_a_program_per_chunk(gen, monkeypatch, splits,
 
     form, h = problem(gen, n, m, d, torch.float32, DEVICE)
     form = nan_padded(form)
-    v = torch.randn(m, p, generator=gen).to(DEVICE)
+    v = nan_rows(torch.randn(m, p, generator=gen).to(DEVICE))
     # chunks of 16 on every device (a GPU takes up to VALUE_TILE_CAP: one chunk of 40)
     monkeypatch.setattr(_configs, "VALUE_TILE_CAP", 16)
     chunked = triton_backend(splits=splits).row_attend(form, h, 0.4, v)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from flashot.backends import available_backends
 from tests.backends.test_base import dense_attend, dense_plan_vjp, problem
-from tests.conftest import rel, triton_backend
+from tests.conftest import nan_rows, rel, triton_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
@@ -45,7 +45,7 @@ def test_one_value_column_of_a_softmax_matches_dense(n, m, d, eps, presplit, spl
     ones, w = torch.ones_like(r), torch.exp(log_w)
     backend = triton_backend(presplit=presplit, splits=splits)
     zero = torch.zeros_like(r)
-    flat = type(form)(form.q, form.k, zero, form.beta)
+    flat = type(form)(nan_rows(form.q), nan_rows(form.k), zero, form.beta)  # (NaN past the ends)
     args = (flat, r, h, ones, w, eps, u.new_ones(m, 1), u[:, None])
     out = backend.plan_vjp(*args, frozenset({"row_k", "col_q", "col"}))
     want = dense_plan_vjp(*args)
@@ -65,8 +65,10 @@ def test_split_scores_match_dense_for_any_values(gen, presplit, p, d0):
     form, h = problem(gen, n, m, d, torch.float32, DEVICE)
     log_w = torch.log(torch.rand(m, generator=gen) + 0.1).to(DEVICE)
     r = softmax_potentials(form, h, log_w, eps).to(DEVICE)
-    flat = type(form)(form.q, form.k, torch.zeros_like(r), form.beta)
+    # operands and values with NaN past their last rows: tail tiles must not read there
+    flat = type(form)(nan_rows(form.q), nan_rows(form.k), torch.zeros_like(r), form.beta)
     v, dd = torch.randn(m, p, generator=gen).to(DEVICE), torch.randn(n, p, generator=gen).to(DEVICE)
+    v, dd = nan_rows(v), nan_rows(dd)
     row_sums = torch.randn(n, generator=gen).to(DEVICE) if d0 else None
     args = (flat, r, h, torch.ones_like(r), torch.exp(log_w), eps, v, dd)
     out = triton_backend(presplit=presplit).plan_vjp(*args, d0=row_sums)

@@ -128,7 +128,7 @@ def _attend_kernel(
         run_max, run_sum, e, decay = _attend_weights(s, h, run_max, run_sum, scale)
         if HAS_V:
             if P_LOOP == 1:
-                pv = _value_product(e, V, offs_n, col_ok, offs_p, p, stride_vn, stride_vp, v_lo,
+                pv = _value_product(e, V, offs_n, col_hi, offs_p, p, stride_vn, stride_vp, v_lo,
                                     v_unscale, V_PRECISION, V_SPLIT)  # fmt: skip
                 acc = acc * decay[:, None] + pv
             else:
@@ -137,7 +137,7 @@ def _attend_kernel(
                     ptrs, ok_c, offs_c = _value_chunk(acc_base, acc_sn, acc_sp, offs_m, row_ok, c,
                                                       p, BLOCK_P)  # fmt: skip
                     prior = tl.load(ptrs, mask=ok_c & (start > col_lo), other=0.0)
-                    pv = _value_product(e, V, offs_n, col_ok, offs_c, p, stride_vn, stride_vp,
+                    pv = _value_product(e, V, offs_n, col_hi, offs_c, p, stride_vn, stride_vp,
                                         v_lo, v_unscale, V_PRECISION, V_SPLIT)  # fmt: skip
                     tl.store(ptrs, prior * decay[:, None] + pv, mask=ok_c)
     if HAS_V and P_LOOP > 1:  # zeros where no column was streamed; OUT divided by the sum

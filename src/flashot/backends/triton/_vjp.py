@@ -40,6 +40,7 @@ from flashot.backends.triton._common import (
     _from_row,
     _load_tile,
     _online_weights,
+    _rows_in,
     _score_tile,
     _stationary_tiles,
     _value_product,
@@ -167,10 +168,10 @@ def fused_plan_vjp(
 
 
 @triton.jit
-def _keys(KV, offs_n, col_ok, offs_k, d, stride_n, stride_d):
-    """The (BLOCK_N, BLOCK_K) tile of keys ``KV[offs_n]`` (zeros off the tail)."""
-    ptrs = KV + offs_n[:, None] * stride_n + offs_k[None, :] * stride_d
-    return tl.load(ptrs, mask=col_ok[:, None] & (offs_k[None, :] < d), other=0.0)
+def _keys(KV, offs_n, hi, offs_k, d, stride_n, stride_d):
+    """The (BLOCK_N, BLOCK_K) tile of keys ``KV[offs_n]`` (rows past ``hi`` repeat the last)."""
+    ptrs = KV + _rows_in(offs_n, hi)[:, None] * stride_n + offs_k[None, :] * stride_d
+    return tl.load(ptrs, mask=offs_k[None, :] < d, other=0.0)
 
 
 @triton.jit(do_not_specialize=["temp_at"], do_not_specialize_on_alignment=["TEMP"])
@@ -299,7 +300,7 @@ def _plan_vjp_kernel(
             run_max, e, decay = _online_weights(s, cb, run_max, scale)
             acc_w = acc_w * decay + tl.sum(e * vc[None, :], 1)
             if WITH_K:
-                pv = _value_product(e, KV, offs_n, col_ok, offs_k, d, stride_kvn, stride_kvd,
+                pv = _value_product(e, KV, offs_n, col_hi, offs_k, d, stride_kvn, stride_kvd,
                                     kv_lo, 1.0, V_PRECISION, True)  # fmt: skip
                 acc_k = acc_k * decay[:, None] + pv
         else:
@@ -317,7 +318,7 @@ def _plan_vjp_kernel(
             t = e * u
             acc_w += tl.sum(t, 1)
             if WITH_K:
-                kv = _keys(KV, offs_n, col_ok, offs_k, d, stride_kvn, stride_kvd)
+                kv = _keys(KV, offs_n, col_hi, offs_k, d, stride_kvn, stride_kvd)
                 acc_k = tl.dot(t, kv, acc_k, input_precision=V_PRECISION)
     if OUTER:
         if KV_SPLIT:
