@@ -11,6 +11,7 @@ import flashot
 from flashot.backends import available_backends
 from flashot.backends.kernel_sums import cost_of, kernel_matvec, softmin
 from flashot.geometry.pair_costs import KERNEL_COSTS, PairCost
+from tests.conftest import nan_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
@@ -290,3 +291,24 @@ def test_samples_loss_multiscale_on_the_kernel_matches_its_pytorch_blocks(monkey
         out.append((value, torch.autograd.grad(value, xs)[0]))
     assert _rel(out[0][0], out[1][0]) < 1e-5 and _rel(out[0][1], out[1][1]) < 1e-4
     assert any(sparse_calls)  # (the block-sparse kernel ran)
+
+
+@pytest.mark.parametrize("name", ["angle", "p=1"])
+@pytest.mark.parametrize("n,m,d", [(17, 23, 3), (33, 18, 20)])
+def test_tail_tiles_read_no_row_past_the_clouds(name, n, m, d):
+    """Clouds given as row prefixes of buffers holding NaN past their ends (the angle cost
+    is not centred, so the kernels read the views themselves): the soft-minimum and both
+    gradient sides equal those of the unpadded clouds, bit for bit (tail tiles clamp their
+    rows to the last one, and never read past it)."""
+    from flashot.backends.triton._pairwise import fused_grads, fused_softmin
+
+    x, y, h = _data(5, n, m, d, zeros=False, twins=False)
+    x, y, h = x.to(DEVICE), y.to(DEVICE), h.to(DEVICE)
+    cot = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    cost = COSTS[name]
+    results = []
+    for xs, ys in ((x, y), (nan_rows(x), nan_rows(y))):
+        s, lse = fused_softmin(xs, ys, h, 0.5, cost)
+        results.append((s, lse, *fused_grads(xs, ys, h, 0.5, cost, lse, cot, True, True)))
+    for plain, padded in zip(*results, strict=True):
+        assert torch.isfinite(padded).all() and torch.equal(plain, padded)

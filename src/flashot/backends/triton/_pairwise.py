@@ -31,6 +31,7 @@ import triton.language as tl
 from flashot.backends import temperature as _row
 from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.triton import _configs
+from flashot.backends.triton._common import _rows_in
 from flashot.backends.triton._configs import cdiv, next_pow2
 from flashot.backends.triton._pair_functions import triton_functions
 from flashot.geometry.pair_costs import DIFFERENCES_UP_TO, PairCost
@@ -62,44 +63,50 @@ def _pair_stats(
     sxd,
     syn,
     syd,
+    x_tile,
+    yt_tile,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr,
     DIFF: tl.constexpr,
     PRECISION: tl.constexpr,
+    HOIST: tl.constexpr = 0,
 ):
     """The tile's ``(s, t, a, b, near)``.
 
     Shapes (BLOCK_M, BLOCK_N) ×2, (BLOCK_M, 1), (1, BLOCK_N); ``near``: whether ``s``
-    came from differences (a scalar).
+    came from differences (a scalar). Rows and columns past ``n`` and ``m`` repeat the
+    last ones (``_rows_in``): callers mask the tail's terms. HOIST 1 (2): the product
+    form reads the rows' tile ``x_tile`` (the columns' ``yt_tile``, transposed) loaded
+    once by the caller (:func:`_stationary`), one feature chunk.
     """
-    mask_m, mask_n = offs_m < n, offs_n < m
-    a = tl.load(XN + offs_m, mask=mask_m, other=0.0)[:, None]
-    b = tl.load(YN + offs_n, mask=mask_n, other=0.0)[None, :]
+    rows, cols = _rows_in(offs_m, n), _rows_in(offs_n, m)
+    a = tl.load(XN + rows)[:, None]
+    b = tl.load(YN + cols)[None, :]
     t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if DIFF:  # exact differences, one feature at a time (d small)
         near = tl.full((), 1, tl.int32)
         s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, d):
-            xk = tl.load(X + offs_m * sxn + k * sxd, mask=mask_m, other=0.0)
-            yk = tl.load(Y + offs_n * syn + k * syd, mask=mask_n, other=0.0)
+            xk = tl.load(X + rows * sxn + k * sxd)
+            yk = tl.load(Y + cols * syn + k * syd)
             diff = xk[:, None] - yk[None, :]
             s += diff * diff
             t += xk[:, None] * yk[None, :]
     else:
         for c in range(D_CHUNKS):
             offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
-            xt = tl.load(
-                X + offs_m[:, None] * sxn + offs_d[None, :] * sxd,
-                mask=mask_m[:, None] & (offs_d[None, :] < d),
-                other=0.0,
-            )
-            yt = tl.load(
-                Y + offs_n[None, :] * syn + offs_d[:, None] * syd,
-                mask=mask_n[None, :] & (offs_d[:, None] < d),
-                other=0.0,
-            )
+            if HOIST == 1:
+                xt = x_tile
+            else:
+                xt = tl.load(X + rows[:, None] * sxn + offs_d[None, :] * sxd,
+                             mask=offs_d[None, :] < d, other=0.0)  # fmt: skip
+            if HOIST == 2:
+                yt = yt_tile
+            else:
+                yt = tl.load(Y + cols[None, :] * syn + offs_d[:, None] * syd,
+                             mask=offs_d[:, None] < d, other=0.0)  # fmt: skip
             t = tl.dot(xt, yt, t, input_precision=PRECISION)
         s = tl.maximum(a + b - 2.0 * t, 0.0)
         # near pairs (s < NEAR (a + b)) lose digits to cancellation: the tile is redone
@@ -108,12 +115,33 @@ def _pair_stats(
         if near > 0:
             exact = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k in range(0, d):
-                xk = tl.load(X + offs_m * sxn + k * sxd, mask=mask_m, other=0.0)
-                yk = tl.load(Y + offs_n * syn + k * syd, mask=mask_n, other=0.0)
+                xk = tl.load(X + rows * sxn + k * sxd)
+                yk = tl.load(Y + cols * syn + k * syd)
                 diff = xk[:, None] - yk[None, :]
                 exact += diff * diff
             s = exact
     return s, t, a, b, near
+
+
+@triton.jit
+def _stationary(X, offs, size, d, sxn, sxd, BLOCK_D: tl.constexpr, LOAD: tl.constexpr,
+                TRANSPOSED: tl.constexpr):  # fmt: skip
+    """A program's (len(offs), BLOCK_D) tile of X, or its transpose; a dummy without LOAD.
+
+    Rows past ``size`` repeat the last (``_rows_in``).
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = _rows_in(offs, size)
+    if LOAD:
+        if TRANSPOSED:
+            t = tl.load(X + rows[None, :] * sxn + offs_d[:, None] * sxd,
+                        mask=offs_d[:, None] < d, other=0.0)  # fmt: skip
+        else:
+            t = tl.load(X + rows[:, None] * sxn + offs_d[None, :] * sxd,
+                        mask=offs_d[None, :] < d, other=0.0)  # fmt: skip
+    else:
+        t = tl.zeros((offs.shape[0], BLOCK_D), dtype=tl.float32)
+    return t
 
 
 @triton.jit
@@ -191,13 +219,15 @@ def _softmin_kernel(
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     lo, hi = _interval_span(PTR, SPARSE)
+    hoist = 1 if D_CHUNKS == 1 and not DIFF else 0
+    x_tile = _stationary(X, offs_m, n, d, sxn, sxd, BLOCK_D, hoist == 1, False)
     for r in range(lo, hi):
         c0, c1 = _interval(IV, r, split, per, m, SPARSE)
         for start in range(c0, c1, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             s, t, a, b, _ = _pair_stats(X, Y, XN, YN, offs_m, offs_n, n, c1, d, sxn, sxd, syn,
-                                        syd, BLOCK_M, BLOCK_N, BLOCK_D, D_CHUNKS, DIFF,
-                                        PRECISION)  # fmt: skip
+                                        syd, x_tile, x_tile, BLOCK_M, BLOCK_N, BLOCK_D,
+                                        D_CHUNKS, DIFF, PRECISION, hoist)  # fmt: skip
             if SUM:
                 w = tl.load(H + offs_n, mask=offs_n < c1, other=0.0)
                 terms = tl.where(offs_n[None, :] < c1, COST(s, t, a, b) * w[None, :], 0.0)
@@ -263,11 +293,7 @@ def _grad_kernel(
     split = tl.program_id(1)
     if COLUMNS:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        own = tl.load(
-            Y + offs_n[:, None] * syn + offs_d[None, :] * syd,
-            mask=(offs_n[:, None] < m) & (offs_d[None, :] < d),
-            other=0.0,
-        )
+        own = _stationary(Y, offs_n, m, d, syn, syd, BLOCK_D, True, False)
         h = tl.load(H + offs_n, mask=offs_n < m, other=0.0 if SUM else float("-inf"))
         acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -276,11 +302,7 @@ def _grad_kernel(
         stream_block = BLOCK_M
     else:
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        own = tl.load(
-            X + offs_m[:, None] * sxn + offs_d[None, :] * sxd,
-            mask=(offs_m[:, None] < n) & (offs_d[None, :] < d),
-            other=0.0,
-        )
+        own = _stationary(X, offs_m, n, d, sxn, sxd, BLOCK_D, True, False)
         lse = tl.load(LSE + offs_m, mask=offs_m < n, other=0.0)
         g = tl.load(G + offs_m, mask=offs_m < n, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -288,6 +310,9 @@ def _grad_kernel(
         w_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         stream_size = m
         stream_block = BLOCK_N
+    # the product form reads the stationary side's tile loaded once (own, or its transpose)
+    hoist = 0 if DIFF else (2 if COLUMNS else 1)
+    own_t = tl.trans(own) if COLUMNS else own
     lo, hi = _interval_span(PTR, SPARSE)
     for r in range(lo, hi):
         c0, c1 = _interval(IV, r, split, per, stream_size, SPARSE)
@@ -300,27 +325,9 @@ def _grad_kernel(
             else:
                 offs_n = start + tl.arange(0, BLOCK_N)
                 h = tl.load(H + offs_n, mask=offs_n < m_end, other=0.0 if SUM else float("-inf"))
-            s, t, a, b, near = _pair_stats(
-                X,
-                Y,
-                XN,
-                YN,
-                offs_m,
-                offs_n,
-                n,
-                m_end,
-                d,
-                sxn,
-                sxd,
-                syn,
-                syd,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_D,
-                1,
-                DIFF,
-                PRECISION,
-            )
+            s, t, a, b, near = _pair_stats(X, Y, XN, YN, offs_m, offs_n, n, m_end, d, sxn, sxd,
+                                           syn, syd, own, own_t, BLOCK_M, BLOCK_N, BLOCK_D, 1,
+                                           DIFF, PRECISION, hoist)  # fmt: skip
             live = (offs_m[:, None] < n) & (offs_n[None, :] < m_end)
             if SUM:
                 w = tl.where(live, g[:, None] * h[None, :], 0.0)
