@@ -35,6 +35,8 @@ def compile_for_hopper(fn, consts, half=False):
             sig[a] = "fp32"
         elif a in ("BLOCKS", "PTR", "IV"):  # a packed batch's blocks, a sparse layout
             sig[a] = "*i32"
+        elif a in ("XP", "YP"):  # the pair-cost kernels' score operands
+            sig[a] = "*fp16" if consts.get("PRESPLIT") else "*fp32"
         elif a == "PARTS" or (half and a == "KV" and consts.get("KV_SPLIT")):
             sig[a] = "*fp16"  # a split operand's float16 parts (the plan product's keys)
         elif a[0].isupper():
@@ -160,23 +162,31 @@ def variants():
     from flashot.backends.triton import _pairwise as pw
 
     tiles = dict(BLOCK_M=64, BLOCK_N=64, PRECISION="tf32x3")
-    for cost, diff, block_d, chunks, total, sparse in (
-        (pf.distance, True, 16, 1, False, False),
-        (pf.distance, False, 64, 1, False, True),
-        (pf.half_square, False, 64, 4, False, False),
-        (pf.gaussian, True, 16, 1, True, False),
-        (pf.energy, False, 64, 1, True, False),
+    # (cost, differences, BLOCK_D, chunks, kernel sum, block-sparse, split score operands)
+    for cost, diff, block_d, chunks, total, sparse, presplit in (
+        (pf.distance, True, 16, 1, False, False, False),
+        (pf.distance, False, 64, 1, False, True, True),
+        (pf.distance, False, 64, 1, False, False, True),
+        (pf.distance, False, 64, 1, False, False, False),
+        (pf.half_square, False, 64, 4, False, False, True),
+        (pf.half_square, False, 64, 4, False, False, False),
+        (pf.gaussian, True, 16, 1, True, False, False),
+        (pf.energy, False, 64, 1, True, False, True),
     ):
         yield pw._softmin_kernel, dict(tiles, COST=cost, BLOCK_D=block_d, D_CHUNKS=chunks,
-                                       DIFF=diff, SUM=total, SPARSE=sparse), False  # fmt: skip
-    for cost, grad, diff, columns, total, sparse in (
-        (pf.distance, pf.distance_grad, True, False, False, False),
-        (pf.distance, pf.distance_grad, False, True, False, False),
-        (pf.laplacian, pf.laplacian_grad, False, False, True, True),
-        (pf.energy, pf.energy_grad, True, True, True, False),
+                                       DIFF=diff, SUM=total, SPARSE=sparse,
+                                       PRESPLIT=presplit), False  # fmt: skip
+    for cost, grad, diff, columns, total, sparse, presplit in (
+        (pf.distance, pf.distance_grad, True, False, False, False, False),
+        (pf.distance, pf.distance_grad, False, True, False, False, True),
+        (pf.distance, pf.distance_grad, False, False, False, False, True),
+        (pf.distance, pf.distance_grad, False, True, False, False, False),
+        (pf.laplacian, pf.laplacian_grad, False, False, True, True, True),
+        (pf.energy, pf.energy_grad, True, True, True, False, False),
     ):
         yield pw._grad_kernel, dict(tiles, COST=cost, GRAD=grad, BLOCK_D=64, DIFF=diff,
-                                    COLUMNS=columns, SUM=total, SPARSE=sparse), False  # fmt: skip
+                                    COLUMNS=columns, SUM=total, SPARSE=sparse,
+                                    PRESPLIT=presplit), False  # fmt: skip
 
 
 def main() -> int:

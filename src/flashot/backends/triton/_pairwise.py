@@ -31,9 +31,11 @@ import triton.language as tl
 from flashot.backends import temperature as _row
 from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.triton import _configs
-from flashot.backends.triton._common import _rows_in
+from flashot.backends.triton._common import _rows_in, _score_tile, _stationary_tiles
 from flashot.backends.triton._configs import cdiv, next_pow2
+from flashot.backends.triton._operands import PRESPLIT_MAX_BYTES
 from flashot.backends.triton._pair_functions import triton_functions
+from flashot.backends.triton._split import split_operand
 from flashot.geometry.pair_costs import DIFFERENCES_UP_TO, PairCost
 
 __all__ = ["GRAD_UP_TO", "fused_grads", "fused_kernel_sum", "fused_softmin"]
@@ -54,6 +56,8 @@ def _pair_stats(
     Y,
     XN,
     YN,
+    XP,
+    YP,
     offs_m,
     offs_n,
     n,
@@ -65,29 +69,38 @@ def _pair_stats(
     syd,
     x_tile,
     yt_tile,
+    x_lo_tile,
+    yt_lo_tile,
+    x_lo,
+    y_lo,
+    unscale,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr,
     DIFF: tl.constexpr,
     PRECISION: tl.constexpr,
-    HOIST: tl.constexpr = 0,
+    HOIST_K: tl.constexpr,
+    PRESPLIT: tl.constexpr,
 ):
     """The tile's ``(s, t, a, b, near)``.
 
     Shapes (BLOCK_M, BLOCK_N) ×2, (BLOCK_M, 1), (1, BLOCK_N); ``near``: whether ``s``
     came from differences (a scalar). Rows and columns past ``n`` and ``m`` repeat the
-    last ones (``_rows_in``): callers mask the tail's terms. HOIST 1 (2): the product
-    form reads the rows' tile ``x_tile`` (the columns' ``yt_tile``, transposed) loaded
-    once by the caller (:func:`_stationary`), one feature chunk.
+    last ones (``_rows_in``): callers mask the tail's terms. The product form's
+    ``t = ⟨x_i, y_j⟩`` is the attention kernels' score tile (``_common._score_tile``) of
+    the score operands XP, YP (the clouds, or with PRESPLIT their split half parts, lo
+    at ``x_lo``/``y_lo``, ``unscale`` their scales' product); with one feature chunk the
+    stationary side comes hoisted: the rows' ``x_tile`` (``x_lo_tile``), or with HOIST_K
+    the columns' transposed ``yt_tile`` (``yt_lo_tile``), from ``_stationary_tiles``.
     """
     rows, cols = _rows_in(offs_m, n), _rows_in(offs_n, m)
     a = tl.load(XN + rows)[:, None]
     b = tl.load(YN + cols)[None, :]
-    t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if DIFF:  # exact differences, one feature at a time (d small)
         near = tl.full((), 1, tl.int32)
         s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, d):
             xk = tl.load(X + rows * sxn + k * sxd)
             yk = tl.load(Y + cols * syn + k * syd)
@@ -95,19 +108,9 @@ def _pair_stats(
             s += diff * diff
             t += xk[:, None] * yk[None, :]
     else:
-        for c in range(D_CHUNKS):
-            offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
-            if HOIST == 1:
-                xt = x_tile
-            else:
-                xt = tl.load(X + rows[:, None] * sxn + offs_d[None, :] * sxd,
-                             mask=offs_d[None, :] < d, other=0.0)  # fmt: skip
-            if HOIST == 2:
-                yt = yt_tile
-            else:
-                yt = tl.load(Y + cols[None, :] * syn + offs_d[:, None] * syd,
-                             mask=offs_d[:, None] < d, other=0.0)  # fmt: skip
-            t = tl.dot(xt, yt, t, input_precision=PRECISION)
+        t = _score_tile(XP, YP, x_tile, yt_tile, offs_m, offs_n, n, m, d, sxn, sxd, syn, syd,
+                        BLOCK_D, D_CHUNKS, HOIST_K, PRECISION, x_lo_tile, yt_lo_tile, x_lo, y_lo,
+                        unscale, PRESPLIT)  # fmt: skip
         s = tl.maximum(a + b - 2.0 * t, 0.0)
         # near pairs (s < NEAR (a + b)) lose digits to cancellation: the tile is redone
         # from differences (a self problem's diagonal tiles, close clouds)
@@ -124,24 +127,11 @@ def _pair_stats(
 
 
 @triton.jit
-def _stationary(X, offs, size, d, sxn, sxd, BLOCK_D: tl.constexpr, LOAD: tl.constexpr,
-                TRANSPOSED: tl.constexpr):  # fmt: skip
-    """A program's (len(offs), BLOCK_D) tile of X, or its transpose; a dummy without LOAD.
-
-    Rows past ``size`` repeat the last (``_rows_in``).
-    """
+def _own(X, offs, size, d, sxn, sxd, BLOCK_D: tl.constexpr):
+    """A program's own (len(offs), BLOCK_D) float32 tile (rows past ``size`` repeat the last)."""
     offs_d = tl.arange(0, BLOCK_D)
-    rows = _rows_in(offs, size)
-    if LOAD:
-        if TRANSPOSED:
-            t = tl.load(X + rows[None, :] * sxn + offs_d[:, None] * sxd,
-                        mask=offs_d[:, None] < d, other=0.0)  # fmt: skip
-        else:
-            t = tl.load(X + rows[:, None] * sxn + offs_d[None, :] * sxd,
-                        mask=offs_d[None, :] < d, other=0.0)  # fmt: skip
-    else:
-        t = tl.zeros((offs.shape[0], BLOCK_D), dtype=tl.float32)
-    return t
+    return tl.load(X + _rows_in(offs, size)[:, None] * sxn + offs_d[None, :] * sxd,
+                   mask=offs_d[None, :] < d, other=0.0)  # fmt: skip
 
 
 @triton.jit
@@ -198,6 +188,12 @@ def _softmin_kernel(
     sxd,
     syn,
     syd,
+    XP,
+    YP,
+    INV_X,
+    INV_Y,
+    x_lo,
+    y_lo,
     COST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -207,27 +203,32 @@ def _softmin_kernel(
     PRECISION: tl.constexpr,
     SUM: tl.constexpr,
     SPARSE: tl.constexpr,
+    PRESPLIT: tl.constexpr,
 ):
     """``LSE[split, i]``: the base-2 log-sum-exp of row i over one split's columns.
 
     H holds ``h log2 e``; ``scale = log2 e / ε``. ``SUM``: instead the kernel sum
     ``Σ_j φ_ij w_j`` over the split, with H holding the weights w. ``SPARSE``: a row
     block streams the column intervals ``IV[PTR[b]:PTR[b + 1]]`` (block-sparse), no split.
+    XP, YP: the product form's score operands (see ``_pair_stats``; ``INV_X``, ``INV_Y``
+    the split parts' inverse scales).
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
     run_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     lo, hi = _interval_span(PTR, SPARSE)
-    hoist = 1 if D_CHUNKS == 1 and not DIFF else 0
-    x_tile = _stationary(X, offs_m, n, d, sxn, sxd, BLOCK_D, hoist == 1, False)
+    x_tile, x_lo_tile, unscale = _stationary_tiles(
+        XP, x_lo, offs_m, n, d, sxn, sxd, INV_X, INV_Y, BLOCK_D, D_CHUNKS, False, PRESPLIT
+    )
     for r in range(lo, hi):
         c0, c1 = _interval(IV, r, split, per, m, SPARSE)
         for start in range(c0, c1, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            s, t, a, b, _ = _pair_stats(X, Y, XN, YN, offs_m, offs_n, n, c1, d, sxn, sxd, syn,
-                                        syd, x_tile, x_tile, BLOCK_M, BLOCK_N, BLOCK_D,
-                                        D_CHUNKS, DIFF, PRECISION, hoist)  # fmt: skip
+            s, t, a, b, _ = _pair_stats(X, Y, XN, YN, XP, YP, offs_m, offs_n, n, c1, d, sxn, sxd,
+                                        syn, syd, x_tile, x_tile, x_lo_tile, x_lo_tile, x_lo,
+                                        y_lo, unscale, BLOCK_M, BLOCK_N, BLOCK_D, D_CHUNKS, DIFF,
+                                        PRECISION, False, PRESPLIT)  # fmt: skip
             if SUM:
                 w = tl.load(H + offs_n, mask=offs_n < c1, other=0.0)
                 terms = tl.where(offs_n[None, :] < c1, COST(s, t, a, b) * w[None, :], 0.0)
@@ -269,6 +270,12 @@ def _grad_kernel(
     sxd,
     syn,
     syd,
+    XP,
+    YP,
+    INV_X,
+    INV_Y,
+    x_lo,
+    y_lo,
     COST: tl.constexpr,
     GRAD: tl.constexpr,
     COLUMNS: tl.constexpr,
@@ -279,6 +286,7 @@ def _grad_kernel(
     PRECISION: tl.constexpr,
     SUM: tl.constexpr,
     SPARSE: tl.constexpr,
+    PRESPLIT: tl.constexpr,
 ):
     """The gradient sums of one side.
 
@@ -287,13 +295,14 @@ def _grad_kernel(
     Each split of the streamed side writes its partial sums at ``OUT[split]``. H and LSE
     in base 2, as the forward's; ``scale_e = log2 e / ε``. ``SUM``: the kernel sum's
     gradient: weights ``W_ij = ḡ_i w_j`` (H holds w) and ``w̄_j = Σ_i ḡ_i φ_ij`` for ``h̄``.
-    ``SPARSE`` (rows only): the forward's column intervals.
+    ``SPARSE`` (rows only): the forward's column intervals. XP, YP, INV_X, INV_Y, x_lo,
+    y_lo, PRESPLIT: the scores' operands, as the forward's.
     """
     offs_d = tl.arange(0, BLOCK_D)
     split = tl.program_id(1)
     if COLUMNS:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        own = _stationary(Y, offs_n, m, d, syn, syd, BLOCK_D, True, False)
+        own = _own(Y, offs_n, m, d, syn, syd, BLOCK_D)
         h = tl.load(H + offs_n, mask=offs_n < m, other=0.0 if SUM else float("-inf"))
         acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -302,7 +311,7 @@ def _grad_kernel(
         stream_block = BLOCK_M
     else:
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        own = _stationary(X, offs_m, n, d, sxn, sxd, BLOCK_D, True, False)
+        own = _own(X, offs_m, n, d, sxn, sxd, BLOCK_D)
         lse = tl.load(LSE + offs_m, mask=offs_m < n, other=0.0)
         g = tl.load(G + offs_m, mask=offs_m < n, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -310,9 +319,13 @@ def _grad_kernel(
         w_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         stream_size = m
         stream_block = BLOCK_N
-    # the product form reads the stationary side's tile loaded once (own, or its transpose)
-    hoist = 0 if DIFF else (2 if COLUMNS else 1)
-    own_t = tl.trans(own) if COLUMNS else own
+    # the product form's stationary score tile, loaded once (the columns': transposed)
+    if COLUMNS:
+        st, st_lo, unscale = _stationary_tiles(YP, y_lo, offs_n, m, d, syn, syd, INV_X, INV_Y,
+                                               BLOCK_D, 1, True, PRESPLIT)  # fmt: skip
+    else:
+        st, st_lo, unscale = _stationary_tiles(XP, x_lo, offs_m, n, d, sxn, sxd, INV_X, INV_Y,
+                                               BLOCK_D, 1, False, PRESPLIT)  # fmt: skip
     lo, hi = _interval_span(PTR, SPARSE)
     for r in range(lo, hi):
         c0, c1 = _interval(IV, r, split, per, stream_size, SPARSE)
@@ -325,9 +338,10 @@ def _grad_kernel(
             else:
                 offs_n = start + tl.arange(0, BLOCK_N)
                 h = tl.load(H + offs_n, mask=offs_n < m_end, other=0.0 if SUM else float("-inf"))
-            s, t, a, b, near = _pair_stats(X, Y, XN, YN, offs_m, offs_n, n, m_end, d, sxn, sxd,
-                                           syn, syd, own, own_t, BLOCK_M, BLOCK_N, BLOCK_D, 1,
-                                           DIFF, PRECISION, hoist)  # fmt: skip
+            s, t, a, b, near = _pair_stats(X, Y, XN, YN, XP, YP, offs_m, offs_n, n, m_end, d,
+                                           sxn, sxd, syn, syd, st, st, st_lo, st_lo, x_lo, y_lo,
+                                           unscale, BLOCK_M, BLOCK_N, BLOCK_D, 1, DIFF,
+                                           PRECISION, COLUMNS, PRESPLIT)  # fmt: skip
             live = (offs_m[:, None] < n) & (offs_n[None, :] < m_end)
             if SUM:
                 w = tl.where(live, g[:, None] * h[None, :], 0.0)
@@ -438,6 +452,23 @@ def _prepared(x, y, cost: PairCost):
     return x, y, x.square().sum(1), y.square().sum(1)
 
 
+def _score_operands(xs, ys, diff: bool):
+    """``(args, presplit)``: the kernels' score operands ``XP, YP, INV_X, INV_Y, x_lo, y_lo``.
+
+    See ``_pair_stats``. Split once per launch into scaled half parts (:mod:`._split`:
+    three half MMAs, the accuracy of 3xTF32 without its split of both tiles in every loop
+    iteration) while both clouds' parts fit :data:`~._operands.PRESPLIT_MAX_BYTES`; else
+    the clouds themselves (3xTF32 per tile). Differences (small d) read no score operands.
+    """
+    n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
+    if diff or 4 * (n + m) * d > PRESPLIT_MAX_BYTES:
+        return (xs, ys, xs, ys, 0, 0), False
+    interpreted = triton_interpreted()
+    px, py = split_operand(xs, interpreted), split_operand(ys, interpreted)
+    # (parts[0] is (n, d) contiguous: the clouds' own strides)
+    return (px.parts[0], py.parts[0], px.inv, py.inv, px.parts.stride(0), py.parts.stride(0)), True
+
+
 def _precision() -> str:
     return "ieee" if triton_interpreted() else "tf32x3"
 
@@ -456,13 +487,14 @@ def _launch_forward(x, y, vec, scale: float, cost: PairCost, sum_mode: bool, spa
     parts = torch.empty(splits, n, device=xs.device, dtype=torch.float32)
     ptr, iv = sparse[:2] if sparse else (parts, parts)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
+    score, presplit = _score_operands(xs, ys, diff)
     args = (xs, ys, xn, yn, vec.contiguous(), parts, ptr, iv, n, m, d, scale, per,
-            *xs.stride(), *ys.stride())  # fmt: skip
+            *xs.stride(), *ys.stride(), *score)  # fmt: skip
     with on_device(xs.device):
         _softmin_kernel[(cdiv(n, bm), splits)](
             *args, COST=fn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, D_CHUNKS=chunks,
             DIFF=diff, PRECISION=_precision(), SUM=sum_mode, SPARSE=sparse is not None,
-            **options,
+            PRESPLIT=presplit, **options,
         )  # fmt: skip
     return parts
 
@@ -525,12 +557,13 @@ def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols:
     lse = g if sum_mode else lse.contiguous()
     eps = 1.0 if sum_mode else float(eps)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
+    score, presplit = _score_operands(xs, ys, diff)
     flags = dict(COST=fn, GRAD=grad, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, DIFF=diff,
-                 PRECISION=_precision(), SUM=sum_mode, **options)  # fmt: skip
+                 PRECISION=_precision(), SUM=sum_mode, PRESPLIT=presplit, **options)  # fmt: skip
     head = (xs, ys, xn, yn, h.contiguous(), lse, g)
     ptr, iv = sparse[:2] if sparse else (g, g)
     tail = (ptr, iv, n, m, d, eps, _row.LOG2E / eps)
-    strides = (*xs.stride(), *ys.stride())
+    strides = (*xs.stride(), *ys.stride(), *score)
     gx = gy = gv = None
     with on_device(xs.device):
         if rows:
