@@ -1,0 +1,196 @@
+"""Count the sm_90 instructions in the streaming loops of the hot kernels, without a GPU.
+
+Compiles each case as the JIT would specialize it at a large solve (feature strides 1
+as constexprs, pointers and sizes 16-divisible), disassembles the cubin with Triton's
+bundled ``nvdisasm`` and reports the largest loop: instructions per tile, per score
+element of a thread, its MUFU (exp2, sqrt) count and spills. Where a loop issues more
+instructions than its MUFU ops keep the special-function units busy (8 cycles per warp
+instruction on an SMSP against one issue a cycle), the count predicts the loop's time.
+Without the specializations Triton does not vectorize the loads and the counts mislead.
+
+Run as a script (not under ``TRITON_INTERPRET``); ``python tests/probes/sass_loops.py
+[substring]`` prints the cases whose name contains it. Prints ``SKIP`` without a
+CUDA toolchain in this Triton.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+FLOATS = {"scale", "scale_e", "eps", "hi", "gate_limit", "shift", "inv_rho_x", "inv_rho_y"}
+#: feature and value-column strides: 1 at every real launch, so constexprs
+UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_kvd", "sxd", "syd", "stride_vp", "stride_op",
+                "stride_dp"}  # fmt: skip
+#: integers the kernels exclude from specialization (do_not_specialize)
+UNSPECIALIZED = {"temp_at", "gate_span", "n_bucket", "m_bucket"}
+
+
+def compile_like_jit(fn, consts: dict, half=(), warps: int = 4, stages: int = 2):
+    """``fn`` compiled for sm_90 with ``consts``; pointers named in ``half`` are float16."""
+    sig, attrs, constexprs = {}, {}, dict(consts)
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        if name in UNIT_STRIDES:
+            sig[name], constexprs[name] = "constexpr", 1
+            continue
+        if name in FLOATS:
+            sig[name] = "fp32"
+            continue
+        if name in ("BLOCKS", "PTR", "IV"):
+            sig[name] = "*i32"
+        elif name[0].isupper():
+            sig[name] = "*fp16" if name in half else "*fp32"
+        else:
+            sig[name] = "i32"
+        if name not in UNSPECIALIZED:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn, sig, constexprs, attrs)
+    options = dict(num_warps=warps, num_stages=stages)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _nvdisasm() -> str:
+    import triton.backends.nvidia as nvidia
+
+    return str(Path(nvidia.__file__).parent / "bin" / "nvdisasm")
+
+
+def loops(cubin: bytes) -> list[tuple[int, collections.Counter]]:
+    """Every backward branch's body in the SASS: ``(instructions, opcode counts)``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_nvdisasm(), "-c", f.name], capture_output=True, text=True).stdout
+    code, labels, pending = [], {}, []
+    for line in text.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        ins = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if ins:
+            addr = int(ins.group(1), 16)
+            labels.update({p: addr for p in pending})
+            pending = []
+            code.append((addr, ins.group(2).strip()))
+    found = []
+    for addr, ins in code:
+        target = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ins)
+        if target and labels.get(target.group(1), addr + 1) < addr:
+            body = [t for a, t in code if labels[target.group(1)] <= a <= addr]
+            ops = collections.Counter(
+                (t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0] for t in body
+            )
+            found.append((len(body), ops))
+    return found
+
+
+def cases():
+    """``(name, kernel, constexprs, half pointers, scores per thread of a tile)``."""
+    from flashot.backends.triton import _attend, _plan_sums, _vjp
+    from flashot.backends.triton import _pair_functions as pf
+    from flashot.backends.triton import _pairwise as pw
+
+    sums = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=64, D_CHUNKS=1, GATED=True, SEGMENTED=False,
+                MULTIPLY=False, EXACT=False)  # fmt: skip
+    kernel = _plan_sums._plan_sums_kernel
+    yield "plan_sums tf32", kernel, dict(sums, PRECISION="tf32", PRESPLIT=False), (), 64
+    yield "plan_sums split", kernel, dict(sums, PRECISION="ieee", PRESPLIT=True), ("Q", "K"), 64
+    yield "plan_sums bf16", kernel, dict(sums, PRECISION="ieee", PRESPLIT=False), ("Q", "K"), 64
+    att = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_P=64, HAS_V=False, POTENTIAL_BIAS=True,
+               REPAIR=True, SPLIT=False, SEGMENTED=False, V_SPLIT=False, P_LOOP=1)  # fmt: skip
+    for chunks in (1, 8):
+        yield (
+            f"attend split d{64 * chunks}",
+            _attend._attend_kernel,
+            dict(att, D_CHUNKS=chunks, PRECISION="ieee", V_PRECISION="ieee", PRESPLIT=True),
+            ("Q", "K"),
+            64,
+        )
+        yield (
+            f"attend 3xtf32 d{64 * chunks}",
+            _attend._attend_kernel,
+            dict(att, D_CHUNKS=chunks, PRECISION="tf32x3", V_PRECISION="tf32x3", PRESPLIT=False),
+            (),
+            64,
+        )
+    vjp = dict(BLOCK_M=128, BLOCK_N=64, SPLIT=True, WITH_K=True, PRECISION="ieee",
+               V_PRECISION="tf32x3", EXTRA_SIDE=0, BLOCK_P=16, P_CHUNKS=1, PRESPLIT=True,
+               OUTER=True, KV_SPLIT=True, COLS=False)  # fmt: skip
+    for bd in (16, 64):
+        yield (
+            f"reverse product (replay) d{bd}",
+            _vjp._plan_vjp_kernel,
+            dict(vjp, BLOCK_D=bd, BLOCK_K=bd),
+            ("Q", "K", "KV"),
+            64,
+        )
+    pair = dict(BLOCK_M=64, BLOCK_N=64, PRECISION="tf32x3", COST=pf.distance, SUM=False,
+                SPARSE=False)  # fmt: skip
+    for split in (True, False):
+        half = ("XP", "YP") if split else ()
+        yield (
+            f"softmin p=1 d64 split={split}",
+            pw._softmin_kernel,
+            dict(pair, BLOCK_D=64, D_CHUNKS=1, DIFF=False, PRESPLIT=split),
+            half,
+            32,
+        )
+        for cols in (False, True):
+            yield (
+                f"pair gradient p=1 d64 columns={cols} split={split}",
+                pw._grad_kernel,
+                dict(
+                    pair,
+                    GRAD=pf.distance_grad,
+                    BLOCK_D=64,
+                    DIFF=False,
+                    COLUMNS=cols,
+                    PRESPLIT=split,
+                ),
+                half,
+                32,
+            )
+    yield (
+        "softmin p=1 d3 (differences)",
+        pw._softmin_kernel,
+        dict(pair, BLOCK_D=16, D_CHUNKS=1, DIFF=True, PRESPLIT=False),
+        (),
+        32,
+    )
+
+
+def main(pattern: str = "") -> int:
+    print(f"{'case':44s} {'loop':>6s} {'/score':>7s} {'MUFU':>5s} {'spills':>6s}")
+    for name, fn, consts, half, per_thread in cases():
+        if pattern not in name:
+            continue
+        try:
+            kernel = compile_like_jit(fn, consts, half)
+        except (RuntimeError, FileNotFoundError) as err:
+            if "ptxas" in str(err).lower():
+                print(f"SKIP: no CUDA toolchain in this triton ({err})")
+                return 0
+            raise
+        size, ops = max(loops(kernel.asm["cubin"]), key=lambda loop: loop[0])
+        spills = ops["LDL"] + ops["STL"]
+        print(f"{name:44s} {size:6d} {size / per_thread:7.1f} {ops['MUFU']:5d} {spills:6d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:2]))
