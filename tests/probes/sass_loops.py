@@ -100,7 +100,8 @@ def loops(cubin: bytes) -> list[tuple[int, collections.Counter]]:
 
 
 def cases():
-    """``(name, kernel, constexprs, half pointers, scores per thread of a tile)``."""
+    """``(name, kernel, constexprs, half pointers, scores per thread of a tile[, warps,
+    stages])``."""
     from flashot.backends.triton import _attend, _plan_sums, _vjp
     from flashot.backends.triton import _pair_functions as pf
     from flashot.backends.triton import _pairwise as pw
@@ -111,6 +112,10 @@ def cases():
     yield "plan_sums tf32", kernel, dict(sums, PRECISION="tf32", PRESPLIT=False), (), 64
     yield "plan_sums split", kernel, dict(sums, PRECISION="ieee", PRESPLIT=True), ("Q", "K"), 64
     yield "plan_sums bf16", kernel, dict(sums, PRECISION="ieee", PRESPLIT=False), ("Q", "K"), 64
+    # the one-pass exact step of wide features (d ≥ 256), as sm_90.json tiles it for d512
+    exact = dict(sums, BLOCK_M=128, BLOCK_N=64, D_CHUNKS=8, GATED=False, EXACT=True)
+    exact_split = dict(exact, PRECISION="ieee", PRESPLIT=True)
+    yield "exact pass split d512 (8 warps)", kernel, exact_split, ("Q", "K"), 32, 8, 3
     att = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, BLOCK_P=64, HAS_V=False, POTENTIAL_BIAS=True,
                REPAIR=True, SPLIT=False, SEGMENTED=False, V_SPLIT=False, P_LOOP=1)  # fmt: skip
     for chunks in (1, 8):
@@ -176,11 +181,11 @@ def cases():
 
 def main(pattern: str = "") -> int:
     print(f"{'case':44s} {'loop':>6s} {'/score':>7s} {'MUFU':>5s} {'spills':>6s}")
-    for name, fn, consts, half, per_thread in cases():
+    for name, fn, consts, half, per_thread, *launch in cases():
         if pattern not in name:
             continue
         try:
-            kernel = compile_like_jit(fn, consts, half)
+            kernel = compile_like_jit(fn, consts, half, *launch)
         except (RuntimeError, FileNotFoundError) as err:
             if "ptxas" in str(err).lower():
                 print(f"SKIP: no CUDA toolchain in this triton ({err})")

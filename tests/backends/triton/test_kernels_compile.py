@@ -13,11 +13,12 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_every_kernel_variant_compiles_for_sm90():
-    script = Path(__file__).parents[2] / "probes" / "compile_hopper.py"
+def run_probe(name: str, *args: str) -> str:
+    """The stdout of ``tests/probes/NAME`` run in a fresh process (no interpreter mode);
+    skips the test where this Triton has no CUDA toolchain."""
     root = Path(__file__).parents[3]
     proc = subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(root / "tests" / "probes" / name), *args],
         capture_output=True,
         text=True,
         cwd=root,
@@ -27,6 +28,11 @@ def test_every_kernel_variant_compiles_for_sm90():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     if proc.stdout.startswith("SKIP"):
         pytest.skip(proc.stdout.strip())
+    return proc.stdout
+
+
+def test_every_kernel_variant_compiles_for_sm90():
+    run_probe("compile_hopper.py")
 
 
 def test_control_pointers_are_not_specialized_on_alignment():
@@ -66,22 +72,11 @@ def test_fused_pass_loop_stays_within_its_instruction_budget():
     exp2 per score a thread owns (64 × 128 tiles over 128 threads: 64, plus the row
     terms' two) and at most ~11 instructions per score: it issues more instructions
     than its exps keep the MUFU busy, so a mask or a conversion added to the loop shows
-    here as time (v45: 518 instructions per tile in tf32, 652 with split operands)."""
-    script = Path(__file__).parents[2] / "probes" / "sass_loops.py"
-    root = Path(__file__).parents[3]
-    proc = subprocess.run(
-        [sys.executable, str(script), "plan_sums"],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        timeout=900,
-        env={**__import__("os").environ, "PYTHONPATH": f"{root / 'src'}:{root}"},
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    if proc.stdout.startswith("SKIP"):
-        pytest.skip(proc.stdout.strip())
-    rows = {" ".join(line.split()[:2]): line.split()[2:] for line in proc.stdout.splitlines()[1:]}
-    budget = {"plan_sums tf32": 600, "plan_sums split": 750, "plan_sums bf16": 570}
+    here as time (v45: 518 instructions per tile in tf32, 588 with split operands,
+    whose scale the kernels fold into the score factor: 652 without that)."""
+    out = run_probe("sass_loops.py", "plan_sums")
+    rows = {" ".join(line.split()[:2]): line.split()[2:] for line in out.splitlines()[1:]}
+    budget = {"plan_sums tf32": 570, "plan_sums split": 640, "plan_sums bf16": 540}
     for name, limit in budget.items():
         size, _per_score, mufu, spills = rows[name]
         assert int(mufu) == 66 and int(spills) == 0, (name, rows[name])

@@ -102,6 +102,7 @@ def _attend_kernel(
     q_tile, q_lo_tile, unscale = _stationary_tiles(Q, q_lo, offs_m, row_end, d, stride_qn,
                                                    stride_qd, Q_INV, K_INV, BLOCK_D, D_CHUNKS,
                                                    False, PRESPLIT)  # fmt: skip
+    s_scale = scale * unscale  # (the split parts' scale, exact: a power of two)
     v_unscale = 1.0
     if V_SPLIT:
         v_unscale = tl.load(V_INV)
@@ -119,13 +120,13 @@ def _attend_kernel(
             Q, K, q_tile, q_tile, offs_m, offs_n, row_end, col_hi, d, stride_qn, stride_qd,
             stride_kn,
             stride_kd, BLOCK_D, D_CHUNKS, False, PRECISION, q_lo_tile, q_lo_tile, q_lo, k_lo,
-            unscale, PRESPLIT,
+            PRESPLIT,
         )
         if POTENTIAL_BIAS:  # noqa: SIM108 (a compile-time branch) h = g − β + ε log b, base 2
             h = (g - beta) * scale + log_w * LOG2E
         else:
             h = g * scale
-        run_max, run_sum, e, decay = _attend_weights(s, h, run_max, run_sum, scale)
+        run_max, run_sum, e, decay = _attend_weights(s, h, run_max, run_sum, s_scale)
         if HAS_V:
             if P_LOOP == 1:
                 pv = _value_product(e, V, offs_n, col_hi, offs_p, p, stride_vn, stride_vp, v_lo,

@@ -102,7 +102,7 @@ def _split_dot(a_hi, a_lo, b_hi, b_lo):
 def _score_tile(
     Q, K, q_tile, kt_tile, offs_m, offs_n, n, m, d, stride_qn, stride_qd, stride_kn, stride_kd,
     BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr, HOIST_K: tl.constexpr, PRECISION: tl.constexpr,
-    q_lo_tile, kt_lo_tile, q_lo, k_lo, unscale, PRESPLIT: tl.constexpr,
+    q_lo_tile, kt_lo_tile, q_lo, k_lo, PRESPLIT: tl.constexpr,
 ):
     """``⟨q_i, k_j⟩`` for one (BLOCK_M, BLOCK_N) tile, in float32.
 
@@ -113,59 +113,47 @@ def _score_tile(
     ones, hoisted as ``q_lo_tile``/``kt_lo_tile``): three half MMAs,
     ``⟨q, k⟩ = unscale · (hi·hi' + 2^-11 (hi·lo' + lo·hi'))``, about 22 bits like
     3xTF32 but with no split of the streamed tile in the loop. Per chunk the low terms
-    come first and the high product adds onto them; chunks are summed in float32.
+    come first and the high product adds onto them; chunks are summed in float32. The
+    tile comes *without* ``unscale`` (:func:`_stationary_tiles`, a power of two, 1
+    without PRESPLIT): callers fold it into the factor they multiply scores by, one
+    multiply per score fewer.
     """
-    if PRESPLIT:
-        if D_CHUNKS == 1:
-            if HOIST_K:
-                q = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
-                ql = _load_tile(Q + q_lo, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
-                s = _split_dot(q, ql, kt_tile, kt_lo_tile)
-            else:
-                kt = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
-                ktl = _load_tile(K + k_lo, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
-                s = _split_dot(q_tile, q_lo_tile, kt, ktl)
-        else:
-            # chunks add in rounded float32, not in the MMA's truncating accumulator (H200:
-            # a 13-chunk sum there drifted by 6e-4 on scores of 250, 3xTF32's 4e-5)
-            offs_d = tl.arange(0, BLOCK_D)
-            s = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
-            rows, cols = _rows_in(offs_m, n), _rows_in(offs_n, m)
-            for ch in range(D_CHUNKS):
-                dd = ch * BLOCK_D + offs_d
-                q_ptrs = Q + rows[:, None] * stride_qn + dd[None, :] * stride_qd
-                q_ok = dd[None, :] < d
-                k_ptrs = K + cols[None, :] * stride_kn + dd[:, None] * stride_kd
-                k_ok = dd[:, None] < d
-                q = tl.load(q_ptrs, mask=q_ok, other=0.0)
-                kt = tl.load(k_ptrs, mask=k_ok, other=0.0)
-                s += _split_dot(q, tl.load(q_ptrs + q_lo, mask=q_ok, other=0.0), kt,
-                                tl.load(k_ptrs + k_lo, mask=k_ok, other=0.0))  # fmt: skip
-        return s * unscale
-    if D_CHUNKS == 1:
+    if D_CHUNKS == 1:  # the streamed side loaded (and its low part), the other hoisted
         if HOIST_K:
-            q = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False)
-            s = tl.dot(q, kt_tile, input_precision=PRECISION)
+            q, kt = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False), kt_tile
+            q_lo_tile = q
+            if PRESPLIT:
+                q_lo_tile = _load_tile(Q + q_lo, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1,
+                                       False)  # fmt: skip
         else:
-            kt = _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
-            s = tl.dot(q_tile, kt, input_precision=PRECISION)
+            q, kt = q_tile, _load_tile(K, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1, True)
+            kt_lo_tile = kt
+            if PRESPLIT:
+                kt_lo_tile = _load_tile(K + k_lo, offs_n, m, d, stride_kn, stride_kd, BLOCK_D, 1,
+                                        True)  # fmt: skip
+        if PRESPLIT:
+            s = _split_dot(q, q_lo_tile, kt, kt_lo_tile)
+        else:
+            s = tl.dot(q, kt, input_precision=PRECISION)
     else:
         offs_d = tl.arange(0, BLOCK_D)
         s = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
         rows, cols = _rows_in(offs_m, n), _rows_in(offs_n, m)
-        for c in range(D_CHUNKS):
-            dd = c * BLOCK_D + offs_d
-            q = tl.load(
-                Q + rows[:, None] * stride_qn + dd[None, :] * stride_qd,
-                mask=dd[None, :] < d,
-                other=0.0,
-            )
-            kt = tl.load(
-                K + cols[None, :] * stride_kn + dd[:, None] * stride_kd,
-                mask=dd[:, None] < d,
-                other=0.0,
-            )
-            s = tl.dot(q, kt, s, input_precision=PRECISION)
+        for ch in range(D_CHUNKS):
+            dd = ch * BLOCK_D + offs_d
+            q_ptrs = Q + rows[:, None] * stride_qn + dd[None, :] * stride_qd
+            k_ptrs = K + cols[None, :] * stride_kn + dd[:, None] * stride_kd
+            q_ok, k_ok = dd[None, :] < d, dd[:, None] < d
+            q = tl.load(q_ptrs, mask=q_ok, other=0.0)
+            kt = tl.load(k_ptrs, mask=k_ok, other=0.0)
+            if PRESPLIT:
+                # split chunks add in rounded float32, not in the MMA's truncating
+                # accumulator (H200: a 13-chunk sum there drifted by 6e-4 on scores of
+                # 250, 3xTF32's 4e-5)
+                ql = tl.load(q_ptrs + q_lo, mask=q_ok, other=0.0)
+                s += _split_dot(q, ql, kt, tl.load(k_ptrs + k_lo, mask=k_ok, other=0.0))
+            else:
+                s = tl.dot(q, kt, s, input_precision=PRECISION)
     return s
 
 

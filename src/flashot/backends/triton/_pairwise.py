@@ -99,31 +99,34 @@ def _pair_stats(
     b = tl.load(YN + cols)[None, :]
     if DIFF:  # exact differences, one feature at a time (d small)
         near = tl.full((), 1, tl.int32)
-        s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, d):
-            xk = tl.load(X + rows * sxn + k * sxd)
-            yk = tl.load(Y + cols * syn + k * syd)
-            diff = xk[:, None] - yk[None, :]
-            s += diff * diff
-            t += xk[:, None] * yk[None, :]
+        s, t = _differences(X, Y, rows, cols, d, sxn, sxd, syn, syd, BLOCK_M, BLOCK_N)
     else:
-        t = _score_tile(XP, YP, x_tile, yt_tile, offs_m, offs_n, n, m, d, sxn, sxd, syn, syd,
-                        BLOCK_D, D_CHUNKS, HOIST_K, PRECISION, x_lo_tile, yt_lo_tile, x_lo, y_lo,
-                        unscale, PRESPLIT)  # fmt: skip
-        s = tl.maximum(a + b - 2.0 * t, 0.0)
+        raw = _score_tile(XP, YP, x_tile, yt_tile, offs_m, offs_n, n, m, d, sxn, sxd, syn, syd,
+                          BLOCK_D, D_CHUNKS, HOIST_K, PRECISION, x_lo_tile, yt_lo_tile, x_lo, y_lo,
+                          PRESPLIT)  # fmt: skip
+        s = tl.maximum(a + b - (2.0 * unscale) * raw, 0.0)
+        t = raw * unscale  # (unscale a power of two; no work where the cost ignores t)
         # near pairs (s < NEAR (a + b)) lose digits to cancellation: the tile is redone
         # from differences (a self problem's diagonal tiles, close clouds)
         near = tl.max((s < (a + b) * NEAR).to(tl.int32))
         if near > 0:
-            exact = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(0, d):
-                xk = tl.load(X + rows * sxn + k * sxd)
-                yk = tl.load(Y + cols * syn + k * syd)
-                diff = xk[:, None] - yk[None, :]
-                exact += diff * diff
-            s = exact
+            s = _differences(X, Y, rows, cols, d, sxn, sxd, syn, syd, BLOCK_M, BLOCK_N)[0]
     return s, t, a, b, near
+
+
+@triton.jit
+def _differences(X, Y, rows, cols, d, sxn, sxd, syn, syd, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """``(|x_i − y_j|², ⟨x_i, y_j⟩)`` of a tile from coordinate differences, one at a time."""
+    s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, d):
+        xk = tl.load(X + rows * sxn + k * sxd)
+        yk = tl.load(Y + cols * syn + k * syd)
+        diff = xk[:, None] - yk[None, :]
+        s += diff * diff
+        t += xk[:, None] * yk[None, :]
+    return s, t
 
 
 @triton.jit
@@ -171,40 +174,12 @@ def _interval(IV, r, split, per, size, SPARSE: tl.constexpr):
 
 @triton.jit
 def _softmin_kernel(
-    X,
-    Y,
-    XN,
-    YN,
-    H,
-    LSE,
-    PTR,
-    IV,
-    n,
-    m,
-    d,
-    scale,
-    per,
-    sxn,
-    sxd,
-    syn,
-    syd,
-    XP,
-    YP,
-    INV_X,
-    INV_Y,
-    x_lo,
-    y_lo,
-    COST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    D_CHUNKS: tl.constexpr,
-    DIFF: tl.constexpr,
-    PRECISION: tl.constexpr,
-    SUM: tl.constexpr,
-    SPARSE: tl.constexpr,
-    PRESPLIT: tl.constexpr,
-):
+    X, Y, XN, YN, H, LSE, PTR, IV, n, m, d, scale, per, sxn, sxd, syn, syd,
+    XP, YP, INV_X, INV_Y, x_lo, y_lo,
+    COST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr, DIFF: tl.constexpr, PRECISION: tl.constexpr, SUM: tl.constexpr,
+    SPARSE: tl.constexpr, PRESPLIT: tl.constexpr,
+):  # fmt: skip
     """``LSE[split, i]``: the base-2 log-sum-exp of row i over one split's columns.
 
     H holds ``h log2 e``; ``scale = log2 e / ε``. ``SUM``: instead the kernel sum
@@ -249,45 +224,12 @@ def _softmin_kernel(
 
 @triton.jit
 def _grad_kernel(
-    X,
-    Y,
-    XN,
-    YN,
-    H,
-    LSE,
-    G,
-    OUT,
-    OUT_H,
-    PTR,
-    IV,
-    n,
-    m,
-    d,
-    eps,
-    scale_e,
-    per,
-    sxn,
-    sxd,
-    syn,
-    syd,
-    XP,
-    YP,
-    INV_X,
-    INV_Y,
-    x_lo,
-    y_lo,
-    COST: tl.constexpr,
-    GRAD: tl.constexpr,
-    COLUMNS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DIFF: tl.constexpr,
-    PRECISION: tl.constexpr,
-    SUM: tl.constexpr,
-    SPARSE: tl.constexpr,
-    PRESPLIT: tl.constexpr,
-):
+    X, Y, XN, YN, H, LSE, G, OUT, OUT_H, PTR, IV, n, m, d, eps, scale_e, per, sxn, sxd, syn,
+    syd, XP, YP, INV_X, INV_Y, x_lo, y_lo,
+    COST: tl.constexpr, GRAD: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIFF: tl.constexpr, PRECISION: tl.constexpr,
+    SUM: tl.constexpr, SPARSE: tl.constexpr, PRESPLIT: tl.constexpr,
+):  # fmt: skip
     """The gradient sums of one side.
 
     Rows (``COLUMNS`` false): a program owns BLOCK_M rows, writes ``x̄`` (n, d).

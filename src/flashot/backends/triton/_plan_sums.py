@@ -111,6 +111,7 @@ def _plan_sums_kernel(
     kt_tile, kt_lo_tile, unscale = _stationary_tiles(K, k_lo, offs_n, col_end, d, stride_kn,
                                                      stride_kd, Q_INV, K_INV, BLOCK_D,
                                                      D_CHUNKS, True, PRESPLIT)  # fmt: skip
+    s_scale = scale * unscale  # (the split parts' scale, exact: a power of two)
     g, beta, log_b = _side_load(G, BETA, LOG_B, offs_n, col_ok, True)
     v, b = _side_terms(g, beta, log_b, col_ok, scale)
     b_den = b
@@ -132,22 +133,22 @@ def _plan_sums_kernel(
         s = _score_tile(
             Q, K, kt_tile, kt_tile, offs_m, offs_n, row_hi, col_end, d, stride_qn, stride_qd,
             stride_kn, stride_kd, BLOCK_D, D_CHUNKS, True, PRECISION, kt_lo_tile, kt_lo_tile,
-            q_lo, k_lo, unscale, PRESPLIT,
+            q_lo, k_lo, PRESPLIT,
         )
         u, a = _side_terms(f, alpha, log_a, row_ok, scale)
         if EXACT:
-            x = s * scale + v[None, :]
+            x = s * s_scale + v[None, :]
             r_max = tl.max(x, 1)
             r_sum = tl.sum(tl.exp2(x - tl.where(r_max == float("-inf"), 0.0, r_max)[:, None]), 1)
             r_lse = r_max + tl.log2(r_sum)  # -inf when every term is (r_sum 0)
             tl.store(ROW_LSE + pid_n.to(tl.int64) * n + offs_m, r_lse, mask=row_ok)
-            x = s * scale + (u + log_a * LOG2E)[:, None]
+            x = s * s_scale + (u + log_a * LOG2E)[:, None]
             top = tl.maximum(x, acc)
             e = tl.exp2(tl.minimum(x, acc) - tl.where(top == float("-inf"), 0.0, top))
             acc_den = tl.where(x > acc, acc_den * e + 1.0, acc_den + e)
             acc = top
         else:
-            e = tl.exp2(s * scale + (u + shift)[:, None] + v[None, :])
+            e = tl.exp2(s * s_scale + (u + shift)[:, None] + v[None, :])
             if MULTIPLY:
                 tl.atomic_add(R_DEN + offs_m, tl.sum(e * b_den[None, :], 1), mask=row_ok,
                               sem="relaxed")  # fmt: skip

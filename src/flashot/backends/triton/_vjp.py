@@ -264,6 +264,7 @@ def _plan_vjp_kernel(
     q_tile, q_lo_tile, unscale = _stationary_tiles(
         Q, q_lo, offs_m, n, dq, stride_qn, stride_qd, Q_INV, K_INV, BLOCK_D, 1, False, PRESPLIT
     )
+    s_scale = scale * unscale  # (the split parts' scale, exact: a power of two)
     kv_unscale = 1.0
     if KV_SPLIT:
         kv_unscale = tl.load(KV_INV)
@@ -288,29 +289,29 @@ def _plan_vjp_kernel(
         cb = tl.load(COL_B + offs_n, mask=col_ok, other=float("-inf"))
         s = _score_tile(Q, K, q_tile, q_tile, offs_m, offs_n, n, col_hi, dq, stride_qn,
                         stride_qd, stride_kn, stride_kd, BLOCK_D, 1, False, PRECISION,
-                        q_lo_tile, q_lo_tile, q_lo, k_lo, unscale, PRESPLIT)  # fmt: skip
+                        q_lo_tile, q_lo_tile, q_lo, k_lo, PRESPLIT)  # fmt: skip
         if COLS:  # (OUTER) the columns' terms, absolute: no running maximum across programs
             ccb = tl.load(COL_CB + offs_n, mask=col_ok, other=float("-inf"))
-            ce = tl.exp2(s * scale + crb[:, None] + ccb[None, :])
+            ce = tl.exp2(s * s_scale + crb[:, None] + ccb[None, :])
             vcol = tl.load(VC + offs_n * stride_vn, mask=col_ok, other=0.0)
             tl.atomic_add(OUT_C + offs_n, tl.sum(ce * dr_c[:, None], 0) * vcol, mask=col_ok,
                           sem="relaxed")  # fmt: skip
         if OUTER and KV_SPLIT:  # weights against the running maximum, 2^{ROW_B} at the end
             vc = tl.load(VC + offs_n * stride_vn, mask=col_ok, other=0.0)
-            run_max, e, decay = _online_weights(s, cb, run_max, scale)
+            run_max, e, decay = _online_weights(s, cb, run_max, s_scale)
             acc_w = acc_w * decay + tl.sum(e * vc[None, :], 1)
             if WITH_K:
                 pv = _value_product(e, KV, offs_n, col_hi, offs_k, d, stride_kvn, stride_kvd,
                                     kv_lo, 1.0, V_PRECISION, True)  # fmt: skip
                 acc_k = acc_k * decay[:, None] + pv
         else:
-            e = tl.exp2(s * scale + rb[:, None] + cb[None, :])
+            e = tl.exp2(s * s_scale + rb[:, None] + cb[None, :])
             if OUTER:  # ⟨dr_i, vc_j⟩ = dr_i vc_j, dr_i applied at the end
                 u = tl.load(VC + offs_n * stride_vn, mask=col_ok, other=0.0)[None, :]
             else:
                 u = _score_tile(DR, VC, dr_tile, dr_tile, offs_m, offs_n, n, col_hi, p,
                                 stride_dn, stride_dp, stride_vn, stride_vp, BLOCK_P, P_CHUNKS,
-                                False, V_PRECISION, dr_tile, dr_tile, 0, 0, 1.0, False)  # fmt: skip
+                                False, V_PRECISION, dr_tile, dr_tile, 0, 0, False)  # fmt: skip
                 if EXTRA_SIDE == 1:
                     u += row_extra[:, None]
                 if EXTRA_SIDE == 2:
