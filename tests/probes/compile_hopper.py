@@ -158,6 +158,7 @@ def variants():
                                         BLOCK_N=_triples.BLOCK_N), False  # fmt: skip
     # the pair-cost kernels: soft-minimum or kernel sum, dense or block-sparse, product
     # form (feature chunks) or differences, and both gradient sides
+    from flashot.backends.triton import _configs
     from flashot.backends.triton import _pair_functions as pf
     from flashot.backends.triton import _pairwise as pw
 
@@ -173,9 +174,10 @@ def variants():
         (pf.gaussian, True, 16, 1, True, False, False),
         (pf.energy, False, 64, 1, True, False, True),
     ):
-        yield pw._softmin_kernel, dict(tiles, COST=cost, BLOCK_D=block_d, D_CHUNKS=chunks,
-                                       DIFF=diff, SUM=total, SPARSE=sparse,
-                                       PRESPLIT=presplit), False  # fmt: skip
+        bm, bn = (64, 64) if sparse else _configs.PAIRWISE_FORWARD_TILES[:2]  # (as launched)
+        yield pw._softmin_kernel, dict(tiles, BLOCK_M=bm, BLOCK_N=bn, COST=cost,
+                                       BLOCK_D=block_d, D_CHUNKS=chunks, DIFF=diff, SUM=total,
+                                       SPARSE=sparse, PRESPLIT=presplit), False  # fmt: skip
     for cost, grad, diff, columns, total, sparse, presplit in (
         (pf.distance, pf.distance_grad, True, False, False, False, False),
         (pf.distance, pf.distance_grad, False, True, False, False, True),

@@ -144,38 +144,38 @@ def cases():
             ("Q", "K", "KV"),
             64,
         )
-    pair = dict(BLOCK_M=64, BLOCK_N=64, PRECISION="tf32x3", COST=pf.distance, SUM=False,
-                SPARSE=False)  # fmt: skip
+    from flashot.backends.triton import _configs
+
+    pair = dict(PRECISION="tf32x3", COST=pf.distance, SUM=False, SPARSE=False)
+    bm, bn, warps, _ = _configs.PAIRWISE_FORWARD_TILES
+    fwd = dict(pair, BLOCK_M=bm, BLOCK_N=bn)
+    per_fwd = bm * bn // (32 * warps)
+    bm, bn, warps, _ = _configs.PAIRWISE_TILES
+    grad = dict(pair, BLOCK_M=bm, BLOCK_N=bn, GRAD=pf.distance_grad, BLOCK_D=64, DIFF=False)
+    per_grad = bm * bn // (32 * warps)
     for split in (True, False):
         half = ("XP", "YP") if split else ()
         yield (
             f"softmin p=1 d64 split={split}",
             pw._softmin_kernel,
-            dict(pair, BLOCK_D=64, D_CHUNKS=1, DIFF=False, PRESPLIT=split),
+            dict(fwd, BLOCK_D=64, D_CHUNKS=1, DIFF=False, PRESPLIT=split),
             half,
-            32,
+            per_fwd,
         )
         for cols in (False, True):
             yield (
                 f"pair gradient p=1 d64 columns={cols} split={split}",
                 pw._grad_kernel,
-                dict(
-                    pair,
-                    GRAD=pf.distance_grad,
-                    BLOCK_D=64,
-                    DIFF=False,
-                    COLUMNS=cols,
-                    PRESPLIT=split,
-                ),
+                dict(grad, COLUMNS=cols, PRESPLIT=split),
                 half,
-                32,
+                per_grad,
             )
     yield (
         "softmin p=1 d3 (differences)",
         pw._softmin_kernel,
-        dict(pair, BLOCK_D=16, D_CHUNKS=1, DIFF=True, PRESPLIT=False),
+        dict(fwd, BLOCK_D=16, D_CHUNKS=1, DIFF=True, PRESPLIT=False),
         (),
-        32,
+        per_fwd,
     )
 
 

@@ -282,8 +282,13 @@ VJP_P_CHUNK = 32
 VJP_FUSED_COLUMNS = False
 
 #: the pair-cost kernels' (:mod:`._pairwise`) tiles on a GPU (BLOCK_M, BLOCK_N, warps,
-#: stages); the interpreter takes 16 × 16
+#: stages): the gradients', and the forward's (soft-minima and kernel sums); the
+#: interpreter takes 16 × 16. Not timed: chosen by the sm_90 loop counts of
+#: tests/probes/sass_loops.py (v45, instructions per score at 64 × 64 → 128 × 64: p = 1
+#: d64 32.0 → 25.2, d3 21.2 → 18.5, energy d64 26.9 → 20.2; the gradients spill more
+#: in larger tiles: 146 → 778 spill instructions a tile at 128 × 64)
 PAIRWISE_TILES = (64, 64, 4, 2)
+PAIRWISE_FORWARD_TILES = (128, 64, 4, 2)
 
 #: autotune only when n·m ≥ 2^TUNE_FROM_LOG2 (smaller solves cost less than tuning them)
 TUNE_FROM_LOG2 = 24
