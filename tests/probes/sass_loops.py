@@ -7,6 +7,10 @@ element of a thread, its MUFU (exp2, sqrt) count and spills. Where a loop issues
 instructions than its MUFU ops keep the special-function units busy (8 cycles per warp
 instruction on an SMSP against one issue a cycle), the count predicts the loop's time.
 Without the specializations Triton does not vectorize the loads and the counts mislead.
+The count is the static loop body: both sides of a branch in it (the pair kernels'
+recomputation of tiles holding near pairs, which runs on few tiles) and one trip of a
+nested loop (the differences path's loop over the d features) — compare a loop with
+itself across changes rather than across kernels.
 
 Run as a script (not under ``TRITON_INTERPRET``); ``python tests/probes/sass_loops.py
 [substring]`` prints the cases whose name contains it. Prints ``SKIP`` without a
