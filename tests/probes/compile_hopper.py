@@ -174,7 +174,8 @@ def variants():
         (pf.gaussian, True, 16, 1, True, False, False),
         (pf.energy, False, 64, 1, True, False, True),
     ):
-        bm, bn = (64, 64) if sparse else _configs.PAIRWISE_FORWARD_TILES[:2]  # (as launched)
+        tiles_fwd = _configs.PAIRWISE_DIFF_TILES if diff else _configs.PAIRWISE_FORWARD_TILES
+        bm, bn = (64, tiles_fwd[1]) if sparse else tiles_fwd[:2]  # (as launched)
         yield pw._softmin_kernel, dict(tiles, BLOCK_M=bm, BLOCK_N=bn, COST=cost,
                                        BLOCK_D=block_d, D_CHUNKS=chunks, DIFF=diff, SUM=total,
                                        SPARSE=sparse, PRESPLIT=presplit), False  # fmt: skip

@@ -154,6 +154,9 @@ def cases():
     bm, bn, warps, _ = _configs.PAIRWISE_FORWARD_TILES
     fwd = dict(pair, BLOCK_M=bm, BLOCK_N=bn)
     per_fwd = bm * bn // (32 * warps)
+    bm, bn, warps, _ = _configs.PAIRWISE_DIFF_TILES
+    fwd_diff = dict(pair, BLOCK_M=bm, BLOCK_N=bn)
+    per_diff = bm * bn // (32 * warps)
     bm, bn, warps, _ = _configs.PAIRWISE_TILES
     grad = dict(pair, BLOCK_M=bm, BLOCK_N=bn, GRAD=pf.distance_grad, BLOCK_D=64, DIFF=False)
     per_grad = bm * bn // (32 * warps)
@@ -177,9 +180,9 @@ def cases():
     yield (
         "softmin p=1 d3 (differences)",
         pw._softmin_kernel,
-        dict(fwd, BLOCK_D=16, D_CHUNKS=1, DIFF=True, PRESPLIT=False),
+        dict(fwd_diff, BLOCK_D=16, D_CHUNKS=1, DIFF=True, PRESPLIT=False),
         (),
-        per_fwd,
+        per_diff,
     )
 
 

@@ -282,13 +282,15 @@ VJP_P_CHUNK = 32
 VJP_FUSED_COLUMNS = False
 
 #: the pair-cost kernels' (:mod:`._pairwise`) tiles on a GPU (BLOCK_M, BLOCK_N, warps,
-#: stages): the gradients', and the forward's (soft-minima and kernel sums); the
-#: interpreter takes 16 × 16. Not timed: chosen by the sm_90 loop counts of
-#: tests/probes/sass_loops.py (v45, instructions per score at 64 × 64 → 128 × 64: p = 1
-#: d64 32.0 → 25.2, d3 21.2 → 18.5, energy d64 26.9 → 20.2; the gradients spill more
-#: in larger tiles: 146 → 778 spill instructions a tile at 128 × 64)
+#: stages): the gradients', the forward's (soft-minima and kernel sums) in the product
+#: form and with coordinate differences; the interpreter takes 16 × 16. Not timed:
+#: chosen by the sm_90 loop counts of tests/probes/sass_loops.py (v45, instructions per
+#: score of the tiles without near pairs at 64 × 64 → 64 × 128: p = 1 d64 19.0 → 14.2,
+#: d256 25.3 → 19.3, energy d64 13.9 → 9.6; differences at d = 3 21.2 → 18.5 at 128 × 64,
+#: which spill at 64 × 128; the gradients spill 5× more in either larger tile)
 PAIRWISE_TILES = (64, 64, 4, 2)
-PAIRWISE_FORWARD_TILES = (128, 64, 4, 2)
+PAIRWISE_FORWARD_TILES = (64, 128, 4, 2)
+PAIRWISE_DIFF_TILES = (128, 64, 4, 2)
 
 #: autotune only when n·m ≥ 2^TUNE_FROM_LOG2 (smaller solves cost less than tuning them)
 TUNE_FROM_LOG2 = 24

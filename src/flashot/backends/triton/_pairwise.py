@@ -388,7 +388,9 @@ def _layout(d: int, whole: bool, forward: bool = False):
     else the gradients'.
     """
     diff = d <= DIFFERENCES_UP_TO
-    tiles = _configs.PAIRWISE_FORWARD_TILES if forward else _configs.PAIRWISE_TILES
+    tiles = _configs.PAIRWISE_TILES
+    if forward:
+        tiles = _configs.PAIRWISE_DIFF_TILES if diff else _configs.PAIRWISE_FORWARD_TILES
     tiles = (16, 16, 1, 1) if triton_interpreted() else tiles
     if diff or whole:
         return diff, _width(d), 1, tiles
