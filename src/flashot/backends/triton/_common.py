@@ -241,6 +241,26 @@ def _online_weights(s, h, run_max, scale):
 
 
 @triton.jit
+def _running_update(x, acc_max, acc_sum):
+    """Elementwise running (max, sum) tiles, base 2, after one more tile of exponents ``x``.
+
+    One exp per element, ``2^{−|x − M|}``: the larger side's term is 1. For reductions
+    finished once per program (:func:`_running_total`) instead of once per tile.
+    """
+    top = tl.maximum(x, acc_max)
+    e = tl.exp2(tl.minimum(x, acc_max) - tl.where(top == float("-inf"), 0.0, top))
+    return top, tl.where(x > acc_max, acc_sum * e + 1.0, acc_sum + e)
+
+
+@triton.jit
+def _running_total(acc_max, acc_sum, AXIS: tl.constexpr):
+    """``(max, sum)`` along AXIS of running tiles: the base-2 LSE is ``max + log2 sum``."""
+    top = tl.max(acc_max, AXIS)
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    return top, tl.sum(acc_sum * tl.exp2(acc_max - tl.expand_dims(safe, AXIS)), AXIS)
+
+
+@triton.jit
 def _attend_weights(s, h, run_max, run_sum, scale):
     """:func:`_online_weights` and the running sum: ``(max, sum, e, decay)``."""
     new_max, e, decay = _online_weights(s, h, run_max, scale)

@@ -31,7 +31,13 @@ import triton.language as tl
 from flashot.backends import temperature as _row
 from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.triton import _configs
-from flashot.backends.triton._common import _rows_in, _score_tile, _stationary_tiles
+from flashot.backends.triton._common import (
+    _rows_in,
+    _running_total,
+    _running_update,
+    _score_tile,
+    _stationary_tiles,
+)
 from flashot.backends.triton._configs import cdiv, next_pow2
 from flashot.backends.triton._operands import PRESPLIT_MAX_BYTES
 from flashot.backends.triton._pair_functions import triton_functions
@@ -220,11 +226,8 @@ def _softmin_kernel(
                 h = tl.load(H + offs_n, mask=offs_n < c1, other=float("-inf"))
                 z = h[None, :] - COST(s, t, a, b) * scale
                 z = tl.where(offs_n[None, :] < c1, z, float("-inf"))
-                if DIFF:  # (the larger side's term is 1: one exp, 2^{−|z − M|})
-                    top = tl.maximum(z, acc_max)
-                    e = tl.exp2(tl.minimum(z, acc_max) - tl.where(top == float("-inf"), 0.0, top))
-                    acc_sum = tl.where(z > acc_max, acc_sum * e + 1.0, acc_sum + e)
-                    acc_max = top
+                if DIFF:
+                    acc_max, acc_sum = _running_update(z, acc_max, acc_sum)
                 else:
                     new_max = tl.maximum(run_max, tl.max(z, 1))
                     base = tl.where(new_max == float("-inf"), 0.0, new_max)  # (−inf rows so far)
@@ -236,9 +239,7 @@ def _softmin_kernel(
         if SUM:
             run_sum = tl.sum(acc_sum, 1)
         else:
-            run_max = tl.max(acc_max, 1)
-            safe = tl.where(run_max == float("-inf"), 0.0, run_max)
-            run_sum = tl.sum(acc_sum * tl.exp2(acc_max - safe[:, None]), 1)
+            run_max, run_sum = _running_total(acc_max, acc_sum, 1)
     if SUM:
         tl.store(LSE + split * n + offs_m, run_sum, mask=offs_m < n)
     else:

@@ -30,6 +30,8 @@ from flashot.backends.triton._common import (
     SCALE,
     _block_range,
     _from_row,
+    _running_total,
+    _running_update,
     _score_tile,
     _side_ahead,
     _side_load,
@@ -142,11 +144,8 @@ def _plan_sums_kernel(
             r_sum = tl.sum(tl.exp2(x - tl.where(r_max == float("-inf"), 0.0, r_max)[:, None]), 1)
             r_lse = r_max + tl.log2(r_sum)  # -inf when every term is (r_sum 0)
             tl.store(ROW_LSE + pid_n.to(tl.int64) * n + offs_m, r_lse, mask=row_ok)
-            x = s * s_scale + (u + log_a * LOG2E)[:, None]
-            top = tl.maximum(x, acc)
-            e = tl.exp2(tl.minimum(x, acc) - tl.where(top == float("-inf"), 0.0, top))
-            acc_den = tl.where(x > acc, acc_den * e + 1.0, acc_den + e)
-            acc = top
+            acc, acc_den = _running_update(s * s_scale + (u + log_a * LOG2E)[:, None], acc,
+                                           acc_den)  # fmt: skip
         else:
             e = tl.exp2(s * s_scale + (u + shift)[:, None] + v[None, :])
             if MULTIPLY:
@@ -157,9 +156,7 @@ def _plan_sums_kernel(
             tl.atomic_add(R + offs_m, tl.sum(e * b[None, :], 1), mask=row_ok, sem="relaxed")
             acc += e * a[:, None]
     if EXACT:
-        top = tl.max(acc, 0)
-        top_safe = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.sum(acc_den * tl.exp2(acc - top_safe[None, :]), 0)
+        top, total = _running_total(acc, acc_den, 0)
         tl.store(COL_MAX + pid_s * m + offs_n, top, mask=col_ok)
         tl.store(COL_SUM + pid_s * m + offs_n, total, mask=col_ok)
     elif row_hi > row_lo:
