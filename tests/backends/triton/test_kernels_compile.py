@@ -74,6 +74,11 @@ def test_fused_pass_loop_stays_within_its_instruction_budget():
     than its exps keep the MUFU busy, so a mask or a conversion added to the loop shows
     here as time (v45: 518 instructions per tile in tf32, 588 with split operands,
     whose scale the kernels fold into the score factor: 652 without that)."""
+    import triton
+
+    if not triton.__version__.startswith("3.8."):  # (another compiler emits other code)
+        pytest.skip(f"budgets set on Triton 3.8's sm_90 code, this is {triton.__version__}: "
+                    "measure again with tests/probes/sass_loops.py")  # fmt: skip
     out = run_probe("sass_loops.py", "plan_sums")
     rows = {" ".join(line.split()[:2]): line.split()[2:] for line in out.splitlines()[1:]}
     budget = {"plan_sums tf32": 570, "plan_sums split": 640, "plan_sums bf16": 540}
