@@ -22,7 +22,7 @@ K = SimpleNamespace(_attend_kernel=_attend._attend_kernel,
                     _plan_sums_kernel=_plan_sums._plan_sums_kernel,
                     _update_kernel=_update._update_kernel)  # fmt: skip
 
-FLOATS = {"scale", "scale_e", "eps", "hi", "gate_limit", "inv_rho_x", "inv_rho_y"}
+FLOATS = {"scale", "scale_e", "eps", "hi", "gate_limit", "shift", "inv_rho_x", "inv_rho_y"}
 FLOATS |= {f"w_{age}_{side}" for age in ("old", "new") for side in "xy"}
 
 

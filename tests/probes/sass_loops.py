@@ -30,10 +30,10 @@ from pathlib import Path
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton
+from compile_hopper import FLOATS  # (the kernels' float arguments, listed once)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-FLOATS = {"scale", "scale_e", "eps", "hi", "gate_limit", "shift", "inv_rho_x", "inv_rho_y"}
 #: feature and value-column strides: 1 at every real launch, so constexprs
 UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_kvd", "sxd", "syd", "stride_vp", "stride_op",
                 "stride_dp"}  # fmt: skip

@@ -32,6 +32,7 @@ from flashot.backends import temperature as _row
 from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.triton import _configs
 from flashot.backends.triton._common import (
+    _load_tile,
     _rows_in,
     _running_total,
     _running_update,
@@ -133,14 +134,6 @@ def _differences(X, Y, rows, cols, d, sxn, sxd, syn, syd, BLOCK_M: tl.constexpr,
         s += diff * diff
         t += xk[:, None] * yk[None, :]
     return s, t
-
-
-@triton.jit
-def _own(X, offs, size, d, sxn, sxd, BLOCK_D: tl.constexpr):
-    """A program's own (len(offs), BLOCK_D) float32 tile (rows past ``size`` repeat the last)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    return tl.load(X + _rows_in(offs, size)[:, None] * sxn + offs_d[None, :] * sxd,
-                   mask=offs_d[None, :] < d, other=0.0)  # fmt: skip
 
 
 @triton.jit
@@ -268,7 +261,7 @@ def _grad_kernel(
     split = tl.program_id(1)
     if COLUMNS:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        own = _own(Y, offs_n, m, d, syn, syd, BLOCK_D)
+        own = _load_tile(Y, offs_n, m, d, syn, syd, BLOCK_D, 1, False)
         h = tl.load(H + offs_n, mask=offs_n < m, other=0.0 if SUM else float("-inf"))
         acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -277,7 +270,7 @@ def _grad_kernel(
         stream_block = BLOCK_M
     else:
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        own = _own(X, offs_m, n, d, sxn, sxd, BLOCK_D)
+        own = _load_tile(X, offs_m, n, d, sxn, sxd, BLOCK_D, 1, False)
         lse = tl.load(LSE + offs_m, mask=offs_m < n, other=0.0)
         g = tl.load(G + offs_m, mask=offs_m < n, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -415,8 +408,17 @@ def _splits(blocks: int, size: int, block: int, device) -> tuple[int, int]:
 def _prepared(x, y, cost: PairCost):
     """Float32 contiguous clouds and their squared norms.
 
-    Centred by one common shift for translation-invariant costs.
+    Centred by one common shift for translation-invariant costs. A self problem (``y is
+    x``) prepares its cloud once and returns it twice (its split parts are then made once
+    too, :func:`_score_operands`).
     """
+    if y is x:
+        x = x.detach().float()
+        if cost.translation_invariant:  # (0.5 (μ + μ) = μ exactly: the pair's shift)
+            x = x - x.mean(0)
+        x = x.contiguous()
+        norms = x.square().sum(1)
+        return x, x, norms, norms
     x, y = x.detach().float(), y.detach().float()
     if cost.translation_invariant:
         shift = 0.5 * (x.mean(0) + y.mean(0))
@@ -437,7 +439,8 @@ def _score_operands(xs, ys, diff: bool):
     if diff or 4 * (n + m) * d > PRESPLIT_MAX_BYTES:
         return (xs, ys, xs, ys, 0, 0), False
     interpreted = triton_interpreted()
-    px, py = split_operand(xs, interpreted), split_operand(ys, interpreted)
+    px = split_operand(xs, interpreted)
+    py = px if ys is xs else split_operand(ys, interpreted)
     # (parts[0] is (n, d) contiguous: the clouds' own strides)
     return (px.parts[0], py.parts[0], px.inv, py.inv, px.parts.stride(0), py.parts.stride(0)), True
 

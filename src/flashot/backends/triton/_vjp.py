@@ -40,7 +40,6 @@ from flashot.backends.triton._common import (
     _from_row,
     _load_tile,
     _online_weights,
-    _rows_in,
     _score_tile,
     _stationary_tiles,
     _value_product,
@@ -165,13 +164,6 @@ def fused_plan_vjp(
         pt_d = plan_times(backend, Potentials(form.T, g, f, torch.log(b), torch.log(a), eps), d)
     return PlanVJP(None if per_a is None else a * per_a, row_k,
                    None if per_b is None else b * per_b, col_q, pt_d, per_a, per_b)  # fmt: skip
-
-
-@triton.jit
-def _keys(KV, offs_n, hi, offs_k, d, stride_n, stride_d):
-    """The (BLOCK_N, BLOCK_K) tile of keys ``KV[offs_n]`` (rows past ``hi`` repeat the last)."""
-    ptrs = KV + _rows_in(offs_n, hi)[:, None] * stride_n + offs_k[None, :] * stride_d
-    return tl.load(ptrs, mask=offs_k[None, :] < d, other=0.0)
 
 
 @triton.jit(do_not_specialize=["temp_at"], do_not_specialize_on_alignment=["TEMP"])
@@ -319,7 +311,7 @@ def _plan_vjp_kernel(
             t = e * u
             acc_w += tl.sum(t, 1)
             if WITH_K:
-                kv = _keys(KV, offs_n, col_hi, offs_k, d, stride_kvn, stride_kvd)
+                kv = _load_tile(KV, offs_n, col_hi, d, stride_kvn, stride_kvd, BLOCK_K, 1, False)
                 acc_k = tl.dot(t, kv, acc_k, input_precision=V_PRECISION)
     if OUTER:
         if KV_SPLIT:

@@ -92,8 +92,6 @@ class TritonBackend(Backend):
             opted = os.environ.get("FLASHOT_AUTOTUNE", "0").strip().lower()
             autotune = opted in ("1", "true", "yes")
         flags = (("fused", fused), ("autotune", autotune), ("graphs", graphs))
-        if presplit is not None and not isinstance(presplit, bool):
-            raise TypeError(f"presplit must be None, True or False, got {presplit!r}")
         for name, flag in flags:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -102,7 +100,8 @@ class TritonBackend(Backend):
             raise ValueError(f"splits must be None or an integer ≥ 1, got {splits!r}")
         self.fused, self.autotune, self.splits, self.graphs = fused, autotune, splits, graphs
         #: the score operands' conversions and MMA precisions (:mod:`._operands`)
-        self.operands = Operands(self.precision, presplit)
+        self.operands = Operands(self.precision, None)
+        self.presplit = presplit  # (checked by the setter)
 
     @property
     def presplit(self) -> bool | None:
