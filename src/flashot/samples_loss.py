@@ -21,7 +21,7 @@ from flashot.autodiff.functions import dual_term
 from flashot.autodiff.second_order import exact_second_order, packed_piece
 from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
-from flashot.backends.kernel_sums import cost_of, kernel_matvec, softmin
+from flashot.backends.kernel_sums import cost_of, kernel_matvec, pair_scope, softmin
 from flashot.divergence import debiased_potentials
 from flashot.geometry.costs import bounding_diameter, box_diameter, get_cost
 from flashot.geometry.pair_costs import KERNEL_COSTS, PairCost
@@ -335,17 +335,19 @@ class SamplesLoss(torch.nn.Module):
         self._say(x, y, temps)
         eps = self.blur**self.p
         rho = None if self.reach is None else self.reach**self.p
-        if self._multiscale:
-            if x.shape[1] > MAX_DIM:
-                raise ValueError(f"cluster_scale (the multiscale mode) takes clouds of at most "
-                                 f"{MAX_DIM} dimensions, got {x.shape[1]}")  # fmt: skip
-            scale = self.cluster_scale or default_scale(diameter, x.shape[1])
-            trunc = math.inf if self.truncate is None else float(self.truncate)
-            pots = multiscale_potentials(a, x, b, y, self._tile_cost, temps, self.debias, scale,
-                                         trunc, self.p, rho, self._tile_backend())  # fmt: skip
-        else:
-            pots = geomloss_potentials(a, x, b, y, self._tile_cost, temps, self.debias, rho,
-                                       self._tile_backend())  # fmt: skip
+        if self._multiscale and x.shape[1] > MAX_DIM:
+            raise ValueError(f"cluster_scale (the multiscale mode) takes clouds of at most "
+                             f"{MAX_DIM} dimensions, got {x.shape[1]}")  # fmt: skip
+        with pair_scope(x, y, self._tile_cost, self._tile_backend()):  # (operands made once)
+            if self._multiscale:
+                scale = self.cluster_scale or default_scale(diameter, x.shape[1])
+                trunc = math.inf if self.truncate is None else float(self.truncate)
+                pots = multiscale_potentials(a, x, b, y, self._tile_cost, temps, self.debias,
+                                             scale, trunc, self.p, rho,
+                                             self._tile_backend())  # fmt: skip
+            else:
+                pots = geomloss_potentials(a, x, b, y, self._tile_cost, temps, self.debias,
+                                           rho, self._tile_backend())  # fmt: skip
         if self.potentials:
             if pots.f_aa is None or pots.g_bb is None:
                 return pots.f_ba, pots.g_ab

@@ -25,8 +25,9 @@ derivative recomputes here, in tiles.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -34,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from flashot.geometry.pair_costs import KERNEL_COSTS, PairCost, distance_cost, half_square_cost
 
 __all__ = ["KERNELS", "block_intervals", "block_sparse_softmin", "cost_of", "distance",
-           "half_square", "kernel_matvec", "softmin"]  # fmt: skip
+           "half_square", "kernel_matvec", "pair_scope", "softmin"]  # fmt: skip
 
 #: the largest tile of coordinate differences, in elements
 BUDGET = 1 << 20
@@ -154,6 +155,24 @@ def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, c
         parts = [_run(tile, xb, y[j0 : j0 + bn], log_w[j0 : j0 + bn]) for j0 in range(0, m, bn)]
         rows.append(torch.logsumexp(torch.stack(parts), dim=0))
     return -eps * torch.cat(rows)
+
+
+@contextlib.contextmanager
+def pair_scope(x: torch.Tensor, y: torch.Tensor, cost: Callable, backend: str = "auto"
+               ) -> Iterator[None]:  # fmt: skip
+    """Inside, the fused kernels prepare each pair of clouds once (a schedule's many calls).
+
+    Centring, norms and split parts (:mod:`flashot.backends.triton._pair_operands`) are
+    then made once per pair instead of once per soft-minimum; results are unchanged. A
+    no-op where the soft-minima of ``x`` and ``y`` under ``cost`` do not run fused.
+    """
+    if isinstance(cost, PairCost) and _fused(x, y, cost, backend):
+        from flashot.backends.triton._pair_operands import pair_scope as scope
+
+        with scope():
+            yield
+    else:
+        yield
 
 
 def _fused(x, y, cost: PairCost, backend: str) -> bool:

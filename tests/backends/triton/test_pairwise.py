@@ -320,7 +320,7 @@ def test_split_score_operands_match_the_clouds_themselves(monkeypatch, name, d):
     """The product form reads the clouds split once into half parts (PRESPLIT) while they
     fit the cap, the clouds themselves past it: both within float32 tiles' error of the
     float64 soft-minimum and gradients, and of each other."""
-    from flashot.backends.triton import _pairwise
+    from flashot.backends.triton import _operands, _pair_operands
 
     x, y, h = _data(7, 37, 29, d, zeros=True, twins=True)
     cot = torch.randn(37, generator=torch.Generator().manual_seed(4))
@@ -328,9 +328,9 @@ def test_split_score_operands_match_the_clouds_themselves(monkeypatch, name, d):
     ref = _grads(x.double(), y.double(), h.double(), 0.5, cost, "torch", cot.double())
     f32 = _grads(x, y, h, 0.5, cost, "torch", cot)
     split = _grads(x, y, h, 0.5, cost, "triton", cot)
-    monkeypatch.setattr(_pairwise, "PRESPLIT_MAX_BYTES", 0)
+    monkeypatch.setattr(_operands, "PRESPLIT_MAX_BYTES", 0)
     whole = _grads(x, y, h, 0.5, cost, "triton", cot)
-    assert _pairwise._score_operands(x.contiguous(), y.contiguous(), False)[1] is False
+    assert _pair_operands.score_operands(x.contiguous(), y.contiguous(), False)[1] is False
     for a, b, r, t in zip((split[0], *split[1]), (whole[0], *whole[1]), (ref[0], *ref[1]),
                           (f32[0], *f32[1]), strict=True):  # fmt: skip
         bound = 4 * _rel(t, r) + 2e-6

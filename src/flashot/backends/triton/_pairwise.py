@@ -40,9 +40,8 @@ from flashot.backends.triton._common import (
     _stationary_tiles,
 )
 from flashot.backends.triton._configs import cdiv, next_pow2
-from flashot.backends.triton._operands import PRESPLIT_MAX_BYTES
 from flashot.backends.triton._pair_functions import triton_functions
-from flashot.backends.triton._split import split_operand
+from flashot.backends.triton._pair_operands import prepared, score_operands
 from flashot.geometry.pair_costs import DIFFERENCES_UP_TO, PairCost
 
 __all__ = ["GRAD_UP_TO", "fused_grads", "fused_kernel_sum", "fused_softmin"]
@@ -405,46 +404,6 @@ def _splits(blocks: int, size: int, block: int, device) -> tuple[int, int]:
     return cdiv(size, per), per
 
 
-def _prepared(x, y, cost: PairCost):
-    """Float32 contiguous clouds and their squared norms.
-
-    Centred by one common shift for translation-invariant costs. A self problem (``y is
-    x``) prepares its cloud once and returns it twice (its split parts are then made once
-    too, :func:`_score_operands`).
-    """
-    if y is x:
-        x = x.detach().float()
-        if cost.translation_invariant:  # (0.5 (μ + μ) = μ exactly: the pair's shift)
-            x = x - x.mean(0)
-        x = x.contiguous()
-        norms = x.square().sum(1)
-        return x, x, norms, norms
-    x, y = x.detach().float(), y.detach().float()
-    if cost.translation_invariant:
-        shift = 0.5 * (x.mean(0) + y.mean(0))
-        x, y = x - shift, y - shift
-    x, y = x.contiguous(), y.contiguous()
-    return x, y, x.square().sum(1), y.square().sum(1)
-
-
-def _score_operands(xs, ys, diff: bool):
-    """``(args, presplit)``: the kernels' score operands ``XP, YP, INV_X, INV_Y, x_lo, y_lo``.
-
-    See ``_pair_stats``. Split once per launch into scaled half parts (:mod:`._split`:
-    three half MMAs, the accuracy of 3xTF32 without its split of both tiles in every loop
-    iteration) while both clouds' parts fit :data:`~._operands.PRESPLIT_MAX_BYTES`; else
-    the clouds themselves (3xTF32 per tile). Differences (small d) read no score operands.
-    """
-    n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
-    if diff or 4 * (n + m) * d > PRESPLIT_MAX_BYTES:
-        return (xs, ys, xs, ys, 0, 0), False
-    interpreted = triton_interpreted()
-    px = split_operand(xs, interpreted)
-    py = px if ys is xs else split_operand(ys, interpreted)
-    # (parts[0] is (n, d) contiguous: the clouds' own strides)
-    return (px.parts[0], py.parts[0], px.inv, py.inv, px.parts.stride(0), py.parts.stride(0)), True
-
-
 def _precision() -> str:
     return "ieee" if triton_interpreted() else "tf32x3"
 
@@ -455,7 +414,7 @@ def _launch_forward(x, y, vec, scale: float, cost: PairCost, sum_mode: bool, spa
     ``sparse``: a :func:`~flashot.backends.kernel_sums.block_intervals` layout (one split).
     """
     fn, _ = triton_functions(cost)
-    xs, ys, xn, yn = _prepared(x, y, cost)
+    xs, ys, xn, yn = prepared(x, y, cost)
     n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
     diff, block_d, chunks, (bm, bn, warps, stages) = _layout(d, d <= GRAD_UP_TO, forward=True)
     bm = sparse[2] if sparse else bm  # (the layout's row blocks)
@@ -463,7 +422,7 @@ def _launch_forward(x, y, vec, scale: float, cost: PairCost, sum_mode: bool, spa
     parts = torch.empty(splits, n, device=xs.device, dtype=torch.float32)
     ptr, iv = sparse[:2] if sparse else (parts, parts)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
-    score, presplit = _score_operands(xs, ys, diff)
+    score, presplit = score_operands(xs, ys, diff)
     args = (xs, ys, xn, yn, vec.contiguous(), parts, ptr, iv, n, m, d, scale, per,
             *xs.stride(), *ys.stride(), *score)  # fmt: skip
     with on_device(xs.device):
@@ -524,7 +483,7 @@ def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols:
         raise ValueError("a block-sparse soft-minimum streams row gradients only")
     fn, grad = triton_functions(cost)
     sum_mode = eps is None
-    xs, ys, xn, yn = _prepared(x, y, cost)
+    xs, ys, xn, yn = prepared(x, y, cost)
     n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
     diff, block_d, _, (bm, bn, warps, stages) = _layout(d, whole=True)
     bm = sparse[2] if sparse else bm  # (the layout's row blocks)
@@ -533,7 +492,7 @@ def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols:
     lse = g if sum_mode else lse.contiguous()
     eps = 1.0 if sum_mode else float(eps)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
-    score, presplit = _score_operands(xs, ys, diff)
+    score, presplit = score_operands(xs, ys, diff)
     flags = dict(COST=fn, GRAD=grad, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, DIFF=diff,
                  PRECISION=_precision(), SUM=sum_mode, PRESPLIT=presplit, **options)  # fmt: skip
     head = (xs, ys, xn, yn, h.contiguous(), lse, g)
