@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from flashot.geometry.pair_costs import KERNEL_COSTS, PairCost, distance_cost, half_square_cost
 
 __all__ = ["KERNELS", "block_intervals", "block_sparse_softmin", "cost_of", "distance",
-           "half_square", "kernel_matvec", "pair_scope", "softmin"]  # fmt: skip
+           "half_square", "kernel_matvec", "pair_scope", "softmin", "window_step"]  # fmt: skip
 
 #: the largest tile of coordinate differences, in elements
 BUDGET = 1 << 20
@@ -155,6 +155,32 @@ def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, c
         parts = [_run(tile, xb, y[j0 : j0 + bn], log_w[j0 : j0 + bn]) for j0 in range(0, m, bn)]
         rows.append(torch.logsumexp(torch.stack(parts), dim=0))
     return -eps * torch.cat(rows)
+
+
+def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "auto"):
+    r"""``(softmin(x, y, lb + g/ε), softmin(y, x, la + f/ε))`` from one fused pass, or None.
+
+    The pass (:mod:`flashot.backends.triton._pair_sums`) forms each cost once for both
+    sides, stabilized by the current potentials f, g (any finite values give the same
+    result; the nearer the fixed point, the fewer rows need the exact kernel after it).
+    A self problem (``y is x``, ``la is lb``, ``f is g``) streams half the work. None
+    where it does not run: a cost without a Triton function, the torch backend, float64,
+    d > 128, inputs that need gradients, or ``torch.use_deterministic_algorithms`` (its
+    row sums are atomic).
+
+    Args:
+        x: (n, d), y: (m, d) clouds.  la: (n,), lb: (m,) log-weights.
+        f: (n,), g: (m,) the current potentials.  eps: ε.  cost, backend: as :func:`softmin`.
+    """
+    if not (isinstance(cost, PairCost) and _fused(x, y, cost, backend)) or x.shape[1] > 128:
+        return None
+    if torch.are_deterministic_algorithms_enabled() or (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, la, lb, f, g))
+    ):
+        return None
+    from flashot.backends.triton._pair_sums import window_softmins
+
+    return window_softmins(x, y, la, lb, f, g, eps, cost)
 
 
 @contextlib.contextmanager

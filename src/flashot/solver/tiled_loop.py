@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from flashot.backends.kernel_sums import softmin
+from flashot.backends.kernel_sums import softmin, window_step
 
-__all__ = ["GeomLossPotentials", "damping", "dense_softmin", "geomloss_potentials",
-           "symmetric_steps"]  # fmt: skip
+__all__ = ["DenseSoftMin", "GeomLossPotentials", "damping", "dense_softmin",
+           "geomloss_potentials", "symmetric_steps"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ def symmetric_steps(soft: SoftMin, la, lb, temps: list[float], debias: bool, sta
     """GeomLoss' averaged symmetric steps over ``temps``, without autograd.
 
     Args:
-        soft: the soft-minimum of each side (:data:`SoftMin`).
+        soft: the soft-minimum of each side (:data:`SoftMin`); one with a ``both`` method
+            (:class:`DenseSoftMin`) forms a step's two sides together.
         la: (n,) log-weights of x.  lb: (m,) of y.
         temps: the temperatures.  debias: also the self problems.
         start: ``(f_ba, g_ab, f_aa, g_bb)`` to continue from, or None (an initialization
@@ -61,6 +62,7 @@ def symmetric_steps(soft: SoftMin, la, lb, temps: list[float], debias: bool, sta
     Returns:
         ``(f_ba, g_ab, f_aa, g_bb)``, the last two None unless debiased.
     """
+    both = getattr(soft, "both", None)
     with torch.no_grad():
         if start is None:
             eps = temps[0]
@@ -70,7 +72,10 @@ def symmetric_steps(soft: SoftMin, la, lb, temps: list[float], debias: bool, sta
         else:
             f_ba, g_ab, f_aa, g_bb = start
         for eps in temps:
-            ft_ba, gt_ab = soft("xy", lb, f_ba, g_ab, eps), soft("yx", la, g_ab, f_ba, eps)
+            if both is not None:
+                ft_ba, gt_ab = both(la, lb, f_ba, g_ab, eps)
+            else:
+                ft_ba, gt_ab = soft("xy", lb, f_ba, g_ab, eps), soft("yx", la, g_ab, f_ba, eps)
             f_ba, g_ab = 0.5 * (f_ba + ft_ba), 0.5 * (g_ab + gt_ab)
             if f_aa is not None and g_bb is not None:
                 ft_aa, gt_bb = soft("xx", la, f_aa, f_aa, eps), soft("yy", lb, g_bb, g_bb, eps)
@@ -83,15 +88,42 @@ def damping(eps: float, rho: float | None) -> float:
     return 1.0 if rho is None else 1.0 / (1.0 + eps / rho)
 
 
+class DenseSoftMin:
+    """The :data:`SoftMin` of two clouds ``{"x": …, "y": …}``: every pair, damped by ρ.
+
+    Where the fused kernels run (:func:`~flashot.backends.kernel_sums.window_step`), a
+    step's two sides come from one pass (:meth:`both`) and a self problem's side from
+    half of one, each stabilized by the current potentials; elsewhere, exact soft-minima.
+    """
+
+    def __init__(self, clouds: dict, cost: Callable, rho: float | None, backend: str):
+        self.clouds, self.cost, self.rho, self.backend = clouds, cost, rho, backend
+
+    def __call__(self, side, log_w, pot_rows, pot_cols, eps):
+        """The damped soft-minimum of ``side``'s rows (see :data:`SoftMin`)."""
+        rows, cols = self.clouds[side[0]], self.clouds[side[1]]
+        lam = damping(eps, self.rho)
+        if rows is cols and pot_rows is not None and pot_rows is pot_cols:
+            got = window_step(rows, rows, log_w, log_w, pot_rows, pot_rows, eps, self.cost,
+                              self.backend)  # fmt: skip
+            if got is not None:
+                return lam * got[0]
+        h = log_w if pot_cols is None else log_w + pot_cols / eps
+        return lam * softmin(rows, cols, h, eps, self.cost, backend=self.backend)
+
+    def both(self, la, lb, f, g, eps):
+        """``(soft("xy", lb, f, g, eps), soft("yx", la, g, f, eps))``."""
+        x, y = self.clouds["x"], self.clouds["y"]
+        got = window_step(x, y, la, lb, f, g, eps, self.cost, self.backend)
+        if got is None:
+            return self("xy", lb, f, g, eps), self("yx", la, g, f, eps)
+        lam = damping(eps, self.rho)
+        return lam * got[0], lam * got[1]
+
+
 def dense_softmin(clouds: dict, cost: Callable, rho: float | None, backend: str) -> SoftMin:
     """The :data:`SoftMin` of two clouds ``{"x": …, "y": …}``: every pair, damped by ρ."""
-
-    def soft(side, log_w, pot_rows, pot_cols, eps):
-        h = log_w if pot_cols is None else log_w + pot_cols / eps
-        rows, cols = clouds[side[0]], clouds[side[1]]
-        return damping(eps, rho) * softmin(rows, cols, h, eps, cost, backend=backend)
-
-    return soft
+    return DenseSoftMin(clouds, cost, rho, backend)
 
 
 def geomloss_potentials(

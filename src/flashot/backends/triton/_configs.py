@@ -291,6 +291,8 @@ VJP_FUSED_COLUMNS = False
 PAIRWISE_TILES = (64, 64, 4, 2)
 PAIRWISE_FORWARD_TILES = (64, 128, 4, 2)
 PAIRWISE_DIFF_TILES = (128, 64, 4, 2)
+#: the window sums' (:mod:`._pair_sums`: column-stationary, BLOCK_M the streamed rows)
+PAIRWISE_SUMS_TILES = (64, 128, 4, 2)
 
 #: autotune only when n·m ≥ 2^TUNE_FROM_LOG2 (smaller solves cost less than tuning them)
 TUNE_FROM_LOG2 = 24

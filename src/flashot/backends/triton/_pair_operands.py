@@ -28,14 +28,14 @@ def prepared(x, y, cost: PairCost):
     x``) prepares its cloud once and returns it twice (its split parts are then made once
     too, :func:`score_operands`). Within a :func:`pair_scope` a pair is prepared once.
     """
-    key, given = None, (x, y)
-    if _SCOPE.memo is not None:
+    key, given, memo = None, (x, y), _SCOPE.memo
+    if memo is not None:
         key = ("clouds", _identity(x), _identity(y), cost.translation_invariant)
         swapped = ("clouds", key[2], key[1], key[3])  # (the same shift: y, x is x, y)
-        if key in _SCOPE.memo:
-            return _SCOPE.memo[key]
-        if swapped in _SCOPE.memo:
-            xs, ys, xn, yn = _SCOPE.memo[swapped]
+        if key in memo:
+            return memo[key]
+        if swapped in memo:
+            xs, ys, xn, yn = memo[swapped]
             return ys, xs, yn, xn
     if y is x:
         x = x.detach().float()
@@ -51,8 +51,8 @@ def prepared(x, y, cost: PairCost):
             x, y = x - shift, y - shift
         x, y = x.contiguous(), y.contiguous()
         out = x, y, x.square().sum(1), y.square().sum(1)
-    if key is not None:
-        _SCOPE.memo[key] = out
+    if memo is not None:
+        memo[key] = out
         _SCOPE.keep.append(given)
     return out
 
@@ -79,13 +79,14 @@ def score_operands(xs, ys, diff: bool):
 
 def _split_once(t, interpreted: bool):
     """:func:`split_operand` of a prepared cloud, kept for the scope's other calls."""
-    if _SCOPE.memo is None:
+    memo = _SCOPE.memo
+    if memo is None:
         return split_operand(t, interpreted)
     key = ("split", _identity(t))
-    if key not in _SCOPE.memo:
-        _SCOPE.memo[key] = split_operand(t, interpreted)
+    if key not in memo:
+        memo[key] = split_operand(t, interpreted)
         _SCOPE.keep.append(t)
-    return _SCOPE.memo[key]
+    return memo[key]
 
 
 def _identity(t: torch.Tensor) -> tuple:

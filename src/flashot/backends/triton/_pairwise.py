@@ -173,10 +173,10 @@ def _interval(IV, r, split, per, size, SPARSE: tl.constexpr):
 @triton.jit
 def _softmin_kernel(
     X, Y, XN, YN, H, LSE, PTR, IV, n, m, d, scale, per, sxn, sxd, syn, syd,
-    XP, YP, INV_X, INV_Y, x_lo, y_lo,
+    XP, YP, INV_X, INV_Y, x_lo, y_lo, S, sum_lo, sum_hi,
     COST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, DIFF: tl.constexpr, PRECISION: tl.constexpr, SUM: tl.constexpr,
-    SPARSE: tl.constexpr, PRESPLIT: tl.constexpr,
+    SPARSE: tl.constexpr, PRESPLIT: tl.constexpr, REPAIR: tl.constexpr = False,
 ):  # fmt: skip
     """``LSE[split, i]``: the base-2 log-sum-exp of row i over one split's columns.
 
@@ -184,7 +184,9 @@ def _softmin_kernel(
     ``Σ_j φ_ij w_j`` over the split, with H holding the weights w. ``SPARSE``: a row
     block streams the column intervals ``IV[PTR[b]:PTR[b + 1]]`` (block-sparse), no split.
     XP, YP: the product form's score operands (see ``_pair_stats``; ``INV_X``, ``INV_Y``
-    the split parts' inverse scales).
+    the split parts' inverse scales). ``REPAIR`` (not SUM nor SPARSE): a row block whose
+    window sums ``S`` (:mod:`._pair_sums`) all lie in ``(sum_lo, sum_hi)`` streams nothing
+    (its rows' LSEs come out −inf).
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
@@ -196,6 +198,10 @@ def _softmin_kernel(
     acc_max = tl.full((BLOCK_M, BLOCK_N), float("-inf"), dtype=tl.float32)
     acc_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     lo, hi = _interval_span(PTR, SPARSE)
+    if REPAIR:  # (an empty range when every row's window sum was exact)
+        sums = tl.load(S + offs_m, mask=offs_m < n, other=1.0)
+        bad = (offs_m < n) & ((sums <= sum_lo) | (sums >= sum_hi) | (sums != sums))
+        hi = tl.where(tl.max(bad.to(tl.int32), 0) > 0, hi, lo)
     x_tile, x_lo_tile, unscale = _stationary_tiles(
         XP, x_lo, offs_m, n, d, sxn, sxd, INV_X, INV_Y, BLOCK_D, D_CHUNKS, False, PRESPLIT
     )
@@ -408,10 +414,13 @@ def _precision() -> str:
     return "ieee" if triton_interpreted() else "tf32x3"
 
 
-def _launch_forward(x, y, vec, scale: float, cost: PairCost, sum_mode: bool, sparse=None):
+def _launch_forward(x, y, vec, scale: float, cost: PairCost, sum_mode: bool, sparse=None,
+                    repair=None):  # fmt: skip
     """The forward kernel's per-split results (splits, n), float32.
 
     ``sparse``: a :func:`~flashot.backends.kernel_sums.block_intervals` layout (one split).
+    ``repair``: ``(sums (n,), window)``: only the row blocks holding a sum outside
+    ``(2^-window, 2^window)`` stream (the others' results are −inf).
     """
     fn, _ = triton_functions(cost)
     xs, ys, xn, yn = prepared(x, y, cost)
@@ -421,17 +430,27 @@ def _launch_forward(x, y, vec, scale: float, cost: PairCost, sum_mode: bool, spa
     splits, per = (1, m) if sparse else _splits(cdiv(n, bm), m, bn, xs.device)
     parts = torch.empty(splits, n, device=xs.device, dtype=torch.float32)
     ptr, iv = sparse[:2] if sparse else (parts, parts)
+    sums, window = repair if repair is not None else (parts, 0.0)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
     score, presplit = score_operands(xs, ys, diff)
     args = (xs, ys, xn, yn, vec.contiguous(), parts, ptr, iv, n, m, d, scale, per,
-            *xs.stride(), *ys.stride(), *score)  # fmt: skip
+            *xs.stride(), *ys.stride(), *score, sums, 2.0**-window, 2.0**window)  # fmt: skip
     with on_device(xs.device):
         _softmin_kernel[(cdiv(n, bm), splits)](
             *args, COST=fn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, D_CHUNKS=chunks,
             DIFF=diff, PRECISION=_precision(), SUM=sum_mode, SPARSE=sparse is not None,
-            PRESPLIT=presplit, **options,
+            PRESPLIT=presplit, REPAIR=repair is not None, **options,
         )  # fmt: skip
     return parts
+
+
+def _merged_lse2(parts: torch.Tensor) -> torch.Tensor:
+    """The base-2 LSE (n,) of per-split base-2 LSEs (splits, n): top + log2 Σ 2^(part − top)."""
+    if len(parts) == 1:
+        return parts[0]
+    top = parts.amax(0)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    return top + torch.log2(torch.exp2(parts - top).sum(0))
 
 
 def fused_softmin(
@@ -450,12 +469,7 @@ def fused_softmin(
     """
     h = log_w.detach().float() * _row.LOG2E
     parts = _launch_forward(x, y, h, _row.LOG2E / eps, cost, sum_mode=False, sparse=sparse)
-    if len(parts) == 1:
-        lse2 = parts[0]
-    else:  # (merged in base 2: top + log2 Σ 2^(part − top))
-        top = parts.amax(0)
-        top = torch.where(torch.isfinite(top), top, 0.0)
-        lse2 = top + torch.log2(torch.exp2(parts - top).sum(0))
+    lse2 = _merged_lse2(parts)
     return (-eps / _row.LOG2E) * lse2, lse2
 
 

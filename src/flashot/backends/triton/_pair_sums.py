@@ -1,0 +1,170 @@
+r"""Both soft-minima of a symmetric step of a pair cost, one exponential per score.
+
+GeomLoss' symmetric step needs, from the same cost tiles, the rows' and the columns'
+soft-minima
+
+.. math::
+
+    \tilde f_i = -ε \log \sum_j b_j e^{(g_j - C_{ij})/ε}
+              = f_i - ε \ln R_i, \qquad
+    R_i = \sum_j b_j\, 2^{(f_i + g_j - C_{ij})\,\log_2 e/ε},
+
+and :math:`\tilde g_j = g_j - ε \ln C_j` with :math:`C_j = \sum_i a_i 2^{(\dots)}`, for
+any stabilizers f, g: the current potentials, which keep :math:`R_i` and :math:`C_j`
+near 1 as the iterations settle. ``_pair_sums_kernel`` forms each score once (as
+:mod:`._pairwise` does: product form or differences, φ applied per tile), takes one
+exponential and adds it to both sums: half the score work, square roots and exponentials
+of two exact passes (:mod:`._pairwise`'s ``_softmin_kernel``, with its running maximum).
+Without a maximum a sum is exact only inside a window (no term overflows, the terms
+that matter are normal floats): :data:`WINDOW`. Rows and columns outside it, which
+early steps of a schedule can produce, are recomputed by the exact kernel, which skips
+on the device every row block whose sums were valid (no host round trip).
+
+Column-stationary: a program keeps BLOCK_N columns on chip and streams the row tiles
+of its row split. Column sums accumulate elementwise in a register tile, reduced once
+at the end into that split's partials (no atomics); row sums are reduced along the
+tile's cheap axis and added atomically (their order varies: not bit-reproducible, so
+:func:`window_softmins` is not used under ``torch.use_deterministic_algorithms``).
+A self problem (x against x, f = g) needs the column sums only (``ROWS`` false): by
+symmetry they are its rows'.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashot.backends import temperature as _row
+from flashot.backends.device import on_device, triton_interpreted
+from flashot.backends.triton import _configs
+from flashot.backends.triton._common import _stationary_tiles
+from flashot.backends.triton._configs import cdiv
+from flashot.backends.triton._pair_functions import triton_functions
+from flashot.backends.triton._pair_operands import prepared, score_operands
+from flashot.backends.triton._pairwise import (
+    GRAD_UP_TO,
+    _launch_forward,
+    _layout,
+    _merged_lse2,
+    _pair_stats,
+    _precision,
+    _splits,
+)
+from flashot.geometry.pair_costs import PairCost
+
+__all__ = ["WINDOW", "window_softmins"]
+
+#: a window sum S is exact when ``2^-WINDOW < S < 2^WINDOW``: no term overflowed, and the
+#: terms below float32's normal range (2^-126) are under 2^-26·S / m for m < 2^16·…
+WINDOW = 100.0
+
+
+@triton.jit
+def _pair_sums_kernel(
+    X, Y, XN, YN, U, A, V, B, R, CP, n, m, d, scale, per, sxn, sxd, syn, syd,
+    XP, YP, INV_X, INV_Y, x_lo, y_lo,
+    COST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr, DIFF: tl.constexpr, PRECISION: tl.constexpr,
+    PRESPLIT: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """Column partials ``CP[split, j] = Σ_i A_i E_ij`` and (ROWS) row sums ``R_i``.
+
+    ``E_ij = 2^{U_i + V_j − φ_ij·scale}``; with ROWS also ``R_i += Σ_j B_j E_ij``
+    (atomically; R zeroed). U, V: the stabilizers in base 2 (``f log2 e/ε``); A, B: the
+    weights; ``scale = log2 e/ε``. Grid: (column blocks, row splits of ``per`` rows). XP,
+    YP, INV_X, INV_Y, x_lo, y_lo, PRESPLIT: the score operands (:mod:`._pairwise`'s
+    ``_pair_stats``).
+    """
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    row_lo = split * per
+    row_hi = tl.minimum(row_lo + per, n)
+    col_ok = offs_n < m
+    yt, yt_lo, unscale = _stationary_tiles(YP, y_lo, offs_n, m, d, syn, syd, INV_X, INV_Y,
+                                           BLOCK_D, D_CHUNKS, True, PRESPLIT)  # fmt: skip
+    v = tl.load(V + offs_n, mask=col_ok, other=float("-inf"))  # (no term past the tail)
+    b = tl.load(B + offs_n, mask=col_ok, other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(row_lo, row_hi, BLOCK_M):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < row_hi
+        u = tl.load(U + offs_m, mask=row_ok, other=float("-inf"))
+        a = tl.load(A + offs_m, mask=row_ok, other=0.0)
+        s, t, an, bn, _ = _pair_stats(X, Y, XN, YN, XP, YP, offs_m, offs_n, n, m, d, sxn, sxd,
+                                      syn, syd, yt, yt, yt_lo, yt_lo, x_lo, y_lo, unscale,
+                                      BLOCK_M, BLOCK_N, BLOCK_D, D_CHUNKS, DIFF, PRECISION,
+                                      True, PRESPLIT)  # fmt: skip
+        e = tl.exp2(u[:, None] + v[None, :] - COST(s, t, an, bn) * scale)
+        acc += a[:, None] * e
+        if ROWS:
+            tl.atomic_add(R + offs_m, tl.sum(e * b[None, :], 1), mask=row_ok)
+    tl.store(CP + split * m + offs_n, tl.sum(acc, 0), mask=col_ok)
+
+
+def _sums(xs, ys, xn, yn, u, a, v, b, scale: float, cost: PairCost, rows: bool):
+    """``(R (n,) or None, C (m,))``: the window sums of prepared clouds (see the module)."""
+    fn, _ = triton_functions(cost)
+    n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
+    diff, block_d, chunks, _ = _layout(d, d <= GRAD_UP_TO, forward=True)
+    bm, bn, warps, stages = _configs.PAIRWISE_SUMS_TILES
+    if triton_interpreted():
+        bm, bn = 16, 16
+    splits, per = _splits(cdiv(m, bn), n, bm, xs.device)
+    r = torch.zeros(n if rows else 1, device=xs.device, dtype=torch.float32)
+    cp = torch.empty(splits, m, device=xs.device, dtype=torch.float32)
+    options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
+    score, presplit = score_operands(xs, ys, diff)
+    with on_device(xs.device):
+        _pair_sums_kernel[(cdiv(m, bn), splits)](
+            xs, ys, xn, yn, u, a, v, b, r, cp, n, m, d, scale, per, *xs.stride(),
+            *ys.stride(), *score, COST=fn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
+            D_CHUNKS=chunks, DIFF=diff, PRECISION=_precision(), PRESPLIT=presplit, ROWS=rows,
+            **options,
+        )  # fmt: skip
+    return (r if rows else None), cp.sum(0)
+
+
+def _settled(pot, sums, eps: float):
+    """``(pot − ε ln sums, valid)``: the windowed soft-minimum and where it is exact."""
+    valid = (sums > 2.0**-WINDOW) & (sums < 2.0**WINDOW)
+    return pot - eps * torch.log(sums), valid
+
+
+def window_softmins(x, y, la, lb, f, g, eps: float, cost: PairCost):
+    """``(f̃, g̃)``: ``softmin(x, y, lb + g/ε)`` (n,) and ``softmin(y, x, la + f/ε)`` (m,).
+
+    One window pass (see the module), then the exact kernel for the rows and columns
+    outside the window. A self problem (``y is x``, with ``la is lb`` and ``f is g``)
+    runs the columns only and returns its soft-minimum twice. Float32, no autograd.
+
+    Args:
+        x: (n, d), y: (m, d) clouds.  la: (n,), lb: (m,) log-weights (finite).
+        f: (n,), g: (m,) the current potentials (the stabilizers; finite).
+        eps: ε > 0.  cost: a :class:`PairCost` with a Triton function.
+    """
+    self_problem = y is x and la is lb and f is g
+    scale = _row.LOG2E / eps
+    xs, ys, xn, yn = prepared(x, y, cost)
+    f, g = f.detach().float().contiguous(), g.detach().float().contiguous()
+    la, lb = la.detach().float(), lb.detach().float()
+    u, v = (f * scale).contiguous(), (g * scale).contiguous()
+    a, b = la.exp().contiguous(), lb.exp().contiguous()
+    rows, cols = _sums(xs, ys, xn, yn, u, a, v, b, scale, cost, rows=not self_problem)
+    g_new, g_ok = _settled(g, cols, eps)
+    g_new = torch.where(g_ok, g_new, _repaired(y, x, la, f, eps, cost, cols))
+    if self_problem:
+        return g_new, g_new
+    f_new, f_ok = _settled(f, rows, eps)
+    f_new = torch.where(f_ok, f_new, _repaired(x, y, lb, g, eps, cost, rows))
+    return f_new, g_new
+
+
+def _repaired(x, y, lw, pot, eps: float, cost: PairCost, sums):
+    """The exact ``softmin(x, y, lw + pot/ε)`` of the rows whose window ``sums`` failed.
+
+    +inf in the row blocks where none failed (they stream nothing).
+    """
+    h = (lw + pot / eps) * _row.LOG2E
+    parts = _launch_forward(x, y, h, _row.LOG2E / eps, cost, False, repair=(sums, WINDOW))
+    return (-eps / _row.LOG2E) * _merged_lse2(parts)
