@@ -46,7 +46,6 @@ from flashot.backends.triton._pairwise import (
     GRAD_UP_TO,
     _launch_forward,
     _layout,
-    _merged_lse2,
     _pair_stats,
     _precision,
     _splits,
@@ -62,16 +61,16 @@ WINDOW = 100.0
 
 @triton.jit
 def _pair_sums_kernel(
-    X, Y, XN, YN, U, A, V, B, R, CP, n, m, d, scale, per, sxn, sxd, syn, syd,
+    X, Y, XN, YN, F, LA, G, LB, R, CP, n, m, d, scale, per, sxn, sxd, syn, syd,
     XP, YP, INV_X, INV_Y, x_lo, y_lo,
     COST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, DIFF: tl.constexpr, PRECISION: tl.constexpr,
     PRESPLIT: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """Column partials ``CP[split, j] = Σ_i A_i E_ij`` and (ROWS) row sums ``R_i``.
+    """Column partials ``CP[split, j] = Σ_i a_i E_ij`` and (ROWS) row sums ``R_i``.
 
-    ``E_ij = 2^{U_i + V_j − φ_ij·scale}``; with ROWS also ``R_i += Σ_j B_j E_ij``
-    (atomically; R zeroed). U, V: the stabilizers in base 2 (``f log2 e/ε``); A, B: the
+    ``E_ij = 2^{(F_i + G_j − φ_ij)·scale}``; with ROWS also ``R_i += Σ_j b_j E_ij``
+    (atomically; R zeroed). F, G: the stabilizers; ``a = e^LA``, ``b = e^LB``: the
     weights; ``scale = log2 e/ε``. Grid: (column blocks, row splits of ``per`` rows). XP,
     YP, INV_X, INV_Y, x_lo, y_lo, PRESPLIT: the score operands (:mod:`._pairwise`'s
     ``_pair_stats``).
@@ -83,14 +82,14 @@ def _pair_sums_kernel(
     col_ok = offs_n < m
     yt, yt_lo, unscale = _stationary_tiles(YP, y_lo, offs_n, m, d, syn, syd, INV_X, INV_Y,
                                            BLOCK_D, D_CHUNKS, True, PRESPLIT)  # fmt: skip
-    v = tl.load(V + offs_n, mask=col_ok, other=float("-inf"))  # (no term past the tail)
-    b = tl.load(B + offs_n, mask=col_ok, other=0.0)
+    v = tl.where(col_ok, tl.load(G + offs_n, mask=col_ok, other=0.0) * scale, float("-inf"))
+    b = tl.exp(tl.load(LB + offs_n, mask=col_ok, other=float("-inf")))  # (none past the tail)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(row_lo, row_hi, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < row_hi
-        u = tl.load(U + offs_m, mask=row_ok, other=float("-inf"))
-        a = tl.load(A + offs_m, mask=row_ok, other=0.0)
+        u = tl.where(row_ok, tl.load(F + offs_m, mask=row_ok, other=0.0) * scale, float("-inf"))
+        a = tl.exp(tl.load(LA + offs_m, mask=row_ok, other=float("-inf")))
         s, t, an, bn, _ = _pair_stats(X, Y, XN, YN, XP, YP, offs_m, offs_n, n, m, d, sxn, sxd,
                                       syn, syd, yt, yt, yt_lo, yt_lo, x_lo, y_lo, unscale,
                                       BLOCK_M, BLOCK_N, BLOCK_D, D_CHUNKS, DIFF, PRECISION,
@@ -102,7 +101,7 @@ def _pair_sums_kernel(
     tl.store(CP + split * m + offs_n, tl.sum(acc, 0), mask=col_ok)
 
 
-def _sums(xs, ys, xn, yn, u, a, v, b, scale: float, cost: PairCost, rows: bool):
+def _sums(xs, ys, xn, yn, f, la, g, lb, scale: float, cost: PairCost, rows: bool):
     """``(R (n,) or None, C (m,))``: the window sums of prepared clouds (see the module)."""
     fn, _ = triton_functions(cost)
     n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
@@ -117,7 +116,7 @@ def _sums(xs, ys, xn, yn, u, a, v, b, scale: float, cost: PairCost, rows: bool):
     score, presplit = score_operands(xs, ys, diff)
     with on_device(xs.device):
         _pair_sums_kernel[(cdiv(m, bn), splits)](
-            xs, ys, xn, yn, u, a, v, b, r, cp, n, m, d, scale, per, *xs.stride(),
+            xs, ys, xn, yn, f, la, g, lb, r, cp, n, m, d, scale, per, *xs.stride(),
             *ys.stride(), *score, COST=fn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
             D_CHUNKS=chunks, DIFF=diff, PRECISION=_precision(), PRESPLIT=presplit, ROWS=rows,
             **options,
@@ -125,46 +124,35 @@ def _sums(xs, ys, xn, yn, u, a, v, b, scale: float, cost: PairCost, rows: bool):
     return (r if rows else None), cp.sum(0)
 
 
-def _settled(pot, sums, eps: float):
-    """``(pot − ε ln sums, valid)``: the windowed soft-minimum and where it is exact."""
-    valid = (sums > 2.0**-WINDOW) & (sums < 2.0**WINDOW)
-    return pot - eps * torch.log(sums), valid
-
-
 def window_softmins(x, y, la, lb, f, g, eps: float, cost: PairCost):
     """``(f̃, g̃)``: ``softmin(x, y, lb + g/ε)`` (n,) and ``softmin(y, x, la + f/ε)`` (m,).
 
-    One window pass (see the module), then the exact kernel for the rows and columns
-    outside the window. A self problem (``y is x``, with ``la is lb`` and ``f is g``)
-    runs the columns only and returns its soft-minimum twice. Float32, no autograd.
+    One window pass (see the module), then the exact kernel's REPAIR launch per side,
+    which streams only the row blocks holding a sum outside the window and writes every
+    row's result. A self problem (``y is x``, with ``la is lb`` and ``f is g``) runs the
+    columns only and returns its soft-minimum twice. Float32, no autograd.
 
     Args:
-        x: (n, d), y: (m, d) clouds.  la: (n,), lb: (m,) log-weights (finite).
+        x: (n, d), y: (m, d) clouds.  la: (n,), lb: (m,) log-weights.
         f: (n,), g: (m,) the current potentials (the stabilizers; finite).
         eps: ε > 0.  cost: a :class:`PairCost` with a Triton function.
     """
     self_problem = y is x and la is lb and f is g
     scale = _row.LOG2E / eps
     xs, ys, xn, yn = prepared(x, y, cost)
-    f, g = f.detach().float().contiguous(), g.detach().float().contiguous()
-    la, lb = la.detach().float(), lb.detach().float()
-    u, v = (f * scale).contiguous(), (g * scale).contiguous()
-    a, b = la.exp().contiguous(), lb.exp().contiguous()
-    rows, cols = _sums(xs, ys, xn, yn, u, a, v, b, scale, cost, rows=not self_problem)
-    g_new, g_ok = _settled(g, cols, eps)
-    g_new = torch.where(g_ok, g_new, _repaired(y, x, la, f, eps, cost, cols))
-    if self_problem:
+    f, g, la, lb = (t.detach().float().contiguous() for t in (f, g, la, lb))
+    rows, cols = _sums(xs, ys, xn, yn, f, la, g, lb, scale, cost, rows=not self_problem)
+    g_new = _settled(y, x, la, g, f, cols, scale, cost)
+    if self_problem or rows is None:
         return g_new, g_new
-    f_new, f_ok = _settled(f, rows, eps)
-    f_new = torch.where(f_ok, f_new, _repaired(x, y, lb, g, eps, cost, rows))
-    return f_new, g_new
+    return _settled(x, y, lb, f, g, rows, scale, cost), g_new
 
 
-def _repaired(x, y, lw, pot, eps: float, cost: PairCost, sums):
-    """The exact ``softmin(x, y, lw + pot/ε)`` of the rows whose window ``sums`` failed.
+def _settled(x, y, lw, pot, pot_cols, sums, scale: float, cost: PairCost):
+    """``softmin(x, y, lw + pot_cols/ε)`` from the window ``sums`` stabilized by ``pot``.
 
-    +inf in the row blocks where none failed (they stream nothing).
+    ``pot − ε ln sums`` where the sums are exact; the exact kernel in the row blocks
+    holding one that is not (one REPAIR launch either way).
     """
-    h = (lw + pot / eps) * _row.LOG2E
-    parts = _launch_forward(x, y, h, _row.LOG2E / eps, cost, False, repair=(sums, WINDOW))
-    return (-eps / _row.LOG2E) * _merged_lse2(parts)
+    parts = _launch_forward(x, y, lw, scale, cost, False, repair=(sums, pot, pot_cols, WINDOW))
+    return (-1.0 / scale) * parts[0]

@@ -32,6 +32,7 @@ from flashot.backends import temperature as _row
 from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.triton import _configs
 from flashot.backends.triton._common import (
+    LOG2E,
     _load_tile,
     _rows_in,
     _running_total,
@@ -173,7 +174,7 @@ def _interval(IV, r, split, per, size, SPARSE: tl.constexpr):
 @triton.jit
 def _softmin_kernel(
     X, Y, XN, YN, H, LSE, PTR, IV, n, m, d, scale, per, sxn, sxd, syn, syd,
-    XP, YP, INV_X, INV_Y, x_lo, y_lo, S, sum_lo, sum_hi,
+    XP, YP, INV_X, INV_Y, x_lo, y_lo, S, POT, HP, sum_lo, sum_hi,
     COST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, DIFF: tl.constexpr, PRECISION: tl.constexpr, SUM: tl.constexpr,
     SPARSE: tl.constexpr, PRESPLIT: tl.constexpr, REPAIR: tl.constexpr = False,
@@ -184,9 +185,11 @@ def _softmin_kernel(
     ``Σ_j φ_ij w_j`` over the split, with H holding the weights w. ``SPARSE``: a row
     block streams the column intervals ``IV[PTR[b]:PTR[b + 1]]`` (block-sparse), no split.
     XP, YP: the product form's score operands (see ``_pair_stats``; ``INV_X``, ``INV_Y``
-    the split parts' inverse scales). ``REPAIR`` (not SUM nor SPARSE): a row block whose
-    window sums ``S`` (:mod:`._pair_sums`) all lie in ``(sum_lo, sum_hi)`` streams nothing
-    (its rows' LSEs come out −inf).
+    the split parts' inverse scales). ``REPAIR`` (not SUM nor SPARSE; one split): the
+    step after :mod:`._pair_sums`' window sums ``S`` of the rows' stabilizer ``POT``. H
+    holds log-weights and HP the columns' potentials (``h = H log2 e + HP·scale``); a row
+    block whose sums all lie in ``(sum_lo, sum_hi)`` streams nothing and writes the
+    window's ``log2 S_i − POT_i·scale``, any other the exact LSE.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
@@ -222,6 +225,8 @@ def _softmin_kernel(
                     run_sum += tl.sum(terms, 1)
             else:
                 h = tl.load(H + offs_n, mask=offs_n < c1, other=float("-inf"))
+                if REPAIR:
+                    h = h * LOG2E + tl.load(HP + offs_n, mask=offs_n < c1, other=0.0) * scale
                 z = h[None, :] - COST(s, t, a, b) * scale
                 z = tl.where(offs_n[None, :] < c1, z, float("-inf"))
                 if DIFF:
@@ -238,10 +243,11 @@ def _softmin_kernel(
             run_sum = tl.sum(acc_sum, 1)
         else:
             run_max, run_sum = _running_total(acc_max, acc_sum, 1)
-    if SUM:
-        tl.store(LSE + split * n + offs_m, run_sum, mask=offs_m < n)
-    else:
-        tl.store(LSE + split * n + offs_m, run_max + tl.log2(run_sum), mask=offs_m < n)
+    out = run_sum if SUM else run_max + tl.log2(run_sum)
+    if REPAIR:  # (the window's value where nothing streamed)
+        pot = tl.load(POT + offs_m, mask=offs_m < n, other=0.0)
+        out = tl.where(hi > lo, out, tl.log2(sums) - pot * scale)
+    tl.store(LSE + split * n + offs_m, out, mask=offs_m < n)
 
 
 @triton.jit
@@ -419,22 +425,24 @@ def _launch_forward(x, y, vec, scale: float, cost: PairCost, sum_mode: bool, spa
     """The forward kernel's per-split results (splits, n), float32.
 
     ``sparse``: a :func:`~flashot.backends.kernel_sums.block_intervals` layout (one split).
-    ``repair``: ``(sums (n,), window)``: only the row blocks holding a sum outside
-    ``(2^-window, 2^window)`` stream (the others' results are −inf).
+    ``repair``: ``(sums (n,), pot (n,), pot_cols (m,), window)``: the step after window
+    sums (the kernel's REPAIR; ``vec`` the columns' log-weights; one split).
     """
     fn, _ = triton_functions(cost)
     xs, ys, xn, yn = prepared(x, y, cost)
     n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
     diff, block_d, chunks, (bm, bn, warps, stages) = _layout(d, d <= GRAD_UP_TO, forward=True)
     bm = sparse[2] if sparse else bm  # (the layout's row blocks)
-    splits, per = (1, m) if sparse else _splits(cdiv(n, bm), m, bn, xs.device)
+    one = sparse is not None or repair is not None
+    splits, per = (1, m) if one else _splits(cdiv(n, bm), m, bn, xs.device)
     parts = torch.empty(splits, n, device=xs.device, dtype=torch.float32)
     ptr, iv = sparse[:2] if sparse else (parts, parts)
-    sums, window = repair if repair is not None else (parts, 0.0)
+    sums, pot, pot_cols, window = repair if repair is not None else (parts, parts, parts, 0.0)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
     score, presplit = score_operands(xs, ys, diff)
     args = (xs, ys, xn, yn, vec.contiguous(), parts, ptr, iv, n, m, d, scale, per,
-            *xs.stride(), *ys.stride(), *score, sums, 2.0**-window, 2.0**window)  # fmt: skip
+            *xs.stride(), *ys.stride(), *score, sums, pot, pot_cols, 2.0**-window,
+            2.0**window)  # fmt: skip
     with on_device(xs.device):
         _softmin_kernel[(cdiv(n, bm), splits)](
             *args, COST=fn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, D_CHUNKS=chunks,

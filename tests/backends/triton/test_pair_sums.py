@@ -1,0 +1,134 @@
+"""Both soft-minima of a symmetric step from one window pass (backends/triton/_pair_sums.py)
+against float64 PyTorch tiles: any stabilizer (inside the window, or so far off that every
+row needs the exact repair), self problems, tails; and where the solver takes it. In
+Triton's interpreter on CPU, natively on a GPU."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashot.backends import available_backends
+from flashot.backends.kernel_sums import cost_of, softmin, window_step
+from tests.conftest import nan_rows
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
+
+
+def _problem(seed, n, m, d):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, d, generator=g) + 1.0, torch.randn(m, d, generator=g)
+    la = torch.log_softmax(torch.randn(n, generator=g), 0)
+    lb = torch.log_softmax(torch.randn(m, generator=g), 0)
+    return x, y, la, lb, g
+
+
+def _ref(x, y, lw, eps, cost):
+    return softmin(x.double(), y.double(), lw.double(), eps, cost, backend="torch")
+
+
+def _close(got, ref, pots):
+    """Float32 accuracy of a soft-minimum: relative to the largest |value| involved."""
+    size = max(float(ref.abs().max()), *(float(p.abs().max()) for p in pots), 1.0)
+    return float((got.double().cpu() - ref).abs().max()) <= 2e-6 * size
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(1, 45),
+    m=st.integers(1, 45),
+    d=st.sampled_from([1, 3, 8, 20]),
+    eps=st.sampled_from([0.05, 0.3, 2.0]),
+    offset=st.sampled_from([0.0, 0.5, 200.0]),
+    p=st.sampled_from([1, 2]),
+)
+def test_both_sides_match_two_exact_soft_minima(seed, n, m, d, eps, offset, p):
+    """``window_step`` gives softmin(x, y, lb + g/ε) and softmin(y, x, la + f/ε) to
+    float32 accuracy for any stabilizers: the converged potentials, a perturbation, or an
+    offset so large that no row's sum fits the window (all repaired exactly)."""
+    x, y, la, lb, g = _problem(seed, n, m, d)
+    cost = cost_of(p)
+    f0 = _ref(x, y, lb, eps, cost).float()
+    g0 = _ref(y, x, la, eps, cost).float()
+    f = f0 + offset * torch.randn(n, generator=g).abs()
+    gg = g0 - offset * torch.randn(m, generator=g).abs()
+    got_f, got_g = window_step(x.to(DEVICE), y.to(DEVICE), la.to(DEVICE), lb.to(DEVICE),
+                               f.to(DEVICE), gg.to(DEVICE), eps, cost, "triton")  # fmt: skip
+    assert _close(got_f, _ref(x, y, lb + gg / eps, eps, cost), (f, gg))
+    assert _close(got_g, _ref(y, x, la + f / eps, eps, cost), (f, gg))
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 50), d=st.sampled_from([2, 3, 20]),
+       offset=st.sampled_from([0.0, 100.0]))  # fmt: skip
+def test_a_self_problem_streams_half_and_matches(seed, n, d, offset):
+    """x against x with one potential: the columns' sums alone give the rows' soft-minimum
+    (the cost is symmetric), returned twice."""
+    x, _, la, _, g = _problem(seed, n, 1, d)
+    cost = cost_of(1)
+    f = _ref(x, x, la, 0.3, cost).float() + offset * torch.rand(n, generator=g)
+    xd, lad, fd = x.to(DEVICE), la.to(DEVICE), f.to(DEVICE)
+    a, b = window_step(xd, xd, lad, lad, fd, fd, 0.3, cost, "triton")
+    assert a is b
+    assert _close(a, _ref(x, x, la + f / 0.3, 0.3, cost), (f,))
+
+
+def test_rows_past_the_tail_are_not_read():
+    """NaN rows stored after the clouds' last rows change nothing."""
+    x, y, la, lb, _ = _problem(3, 37, 21, 20)
+    cost = cost_of(1)
+    f, g = _ref(x, y, lb, 0.3, cost).float(), _ref(y, x, la, 0.3, cost).float()
+    xs, ys = nan_rows(x.to(DEVICE)), nan_rows(y.to(DEVICE))
+    got = window_step(xs, ys, la.to(DEVICE), lb.to(DEVICE), f.to(DEVICE), g.to(DEVICE), 0.3,
+                      cost, "triton")  # fmt: skip
+    assert _close(got[0], _ref(x, y, lb + g / 0.3, 0.3, cost), (f, g))
+    assert _close(got[1], _ref(y, x, la + f / 0.3, 0.3, cost), (f, g))
+
+
+def test_window_step_declines_where_it_does_not_apply():
+    """None (the caller takes exact soft-minima) for the torch backend, a plain callable,
+    float64, inputs needing gradients, and deterministic algorithms."""
+    x, y, la, lb, _ = _problem(4, 6, 5, 3)
+    f, g = torch.zeros(6), torch.zeros(5)
+    args = (la, lb, f, g, 0.3)
+    assert window_step(x, y, *args, cost_of(1), "torch") is None
+    assert window_step(x, y, *args, lambda a, b: torch.cdist(a, b), "triton") is None
+    assert window_step(x.double(), y.double(), *args, cost_of(1), "triton") is None
+    assert window_step(x.requires_grad_(), y, *args, cost_of(1), "triton") is None
+    x = x.detach()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+        assert window_step(x, y, *args, cost_of(1), "triton") is None
+    if DEVICE == "cpu":
+        assert window_step(x, y, *args, cost_of(1), "triton") is not None
+
+
+def test_the_schedule_takes_the_window_pass(monkeypatch):
+    """SamplesLoss(p=1) forms each step's two sides (and each self problem) by the window
+    pass, and its value and gradient match the exact steps' to float32 accuracy."""
+    import flashot
+    import flashot.solver.tiled_loop as loop
+
+    x, y, *_ = _problem(5, 30, 26, 3)
+    x, y = x.to(DEVICE), y.to(DEVICE)
+    calls, real = [0], loop.window_step
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    def value_and_grad():
+        xs = x.clone().requires_grad_()
+        v = flashot.SamplesLoss(p=1, blur=0.1, scaling=0.5, backend="triton")(xs, y)
+        return v, torch.autograd.grad(v, xs)[0]
+
+    monkeypatch.setattr(loop, "window_step", counted)
+    windowed = value_and_grad()
+    steps = calls[0]
+    monkeypatch.setattr(loop, "window_step", lambda *a, **k: None)
+    exact = value_and_grad()
+    assert steps > 0 and steps % 3 == 0  # (per step: both sides, then two self problems)
+    assert abs(float(windowed[0] - exact[0])) <= 1e-6 * max(1.0, abs(float(exact[0])))
+    assert float((windowed[1] - exact[1]).norm()) <= 1e-5 * float(exact[1].norm())
