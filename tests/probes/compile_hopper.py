@@ -22,7 +22,18 @@ K = SimpleNamespace(_attend_kernel=_attend._attend_kernel,
                     _plan_sums_kernel=_plan_sums._plan_sums_kernel,
                     _update_kernel=_update._update_kernel)  # fmt: skip
 
-FLOATS = {"scale", "scale_e", "eps", "hi", "gate_limit", "shift", "inv_rho_x", "inv_rho_y"}
+FLOATS = {
+    "scale",
+    "scale_e",
+    "eps",
+    "hi",
+    "gate_limit",
+    "shift",
+    "inv_rho_x",
+    "inv_rho_y",
+    "sum_lo",
+    "sum_hi",
+}
 FLOATS |= {f"w_{age}_{side}" for age in ("old", "new") for side in "xy"}
 
 
@@ -176,9 +187,21 @@ def variants():
     ):
         tiles_fwd = _configs.PAIRWISE_DIFF_TILES if diff else _configs.PAIRWISE_FORWARD_TILES
         bm, bn = (64, tiles_fwd[1]) if sparse else tiles_fwd[:2]  # (as launched)
-        yield pw._softmin_kernel, dict(tiles, BLOCK_M=bm, BLOCK_N=bn, COST=cost,
-                                       BLOCK_D=block_d, D_CHUNKS=chunks, DIFF=diff, SUM=total,
-                                       SPARSE=sparse, PRESPLIT=presplit), False  # fmt: skip
+        for repair in (False, True) if cost is pf.distance and not sparse else (False,):
+            yield pw._softmin_kernel, dict(tiles, BLOCK_M=bm, BLOCK_N=bn, COST=cost,
+                                           BLOCK_D=block_d, D_CHUNKS=chunks, DIFF=diff,
+                                           SUM=total, SPARSE=sparse, PRESPLIT=presplit,
+                                           REPAIR=repair), False  # fmt: skip
+    # the window sums of a symmetric step (both sides, or a self problem's columns)
+    from flashot.backends.triton import _pair_sums
+
+    bm, bn = _configs.PAIRWISE_SUMS_TILES[:2]
+    for diff, block_d, presplit in ((True, 16, False), (False, 64, True), (False, 64, False)):
+        for rows in (True, False):
+            yield _pair_sums._pair_sums_kernel, dict(
+                tiles, BLOCK_M=bm, BLOCK_N=bn, COST=pf.distance, BLOCK_D=block_d, D_CHUNKS=1,
+                DIFF=diff, PRESPLIT=presplit, ROWS=rows,
+            ), False  # fmt: skip
     for cost, grad, diff, columns, total, sparse, presplit in (
         (pf.distance, pf.distance_grad, True, False, False, False, False),
         (pf.distance, pf.distance_grad, False, True, False, False, True),

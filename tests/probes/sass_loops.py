@@ -169,7 +169,7 @@ def cases():
         yield (
             f"softmin p=1 d64 split={split}",
             pw._softmin_kernel,
-            dict(fwd, BLOCK_D=64, D_CHUNKS=1, DIFF=False, PRESPLIT=split),
+            dict(fwd, BLOCK_D=64, D_CHUNKS=1, DIFF=False, PRESPLIT=split, REPAIR=False),
             half,
             per_fwd,
         )
@@ -184,7 +184,7 @@ def cases():
     yield (
         "softmin p=1 d3 (differences)",
         pw._softmin_kernel,
-        dict(fwd_diff, BLOCK_D=16, D_CHUNKS=1, DIFF=True, PRESPLIT=False),
+        dict(fwd_diff, BLOCK_D=16, D_CHUNKS=1, DIFF=True, PRESPLIT=False, REPAIR=False),
         (),
         per_diff,
     )

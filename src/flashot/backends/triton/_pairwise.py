@@ -245,8 +245,8 @@ def _softmin_kernel(
             run_max, run_sum = _running_total(acc_max, acc_sum, 1)
     out = run_sum if SUM else run_max + tl.log2(run_sum)
     if REPAIR:  # (the window's value where nothing streamed)
-        pot = tl.load(POT + offs_m, mask=offs_m < n, other=0.0)
-        out = tl.where(hi > lo, out, tl.log2(sums) - pot * scale)
+        window = tl.log2(tl.load(S + offs_m, mask=offs_m < n, other=1.0))
+        out = tl.where(hi > lo, out, window - tl.load(POT + offs_m, mask=offs_m < n) * scale)
     tl.store(LSE + split * n + offs_m, out, mask=offs_m < n)
 
 
