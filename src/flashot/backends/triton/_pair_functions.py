@@ -83,6 +83,11 @@ BUILT_IN = {
 }
 
 
+#: gradients of functions of s = |x − y|² alone (φ_t = φ_a = φ_b = 0): their kernels skip
+#: those terms (a user's cost may be translation invariant and still use t, a and b)
+RADIAL = frozenset(grad for _, grad in BUILT_IN.values())
+
+
 def triton_functions(cost: PairCost):
     """``(φ, ∂φ)``: the cost's Triton functions (a built-in's looked up by name)."""
     fn, grad = cost.triton_fn, cost.triton_grad

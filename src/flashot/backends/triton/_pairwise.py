@@ -41,7 +41,7 @@ from flashot.backends.triton._common import (
     _stationary_tiles,
 )
 from flashot.backends.triton._configs import cdiv, next_pow2
-from flashot.backends.triton._pair_functions import triton_functions
+from flashot.backends.triton._pair_functions import RADIAL, triton_functions
 from flashot.backends.triton._pair_operands import prepared, score_operands
 from flashot.geometry.pair_costs import DIFFERENCES_UP_TO, PairCost
 
@@ -138,7 +138,23 @@ def _differences(X, Y, rows, cols, d, sxn, sxd, syn, syd, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def _exact_part(
-    X, Y, offs_m, offs_n, offs_d, n, m, d, sxn, sxd, syn, syd, ws, wt, acc, COLUMNS: tl.constexpr
+    X,
+    Y,
+    offs_m,
+    offs_n,
+    offs_d,
+    n,
+    m,
+    d,
+    sxn,
+    sxd,
+    syn,
+    syd,
+    ws,
+    wt,
+    acc,
+    COLUMNS: tl.constexpr,
+    RADIAL: tl.constexpr,
 ):
     """``acc`` plus Σ 2φ_s (own − other) + φ_t other, from exact differences per feature."""
     for k in range(0, d):
@@ -146,9 +162,9 @@ def _exact_part(
         yk = tl.load(Y + offs_n * syn + k * syd, mask=offs_n < m, other=0.0)
         diff = xk[:, None] - yk[None, :]
         if COLUMNS:
-            part = tl.sum(wt * xk[:, None] - ws * diff, 0)
+            part = tl.sum(-ws * diff if RADIAL else wt * xk[:, None] - ws * diff, 0)
         else:
-            part = tl.sum(ws * diff + wt * yk[None, :], 1)
+            part = tl.sum(ws * diff if RADIAL else ws * diff + wt * yk[None, :], 1)
         acc += tl.where(offs_d[None, :] == k, part[:, None], 0.0)
     return acc
 
@@ -256,7 +272,7 @@ def _grad_kernel(
     syd, XP, YP, INV_X, INV_Y, x_lo, y_lo,
     COST: tl.constexpr, GRAD: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIFF: tl.constexpr, PRECISION: tl.constexpr,
-    SUM: tl.constexpr, SPARSE: tl.constexpr, PRESPLIT: tl.constexpr,
+    SUM: tl.constexpr, SPARSE: tl.constexpr, PRESPLIT: tl.constexpr, RADIAL: tl.constexpr = False,
 ):  # fmt: skip
     """The gradient sums of one side.
 
@@ -266,7 +282,8 @@ def _grad_kernel(
     in base 2, as the forward's; ``scale_e = log2 e / ε``. ``SUM``: the kernel sum's
     gradient: weights ``W_ij = ḡ_i w_j`` (H holds w) and ``w̄_j = Σ_i ḡ_i φ_ij`` for ``h̄``.
     ``SPARSE`` (rows only): the forward's column intervals. XP, YP, INV_X, INV_Y, x_lo,
-    y_lo, PRESPLIT: the scores' operands, as the forward's.
+    y_lo, PRESPLIT: the scores' operands, as the forward's. RADIAL: GRAD's φ_t, φ_a,
+    φ_b are zero (:data:`~._pair_functions.RADIAL`), their terms skipped.
     """
     offs_d = tl.arange(0, BLOCK_D)
     split = tl.program_id(1)
@@ -324,10 +341,11 @@ def _grad_kernel(
                     w_sum -= eps * tl.sum(w, 0)
             c_s, c_t, c_a, c_b = GRAD(s, t, a, b)
             ws, wt = 2.0 * w * c_s, w * c_t
-            if COLUMNS:
-                scale += tl.sum(2.0 * w * c_b, 0)
-            else:
-                scale += tl.sum(2.0 * w * c_a, 1)
+            if not RADIAL:  # (a radial cost's φ_t, φ_a, φ_b are zero: no work for them)
+                if COLUMNS:
+                    scale += tl.sum(2.0 * w * c_b, 0)
+                else:
+                    scale += tl.sum(2.0 * w * c_a, 1)
             # (close pairs: (x_i − y_j)/|x_i − y_j| from differences)
             if DIFF or near > 0:
                 acc = _exact_part(
@@ -347,9 +365,10 @@ def _grad_kernel(
                     wt,
                     acc,
                     COLUMNS,
+                    RADIAL,
                 )
             else:  # 2φ_s (x_i − y_j) + φ_t y_j = 2φ_s x_i + (φ_t − 2φ_s) y_j
-                u = wt - ws
+                u = -ws if RADIAL else wt - ws
                 if COLUMNS:
                     scale += tl.sum(ws, 0)
                     xt = tl.load(
@@ -516,7 +535,8 @@ def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols:
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
     score, presplit = score_operands(xs, ys, diff)
     flags = dict(COST=fn, GRAD=grad, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, DIFF=diff,
-                 PRECISION=_precision(), SUM=sum_mode, PRESPLIT=presplit, **options)  # fmt: skip
+                 PRECISION=_precision(), SUM=sum_mode, PRESPLIT=presplit,
+                 RADIAL=grad in RADIAL, **options)  # fmt: skip
     head = (xs, ys, xn, yn, h.contiguous(), lse, g)
     ptr, iv = sparse[:2] if sparse else (g, g)
     tail = (ptr, iv, n, m, d, eps, _row.LOG2E / eps)
