@@ -287,8 +287,11 @@ VJP_FUSED_COLUMNS = False
 #: chosen by the sm_90 loop counts of tests/probes/sass_loops.py (v45, instructions per
 #: score of the tiles without near pairs at 64 × 64 → 64 × 128: p = 1 d64 19.0 → 14.2,
 #: d256 25.3 → 19.3, energy d64 13.9 → 9.6; differences at d = 3 21.2 → 18.5 at 128 × 64,
-#: which spill at 64 × 128; the gradients spill 5× more in either larger tile)
-PAIRWISE_TILES = (64, 64, 4, 2)
+#: which spill at 64 × 128). The gradients' by an H100 sweep (v46, p = 1 value and
+#: gradient at 50k, of 64 × 64, 64 × 32, 128 × 32 (4 warps), 128 × 64 (8 warps)):
+#: 64 × 32 ties the best at d = 64 (203 ms against 199–213) and is 7 % faster at d = 3
+#: (136 against 146), with no spills at sm_90
+PAIRWISE_TILES = (64, 32, 4, 2)
 PAIRWISE_FORWARD_TILES = (64, 128, 4, 2)
 PAIRWISE_DIFF_TILES = (128, 64, 4, 2)
 #: the window sums' (:mod:`._pair_sums`: column-stationary, BLOCK_M the streamed rows),
