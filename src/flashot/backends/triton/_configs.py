@@ -276,9 +276,10 @@ VJP_NARROW_TILES = (128, 64, 4, 2)
 VJP_P_CHUNK = 32
 #: a reverse product of one value column that needs the column sums but not their keys
 #: (a replayed row transform's) forms them in the rows' launch (one more exp2 per score,
-#: atomics per tile) instead of a second launch on the transposed form. Off until timed
-#: on a GPU: predicted 3 → 2 launches per iteration at the peer's setting, its 10k HVP
-#: 46.9 → ~35 ms (H100; `gpu_second_order.py` part P times both)
+#: atomics per tile) instead of a second launch on the transposed form. Off: timed on an
+#: H100 in v46 (`gpu_second_order.py` part P, FUSED=1), one reverse product 0.70 → 0.56
+#: ms but the whole HVP 46.7 → 50.5 ms at the peer's setting (10k d64; 28.5 → 29.0 at
+#: GeomLoss' defaults, d3)
 VJP_FUSED_COLUMNS = False
 
 #: the pair-cost kernels' (:mod:`._pairwise`) tiles on a GPU (BLOCK_M, BLOCK_N, warps,

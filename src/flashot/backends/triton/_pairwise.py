@@ -137,25 +137,8 @@ def _differences(X, Y, rows, cols, d, sxn, sxd, syn, syd, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _exact_part(
-    X,
-    Y,
-    offs_m,
-    offs_n,
-    offs_d,
-    n,
-    m,
-    d,
-    sxn,
-    sxd,
-    syn,
-    syd,
-    ws,
-    wt,
-    acc,
-    COLUMNS: tl.constexpr,
-    RADIAL: tl.constexpr,
-):
+def _exact_part(X, Y, offs_m, offs_n, offs_d, n, m, d, sxn, sxd, syn, syd, ws, wt, acc,
+                COLUMNS: tl.constexpr, RADIAL: tl.constexpr):  # fmt: skip
     """``acc`` plus Σ 2φ_s (own − other) + φ_t other, from exact differences per feature."""
     for k in range(0, d):
         xk = tl.load(X + offs_m * sxn + k * sxd, mask=offs_m < n, other=0.0)
@@ -348,25 +331,8 @@ def _grad_kernel(
                     scale += tl.sum(2.0 * w * c_a, 1)
             # (close pairs: (x_i − y_j)/|x_i − y_j| from differences)
             if DIFF or near > 0:
-                acc = _exact_part(
-                    X,
-                    Y,
-                    offs_m,
-                    offs_n,
-                    offs_d,
-                    n,
-                    m_end,
-                    d,
-                    sxn,
-                    sxd,
-                    syn,
-                    syd,
-                    ws,
-                    wt,
-                    acc,
-                    COLUMNS,
-                    RADIAL,
-                )
+                acc = _exact_part(X, Y, offs_m, offs_n, offs_d, n, m_end, d, sxn, sxd, syn, syd,
+                                  ws, wt, acc, COLUMNS, RADIAL)  # fmt: skip
             else:  # 2φ_s (x_i − y_j) + φ_t y_j = 2φ_s x_i + (φ_t − 2φ_s) y_j
                 u = -ws if RADIAL else wt - ws
                 if COLUMNS:
