@@ -111,12 +111,13 @@ def _pair_stats(
         raw = _score_tile(XP, YP, x_tile, yt_tile, offs_m, offs_n, n, m, d, sxn, sxd, syn, syd,
                           BLOCK_D, D_CHUNKS, HOIST_K, PRECISION, x_lo_tile, yt_lo_tile, x_lo, y_lo,
                           PRESPLIT)  # fmt: skip
-        s = tl.maximum(a + b - (2.0 * unscale) * raw, 0.0)
+        ab = a + b
+        s = tl.maximum(ab - (2.0 * unscale) * raw, 0.0)
         t = raw * unscale  # (unscale a power of two; no work where the cost ignores t)
         # near pairs (s < NEAR (a + b)) lose digits to cancellation: the tile is redone
         # from differences (a self problem's diagonal tiles, close clouds)
-        near = tl.max((s < (a + b) * NEAR).to(tl.int32))
-        if near > 0:
+        near = tl.min(s - ab * NEAR) < 0.0
+        if near:
             s = _differences(X, Y, rows, cols, d, sxn, sxd, syn, syd, BLOCK_M, BLOCK_N)[0]
     return s, t, a, b, near
 
