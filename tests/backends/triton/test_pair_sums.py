@@ -16,11 +16,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif("triton" not in available_backends(DEVICE), reason="no triton")
 
 
-def _problem(seed, n, m, d):
+def _problem(seed, n, m, d, empty=False):
+    """Clouds and log-weights; ``empty``: some points of zero weight (−∞), not all."""
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(n, d, generator=g) + 1.0, torch.randn(m, d, generator=g)
     la = torch.log_softmax(torch.randn(n, generator=g), 0)
     lb = torch.log_softmax(torch.randn(m, generator=g), 0)
+    if empty:
+        la[1::3], lb[::4] = -float("inf"), -float("inf")
+        la[0], lb[-1] = 0.0, 0.0
     return x, y, la, lb, g
 
 
@@ -43,12 +47,14 @@ def _close(got, ref, pots):
     eps=st.sampled_from([0.05, 0.3, 2.0]),
     offset=st.sampled_from([0.0, 0.5, 200.0]),
     p=st.sampled_from([1, 2]),
+    empty=st.booleans(),
 )
-def test_both_sides_match_two_exact_soft_minima(seed, n, m, d, eps, offset, p):
+def test_both_sides_match_two_exact_soft_minima(seed, n, m, d, eps, offset, p, empty):
     """``window_step`` gives softmin(x, y, lb + g/ε) and softmin(y, x, la + f/ε) to
     float32 accuracy for any stabilizers: the converged potentials, a perturbation, or an
-    offset so large that no row's sum fits the window (all repaired exactly)."""
-    x, y, la, lb, g = _problem(seed, n, m, d)
+    offset so large that no row's sum fits the window (all repaired exactly); with
+    points of zero weight too."""
+    x, y, la, lb, g = _problem(seed, n, m, d, empty)
     cost = cost_of(p)
     f0 = _ref(x, y, lb, eps, cost).float()
     g0 = _ref(y, x, la, eps, cost).float()
