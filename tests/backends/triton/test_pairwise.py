@@ -334,4 +334,5 @@ def test_split_score_operands_match_the_clouds_themselves(monkeypatch, name, d):
     for a, b, r, t in zip((split[0], *split[1]), (whole[0], *whole[1]), (ref[0], *ref[1]),
                           (f32[0], *f32[1]), strict=True):  # fmt: skip
         bound = 4 * _rel(t, r) + 2e-6
-        assert _rel(a, r) <= bound and _rel(b, r) <= bound and _rel(a, b) <= 2 * bound
+        errors = (_rel(a, r), _rel(b, r), _rel(a, b), bound)  # (split, whole, between; bound)
+        assert errors[0] <= bound and errors[1] <= bound and errors[2] <= 2 * bound, errors
