@@ -54,9 +54,10 @@ from flashot.geometry.pair_costs import PairCost
 
 __all__ = ["WINDOW", "window_softmins"]
 
-#: a window sum S is exact when ``2^-WINDOW < S < 2^WINDOW``: no term overflowed, and the
-#: terms below float32's normal range (2^-126) are under 2^-26·S / m for m < 2^16·…
-WINDOW = 100.0
+#: a window sum S is exact when ``2^-WINDOW < S < 2^WINDOW``: no term overflowed (each is
+#: below S), and the terms lost below float32's normal range (< 2^-126 each, flushed)
+#: add up to under m·2^-126 = S·m·2^-66: a relative 2^-34 for m up to 2^32 points
+WINDOW = 60.0
 
 
 @triton.jit
