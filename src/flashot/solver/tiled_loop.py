@@ -64,7 +64,12 @@ def symmetric_steps(soft: SoftMin, la, lb, temps: list[float], debias: bool, sta
     """
     both = getattr(soft, "both", None)
     with torch.no_grad():
-        if start is None:
+        if start is None and both is not None:  # (zero potentials: the same soft-minima)
+            eps, zx, zy = temps[0], la.new_zeros(la.shape), lb.new_zeros(lb.shape)
+            f_ba, g_ab = both(la, lb, zx, zy, eps)
+            f_aa = soft("xx", la, zx, zx, eps) if debias else None
+            g_bb = soft("yy", lb, zy, zy, eps) if debias else None
+        elif start is None:
             eps = temps[0]
             f_ba, g_ab = soft("xy", lb, None, None, eps), soft("yx", la, None, None, eps)
             f_aa = soft("xx", la, None, None, eps) if debias else None
