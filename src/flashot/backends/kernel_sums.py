@@ -172,15 +172,15 @@ def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "
         x: (n, d), y: (m, d) clouds.  la: (n,), lb: (m,) log-weights.
         f: (n,), g: (m,) the current potentials.  eps: ε.  cost, backend: as :func:`softmin`.
     """
-    if not (isinstance(cost, PairCost) and _fused(x, y, cost, backend)) or x.shape[1] > 128:
+    if not (isinstance(cost, PairCost) and _fused(x, y, cost, backend)):
         return None
     if torch.are_deterministic_algorithms_enabled() or (
         torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, la, lb, f, g))
     ):
         return None
-    from flashot.backends.triton._pair_sums import window_softmins
+    from flashot.backends.triton._pair_sums import MAX_D, window_softmins
 
-    return window_softmins(x, y, la, lb, f, g, eps, cost)
+    return None if x.shape[1] > MAX_D else window_softmins(x, y, la, lb, f, g, eps, cost)
 
 
 @contextlib.contextmanager

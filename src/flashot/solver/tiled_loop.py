@@ -63,24 +63,25 @@ def symmetric_steps(soft: SoftMin, la, lb, temps: list[float], debias: bool, sta
         ``(f_ba, g_ab, f_aa, g_bb)``, the last two None unless debiased.
     """
     both = getattr(soft, "both", None)
+
+    def pair(f, g, eps):  # the xy and yx soft-minima of one step
+        if both is not None:
+            return both(la, lb, f, g, eps)
+        return soft("xy", lb, f, g, eps), soft("yx", la, g, f, eps)
+
     with torch.no_grad():
-        if start is None and both is not None:  # (zero potentials: the same soft-minima)
-            eps, zx, zy = temps[0], la.new_zeros(la.shape), lb.new_zeros(lb.shape)
-            f_ba, g_ab = both(la, lb, zx, zy, eps)
+        if start is None:  # (with ``both``, zero potentials: the same soft-minima, fused)
+            eps = temps[0]
+            zx = zy = None
+            if both is not None:
+                zx, zy = la.new_zeros(la.shape), lb.new_zeros(lb.shape)
+            f_ba, g_ab = pair(zx, zy, eps)
             f_aa = soft("xx", la, zx, zx, eps) if debias else None
             g_bb = soft("yy", lb, zy, zy, eps) if debias else None
-        elif start is None:
-            eps = temps[0]
-            f_ba, g_ab = soft("xy", lb, None, None, eps), soft("yx", la, None, None, eps)
-            f_aa = soft("xx", la, None, None, eps) if debias else None
-            g_bb = soft("yy", lb, None, None, eps) if debias else None
         else:
             f_ba, g_ab, f_aa, g_bb = start
         for eps in temps:
-            if both is not None:
-                ft_ba, gt_ab = both(la, lb, f_ba, g_ab, eps)
-            else:
-                ft_ba, gt_ab = soft("xy", lb, f_ba, g_ab, eps), soft("yx", la, g_ab, f_ba, eps)
+            ft_ba, gt_ab = pair(f_ba, g_ab, eps)
             f_ba, g_ab = 0.5 * (f_ba + ft_ba), 0.5 * (g_ab + gt_ab)
             if f_aa is not None and g_bb is not None:
                 ft_aa, gt_bb = soft("xx", la, f_aa, f_aa, eps), soft("yy", lb, g_bb, g_bb, eps)

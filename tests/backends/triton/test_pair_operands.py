@@ -131,3 +131,16 @@ def test_the_scope_is_a_no_op_off_the_fused_path():
     with pair_scope(x, y, cost_of(1), "triton"):
         assert _pair_operands._SCOPE.memo == {}
     assert _pair_operands._SCOPE.memo is None
+
+
+def test_samples_loss_p1_runs_under_inference_mode():
+    """Inference tensors keep no version counter: the scope keys them without one, and
+    the value equals the one computed outside inference mode."""
+    x, y, _ = _clouds(4, 30, 25, 20)
+    loss = flashot.SamplesLoss(p=1, blur=0.1, scaling=0.5, backend="triton")
+    ref = loss(x, y)
+    with torch.inference_mode():
+        xi, yi = x.clone(), y.clone()
+        assert xi.is_inference()
+        got = loss(xi, yi)
+    assert torch.equal(got, ref)

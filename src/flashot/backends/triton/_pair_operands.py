@@ -93,8 +93,11 @@ def _identity(t: torch.Tensor) -> tuple:
     """What makes two tensors the same data: storage, offset, layout and version.
 
     ``x`` and ``x.detach()`` share it; an in-place change (a new version) does not.
+    Inference tensors (``torch.inference_mode``) keep no version: theirs is −1, and an
+    in-place change to one inside a scope goes unseen (flashot's own calls make none).
     """
-    return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, t.device)
+    version = -1 if t.is_inference() else t._version
+    return (t.data_ptr(), version, tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 class _Scope(threading.local):

@@ -41,7 +41,7 @@ from flashot.backends.triton import _configs
 from flashot.backends.triton._common import _stationary_tiles
 from flashot.backends.triton._configs import cdiv
 from flashot.backends.triton._pair_functions import triton_functions
-from flashot.backends.triton._pair_operands import prepared, score_operands
+from flashot.backends.triton._pair_operands import pair_scope, prepared, score_operands
 from flashot.backends.triton._pairwise import (
     GRAD_UP_TO,
     _launch_forward,
@@ -52,12 +52,14 @@ from flashot.backends.triton._pairwise import (
 )
 from flashot.geometry.pair_costs import PairCost
 
-__all__ = ["WINDOW", "window_softmins"]
+__all__ = ["MAX_D", "WINDOW", "window_softmins"]
 
 #: a window sum S is exact when ``2^-WINDOW < S < 2^WINDOW``: no term overflowed (each is
 #: below S), and the terms lost below float32's normal range (< 2^-126 each, flushed)
 #: add up to under m·2^-126 = S·m·2^-66: a relative 2^-34 for m up to 2^32 points
 WINDOW = 60.0
+#: the widest features the window pass takes (its stationary columns in one chunk)
+MAX_D = GRAD_UP_TO
 
 
 @triton.jit
@@ -140,13 +142,14 @@ def window_softmins(x, y, la, lb, f, g, eps: float, cost: PairCost):
     """
     self_problem = y is x and la is lb and f is g
     scale = _row.LOG2E / eps
-    xs, ys, xn, yn = prepared(x, y, cost)
     f, g, la, lb = (t.detach().float().contiguous() for t in (f, g, la, lb))
-    rows, cols = _sums(xs, ys, xn, yn, f, la, g, lb, scale, cost, rows=not self_problem)
-    g_new = _settled(y, x, la, g, f, cols, scale, cost)
-    if self_problem or rows is None:
-        return g_new, g_new
-    return _settled(x, y, lb, f, g, rows, scale, cost), g_new
+    with pair_scope():  # (the sums and both repairs share one preparation of the clouds)
+        xs, ys, xn, yn = prepared(x, y, cost)
+        rows, cols = _sums(xs, ys, xn, yn, f, la, g, lb, scale, cost, rows=not self_problem)
+        g_new = _settled(y, x, la, g, f, cols, scale, cost)
+        if rows is None:  # (a self problem)
+            return g_new, g_new
+        return _settled(x, y, lb, f, g, rows, scale, cost), g_new
 
 
 def _settled(x, y, lw, pot, pot_cols, sums, scale: float, cost: PairCost):
