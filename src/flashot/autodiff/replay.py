@@ -52,6 +52,7 @@ from flashot.autodiff.unrolled import (
     transform_vjp,
 )
 from flashot.backends import entry_point
+from flashot.backends.dual import Potentials
 from flashot.backends.near import is_near_uniform
 from flashot.backends.temperature import device_damping, schedule_table, temperatures_on
 from flashot.geometry.costs import AttentionForm
@@ -220,6 +221,22 @@ class _Sweep:
         t, r = transform_pass(q, alpha, k, beta, log_w, h, spec_at(spec, e, warm))
         return self._lam(e, side) * t, r
 
+    def _both(self, theta, f, g, e, warm):
+        """``((λ_x T_x(g), r_x), (λ_y T_y(f), r_y))`` at ε = e: a symmetric step's transforms.
+
+        By the backend's :meth:`~flashot.backends.base.Backend.potential_lse`: one pass
+        over the scores where the backend fuses the two.
+        """
+        q, alpha, k, beta, log_a, log_b = theta
+        spec = spec_at(self.spec, e, warm)
+        form = transform_form(q, alpha, k, beta, spec)
+        with spec.backend.operand_scope(spec.operands):
+            lse_r, lse_c = spec.backend.potential_lse(
+                Potentials(form, f, g, log_a.detach(), log_b.detach(), spec.eps)
+            )
+        return ((self._lam(e, 0) * (form.alpha - lse_r), -lse_r),
+                (self._lam(e, 1) * (form.beta - lse_c), -lse_c))  # fmt: skip
+
     def forward(self, q, alpha, k, beta, log_a, log_b, *init):
         """``(f_K, g_K, F, G, R_x, R_y)``: iterates and LSEs stacked, index 0 the start."""
         theta, traj = (q, alpha, k, beta, log_a, log_b), self.trajectory
@@ -235,8 +252,7 @@ class _Sweep:
         for it, e, warm, omega, col_omega in self._steps():
             f, g = F[it - 1], G[it - 1]
             if traj.update == "symmetric":
-                t_x, RX[it] = self._transform(theta, 0, g, e, warm)
-                t_y, RY[it] = self._transform(theta, 1, f, e, warm)
+                (t_x, RX[it]), (t_y, RY[it]) = self._both(theta, f, g, e, warm)
                 F[it], G[it] = 0.5 * (f + t_x), 0.5 * (g + t_y)
                 continue
             t_x, RX[it] = self._transform(theta, 0, g, e, warm)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import flashot
 from flashot.backends import available_backends
 from flashot.backends.dual import Potentials, log_residual
+from flashot.backends.near import is_near_uniform
 from flashot.backends.torch_backend import TorchBackend
 from flashot.geometry.costs import attention_form, get_cost
 from tests.conftest import clouds, rel
@@ -199,3 +200,42 @@ def test_row_partials_take_one_float_per_row_and_column_block(gen, one_pass, mon
     args32 = [t.float().to(DEVICE) for t in (f, g, la, lb)]
     be.jacobi_step(Potentials(form, *args32, eps), (1.0, 1.0), (None, None))
     assert one_pass == [spare == 0]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    m=st.integers(1, 60),
+    d=st.integers(1, 70),
+    log_eps=st.floats(-2.5, 0.5),
+    spread=st.floats(0.0, 6.0),
+    precision=st.sampled_from(["fp32", "bf16"]),
+)
+def test_potential_lse_is_one_exact_pass_in_fp32(n, m, d, log_eps, spread, precision):
+    """``TritonBackend.potential_lse`` (a solve's first step, a replayed schedule's steps):
+    both LSEs equal float64's at any potentials (far ones included: no window), from one
+    pass in "fp32" and two row passes otherwise, or with ``ONE_PASS_LSE`` off."""
+    from flashot.backends.triton import TritonBackend, _one_pass, backend
+
+    gen = torch.Generator().manual_seed(n * 7919 + m * 31 + d)
+    x, y = clouds(gen, n, m, d, dtype=torch.float64)
+    f, g = (spread * torch.randn(s, generator=gen, dtype=torch.float64) for s in (n, m))
+    la, lb = (torch.log(torch.rand(s, generator=gen, dtype=torch.float64) + 0.05)
+              for s in (n, m))  # fmt: skip
+    eps = 10.0**log_eps * d
+    ref_form, form = _forms(x, y)
+    want = TorchBackend().potential_lse(Potentials(ref_form, f, g, la, lb, eps))
+    args32 = [t.float().to(DEVICE) for t in (f, g, la, lb)]
+    for enabled in (True, False):
+        calls = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(backend, "ONE_PASS_LSE", enabled)
+            spy = lambda *a, calls=calls: calls.append(1) or _one_pass.exact_lse(*a)  # noqa: E731
+            mp.setattr(backend, "exact_lse", spy)
+            got = TritonBackend(precision=precision).potential_lse(Potentials(form, *args32, eps))
+        near = is_near_uniform(form, eps)  # (ε above the cost's range: the near path)
+        assert len(calls) == (enabled and precision == "fp32" and not near)
+        for o, w in zip(got, want, strict=True):  # LSEs of scores up to ~|q||k|: their rounding
+            scale = float(w.abs().max()) + float(ref_form.q.norm(dim=1).max() ** 2) + 1.0
+            tol = 64 * 2.0**-24 if precision == "fp32" else 2.0**-6
+            assert (o.double().cpu() - w).abs().max() < tol * scale

@@ -32,6 +32,7 @@ from flashot.backends.plan_vjp import ALL
 from flashot.backends.temperature import Temperature
 from flashot.backends.triton._attend import attend
 from flashot.backends.triton._gate import _HI, _LO_PER_TERM, Gate
+from flashot.backends.triton._one_pass import exact_lse
 from flashot.backends.triton._operands import Operands
 from flashot.backends.triton._plan_sums import plan_sums
 from flashot.backends.triton._step import GATE_LIMIT, fused_step
@@ -41,6 +42,9 @@ __all__ = ["TritonBackend"]
 
 #: CUDA graphs pay off while launches cost as much as the work: n·m up to 2^28
 GRAPHS_UP_TO_LOG2 = 28
+#: both LSEs at given potentials (a solve's first step, a replayed schedule's steps) from
+#: one exact pass in "fp32" (:meth:`TritonBackend.potential_lse`); False: two row passes
+ONE_PASS_LSE = True
 
 
 class TritonBackend(Backend):
@@ -232,6 +236,19 @@ class TritonBackend(Backend):
         w_new = (0.5, 0.5) if damped else (0.5 * lam[0], 0.5 * lam[1])
         return fused_step(self, pot, (0.5, 0.5), w_new, rho=rho, check=check, state=state,
                           damped=damped)  # fmt: skip
+
+    def potential_lse(self, pot):
+        """See :meth:`flashot.backends.base.Backend.potential_lse`.
+
+        In "fp32" both LSEs come from one pass over the score tiles (two exps a score,
+        :func:`._one_pass.exact_lse`) where its partials fit their budget
+        (:data:`ONE_PASS_LSE`); else, and for near-uniform forms, two row passes.
+        """
+        if ONE_PASS_LSE and self.precision == "fp32" and not _near(pot.form, pot.eps):
+            both = exact_lse(self, pot)
+            if both is not None:
+                return both
+        return super().potential_lse(pot)
 
     def extrapolate(self, pot, lam):
         """See :meth:`flashot.backends.base.Backend.extrapolate` (fused where valid)."""
