@@ -294,6 +294,10 @@ VJP_FUSED_COLUMNS = False
 #: (136 against 146), with no spills at sm_90
 PAIRWISE_TILES = (64, 32, 4, 2)
 PAIRWISE_FORWARD_TILES = (64, 128, 4, 2)
+#: ... the forward's in the product form at BLOCK_D = 128 (d = 65…128 in one chunk):
+#: 64 × 128 takes 256 KB of shared memory on float32 clouds (past the split operands'
+#: cap), over sm_90's 227 KB (an H100 refused the launch, v47); 64 × 64 takes 160 KB
+PAIRWISE_FORWARD_WIDE_TILES = (64, 64, 4, 2)
 PAIRWISE_DIFF_TILES = (128, 64, 4, 2)
 #: the window sums' (:mod:`._pair_sums`: column-stationary, BLOCK_M the streamed rows),
 #: by the sm_90 loop counts (v46): at 128 × 64 p = 1 d64 24.0 instructions a score with

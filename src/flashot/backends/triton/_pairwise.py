@@ -382,11 +382,11 @@ def _layout(d: int, whole: bool, forward: bool = False):
     tiles = _configs.PAIRWISE_TILES
     if forward:
         tiles = _configs.PAIRWISE_DIFF_TILES if diff else _configs.PAIRWISE_FORWARD_TILES
+    block_d = _width(d) if diff or whole else min(_width(d), D_CHUNK)
+    if forward and not diff and block_d > 64:
+        tiles = _configs.PAIRWISE_FORWARD_WIDE_TILES
     tiles = (16, 16, 1, 1) if triton_interpreted() else tiles
-    if diff or whole:
-        return diff, _width(d), 1, tiles
-    block_d = min(_width(d), D_CHUNK)
-    return diff, block_d, cdiv(d, block_d), tiles
+    return diff, block_d, 1 if diff or whole else cdiv(d, block_d), tiles
 
 
 def _splits(blocks: int, size: int, block: int, device) -> tuple[int, int]:

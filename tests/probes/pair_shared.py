@@ -1,0 +1,75 @@
+"""The pair-cost kernels' shared memory at sm_90, with the tiles, warps and stages they
+launch with, for feature sizes across every layout (offline, no GPU).
+
+A kernel that needs more shared memory than the SM offers compiles but is refused at
+launch (``OutOfResources``): neither the interpreter nor a plain compile finds it. Each
+line prints the kernel, d, the score operands (split or float32) and its bytes; exits 1
+when one is over :data:`LIMIT`. Prints ``SKIP`` without a CUDA toolchain in this Triton.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+from sass_loops import compile_like_jit
+
+from flashot.backends.triton import _configs
+from flashot.backends.triton import _pair_functions as pf
+from flashot.backends.triton import _pair_sums as ps
+from flashot.backends.triton import _pairwise as pw
+
+#: sm_90's largest shared memory per block (227 KB), what an H100 reported refusing 256 KB
+LIMIT = 232448
+
+
+def launches(d: int, presplit: bool):
+    """``(name, kernel, constexprs, half pointers, warps, stages)`` as d launches them."""
+    half = ("XP", "YP") if presplit else ()
+    whole = d <= pw.GRAD_UP_TO
+    diff, block_d, chunks, (bm, bn, warps, stages) = pw._layout(d, whole, forward=True)
+    common = dict(COST=pf.distance, BLOCK_D=block_d, D_CHUNKS=chunks, DIFF=diff,
+                  PRECISION="tf32x3", PRESPLIT=presplit and not diff)  # fmt: skip
+    yield (
+        "softmin",
+        pw._softmin_kernel,
+        dict(common, BLOCK_M=bm, BLOCK_N=bn, SUM=False, SPARSE=False, REPAIR=False),
+        half,
+        warps,
+        stages,
+    )
+    sm, sn, sw, ss = _configs.PAIRWISE_SUMS_TILES
+    if whole:  # (the window sums run up to MAX_D = GRAD_UP_TO)
+        yield "window sums", ps._pair_sums_kernel, dict(common, BLOCK_M=sm, BLOCK_N=sn,
+                                                        ROWS=True), half, sw, ss  # fmt: skip
+        diff, block_d, _, (bm, bn, warps, stages) = pw._layout(d, whole=True)
+        yield "gradient", pw._grad_kernel, dict(
+            {k: v for k, v in common.items() if k != "D_CHUNKS"}, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_D=block_d, DIFF=diff, GRAD=pf.distance_grad, SUM=False, SPARSE=False,
+            COLUMNS=False,
+        ), half, warps, stages  # fmt: skip
+
+
+def main(sizes=(3, 64, 70, 128, 200)) -> int:
+    over = 0
+    for d in sizes:
+        for presplit in (True, False):
+            for name, fn, consts, half, warps, stages in launches(d, presplit):
+                try:
+                    kernel = compile_like_jit(fn, consts, half, warps, stages)
+                except (RuntimeError, FileNotFoundError) as err:
+                    if "ptxas" in str(err).lower():
+                        print(f"SKIP: no CUDA toolchain in this triton ({err})")
+                        return 0
+                    raise
+                shared = kernel.metadata.shared
+                over += shared > LIMIT
+                flag = "OVER" if shared > LIMIT else "ok"
+                print(f"{flag} {name} d={d} split={presplit} {shared} bytes")
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
