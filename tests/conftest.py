@@ -43,8 +43,8 @@ def clouds(gen, n=30, m=25, d=3, dtype=torch.float64, shift=1.0):
     return x.to(dtype), y.to(dtype)
 
 
-def weights(gen, n, dtype=torch.float64):
-    w = torch.rand(n, generator=gen, dtype=torch.float64) + 0.1
+def weights(gen, n, dtype=torch.float64, floor=0.1):
+    w = torch.rand(n, generator=gen, dtype=torch.float64) + floor
     return (w / w.sum()).to(dtype)
 
 

@@ -8,16 +8,14 @@ from hypothesis import strategies as st
 
 import flashot
 from flashot.backends import available_backends
-from tests.conftest import rel
+from tests.conftest import clouds as draw_clouds
+from tests.conftest import rel, weights
 
 
 def clouds(seed, n=9, m=7, d=2):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=gen, dtype=torch.float64)
-    y = torch.randn(m, d, generator=gen, dtype=torch.float64) + 0.3
-    a = torch.rand(n, generator=gen, dtype=torch.float64) + 0.2
-    b = torch.rand(m, generator=gen, dtype=torch.float64) + 0.2
-    return x, y, a / a.sum(), b / b.sum()
+    x, y = draw_clouds(gen, n, m, d, shift=0.3)
+    return x, y, weights(gen, n, floor=0.2), weights(gen, m, floor=0.2)
 
 
 def ot(x, y, a, b, rho):

@@ -9,17 +9,14 @@ from hypothesis import strategies as st
 
 import flashot
 from flashot.solver.momentum import RATE_CAP, Relaxation
-from tests.conftest import rel
+from tests.conftest import clouds, rel, weights
 from tests.references import dense_cost, entropic_ot, plan_dense
 
 
 def problem(seed, n=40, m=30, d=2):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=gen, dtype=torch.float64)
-    y = torch.randn(m, d, generator=gen, dtype=torch.float64) + 0.5
-    a = torch.rand(n, generator=gen, dtype=torch.float64) + 0.1
-    b = torch.rand(m, generator=gen, dtype=torch.float64) + 0.1
-    return x, y, a / a.sum(), b / b.sum()
+    x, y = clouds(gen, n, m, d, shift=0.5)
+    return x, y, weights(gen, n), weights(gen, m)
 
 
 @settings(max_examples=10, deadline=None)

@@ -24,12 +24,8 @@ def _clouds(seed, n, m, d):
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    seed=st.integers(0, 10**6),
-    n=st.integers(1, 60),
-    d=st.integers(1, 3),
-    scale=st.sampled_from([0.05, 0.2, 0.5, 2.0]),
-)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 60), d=st.integers(1, 3),
+       scale=st.sampled_from([0.05, 0.2, 0.5, 2.0]))  # fmt: skip
 def test_grid_clusters_partition_the_cloud(seed, n, d, scale):
     x, _, g = _clouds(seed, n, 1, d)
     w = torch.rand(n, generator=g, dtype=torch.float64)

@@ -203,14 +203,9 @@ def test_row_partials_take_one_float_per_row_and_column_block(gen, one_pass, mon
 
 
 @settings(max_examples=12, deadline=None)
-@given(
-    n=st.integers(1, 60),
-    m=st.integers(1, 60),
-    d=st.integers(1, 70),
-    log_eps=st.floats(-2.5, 0.5),
-    spread=st.floats(0.0, 6.0),
-    precision=st.sampled_from(["fp32", "bf16"]),
-)
+@given(n=st.integers(1, 60), m=st.integers(1, 60), d=st.integers(1, 70),
+       log_eps=st.floats(-2.5, 0.5), spread=st.floats(0.0, 6.0),
+       precision=st.sampled_from(["fp32", "bf16"]))  # fmt: skip
 def test_potential_lse_is_one_exact_pass_in_fp32(n, m, d, log_eps, spread, precision):
     """``TritonBackend.potential_lse`` (a solve's first step, a replayed schedule's steps):
     both LSEs equal float64's at any potentials (far ones included: no window), from one

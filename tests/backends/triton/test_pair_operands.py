@@ -40,12 +40,8 @@ def _counted_splits():
 
 
 @settings(max_examples=6, deadline=None)
-@given(
-    seed=st.integers(0, 2**16),
-    n=st.integers(1, 40),
-    m=st.integers(1, 40),
-    d=st.sampled_from([2, 3, 9, 20]),
-)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 40), m=st.integers(1, 40),
+       d=st.sampled_from([2, 3, 9, 20]))  # fmt: skip
 def test_scoped_soft_minima_are_bit_for_bit_the_unscoped_ones(seed, n, m, d):
     """Every side of a debiased schedule (xy, yx, xx, yy), repeated, inside a scope gives
     exactly the unscoped values: the scope only skips repeated preparations."""

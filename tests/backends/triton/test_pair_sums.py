@@ -39,16 +39,10 @@ def _close(got, ref, pots):
 
 
 @settings(max_examples=12, deadline=None)
-@given(
-    seed=st.integers(0, 2**16),
-    n=st.integers(1, 45),
-    m=st.integers(1, 45),
-    d=st.sampled_from([1, 3, 8, 20]),
-    eps=st.sampled_from([0.05, 0.3, 2.0]),
-    offset=st.sampled_from([0.0, 0.5, 200.0]),
-    p=st.sampled_from([1, 2]),
-    empty=st.booleans(),
-)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 45), m=st.integers(1, 45),
+       d=st.sampled_from([1, 3, 8, 20]), eps=st.sampled_from([0.05, 0.3, 2.0]),
+       offset=st.sampled_from([0.0, 0.5, 200.0]), p=st.sampled_from([1, 2]),
+       empty=st.booleans())  # fmt: skip
 def test_both_sides_match_two_exact_soft_minima(seed, n, m, d, eps, offset, p, empty):
     """``window_step`` gives softmin(x, y, lb + g/ε) and softmin(y, x, la + f/ε) to
     float32 accuracy for any stabilizers: the converged potentials, a perturbation, or an
