@@ -272,6 +272,11 @@ def smaller(config, need: int | None = None, have: int | None = None):
 
 VJP_TILES = (32, 64, 4, 2)
 VJP_NARROW_TILES = (128, 64, 4, 2)
+#: ... narrow at d = 65…128: 128 × 64 takes up to 257 KB of shared memory there (float32
+#: score operands: the "tf32" mode, small problems, clouds past the split operands' cap;
+#: 250 KB with split operands and p > 1), over sm_90's 227 KB (found offline by
+#: tests/probes/launch_shared.py, v47; never launched at those widths on a GPU)
+VJP_NARROW_WIDE_TILES = (64, 64, 4, 2)
 #: values wider than this stream in chunks of it (not hoisted)
 VJP_P_CHUNK = 32
 #: a reverse product of one value column that needs the column sums but not their keys

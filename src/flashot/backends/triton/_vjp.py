@@ -90,9 +90,7 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
     if triton_interpreted():
         block_m, block_n, warps, stages = 16, 16, 1, 1
     else:
-        block_m, block_n, warps, stages = (
-            _configs.VJP_NARROW_TILES if p <= 16 else _configs.VJP_TILES
-        )
+        block_m, block_n, warps, stages = vjp_tiles(p, qs.shape[1])
     blocks = cdiv(n, block_m)
     splits = backend.splits or _configs.column_splits(blocks, m, block_n, dev)
     per = cdiv(cdiv(m, splits), block_n) * block_n
@@ -117,6 +115,17 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
             EXTRA_SIDE=0 if extra is None else extra_side, COLS=cols is not None, **options,
         )  # fmt: skip
         return out_w, (out_k if with_k else None), (out_c if cols is not None else None)
+
+
+def vjp_tiles(p: int, dq: int) -> tuple:
+    """(BLOCK_M, BLOCK_N, warps, stages) on a GPU for p values and ``dq`` score features.
+
+    Narrow values past 64 features take the tiles that fit sm_90's shared memory there
+    (:data:`._configs.VJP_NARROW_WIDE_TILES`).
+    """
+    if p > 16:
+        return _configs.VJP_TILES
+    return _configs.VJP_NARROW_WIDE_TILES if _width(dq) > 64 else _configs.VJP_NARROW_TILES
 
 
 def _value_dot(backend) -> str:

@@ -1,5 +1,7 @@
-"""The pair-cost kernels' shared memory at sm_90, with the tiles, warps and stages they
-launch with, for feature sizes across every layout (offline, no GPU).
+"""The shared memory of the kernels with fixed launch tiles (the pair-cost kernels, the
+reverse plan product) at sm_90, with the tiles, warps and stages they launch with, for
+feature sizes across every layout (offline, no GPU). (The autotuned kernels' tables
+are checked on the device: a tuner skips configurations that do not launch.)
 
 A kernel that needs more shared memory than the SM offers compiles but is refused at
 launch (``OutOfResources``): neither the interpreter nor a plain compile finds it. Each
@@ -16,7 +18,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 from sass_loops import compile_like_jit
 
-from flashot.backends.triton import _configs
+from flashot.backends.triton import _configs, _vjp
 from flashot.backends.triton import _pair_functions as pf
 from flashot.backends.triton import _pair_sums as ps
 from flashot.backends.triton import _pairwise as pw
@@ -52,11 +54,30 @@ def launches(d: int, presplit: bool):
         ), half, warps, stages  # fmt: skip
 
 
+def reverse_products(d: int, presplit: bool):
+    """The reverse plan product's launches (:func:`._vjp._rows`) at d features for one
+    value column (the replay's), 16 (narrow, not an outer product) and 32 (wide)."""
+    for p in (1, 16, 32):
+        outer = p == 1
+        bm, bn, warps, stages = _vjp.vjp_tiles(p, d)
+        chunks = 1 if p <= _vjp._configs.VJP_P_CHUNK else 2
+        half = (("Q", "K") if presplit else ()) + (("KV",) if outer and presplit else ())
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_vjp._width(d), BLOCK_K=_vjp._width(d),
+                      BLOCK_P=_vjp._width(p) if chunks == 1 else _vjp._configs.VJP_P_CHUNK,
+                      P_CHUNKS=chunks, SPLIT=True, WITH_K=True,
+                      PRECISION="ieee" if presplit else "tf32x3", V_PRECISION="tf32x3",
+                      PRESPLIT=presplit, OUTER=outer, KV_SPLIT=outer and presplit,
+                      EXTRA_SIDE=0, COLS=False)  # fmt: skip
+        yield f"reverse product p={p}", _vjp._plan_vjp_kernel, consts, half, warps, stages
+
+
 def main(sizes=(3, 64, 70, 128, 200)) -> int:
     over = 0
     for d in sizes:
         for presplit in (True, False):
-            for name, fn, consts, half, warps, stages in launches(d, presplit):
+            both = [*launches(d, presplit)]
+            both += [*reverse_products(d, presplit)] if d <= _vjp.FUSED_UP_TO else []
+            for name, fn, consts, half, warps, stages in both:
                 try:
                     kernel = compile_like_jit(fn, consts, half, warps, stages)
                 except (RuntimeError, FileNotFoundError) as err:
