@@ -20,7 +20,8 @@ Parts (env PARTS, default "A,B,C"):
   gradient included): the profiler's top kernels and host calls, one row
   pass and one ``plan_vjp`` (as a replayed transform's backward makes it: one value
   column) timed alone; with FUSED=1 also with the column sums in the rows' launch
-  (``_configs.VJP_FUSED_COLUMNS``); with SWEEP=1 the ``plan_vjp`` kernel's tiles for one value column
+  (``_configs.VJP_FUSED_COLUMNS``), with SYM=1 with a symmetric step's two reverse
+  products in one launch (``_configs.SYM_VJP``: the whole call too); with SWEEP=1 the ``plan_vjp`` kernel's tiles for one value column
   (``_configs.VJP_NARROW_TILES``), each with one launch, the whole HVP and its error against the
   float64 double backward.
 
@@ -218,19 +219,24 @@ def part_p():
                     (256, 64, 8, 2), (64, 32, 4, 2)]  # fmt: skip
     # (GeomLoss' defaults: no float64 double backward, which takes minutes at 10k)
     ref = None if geomloss else hvp_of(x.double(), y.double(), v.double())()
-    kept = vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS
-    # FUSED=1: each setting also with the columns' sums in the rows' launch
+    kept = vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS, vjp.SYM_VJP
+    # FUSED=1: each setting also with the columns' sums in the rows' launch; SYM=1: also
+    # with a symmetric step's two reverse products in one launch (_configs.SYM_VJP)
     fusions = (False, True) if os.environ.get("FUSED") else (kept[1],)
+    syms = (False, True) if os.environ.get("SYM") else (kept[2],)
     for tiles in settings:
         for fused in fusions:
-            vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS = tiles, fused
-            REPLAY_GRAPHS.clear()  # (captured replays keep the launches they were made with)
-            run = hvp_of(x, y, v)
-            err = None if ref is None else rel(run(), ref)
-            rows.append(dict(part="P", case=case, who=f"plan_vjp p=1 {tiles} fused={fused}",
-                             ms=bench(one_vjp), hvp_ms=bench(run), err=err))  # fmt: skip
-            print(rows[-1], flush=True)
-    vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS = kept
+            for sym in syms:
+                vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS, vjp.SYM_VJP = tiles, fused, sym
+                REPLAY_GRAPHS.clear()  # (captured replays keep the launches they were made with)
+                run = hvp_of(x, y, v)
+                err = None if ref is None else rel(run(), ref)
+                whole = bench(lambda: double_backward(loss_y, x, v))
+                rows.append(dict(part="P", case=case, who=f"plan_vjp p=1 {tiles} fused={fused} "
+                                 f"sym={sym}", ms=bench(one_vjp), hvp_ms=bench(run), err=err,
+                                 whole_ms=whole))  # fmt: skip
+                print(rows[-1], flush=True)
+    vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS, vjp.SYM_VJP = kept
 
 
 print(torch.cuda.get_device_name(), torch.__version__, flashot.__version__, flush=True)

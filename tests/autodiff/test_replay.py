@@ -130,3 +130,44 @@ def test_points_that_move_replay_the_same_graphs_with_the_eager_derivative():
     graphs = list(replay.REPLAY_GRAPHS._graphs.values())
     assert len(graphs) == 4 and all(isinstance(c, _Captured) for c in graphs)
     assert all(rel(h, e) < 1e-5 for h, e in zip(got, eager, strict=True))
+
+
+@pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
+@pytest.mark.parametrize("reach,presplit", [(None, True), (0.7, False), (None, False)])
+def test_a_symmetric_steps_two_reverse_products_in_one_launch(reach, presplit):
+    """With ``SYM_VJP`` a replayed symmetric step differentiates both transforms in one
+    launch (where y takes no gradient): the gradient and HVP of two reverse products per
+    step, and of float64 on the torch backend; with y moving too it keeps two."""
+    from flashot.backends.triton import TritonBackend, _configs
+    from flashot.backends.triton import backend as triton_backend
+
+    x, y, a, b, v = problem(11, 9, 7, 3, dtype=torch.float32)
+    w = torch.randn_like(y)
+
+    def hvps(backend, dtype=torch.float32):
+        loss = flashot.SamplesLoss(blur=0.3, scaling=0.6, diameter=4.0, reach=reach,
+                                   backend=backend)  # fmt: skip
+        xs, ys = x.to(dtype).requires_grad_(), y.to(dtype)
+        (g,) = torch.autograd.grad(loss(a.to(dtype), xs, b.to(dtype), ys), xs, create_graph=True)
+        only_x = torch.autograd.grad((g * v.to(dtype)).sum(), xs)[0]
+        ys = ys.clone().requires_grad_()
+        gx, gy = torch.autograd.grad(loss(a.to(dtype), xs, b.to(dtype), ys), (xs, ys),
+                                     create_graph=True)  # fmt: skip
+        both = torch.autograd.grad((gx * v.to(dtype)).sum() + (gy * w.to(dtype)).sum(), xs)[0]
+        return g.detach(), only_x, both
+
+    want = hvps("torch", torch.float64)
+    calls: list = []
+    with pytest.MonkeyPatch.context() as mp:
+        spy = triton_backend.symmetric_vjp
+        mp.setattr(triton_backend, "symmetric_vjp", lambda *t: calls.append(1) or spy(*t))
+        two = hvps(TritonBackend(presplit=presplit))
+        assert not calls
+        mp.setattr(_configs, "SYM_VJP", True)
+        one = hvps(TritonBackend(presplit=presplit))
+    steps = len(geomloss_schedule(4.0, 0.09, 0.6))  # (xy; y fixed: its own problem's too)
+    assert len(calls) >= steps, (len(calls), steps)
+    for got, ref in zip(one, two, strict=True):
+        assert rel(got, ref) < 1e-5
+    for got, ref in zip(one, want, strict=True):
+        assert rel(got, ref) < 1e-4

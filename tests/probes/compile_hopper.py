@@ -50,6 +50,8 @@ def compile_for_hopper(fn, consts, half=False):
             sig[a] = "*fp16" if consts.get("PRESPLIT") else "*fp32"
         elif a == "PARTS" or (half and a == "KV" and consts.get("KV_SPLIT")):
             sig[a] = "*fp16"  # a split operand's float16 parts (the plan product's keys)
+        elif half and a in ("KV0", "KV1") and consts.get("PRESPLIT"):
+            sig[a] = "*fp16"  # (the symmetric reverse's two keys, split)
         elif a[0].isupper():
             sig[a] = "*bf16" if half and a in ("Q", "K") else "*fp32"
         else:
@@ -164,6 +166,16 @@ def variants():
               OUTER=True, KV_SPLIT=False, WITH_K=False, COLS=True), False),
     ):  # fmt: skip
         yield _vjp._plan_vjp_kernel, dict(vjp, **extra), half
+    # a symmetric step's two reverse products in one launch: split, 3xTF32, triples
+    from flashot.backends.triton import _sym_vjp
+
+    sym = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, BLOCK_K=64, SPLIT=True, V_PRECISION="tf32x3")
+    for extra, half in (
+        (dict(PRECISION="ieee", PRESPLIT=True), True),
+        (dict(PRECISION="tf32x3", PRESPLIT=False), False),
+        (dict(PRECISION="tf32", PRESPLIT=False, BLOCK_D=16, BLOCK_K=16, SPLIT=False), False),
+    ):
+        yield _sym_vjp._sym_vjp_kernel, dict(sym, **extra), half
 
     yield _triples._triple_kernel, dict(WIDTH=_triples.TRIPLE_WIDTH,
                                         BLOCK_N=_triples.BLOCK_N), False  # fmt: skip

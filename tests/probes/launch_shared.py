@@ -18,7 +18,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 from sass_loops import compile_like_jit
 
-from flashot.backends.triton import _configs, _vjp
+from flashot.backends.triton import _configs, _sym_vjp, _vjp
 from flashot.backends.triton import _pair_functions as pf
 from flashot.backends.triton import _pair_sums as ps
 from flashot.backends.triton import _pairwise as pw
@@ -71,12 +71,24 @@ def reverse_products(d: int, presplit: bool):
         yield f"reverse product p={p}", _vjp._plan_vjp_kernel, consts, half, warps, stages
 
 
+def symmetric_reverse(d: int, presplit: bool):
+    """The one-launch reverse of a symmetric step (:mod:`._sym_vjp`) as d launches it."""
+    bm, bn, warps, stages = _vjp._configs.SYM_VJP_TILES
+    width = _vjp._width(d)
+    consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=width, BLOCK_K=width, SPLIT=True,
+                  PRECISION="ieee" if presplit else "tf32x3", V_PRECISION="tf32x3",
+                  PRESPLIT=presplit)  # fmt: skip
+    half = ("Q", "K", "KV0", "KV1") if presplit else ()
+    yield "symmetric reverse", _sym_vjp._sym_vjp_kernel, consts, half, warps, stages
+
+
 def main(sizes=(3, 64, 70, 128, 200)) -> int:
     over = 0
     for d in sizes:
         for presplit in (True, False):
             both = [*launches(d, presplit)]
             both += [*reverse_products(d, presplit)] if d <= _vjp.FUSED_UP_TO else []
+            both += [*symmetric_reverse(d, presplit)] if d <= _configs.SYM_VJP_UP_TO else []
             for name, fn, consts, half, warps, stages in both:
                 try:
                     kernel = compile_like_jit(fn, consts, half, warps, stages)

@@ -152,8 +152,13 @@ def cases():
             ("Q", "K", "KV"),
             64,
         )
-    from flashot.backends.triton import _configs
+    from flashot.backends.triton import _configs, _sym_vjp
 
+    bm, bn, warps, stages = _configs.SYM_VJP_TILES
+    sym = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=64, BLOCK_K=64, SPLIT=True, PRECISION="ieee",
+               V_PRECISION="tf32x3", PRESPLIT=True)  # fmt: skip
+    yield ("symmetric reverse (replay) d64", _sym_vjp._sym_vjp_kernel, sym,
+           ("Q", "K", "KV0", "KV1"), bm * bn // (32 * warps), warps, stages)  # fmt: skip
     pair = dict(PRECISION="tf32x3", COST=pf.distance, SUM=False, SPARSE=False)
     bm, bn, warps, _ = _configs.PAIRWISE_FORWARD_TILES
     fwd = dict(pair, BLOCK_M=bm, BLOCK_N=bn)

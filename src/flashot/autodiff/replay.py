@@ -46,6 +46,7 @@ from flashot.autodiff.implicit import DualSpec
 from flashot.autodiff.unrolled import (
     Trajectory,
     damping,
+    fill_transform_grads,
     spec_at,
     transform_form,
     transform_pass,
@@ -261,24 +262,60 @@ class _Sweep:
             G[it] = t_y if col_omega == 1.0 else torch.lerp(g, t_y, col_omega)
         return F[K].clone(), G[K].clone(), F, G, RX, RY
 
+    def _pair_vjp(self, theta, needs, f, g, r_x, r_y, u_x, u_y, e, warm):
+        """A symmetric step's two VJP lists (rows' transform, columns'), or None.
+
+        From the backend's :meth:`~flashot.backends.base.Backend.symmetric_vjp` (one
+        pass), only where k takes no gradient (its terms are not in that pass); None
+        leaves the step to two reverse products.
+        """
+        if needs[2]:
+            return None
+        q, alpha, k, beta, log_a, log_b = theta
+        spec = spec_at(self.spec, e, warm)
+        u0, u1 = self._lam(e, 0) * u_x, self._lam(e, 1) * u_y
+        form = transform_form(q, alpha, k, beta, spec)
+        with spec.backend.operand_scope(spec.operands):
+            fused = spec.backend.symmetric_vjp(form, f, g, r_x, r_y, log_a.detach(),
+                                               log_b.detach(), u0, u1, spec.eps)  # fmt: skip
+        if fused is None:
+            return None
+        row_k0, col0, col_q1, col1 = fused
+        outs = []
+        for side, u, row_k, col_q, col in ((0, u0, row_k0, None, col0),
+                                           (1, u1, None, col_q1, col1)):  # fmt: skip
+            wanted = (*(needs[i] for i in _ORDER[side]), True)
+            out: list = [None] * 6
+            out[1] = u if wanted[1] else None  # (∂α of the transform: its cotangent)
+            fill_transform_grads(out, wanted, spec.eps, row_k, col_q, col)
+            outs.append(out)
+        return outs
+
     def backward(self, needs, q, alpha, k, beta, log_a, log_b, F, G, RX, RY, u_f, u_g):
         """θ's gradients (None where ``needs`` is False) from ``(ū_{f_K}, ū_{g_K})``."""
         traj, theta = self.trajectory, (q, alpha, k, beta, log_a, log_b)
         grads: list = [None] * 6  # q, α, k, β, log a, log b
 
-        def vjp(side, u, h, r, e, warm, h_needed=True):  # λ T(h) with cotangent u: ū_h
-            parts, order, spec = _side(theta, side, h, self.spec)
-            u = self._lam(e, side) * u
-            wanted = (*(needs[i] for i in order), h_needed)
-            out = transform_vjp(parts, r, u, u, spec_at(spec, e, warm), wanted)
-            for i, t in zip(order, out[:5], strict=True):
+        def take(side, out):  # a transform's VJP list: θ's shares added, ū_h returned
+            for i, t in zip(_ORDER[side], out[:5], strict=True):
                 if t is not None:
                     grads[i] = t if grads[i] is None else grads[i] + t
             return out[5]
 
+        def vjp(side, u, h, r, e, warm, h_needed=True):  # λ T(h) with cotangent u: ū_h
+            parts, order, spec = _side(theta, side, h, self.spec)
+            u = self._lam(e, side) * u
+            wanted = (*(needs[i] for i in order), h_needed)
+            return take(side, transform_vjp(parts, r, u, u, spec_at(spec, e, warm), wanted))
+
         for it, e, warm, omega, col_omega in reversed(list(self._steps())):
             if traj.update == "symmetric":
                 u_tx, u_ty = 0.5 * u_f, 0.5 * u_g
+                pair = self._pair_vjp(theta, needs, F[it - 1], G[it - 1], RX[it], RY[it],
+                                      u_tx, u_ty, e, warm)  # fmt: skip
+                if pair is not None:
+                    u_f, u_g = u_tx + take(1, pair[1]), u_ty + take(0, pair[0])
+                    continue
                 u_f, u_g = (u_tx + vjp(1, u_ty, F[it - 1], RY[it], e, warm),
                             u_ty + vjp(0, u_tx, G[it - 1], RX[it], e, warm))  # fmt: skip
                 continue

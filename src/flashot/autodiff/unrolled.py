@@ -43,6 +43,7 @@ __all__ = [
     "Trajectory",
     "Transform",
     "envelope_gradient",
+    "fill_transform_grads",
     "spec_at",
     "transform_form",
     "transform_pass",
@@ -173,7 +174,7 @@ def transform_vjp(parts, r, u, u_alpha, spec: DualSpec, needs) -> list:
             vjp = spec.backend.plan_vjp(transform_form(q, zero, k, beta, spec), r, h,
                                         *weights, spec.eps, u.new_ones(k.shape[0], 1), u[:, None],
                                         frozenset(want))  # fmt: skip
-            _fill(out, needs, spec.eps, vjp.row_k, vjp.col_q, vjp.col)
+            fill_transform_grads(out, needs, spec.eps, vjp.row_k, vjp.col_q, vjp.col)
         return out
     # (the envelope gradient's row terms, differentiable once more)
     assert not any(needs[2:]), "internal: a differentiable transform VJP of rows only"
@@ -229,7 +230,7 @@ class RowAverage(torch.autograd.Function):
                 None if not needs[4] else col / eps, vjp.pt_d, None)  # fmt: skip
 
 
-def _fill(out: list, needs, eps: float, row_k, col_q, pt_u) -> None:
+def fill_transform_grads(out: list, needs, eps: float, row_k, col_q, pt_u) -> None:
     """:func:`transform_vjp`'s gradients from ``u ⊙ Π k``, ``Πᵀ(u ⊙ q)`` and ``Πᵀ u``."""
     if needs[0]:
         out[0] = -row_k

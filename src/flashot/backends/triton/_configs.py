@@ -277,6 +277,16 @@ VJP_NARROW_TILES = (128, 64, 4, 2)
 #: 250 KB with split operands and p > 1), over sm_90's 227 KB (found offline by
 #: tests/probes/launch_shared.py, v47; never launched at those widths on a GPU)
 VJP_NARROW_WIDE_TILES = (64, 64, 4, 2)
+#: a replayed symmetric step's two reverse products in one launch (:mod:`._sym_vjp`: one
+#: score tile and two exps a score against three launches' three and three), up to
+#: SYM_VJP_UP_TO features. sm_90 counts at d = 64, split operands: 41 instructions a
+#: score against 3 × 20 (v47). Off until timed: predicted at the peer's HVP setting (10k
+#: d64, H100) HVP 47 → ~33 ms (NOTES.md)
+SYM_VJP = False
+SYM_VJP_UP_TO = 64
+#: its tiles (two accumulators of BLOCK_M × d): 64 × 64 × 4 warps, no spills at d ≤ 64
+#: (128 × 64 × 4 spills 282 at d = 64; at d = 128 every tile spills or nears 227 KB)
+SYM_VJP_TILES = (64, 64, 4, 2)
 #: values wider than this stream in chunks of it (not hoisted)
 VJP_P_CHUNK = 32
 #: a reverse product of one value column that needs the column sums but not their keys

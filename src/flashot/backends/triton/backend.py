@@ -30,12 +30,14 @@ from flashot.backends.dual import Potentials
 from flashot.backends.near import NEAR_FROM, is_near_uniform
 from flashot.backends.plan_vjp import ALL
 from flashot.backends.temperature import Temperature
+from flashot.backends.triton import _configs
 from flashot.backends.triton._attend import attend
 from flashot.backends.triton._gate import _HI, _LO_PER_TERM, Gate
 from flashot.backends.triton._one_pass import exact_lse
 from flashot.backends.triton._operands import Operands
 from flashot.backends.triton._plan_sums import plan_sums
 from flashot.backends.triton._step import GATE_LIMIT, fused_step
+from flashot.backends.triton._sym_vjp import symmetric_vjp
 from flashot.backends.triton._vjp import FUSED_UP_TO, fused_plan_vjp
 
 __all__ = ["TritonBackend"]
@@ -288,6 +290,17 @@ class TritonBackend(Backend):
         if _generic(form, eps) or max(form.q.shape[1], v.shape[1]) > FUSED_UP_TO:
             return super().plan_vjp(form, f, g, a, b, eps, v, d, need, d0)
         return fused_plan_vjp(self, form, f, g, a, b, eps, v, d, need, d0)
+
+    def symmetric_vjp(self, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps):
+        """See :meth:`~flashot.backends.base.Backend.symmetric_vjp`.
+
+        One launch (:mod:`._sym_vjp`) with :data:`._configs.SYM_VJP` on, up to
+        :data:`._configs.SYM_VJP_UP_TO` features, not packed, not near-uniform; else None.
+        """
+        wide = form.q.shape[1] > _configs.SYM_VJP_UP_TO
+        if not _configs.SYM_VJP or _generic(form, eps) or wide:
+            return None
+        return symmetric_vjp(self, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps)
 
     def marginals(self, pot):
         """See :meth:`flashot.backends.base.Backend.marginals` (fused where valid)."""
