@@ -131,6 +131,19 @@ def column_splits(n_row_blocks: int, m: int, block_n: int, device: torch.device)
     return max(1, min(want, m // (4 * block_n)))
 
 
+def fixed_grid(splits: int | None, n: int, m: int, block_m: int, block_n: int,
+               device: torch.device) -> tuple[int, int, int]:  # fmt: skip
+    """``(row blocks, column splits, columns per split)`` of a fixed-tile launch.
+
+    ``splits``: the backend's forced count, or None for :func:`column_splits`; each
+    split holds whole column tiles (the last split may hold fewer).
+    """
+    blocks = cdiv(n, block_m)
+    splits = splits or column_splits(blocks, m, block_n, device)
+    per = cdiv(cdiv(m, splits), block_n) * block_n
+    return blocks, cdiv(m, per), per
+
+
 def resident_programs(kernel, props) -> int | None:
     """Programs of a compiled kernel that one SM holds at once (None if unknown).
 

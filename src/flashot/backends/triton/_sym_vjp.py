@@ -43,7 +43,7 @@ from flashot.backends.triton._common import (
     _stationary_tiles,
     _value_product,
 )
-from flashot.backends.triton._configs import cdiv, next_pow2
+from flashot.backends.triton._configs import next_pow2
 from flashot.backends.triton._launch import temp_args
 from flashot.backends.triton._split import split_operand
 
@@ -55,7 +55,7 @@ def symmetric_vjp(backend, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps):
 
     Args:
         backend: the :class:`~flashot.backends.triton.TritonBackend`.
-        form: the attention form (q (n, d'), k (m, d'), α, β), float32, d ≤ 128.
+        form: the attention form (q (n, d'), k (m, d'), α, β), float32, d' ≤ 64.
         f: (n,), g: (m,) the step's potentials.  r_f: (n,), r_g: (m,) its passes'
             negated LSEs (rows', columns').  log_a: (n,), log_b: (m,) log weights.
         u_f: (n,) cotangent u of the rows' transform, u_g: (m,) u' of the columns'.
@@ -88,10 +88,7 @@ def symmetric_vjp(backend, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps):
         block_m, block_n, warps, stages = 16, 16, 1, 1
     else:
         block_m, block_n, warps, stages = _configs.SYM_VJP_TILES
-    blocks = cdiv(n, block_m)
-    splits = backend.splits or _configs.column_splits(blocks, m, block_n, dev)
-    per = cdiv(cdiv(m, splits), block_n) * block_n
-    splits = cdiv(m, per)
+    blocks, splits, per = _configs.fixed_grid(backend.splits, n, m, block_m, block_n, dev)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
     with on_device(dev):
         _sym_vjp_kernel[(blocks, splits)](

@@ -91,10 +91,7 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
         block_m, block_n, warps, stages = 16, 16, 1, 1
     else:
         block_m, block_n, warps, stages = vjp_tiles(p, qs.shape[1])
-    blocks = cdiv(n, block_m)
-    splits = backend.splits or _configs.column_splits(blocks, m, block_n, dev)
-    per = cdiv(cdiv(m, splits), block_n) * block_n
-    splits = cdiv(m, per)
+    blocks, splits, per = _configs.fixed_grid(backend.splits, n, m, block_m, block_n, dev)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
     chunk = 16 if triton_interpreted() else _configs.VJP_P_CHUNK
     block_p, p_chunks = (_width(p), 1) if p <= chunk else (chunk, cdiv(p, chunk))
