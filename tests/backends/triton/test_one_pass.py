@@ -210,7 +210,7 @@ def test_potential_lse_is_one_exact_pass_in_fp32(n, m, d, log_eps, spread, preci
     """``TritonBackend.potential_lse`` (a solve's first step, a replayed schedule's steps):
     both LSEs equal float64's at any potentials (far ones included: no window), from one
     pass in "fp32" and two row passes otherwise, or with ``ONE_PASS_LSE`` off."""
-    from flashot.backends.triton import TritonBackend, _one_pass, backend
+    from flashot.backends.triton import TritonBackend, _configs, _one_pass, backend
 
     gen = torch.Generator().manual_seed(n * 7919 + m * 31 + d)
     x, y = clouds(gen, n, m, d, dtype=torch.float64)
@@ -224,7 +224,7 @@ def test_potential_lse_is_one_exact_pass_in_fp32(n, m, d, log_eps, spread, preci
     for enabled in (True, False):
         calls = []
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(backend, "ONE_PASS_LSE", enabled)
+            mp.setattr(_configs, "ONE_PASS_LSE", enabled)
             spy = lambda *a, calls=calls: calls.append(1) or _one_pass.exact_lse(*a)  # noqa: E731
             mp.setattr(backend, "exact_lse", spy)
             got = TritonBackend(precision=precision).potential_lse(Potentials(form, *args32, eps))

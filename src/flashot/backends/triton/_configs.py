@@ -290,6 +290,13 @@ VJP_NARROW_TILES = (128, 64, 4, 2)
 #: 250 KB with split operands and p > 1), over sm_90's 227 KB (found offline by
 #: tests/probes/launch_shared.py, v47; never launched at those widths on a GPU)
 VJP_NARROW_WIDE_TILES = (64, 64, 4, 2)
+#: both LSEs at given potentials (a solve's first step, a replayed schedule's steps) from
+#: one exact pass in "fp32" (``TritonBackend.potential_lse``) instead of two row passes.
+#: Off: no faster where it would serve (H100, v47, one process, on/off twice: the peer's
+#: HVP setting at 10k d = 64 70–72 against 70–75 ms whole, HVP error 3.2e-5 either way;
+#: GeomLoss' defaults at 10k, d = 3 and 64, within the runs' spread); sm_90 counts 24–27
+#: instructions a score for it against 2 × 13.7 for two row passes
+ONE_PASS_LSE = False
 #: a replayed symmetric step's two reverse products in one launch (:mod:`._sym_vjp`: one
 #: score tile and two exps a score against three launches' three and three), up to
 #: SYM_VJP_UP_TO features. sm_90 counts at d = 64, split operands: 41 instructions a

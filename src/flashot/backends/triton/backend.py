@@ -44,13 +44,6 @@ __all__ = ["TritonBackend"]
 
 #: CUDA graphs pay off while launches cost as much as the work: n·m up to 2^28
 GRAPHS_UP_TO_LOG2 = 28
-#: both LSEs at given potentials (a solve's first step, a replayed schedule's steps) from
-#: one exact pass in "fp32" (:meth:`TritonBackend.potential_lse`) instead of two row
-#: passes. Off: no faster where it would serve (H100, v47, one process, on/off twice:
-#: the peer's HVP setting at 10k d = 64 70–72 against 70–75 ms whole, HVP error 3.2e-5
-#: either way; GeomLoss' defaults at 10k, d = 3 and 64, within the runs' spread); sm_90
-#: counts 24–27 instructions a score for it against 2 × 13.7 for two row passes
-ONE_PASS_LSE = False
 
 
 class TritonBackend(Backend):
@@ -248,9 +241,9 @@ class TritonBackend(Backend):
 
         In "fp32" both LSEs come from one pass over the score tiles (two exps a score,
         :func:`._one_pass.exact_lse`) where its partials fit their budget
-        (:data:`ONE_PASS_LSE`); else, and for near-uniform forms, two row passes.
+        (:data:`._configs.ONE_PASS_LSE`); else, and for near-uniform forms, two row passes.
         """
-        if ONE_PASS_LSE and self.precision == "fp32" and not _near(pot.form, pot.eps):
+        if _configs.ONE_PASS_LSE and self.precision == "fp32" and not _near(pot.form, pot.eps):
             both = exact_lse(self, pot)
             if both is not None:
                 return both
