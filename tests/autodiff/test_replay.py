@@ -171,3 +171,26 @@ def test_a_symmetric_steps_two_reverse_products_in_one_launch(reach, presplit):
         assert rel(got, ref) < 1e-5
     for got, ref in zip(one, want, strict=True):
         assert rel(got, ref) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [3, 64])
+def test_one_launch_symmetric_reverse_natively(d):
+    """``SYM_VJP`` on the GPU (split operands at d = 64, triples at d = 3, graphs
+    captured): the HVP of two reverse products per step, and of float64."""
+    from flashot.backends.triton import _configs
+
+    x, y = cuda_clouds(3000, 2500, d)
+    v = torch.randn_like(x)
+    loss = flashot.SamplesLoss(blur=0.3, scaling=0.8, debias=False)
+    ref = flashot.SamplesLoss(blur=0.3, scaling=0.8, debias=False, backend="torch")
+    want = double_backward(lambda t: ref(t, y.double()), x.double(), v.double())[1]
+    got = []
+    with pytest.MonkeyPatch.context() as mp:
+        for on in (False, True, True):  # (the second on: a captured replay)
+            if on != _configs.SYM_VJP:  # (captures keep the launches they were made with)
+                replay.REPLAY_GRAPHS.clear()
+            mp.setattr(_configs, "SYM_VJP", on)
+            got.append(double_backward(lambda t: loss(t, y), x, v)[1])
+    assert rel(got[1], got[0]) < 1e-5 and rel(got[2], got[0]) < 1e-5
+    assert rel(got[1], want) < 1e-3
