@@ -185,7 +185,7 @@ def test_column_splits_and_coincident_points_in_the_product_form(monkeypatch, d)
     """Three column splits (partial log-sum-exps and gradient sums) give the one-split
     result; a self problem at small ε (every point's twin at distance 0, which the
     product form ``|x|² + |y|² − 2⟨x, y⟩`` misses by √rounding) is exact to float32."""
-    from flashot.backends.triton import _pairwise
+    from flashot.backends.triton import _configs
 
     x, _, _ = _data(11, 40, 40, d, zeros=False, twins=False)
     h = torch.full((40,), -3.7)  # (log 1/40)
@@ -195,9 +195,9 @@ def test_column_splits_and_coincident_points_in_the_product_form(monkeypatch, d)
     )
     one = _grads(x, x, h, 0.5, cost_of(1), "triton", cot)
     # (one tile per split: three splits of 16 columns under the interpreter)
-    monkeypatch.setattr(
-        _pairwise, "_splits", lambda blocks, size, block, device: (triton.cdiv(size, block), block)
-    )
+    monkeypatch.setattr(_configs, "column_grid",
+                        lambda blocks, size, block, device, splits=None: (
+                            triton.cdiv(size, block), block))  # fmt: skip
     three = _grads(x, x, h, 0.5, cost_of(1), "triton", cot)
     for a, b, ref in zip((one[0], *one[1]), (three[0], *three[1]), (s64, *gs64), strict=True):
         assert _rel(a, b) < 1e-6 and _rel(a, ref) < 2e-6

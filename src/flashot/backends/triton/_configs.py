@@ -131,17 +131,16 @@ def column_splits(n_row_blocks: int, m: int, block_n: int, device: torch.device)
     return max(1, min(want, m // (4 * block_n)))
 
 
-def fixed_grid(splits: int | None, n: int, m: int, block_m: int, block_n: int,
-               device: torch.device) -> tuple[int, int, int]:  # fmt: skip
-    """``(row blocks, column splits, columns per split)`` of a fixed-tile launch.
+def column_grid(blocks: int, m: int, block_n: int, device: torch.device,
+                splits: int | None = None) -> tuple[int, int]:  # fmt: skip
+    """``(splits, per)``: the column splits of a fixed-tile launch over ``blocks`` row blocks.
 
-    ``splits``: the backend's forced count, or None for :func:`column_splits`; each
-    split holds whole column tiles (the last split may hold fewer).
+    ``splits``: a forced count, or None for :func:`column_splits`; ``per`` (the columns a
+    split holds) is a multiple of ``block_n``: a tile never crosses into the next split.
     """
-    blocks = cdiv(n, block_m)
     splits = splits or column_splits(blocks, m, block_n, device)
     per = cdiv(cdiv(m, splits), block_n) * block_n
-    return blocks, cdiv(m, per), per
+    return cdiv(m, per), per
 
 
 def resident_programs(kernel, props) -> int | None:

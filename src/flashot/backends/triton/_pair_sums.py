@@ -48,7 +48,6 @@ from flashot.backends.triton._pairwise import (
     _layout,
     _pair_stats,
     _precision,
-    _splits,
 )
 from flashot.geometry.pair_costs import PairCost
 
@@ -112,7 +111,7 @@ def _sums(xs, ys, xn, yn, f, la, g, lb, scale: float, cost: PairCost, rows: bool
     bm, bn, warps, stages = _configs.PAIRWISE_SUMS_TILES
     if triton_interpreted():
         bm, bn = 16, 16
-    splits, per = _splits(cdiv(m, bn), n, bm, xs.device)
+    splits, per = _configs.column_grid(cdiv(m, bn), n, bm, xs.device)
     r = torch.zeros(n if rows else 1, device=xs.device, dtype=torch.float32)
     cp = torch.empty(splits, m, device=xs.device, dtype=torch.float32)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}

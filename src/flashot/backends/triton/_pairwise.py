@@ -389,19 +389,6 @@ def _layout(d: int, whole: bool, forward: bool = False):
     return diff, block_d, 1 if diff or whole else cdiv(d, block_d), tiles
 
 
-def _splits(blocks: int, size: int, block: int, device) -> tuple[int, int]:
-    """(splits, per): column splits that give ~2 programs per SM, ≥ 4 tiles each.
-
-    ``per`` is a multiple of ``block``: a tile never crosses into the next split.
-    """
-    if device.type != "cuda" or triton_interpreted():
-        return 1, cdiv(size, block) * block
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = max(1, min(cdiv(2 * sms, blocks), size // (4 * block)))
-    per = cdiv(cdiv(size, splits), block) * block
-    return cdiv(size, per), per
-
-
 def _precision() -> str:
     return "ieee" if triton_interpreted() else "tf32x3"
 
@@ -420,7 +407,7 @@ def _launch_forward(x, y, vec, scale: float, cost: PairCost, sum_mode: bool, spa
     diff, block_d, chunks, (bm, bn, warps, stages) = _layout(d, d <= GRAD_UP_TO, forward=True)
     bm = sparse[2] if sparse else bm  # (the layout's row blocks)
     one = sparse is not None or repair is not None
-    splits, per = (1, m) if one else _splits(cdiv(n, bm), m, bn, xs.device)
+    splits, per = (1, m) if one else _configs.column_grid(cdiv(n, bm), m, bn, xs.device)
     parts = torch.empty(splits, n, device=xs.device, dtype=torch.float32)
     ptr, iv = sparse[:2] if sparse else (parts, parts)
     sums, pot, pot_cols, window = repair if repair is not None else (parts, parts, parts, 0.0)
@@ -511,7 +498,7 @@ def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols:
     gx = gy = gv = None
     with on_device(xs.device):
         if rows:
-            splits, per = (1, m) if sparse else _splits(cdiv(n, bm), m, bn, xs.device)
+            splits, per = (1, m) if sparse else _configs.column_grid(cdiv(n, bm), m, bn, xs.device)
             gx = torch.empty(splits, n, d, device=xs.device, dtype=torch.float32)
             _grad_kernel[(cdiv(n, bm), splits)](
                 *head, gx, gx, *tail, per, *strides, COLUMNS=False, SPARSE=sparse is not None,
@@ -519,7 +506,7 @@ def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols:
             )  # fmt: skip
             gx = gx.sum(0)
         if cols:
-            splits, per = _splits(cdiv(m, bn), n, bm, xs.device)
+            splits, per = _configs.column_grid(cdiv(m, bn), n, bm, xs.device)
             gy = torch.empty(splits, m, d, device=xs.device, dtype=torch.float32)
             gv = torch.empty(splits, m, device=xs.device, dtype=torch.float32)
             _grad_kernel[(cdiv(m, bn), splits)](

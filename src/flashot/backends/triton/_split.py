@@ -34,10 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from flashot.backends.device import on_device
+from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.triton._configs import cdiv
 
-__all__ = ["SplitOperand", "split_operand"]
+__all__ = ["SplitOperand", "split_keys", "split_operand"]
 
 #: the largest scaled entry is at most 2^HEADROOM (float16's largest finite is 65504)
 HEADROOM = 14
@@ -84,6 +84,18 @@ def split_operand(t: torch.Tensor, interpreted: bool = False) -> SplitOperand:
     if interpreted:
         parts = parts.float()
     return SplitOperand(parts, inv)
+
+
+def split_keys(t: torch.Tensor, split: bool, unused: torch.Tensor) -> tuple:
+    """``(keys, inverse scale, offset of the low parts)`` as a value product reads keys.
+
+    ``split``: ``t`` (m, d) split into half parts (the high ones, their ``2^-e``, the
+    elements from a high part to its low one); otherwise ``t`` itself, ``unused`` and 0.
+    """
+    if not split:
+        return t, unused, 0
+    whole = split_operand(t, triton_interpreted())
+    return whole.parts[0], whole.inv, whole.parts.stride(0)
 
 
 @triton.jit

@@ -43,9 +43,9 @@ from flashot.backends.triton._common import (
     _stationary_tiles,
     _value_product,
 )
-from flashot.backends.triton._configs import next_pow2
+from flashot.backends.triton._configs import cdiv, next_pow2
 from flashot.backends.triton._launch import temp_args
-from flashot.backends.triton._split import split_operand
+from flashot.backends.triton._split import split_keys
 
 __all__ = ["symmetric_vjp"]
 
@@ -66,29 +66,24 @@ def symmetric_vjp(backend, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps):
     n, m, d = q.shape[0], k.shape[0], k.shape[1]
     dev = q.device
     scale = device_scale(eps)
-    log2e = LOG2E
     rb0 = (r_f * scale).to(f32)
-    cb0 = ((g - form.beta) * scale + log2e * log_b).to(f32)
-    rb1 = ((f - form.alpha) * scale + log2e * log_a).to(f32)
+    cb0 = ((g - form.beta) * scale + LOG2E * log_b).to(f32)
+    rb1 = ((f - form.alpha) * scale + LOG2E * log_a).to(f32)
     cb1 = (r_g * scale).to(f32)
     u0, u1 = u_f.to(f32).contiguous(), u_g.to(f32).contiguous()
     out = torch.zeros(n * (2 * d + 1) + m, device=dev, dtype=f32)  # (atomics add)
     out_k0, out_k1 = out[: n * d].view(n, d), out[n * d : 2 * n * d].view(n, d)
     out_w1, out_c0 = out[2 * n * d : 2 * n * d + n], out[2 * n * d + n :]
     qs, ks, split_args, presplit, dot = backend.operands.for_launch(q, k)
-    kv0, kv1 = k, (u1[:, None] * k).contiguous()
-    kv_args = {"KV0_INV": rb0, "KV1_INV": rb0, "kv0_lo": 0, "kv1_lo": 0}
-    if presplit:
-        interp = triton_interpreted()
-        p0, p1 = split_operand(kv0, interp), split_operand(kv1, interp)
-        kv0, kv1 = p0.parts[0], p1.parts[0]
-        kv_args = {"KV0_INV": p0.inv, "KV1_INV": p1.inv, "kv0_lo": p0.parts.stride(0),
-                   "kv1_lo": p1.parts.stride(0)}  # fmt: skip
+    kv0, kv0_inv, kv0_lo = split_keys(k, presplit, rb0)
+    kv1, kv1_inv, kv1_lo = split_keys((u1[:, None] * k).contiguous(), presplit, rb0)
+    kv_args = {"KV0_INV": kv0_inv, "KV1_INV": kv1_inv, "kv0_lo": kv0_lo, "kv1_lo": kv1_lo}
     if triton_interpreted():
         block_m, block_n, warps, stages = 16, 16, 1, 1
     else:
         block_m, block_n, warps, stages = _configs.SYM_VJP_TILES
-    blocks, splits, per = _configs.fixed_grid(backend.splits, n, m, block_m, block_n, dev)
+    blocks = cdiv(n, block_m)
+    splits, per = _configs.column_grid(blocks, m, block_n, dev, backend.splits)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
     with on_device(dev):
         _sym_vjp_kernel[(blocks, splits)](

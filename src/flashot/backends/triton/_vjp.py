@@ -46,7 +46,7 @@ from flashot.backends.triton._common import (
 )
 from flashot.backends.triton._configs import cdiv, next_pow2
 from flashot.backends.triton._launch import temp_args
-from flashot.backends.triton._split import split_operand
+from flashot.backends.triton._split import split_keys
 
 __all__ = ["FUSED_UP_TO", "fused_plan_vjp"]
 
@@ -82,16 +82,15 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
     out_c = torch.zeros(m if cols is not None else 1, device=dev, dtype=torch.float32)
     col_rb, col_cb = cols if cols is not None else (row_bias, col_bias)
     qs, ks, split_args, presplit, dot = backend.operands.for_launch(q, k)
-    kv, kv_args, kv_split = k, {"KV_INV": row_bias, "kv_lo": 0}, False
-    if outer and with_k and presplit:
-        parts = split_operand((vc * k).contiguous(), triton_interpreted())
-        kv_args = {"KV_INV": parts.inv, "kv_lo": parts.parts.stride(0)}
-        kv, kv_split = parts.parts[0], True
+    kv_split = outer and with_k and presplit
+    kv, kv_inv, kv_lo = split_keys((vc * k).contiguous() if kv_split else k, kv_split, row_bias)
+    kv_args = {"KV_INV": kv_inv, "kv_lo": kv_lo}
     if triton_interpreted():
         block_m, block_n, warps, stages = 16, 16, 1, 1
     else:
         block_m, block_n, warps, stages = vjp_tiles(p, qs.shape[1])
-    blocks, splits, per = _configs.fixed_grid(backend.splits, n, m, block_m, block_n, dev)
+    blocks = cdiv(n, block_m)
+    splits, per = _configs.column_grid(blocks, m, block_n, dev, backend.splits)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
     chunk = 16 if triton_interpreted() else _configs.VJP_P_CHUNK
     block_p, p_chunks = (_width(p), 1) if p <= chunk else (chunk, cdiv(p, chunk))
