@@ -23,7 +23,8 @@ Parts (env PARTS, default "A,B,C"):
   (``_configs.VJP_FUSED_COLUMNS``), with SYM=1 with a symmetric step's two reverse
   products in one launch (``_configs.SYM_VJP``: the whole call too); with SWEEP=1 the ``plan_vjp`` kernel's tiles for one value column
   (``_configs.VJP_NARROW_TILES``), each with one launch, the whole HVP and its error against the
-  float64 double backward.
+  float64 double backward; SYM_TILES="64,64,4,2;128,64,4,2" times the symmetric reverse's
+  tiles (``_configs.SYM_VJP_TILES``), SYM_VJP on.
 
 Prints a short table last; rows also go to $OUT/second_order.json when OUT is set.
 """
@@ -220,6 +221,19 @@ def part_p():
     # (GeomLoss' defaults: no float64 double backward, which takes minutes at 10k)
     ref = None if geomloss else hvp_of(x.double(), y.double(), v.double())()
     kept = vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS, vjp.SYM_VJP
+    if os.environ.get("SYM_TILES"):  # "64,64,4,2;128,64,4,2": SYM_VJP's tiles, each on
+        sym_kept = vjp.SYM_VJP_TILES
+        for text in os.environ["SYM_TILES"].split(";"):
+            vjp.SYM_VJP, vjp.SYM_VJP_TILES = True, tuple(int(t) for t in text.split(","))
+            REPLAY_GRAPHS.clear()
+            run = hvp_of(x, y, v)
+            err = None if ref is None else rel(run(), ref)
+            rows.append(dict(part="P", case=case, who=f"sym tiles {vjp.SYM_VJP_TILES}",
+                             ms=0.0, hvp_ms=bench(run), err=err,
+                             whole_ms=bench(lambda: double_backward(loss_y, x, v))))  # fmt: skip
+            print(rows[-1], flush=True)
+        vjp.SYM_VJP, vjp.SYM_VJP_TILES = kept[2], sym_kept
+        REPLAY_GRAPHS.clear()
     # FUSED=1: each setting also with the columns' sums in the rows' launch; SYM=1: also
     # with a symmetric step's two reverse products in one launch (_configs.SYM_VJP)
     fusions = (False, True) if os.environ.get("FUSED") else (kept[1],)

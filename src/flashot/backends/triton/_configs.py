@@ -299,13 +299,15 @@ ONE_PASS_LSE = False
 #: a replayed symmetric step's two reverse products in one launch (:mod:`._sym_vjp`: one
 #: score tile and two exps a score against three launches' three and three), up to
 #: SYM_VJP_UP_TO features. sm_90 counts at d = 64, split operands: 41 instructions a
-#: score against 3 × 20 (v47). Off until timed: predicted at the peer's HVP setting (10k
-#: d64, H100) HVP 47 → ~33 ms (NOTES.md)
-SYM_VJP = False
+#: score against 3 × 20 (v47). Measured (H100, v48, the peer's HVP setting, 10k d64): HVP
+#: 48.0 → 32.5 ms, whole call 70.5 → 54.6, error 3.2e-5 either way (NOTES.md)
+SYM_VJP = True
 SYM_VJP_UP_TO = 64
-#: its tiles (two accumulators of BLOCK_M × d): 64 × 64 × 4 warps, no spills at d ≤ 64
-#: (128 × 64 × 4 spills 282 at d = 64; at d = 128 every tile spills or nears 227 KB)
-SYM_VJP_TILES = (64, 64, 4, 2)
+#: its tiles (two accumulators of BLOCK_M × d). H100, v48, the HVP at 10k d64 (ms):
+#: 128 × 64 × 8 warps 32.5; 64 × 64 × 4, 3 stages 39.5; 64 × 64 × 4 42.7; 64 × 128 × 4
+#: 43.2; 128 × 32 × 4 55.3; 128 × 64 × 4 66.5 (spills); 128 × 128 × 8 does not launch
+#: (234 496 bytes of shared memory)
+SYM_VJP_TILES = (128, 64, 8, 2)
 #: values wider than this stream in chunks of it (not hoisted)
 VJP_P_CHUNK = 32
 #: a reverse product of one value column that needs the column sums but not their keys
