@@ -6,7 +6,7 @@ are checked on the device: a tuner skips configurations that do not launch.)
 A kernel that needs more shared memory than the SM offers compiles but is refused at
 launch (``OutOfResources``): neither the interpreter nor a plain compile finds it. Each
 line prints the kernel, d, the score operands (split or float32) and its bytes; exits 1
-when one is over :data:`LIMIT`. Prints ``SKIP`` without a CUDA toolchain in this Triton.
+when one is within :data:`MARGIN` of :data:`LIMIT`. Prints ``SKIP`` without a CUDA toolchain in this Triton.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from flashot.backends.triton import _pairwise as pw
 
 #: sm_90's largest shared memory per block (227 KB), what an H100 reported refusing 256 KB
 LIMIT = 232448
+#: what the offline figure may fall short of the launch's: 3 584 bytes for the symmetric
+#: reverse at 128 × 128 × 8 warps (230 912 offline, 234 496 on an H100, v48)
+MARGIN = 8192
 
 
 def launches(d: int, presplit: bool):
@@ -73,8 +76,8 @@ def reverse_products(d: int, presplit: bool):
 
 def symmetric_reverse(d: int, presplit: bool):
     """The one-launch reverse of a symmetric step (:mod:`._sym_vjp`) as d launches it."""
-    bm, bn, warps, stages = _vjp._configs.SYM_VJP_TILES
     width = _vjp._width(d)
+    bm, bn, warps, stages = _sym_vjp.sym_vjp_tiles(width)
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=width, BLOCK_K=width, SPLIT=True,
                   PRECISION="ieee" if presplit else "tf32x3", V_PRECISION="tf32x3",
                   PRESPLIT=presplit)  # fmt: skip
@@ -88,7 +91,7 @@ def main(sizes=(3, 64, 70, 128, 200)) -> int:
         for presplit in (True, False):
             both = [*launches(d, presplit)]
             both += [*reverse_products(d, presplit)] if d <= _vjp.FUSED_UP_TO else []
-            both += [*symmetric_reverse(d, presplit)] if d <= _configs.SYM_VJP_UP_TO else []
+            both += [*symmetric_reverse(d, presplit)]  # (the module serves any d)
             for name, fn, consts, half, warps, stages in both:
                 try:
                     kernel = compile_like_jit(fn, consts, half, warps, stages)
@@ -98,8 +101,8 @@ def main(sizes=(3, 64, 70, 128, 200)) -> int:
                         return 0
                     raise
                 shared = kernel.metadata.shared
-                over += shared > LIMIT
-                flag = "OVER" if shared > LIMIT else "ok"
+                over += shared > LIMIT - MARGIN
+                flag = "OVER" if shared > LIMIT - MARGIN else "ok"
                 print(f"{flag} {name} d={d} split={presplit} {shared} bytes")
     return 1 if over else 0
 

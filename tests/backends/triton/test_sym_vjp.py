@@ -62,17 +62,18 @@ def test_one_launch_matches_the_dense_plans(seed, n, m, d, log_eps, zeros, presp
 
 
 def test_the_backend_declines_where_it_does_not_fuse(monkeypatch):
-    """Off by default (untimed), and for near-uniform ε or features past SYM_VJP_UP_TO
-    with it on: the replay then takes two reverse products."""
+    """On by default; off, for near-uniform ε or for features past SYM_VJP_UP_TO it
+    declines: the replay then takes two reverse products."""
     from flashot.backends.triton import TritonBackend, _configs
 
     be = TritonBackend()
     x, y = torch.randn(6, 3, device=DEVICE), torch.randn(5, 3, device=DEVICE)
     form = attention_form(get_cost("sqeuclidean"), x, y)
     args = [torch.zeros(s, device=DEVICE) for s in (6, 5, 6, 5, 6, 5, 6, 5)]
+    assert be.symmetric_vjp(form, *args, 0.5) is not None
+    monkeypatch.setattr(_configs, "SYM_VJP", False)
     assert be.symmetric_vjp(form, *args, 0.5) is None
     monkeypatch.setattr(_configs, "SYM_VJP", True)
-    assert be.symmetric_vjp(form, *args, 0.5) is not None
     assert be.symmetric_vjp(form, *args, 1e6) is None  # (near-uniform)
     wide = attention_form(get_cost("sqeuclidean"), torch.randn(6, 65, device=DEVICE),
                           torch.randn(5, 65, device=DEVICE))  # fmt: skip

@@ -308,6 +308,10 @@ SYM_VJP_UP_TO = 64
 #: 43.2; 128 × 32 × 4 55.3; 128 × 64 × 4 66.5 (spills); 128 × 128 × 8 does not launch
 #: (234 496 bytes of shared memory)
 SYM_VJP_TILES = (128, 64, 8, 2)
+#: its tiles past 64 features, by padded width (the module's own callers; the backend
+#: stops at SYM_VJP_UP_TO): 128 × 64 needed 295 424 bytes of shared memory at d = 70 (H100,
+#: v48); these take 132–148 KB (128) and 98–197 KB (256) at sm_90 (launch_shared.py)
+SYM_VJP_WIDE_TILES = {128: (64, 32, 4, 2), 256: (64, 32, 4, 1)}
 #: values wider than this stream in chunks of it (not hoisted)
 VJP_P_CHUNK = 32
 #: a reverse product of one value column that needs the column sums but not their keys

@@ -47,7 +47,23 @@ from flashot.backends.triton._configs import cdiv, next_pow2
 from flashot.backends.triton._launch import temp_args
 from flashot.backends.triton._split import split_keys
 
-__all__ = ["symmetric_vjp"]
+__all__ = ["sym_vjp_tiles", "symmetric_vjp"]
+
+
+def sym_vjp_tiles(width: int) -> tuple:
+    """(BLOCK_M, BLOCK_N, warps, stages) on a GPU for ``width`` features (score or value).
+
+    Past 64 the smaller tiles that fit sm_90's shared memory
+    (:data:`._configs.SYM_VJP_WIDE_TILES`); past 256 none does (two value accumulators of
+    the full width): a ValueError.
+    """
+    padded = max(16, next_pow2(width))
+    if padded <= 64:
+        return _configs.SYM_VJP_TILES
+    if padded not in _configs.SYM_VJP_WIDE_TILES:
+        raise ValueError(f"symmetric_vjp: {width} features; the one-launch reverse holds at "
+                         "most 256 (two value accumulators of that width a tile)")  # fmt: skip
+    return _configs.SYM_VJP_WIDE_TILES[padded]
 
 
 def symmetric_vjp(backend, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps):
@@ -81,7 +97,7 @@ def symmetric_vjp(backend, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps):
     if triton_interpreted():
         block_m, block_n, warps, stages = 16, 16, 1, 1
     else:
-        block_m, block_n, warps, stages = _configs.SYM_VJP_TILES
+        block_m, block_n, warps, stages = sym_vjp_tiles(max(qs.shape[1], d))
     blocks = cdiv(n, block_m)
     splits, per = _configs.column_grid(blocks, m, block_n, dev, backend.splits)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
