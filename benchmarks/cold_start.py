@@ -88,7 +88,8 @@ for name, setup in CASES.items():
     env.pop("FLASHOT_AUTOTUNE", None)
     times = []
     for _ in range(2):
-        run = subprocess.run([sys.executable, "-c", TIMER.format(setup=setup, hooks=HOOKS)], env=env,
+        code = TIMER.format(setup=setup, hooks=HOOKS)
+        run = subprocess.run([sys.executable, "-c", code], env=env,
                              capture_output=True, text=True, timeout=300)  # fmt: skip
         lines = run.stdout.strip().splitlines()
         times.append(lines[-1] if run.returncode == 0 else "failed")

@@ -99,8 +99,11 @@ for n in MS_SIZES if "multiscale" in PARTS else ():
         timed((f"multiscale: cluster_scale={scale}", n, 3), loss, x, y)
         if dense is not None:
             v, g = value_and_grad(loss, x, y)
-            print(f"  against dense: value {abs(float(v - dense[0])) / abs(float(dense[0])):.2e}, "
-                  f"gradient {float((g - dense[1]).norm() / dense[1].norm()):.2e}", flush=True)
+            print(
+                f"  against dense: value {abs(float(v - dense[0])) / abs(float(dense[0])):.2e}, "
+                f"gradient {float((g - dense[1]).norm() / dense[1].norm()):.2e}",
+                flush=True,
+            )
 for d in DIMS if "gw" in PARTS else ():
     for rho in (None, 100.0):
         torch.manual_seed(3)
@@ -116,9 +119,12 @@ for d in DIMS if "gw" in PARTS else ():
             continue
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-        print(f"GW n={GW_N} d={d} rho={rho}: {time.perf_counter() - t0:.1f} s, peak {peak:.0f} "
-              f"MiB above the inputs, cost {float(r.cost):.5g}, {r.n_iter} outer (converged "
-              f"{r.converged}), {sum(r.inner_iterations)} inner", flush=True)
+        print(
+            f"GW n={GW_N} d={d} rho={rho}: {time.perf_counter() - t0:.1f} s, peak {peak:.0f} "
+            f"MiB above the inputs, cost {float(r.cost):.5g}, {r.n_iter} outer (converged "
+            f"{r.converged}), {sum(r.inner_iterations)} inner",
+            flush=True,
+        )
 print("\n| loss | n | d | first call s | median ms | value |\n|---|---|---|---|---|---|")
 for what, n, d, first, ms, value in rows:
     print(f"| {what} | {n} | {d} | {first:.2f} | {ms:.1f} | {value:.6g} |")

@@ -21,10 +21,11 @@ Parts (env PARTS, default "A,B,C"):
   pass and one ``plan_vjp`` (as a replayed transform's backward makes it: one value
   column) timed alone; with FUSED=1 also with the column sums in the rows' launch
   (``_configs.VJP_FUSED_COLUMNS``), with SYM=1 with a symmetric step's two reverse
-  products in one launch (``_configs.SYM_VJP``: the whole call too); with SWEEP=1 the ``plan_vjp`` kernel's tiles for one value column
-  (``_configs.VJP_NARROW_TILES``), each with one launch, the whole HVP and its error against the
-  float64 double backward; SYM_TILES="64,64,4,2;128,64,4,2" times the symmetric reverse's
-  tiles (``_configs.SYM_VJP_TILES``), SYM_VJP on.
+  products in one launch (``_configs.SYM_VJP``: the whole call too); with SWEEP=1 the
+  ``plan_vjp`` kernel's tiles for one value column (``_configs.VJP_NARROW_TILES``), each
+  with one launch, the whole HVP and its error against the float64 double backward;
+  SYM_TILES="64,64,4,2;128,64,4,2" times the symmetric reverse's tiles
+  (``_configs.SYM_VJP_TILES``), SYM_VJP on.
 
 Prints a short table last; rows also go to $OUT/second_order.json when OUT is set.
 """
@@ -111,7 +112,8 @@ def part_a():
                    grad_ms=grad, hvp_ms=hvp_only_ms(lambda t: ours(t, y), x, v),
                    err=None if ref is None else rel(h, ref),
                    err_converged_hessian=None if dense is None else rel(h, dense),
-                   ref_vs_converged=None if (dense is None or ref is None) else rel(ref, dense))  # fmt: skip
+                   ref_vs_converged=None if (dense is None or ref is None)
+                   else rel(ref, dense))  # fmt: skip
         rows.append(row)
         print(row, flush=True)
         if PeerLoss is not None:

@@ -149,8 +149,10 @@ for task, build in (("affine", affine), ("shuffled", shuffled)):
     best_adam = min(adams, key=lambda k: adams[k][0] if adams[k][0] is not None else math.inf)
     for opt in (*newtons, "lbfgs", best_adam):
         rows.append((task, opt, *results[opt]))
-print(f"\n{DEV} N={N} D={D} eps={EPS} target: RTOL={RTOL:g} of the start's excess, "
-      f"{BUDGET:g} s a run at most")
+print(
+    f"\n{DEV} N={N} D={D} eps={EPS} target: RTOL={RTOL:g} of the start's excess, "
+    f"{BUDGET:g} s a run at most"
+)
 print("task | optimizer | seconds to target | steps | final loss | HVPs")
 for task, opt, sec, steps, value, hvps in rows:
     sec_s = "not reached" if sec is None else f"{sec:.2f}"

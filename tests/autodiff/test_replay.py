@@ -135,9 +135,10 @@ def test_points_that_move_replay_the_same_graphs_with_the_eager_derivative():
 @pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
 @pytest.mark.parametrize("reach,presplit", [(None, True), (0.7, False), (None, False)])
 def test_a_symmetric_steps_two_reverse_products_in_one_launch(reach, presplit):
-    """With ``SYM_VJP`` (the default) a replayed symmetric step differentiates both transforms in one
-    launch (where y takes no gradient): the gradient and HVP of two reverse products per
-    step, and of float64 on the torch backend; with y moving too it keeps two."""
+    """With ``SYM_VJP`` (the default) a replayed symmetric step differentiates both
+    transforms in one launch (where y takes no gradient): the gradient and HVP of two
+    reverse products per step, and of float64 on the torch backend; with y moving too it
+    keeps two."""
     from flashot.backends.triton import TritonBackend, _configs
     from flashot.backends.triton import backend as triton_backend
 

@@ -6,7 +6,8 @@ are checked on the device: a tuner skips configurations that do not launch.)
 A kernel that needs more shared memory than the SM offers compiles but is refused at
 launch (``OutOfResources``): neither the interpreter nor a plain compile finds it. Each
 line prints the kernel, d, the score operands (split or float32) and its bytes; exits 1
-when one is within :data:`MARGIN` of :data:`LIMIT`. Prints ``SKIP`` without a CUDA toolchain in this Triton.
+when one is within :data:`MARGIN` of :data:`LIMIT`. Prints ``SKIP`` without a CUDA
+toolchain in this Triton.
 """
 
 from __future__ import annotations
