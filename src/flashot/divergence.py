@@ -104,7 +104,7 @@ class DebiasedPotentials:
             # a divergence's rho is symmetric: the problem's spec serves its self problems
             for cloud, w, pot in ((problem.x, a, self.p), (problem.y, b, self.q)):
                 pieces.append(Piece(-0.5, (cloud, w), pot.detach(), pot.detach(), spec, relaxed,
-                                    lambda c, w: theta(c, c, w, w), own))  # fmt: skip
+                                    lambda c, w: theta(c, c, w, w), own, mirror=True))  # fmt: skip
         return exact_second_order(out, pieces)
 
 

@@ -8,6 +8,8 @@ numbers.
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import flashot
 from flashot.autodiff import replay
@@ -196,3 +198,43 @@ def test_one_launch_symmetric_reverse_natively(d):
             got.append(double_backward(lambda t: loss(t, y), x, v)[1])
     assert rel(got[1], got[0]) < 1e-5 and rel(got[2], got[0]) < 1e-5
     assert rel(got[1], want) < 1e-3
+
+
+def _second_derivatives(loss, x, y, a, w, v, u):
+    """The HVP in x along v, and the weights' mixed derivative along u (a double
+    backward of ⟨∇_x loss, v⟩ + ⟨∇_a loss, u⟩ in x and a)."""
+    xs, as_ = x.clone().requires_grad_(), a.clone().requires_grad_()
+    gx, ga = torch.autograd.grad(loss(as_, xs, w, y), (xs, as_), create_graph=True)
+    return torch.autograd.grad((gx * v).sum() + (ga * u).sum(), (xs, as_))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 9), m=st.integers(2, 9),
+       d=st.integers(1, 4), reach=st.sampled_from([None, 0.8]),
+       cost=st.sampled_from(["sqeuclidean", "cosine"]),
+       scaling=st.sampled_from([0.5, 0.8]))  # fmt: skip
+def test_a_self_problem_replays_as_a_mirror(seed, n, m, d, reach, cost, scaling):
+    """A debiased loss's self problem OT(a, a) replays one transform per step and one
+    reverse product per step (the mirror of flashot.autodiff.replay): its second
+    derivatives in the points and the weights equal the two-sided replay's (float64)."""
+    x, y, a, b, v = problem(seed, n, m, d, dtype=torch.float64)
+    u = torch.randn_like(a)
+    extra = {} if cost == "sqeuclidean" else {"cost": cost}
+    loss = flashot.SamplesLoss(blur=0.3, scaling=scaling, diameter=4.0, reach=reach,
+                               backend="torch", **extra)  # fmt: skip
+    calls = {"mirror": 0}
+    mirrors = replay._mirrors
+
+    def counted(*t):
+        got = mirrors(*t)
+        calls["mirror"] += got
+        return got
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(replay, "_mirrors", counted)
+        one = _second_derivatives(loss, x, y, a, b, v, u)
+        assert calls["mirror"] == 1  # (xx; y takes no gradient: no yy replay)
+        mp.setattr(replay, "_mirrors", lambda *t: False)
+        two = _second_derivatives(loss, x, y, a, b, v, u)
+    for got, want in zip(one, two, strict=True):
+        assert rel(got, want) < 1e-10

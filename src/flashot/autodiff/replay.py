@@ -24,6 +24,15 @@ iterations are one node, :class:`Replay`:
   (symmetric updates; alternating ones with momentum ω take ``f_i = (1 − ω) f_{i−1} + ω
   λ_x T_x(g_{i−1})``, then ``g_i`` from ``f_i``, and reverse in that order).
 
+A *mirror* problem (a debiased loss's self problem OT(a, a): both sides one cloud with
+one weight vector, symmetric steps from a zero start) has ``f_i = g_i`` and the two
+transforms equal: the forward runs the rows' transform only, and as the sweep is linear
+in the cotangents and swapping the sides leaves it unchanged, the sources' gradients
+depend on ``w = ū_f + ū_g`` alone, which obeys ``w_{i−1} = ½ w_i + (∂_h T_x)^T
+\tfrac{λ}{2} w_i``: one reverse product per iteration instead of two. θ's shares then sit
+in the rows' slots (q, α, k, β, log b), which the sources reach through the same maps as
+the columns' (k, β, q, α, log a).
+
 Both directions are fixed launch sequences given the shapes and the schedule: where the
 backend offers a graph key (:meth:`~flashot.backends.base.Backend.graph_key`: small
 problems on a GPU) they run through :data:`REPLAY_GRAPHS`, eagerly the first time a key
@@ -66,7 +75,7 @@ __all__ = ["REPLAY_GRAPHS", "Replay", "unrolled_potentials"]
 REPLAY_GRAPHS = GraphCache(capacity=8, capture=capture_or_eager)
 
 
-def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec):
+def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec, mirror: bool = False):
     """The solve's last iterate ``(f_K (n,), g_K (m,))`` as a differentiable function of θ.
 
     Replays :func:`flashot.solver.loop.solve`'s loop (initialization, symmetric or
@@ -76,14 +85,33 @@ def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec):
     Args:
         theta: (q, α, k, β, a, b) with their autograd history.
         trajectory: how the solve ran.  spec: the problem's :class:`DualSpec`.
+        mirror: θ's two sides are one cloud and one weight vector, (k, β, b) the same
+            functions of the sources as (q, α, a) (a self problem): replayed as a mirror
+            (see the module) where its steps are symmetric from a zero start and ρ is
+            one; the caller vouches for the maps.
     """
     if trajectory.refusal is not None:
         raise RuntimeError(trajectory.refusal)
     q, alpha, k, beta, a, b = theta
+    mirror = mirror and _mirrors(trajectory, spec, theta)
     init = () if trajectory.init is None else tuple(t.detach() for t in trajectory.init)
     f, g, *_ = Replay.apply(q, alpha, k, beta, torch.log(a), torch.log(b), trajectory, spec,
-                            *init)  # fmt: skip
+                            mirror, *init)  # fmt: skip
     return f, g
+
+
+def _mirrors(trajectory: Trajectory, spec: DualSpec, theta) -> bool:
+    """Whether a problem declared a mirror replays as one.
+
+    Symmetric steps from zero, one ρ, not packed, sides of one shape whose gradients are
+    asked for alike.
+    """
+    q, alpha, k, beta, a, b = theta
+    return (trajectory.update == "symmetric" and trajectory.init is None
+            and trajectory.momentum in (None, 1.0) and spec.rho[0] == spec.rho[1]
+            and spec.segments is None and q.shape == k.shape and a.shape == b.shape
+            and (q.requires_grad, alpha.requires_grad, a.requires_grad)
+            == (k.requires_grad, beta.requires_grad, b.requires_grad))  # fmt: skip
 
 
 class Replay(torch.autograd.Function):
@@ -94,10 +122,10 @@ class Replay(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, alpha, k, beta, log_a, log_b, trajectory, spec, *init):
+    def forward(ctx, q, alpha, k, beta, log_a, log_b, trajectory, spec, mirror, *init):
         """The schedule, without autograd: ``(f_K, g_K, F, G, R_x, R_y)``."""
         theta = (q, alpha, k, beta, log_a, log_b)
-        sweep = _Sweep(trajectory, spec)
+        sweep = _Sweep(trajectory, spec, mirror=mirror)
         out = _run(sweep, "forward", _Sweep.forward, (*theta, *init))
         ctx.mark_non_differentiable(*out[2:])
         ctx.save_for_backward(*theta, *out[2:])
@@ -108,7 +136,7 @@ class Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     @entry_point
     def backward(ctx, u_f, u_g, *_):
-        """The adjoint sweep: θ's gradients, then None for the trajectory, spec and init."""
+        """The adjoint sweep: θ's gradients, then None for the other arguments."""
         saved, sweep = ctx.saved_tensors, ctx.sweep
         theta, stacks = saved[:6], saved[6:]
         u_f = torch.zeros_like(stacks[0][0]) if u_f is None else u_f
@@ -116,7 +144,7 @@ class Replay(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[:6])
         fn = lambda own, *t: own.backward(needs, *t)  # noqa: E731
         grads = _run(sweep, ("backward", needs), fn, (*theta, *stacks, u_f, u_g))
-        return (*grads, None, None) + (None,) * (len(ctx.needs_input_grad) - 8)
+        return (*grads, None, None, None) + (None,) * (len(ctx.needs_input_grad) - 9)
 
 
 def _run(sweep: _Sweep, direction, fn, tensors) -> tuple:
@@ -161,12 +189,14 @@ class _Sweep:
     """The schedule's steps, forward and in reverse, for one trajectory and spec.
 
     ``temps``: the schedule's temperatures, floats or
-    :class:`~flashot.backends.temperature.Temperature` s of a device table.
+    :class:`~flashot.backends.temperature.Temperature` s of a device table. ``mirror``:
+    replayed as a mirror problem (see the module).
     """
 
     trajectory: Trajectory
     spec: DualSpec
     temps: tuple = ()
+    mirror: bool = False
 
     def __post_init__(self):
         self.temps = self.temps or tuple(self.trajectory.temps)
@@ -174,7 +204,7 @@ class _Sweep:
     def _schedule_key(self) -> tuple:
         traj, spec = self.trajectory, self.spec
         return (traj.iterations, traj.update, traj.momentum, traj.check_every,
-                traj.init is None, spec.rho)  # fmt: skip
+                traj.init is None, spec.rho, self.mirror)  # fmt: skip
 
     def values_key(self) -> tuple:
         """What pins the launches besides shapes, scalars taken by value."""
@@ -249,9 +279,14 @@ class _Sweep:
         else:
             warm = len(temps) > 1
             F[0], RX[0] = self._transform(theta, 0, torch.zeros_like(beta), temps[0], warm)
-            G[0], RY[0] = self._transform(theta, 1, torch.zeros_like(alpha), temps[0], warm)
+            if not self.mirror:
+                G[0], RY[0] = self._transform(theta, 1, torch.zeros_like(alpha), temps[0], warm)
         for it, e, warm, omega, col_omega in self._steps():
             f, g = F[it - 1], G[it - 1]
+            if self.mirror:  # (f = g: the rows' transform is the columns')
+                t_x, RX[it] = self._transform(theta, 0, f, e, warm)
+                F[it] = 0.5 * (f + t_x)
+                continue
             if traj.update == "symmetric":
                 (t_x, RX[it]), (t_y, RY[it]) = self._both(theta, f, g, e, warm)
                 F[it], G[it] = 0.5 * (f + t_x), 0.5 * (g + t_y)
@@ -260,6 +295,9 @@ class _Sweep:
             F[it] = t_x if omega == 1.0 else torch.lerp(f, t_x, omega)
             t_y, RY[it] = self._transform(theta, 1, F[it], e, warm)
             G[it] = t_y if col_omega == 1.0 else torch.lerp(g, t_y, col_omega)
+        if self.mirror:
+            G.copy_(F)
+            RY.copy_(RX)
         return F[K].clone(), G[K].clone(), F, G, RX, RY
 
     def _pair_vjp(self, theta, needs, f, g, r_x, r_y, u_x, u_y, e, warm):
@@ -308,6 +346,14 @@ class _Sweep:
             wanted = (*(needs[i] for i in order), h_needed)
             return take(side, transform_vjp(parts, r, u, u, spec_at(spec, e, warm), wanted))
 
+        if self.mirror:  # w = ū_f + ū_g, θ's shares in the rows' slots (see the module)
+            w = u_f + u_g
+            for it, e, warm, *_ in reversed(list(self._steps())):
+                w = 0.5 * w + vjp(0, 0.5 * w, G[it - 1], RX[it], e, warm)
+            if traj.init is None:
+                warm = len(traj.temps) > 1
+                vjp(0, w, torch.zeros_like(beta), RX[0], self.temps[0], warm, h_needed=False)
+            return _needed(needs, grads, theta)
         for it, e, warm, omega, col_omega in reversed(list(self._steps())):
             if traj.update == "symmetric":
                 u_tx, u_ty = 0.5 * u_f, 0.5 * u_g
@@ -328,8 +374,13 @@ class _Sweep:
             zero_g, zero_f = torch.zeros_like(beta), torch.zeros_like(alpha)  # (T(0), Tᵀ(0))
             vjp(0, u_f, zero_g, RX[0], self.temps[0], warm, h_needed=False)
             vjp(1, u_g, zero_f, RY[0], self.temps[0], warm, h_needed=False)
-        return tuple(None if not need else (torch.zeros_like(t) if g is None else g)
-                     for need, g, t in zip(needs, grads, theta, strict=True))  # fmt: skip
+        return _needed(needs, grads, theta)
+
+
+def _needed(needs, grads, theta) -> tuple:
+    """θ's gradients: None where not needed, zeros where needed and untouched."""
+    return tuple(None if not need else (torch.zeros_like(t) if g is None else g)
+                 for need, g, t in zip(needs, grads, theta, strict=True))  # fmt: skip
 
 
 #: θ's indices (q, α, k, β, log a, log b) in the parts of each side's transform

@@ -110,6 +110,9 @@ class Piece:
         trajectory: how a fixed-iteration solve ran (its second derivatives are those of
             its returned gradient, :mod:`~flashot.autodiff.unrolled`); None for a solve
             to a tolerance (the converged problem's, by implicit differentiation).
+        mirror: a self problem OT(a, a): ``build`` makes θ's columns (k, β, b) the same
+            functions of the sources as its rows (q, α, a), for a symmetric cost; its
+            trajectory replays as a mirror (:mod:`~flashot.autodiff.replay`).
 
     A piece's sources are leaves of its value's first-order graph as far as the other
     pieces go: none is computed from another piece's source.
@@ -123,6 +126,7 @@ class Piece:
     geomloss_mass: bool = False
     build: Callable | None = None
     trajectory: Trajectory | None = None
+    mirror: bool = False
 
     @property
     def kind(self) -> str:
@@ -140,7 +144,7 @@ def _piece_gradient(piece: Piece, sources, grad) -> list:
     if piece.trajectory is not None:
         # one list of operand conversions for the replay, its backward and the envelope
         spec = dataclasses.replace(piece.spec, operands=[])
-        z = unrolled_potentials(theta, piece.trajectory, spec)
+        z = unrolled_potentials(theta, piece.trajectory, spec, piece.mirror)
         grads = list(envelope_gradient(theta, z, piece.trajectory, spec, piece.kind))
     else:
         # (the converged problem's Hessian: potentials as converged as the accuracy asks)
