@@ -208,7 +208,7 @@ def _second_derivatives(loss, x, y, a, w, v, u):
     return torch.autograd.grad((gx * v).sum() + (ga * u).sum(), (xs, as_))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), n=st.integers(2, 9), m=st.integers(2, 9),
        d=st.integers(1, 4), reach=st.sampled_from([None, 0.8]),
        cost=st.sampled_from(["sqeuclidean", "cosine"]),
@@ -218,7 +218,7 @@ def test_a_self_problem_replays_as_a_mirror(seed, n, m, d, reach, cost, scaling)
     reverse product per step (the mirror of flashot.autodiff.replay): its second
     derivatives in the points and the weights equal the two-sided replay's (float64)."""
     x, y, a, b, v = problem(seed, n, m, d, dtype=torch.float64)
-    u = torch.randn_like(a)
+    u = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     extra = {} if cost == "sqeuclidean" else {"cost": cost}
     loss = flashot.SamplesLoss(blur=0.3, scaling=scaling, diameter=4.0, reach=reach,
                                backend="torch", **extra)  # fmt: skip
@@ -236,5 +236,5 @@ def test_a_self_problem_replays_as_a_mirror(seed, n, m, d, reach, cost, scaling)
         assert calls["mirror"] == 1  # (xx; y takes no gradient: no yy replay)
         mp.setattr(replay, "_mirrors", lambda *t: False)
         two = _second_derivatives(loss, x, y, a, b, v, u)
-    for got, want in zip(one, two, strict=True):
-        assert rel(got, want) < 1e-10
+    for got, want in zip(one, two, strict=True):  # (cosine in 1-D: zero curvature)
+        assert (got - want).norm() <= 1e-10 * want.norm() + 1e-14
