@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashot
-from flashot.autodiff import replay
+from flashot.autodiff import replay, second_order
 from flashot.backends import available_backends
 from flashot.solver.graphs import GraphCache
 from flashot.solver.loop import geomloss_schedule
@@ -213,17 +213,18 @@ def _second_derivatives(loss, x, y, a, w, v, u):
        d=st.integers(1, 4), reach=st.sampled_from([None, 0.8]),
        cost=st.sampled_from(["sqeuclidean", "cosine"]),
        scaling=st.sampled_from([0.5, 0.8]))  # fmt: skip
-def test_a_self_problem_replays_as_a_mirror(seed, n, m, d, reach, cost, scaling):
-    """A debiased loss's self problem OT(a, a) replays one transform per step and one
-    reverse product per step (the mirror of flashot.autodiff.replay): its second
-    derivatives in the points and the weights equal the two-sided replay's (float64)."""
+def test_a_self_problem_is_differentiated_as_a_mirror(seed, n, m, d, reach, cost, scaling):
+    """A debiased loss's self problem OT(a, a) replays one transform and one reverse
+    product per step and forms its envelope gradient's rows only (the mirror of
+    flashot.autodiff.replay): its second derivatives in the points and the weights equal
+    the two-sided ones (float64)."""
     x, y, a, b, v = problem(seed, n, m, d, dtype=torch.float64)
     u = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     extra = {} if cost == "sqeuclidean" else {"cost": cost}
     loss = flashot.SamplesLoss(blur=0.3, scaling=scaling, diameter=4.0, reach=reach,
                                backend="torch", **extra)  # fmt: skip
     calls = {"mirror": 0}
-    mirrors = replay._mirrors
+    mirrors = second_order.mirrors
 
     def counted(*t):
         got = mirrors(*t)
@@ -231,10 +232,10 @@ def test_a_self_problem_replays_as_a_mirror(seed, n, m, d, reach, cost, scaling)
         return got
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(replay, "_mirrors", counted)
+        mp.setattr(second_order, "mirrors", counted)
         one = _second_derivatives(loss, x, y, a, b, v, u)
         assert calls["mirror"] == 1  # (xx; y takes no gradient: no yy replay)
-        mp.setattr(replay, "_mirrors", lambda *t: False)
+        mp.setattr(second_order, "mirrors", lambda *t: False)
         two = _second_derivatives(loss, x, y, a, b, v, u)
     for got, want in zip(one, two, strict=True):  # (cosine in 1-D: zero curvature)
         assert (got - want).norm() <= 1e-10 * want.norm() + 1e-14

@@ -69,7 +69,7 @@ from flashot.geometry.costs import AttentionForm
 from flashot.solver.graphs import GraphCache, capture_or_eager
 from flashot.solver.stopping import CheckSchedule
 
-__all__ = ["REPLAY_GRAPHS", "Replay", "unrolled_potentials"]
+__all__ = ["REPLAY_GRAPHS", "Replay", "mirrors", "unrolled_potentials"]
 
 #: captured replays (forward and backward of each piece: a debiased value holds three)
 REPLAY_GRAPHS = GraphCache(capacity=8, capture=capture_or_eager)
@@ -85,22 +85,23 @@ def unrolled_potentials(theta, trajectory: Trajectory, spec: DualSpec, mirror: b
     Args:
         theta: (q, α, k, β, a, b) with their autograd history.
         trajectory: how the solve ran.  spec: the problem's :class:`DualSpec`.
-        mirror: θ's two sides are one cloud and one weight vector, (k, β, b) the same
-            functions of the sources as (q, α, a) (a self problem): replayed as a mirror
-            (see the module) where its steps are symmetric from a zero start and ρ is
-            one; the caller vouches for the maps.
+        mirror: replay as a mirror (see the module): θ's two sides are one cloud and one
+            weight vector, (k, β, b) the same functions of the sources as (q, α, a) (a self
+            problem; the caller vouches for the maps), and :func:`mirrors` holds.
     """
     if trajectory.refusal is not None:
         raise RuntimeError(trajectory.refusal)
     q, alpha, k, beta, a, b = theta
-    mirror = mirror and _mirrors(trajectory, spec, theta)
+    if mirror and not mirrors(trajectory, spec, theta):
+        raise ValueError("internal: a mirror replay needs symmetric steps from zero, one ρ "
+                         "and two sides alike")  # fmt: skip
     init = () if trajectory.init is None else tuple(t.detach() for t in trajectory.init)
     f, g, *_ = Replay.apply(q, alpha, k, beta, torch.log(a), torch.log(b), trajectory, spec,
                             mirror, *init)  # fmt: skip
     return f, g
 
 
-def _mirrors(trajectory: Trajectory, spec: DualSpec, theta) -> bool:
+def mirrors(trajectory: Trajectory, spec: DualSpec, theta) -> bool:
     """Whether a problem declared a mirror replays as one.
 
     Symmetric steps from zero, one ρ, not packed, sides of one shape whose gradients are

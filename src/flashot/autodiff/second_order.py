@@ -42,7 +42,7 @@ from flashot.autodiff.implicit import (
     refine_potentials,
     value_gradient,
 )
-from flashot.autodiff.replay import unrolled_potentials
+from flashot.autodiff.replay import mirrors, unrolled_potentials
 from flashot.autodiff.unrolled import Trajectory, envelope_gradient
 from flashot.backends import entry_point
 
@@ -144,8 +144,9 @@ def _piece_gradient(piece: Piece, sources, grad) -> list:
     if piece.trajectory is not None:
         # one list of operand conversions for the replay, its backward and the envelope
         spec = dataclasses.replace(piece.spec, operands=[])
-        z = unrolled_potentials(theta, piece.trajectory, spec, piece.mirror)
-        grads = list(envelope_gradient(theta, z, piece.trajectory, spec, piece.kind))
+        mirror = piece.mirror and mirrors(piece.trajectory, spec, theta)
+        z = unrolled_potentials(theta, piece.trajectory, spec, mirror)
+        grads = list(envelope_gradient(theta, z, piece.trajectory, spec, piece.kind, mirror))
     else:
         # (the converged problem's Hessian: potentials as converged as the accuracy asks)
         target = piece.spec.cg_tol / RESIDUAL_PER_ERROR * MARGINAL_PER_ERROR
@@ -161,7 +162,7 @@ def _piece_gradient(piece: Piece, sources, grad) -> list:
         return grads
     merged: dict[int, tuple] = {}  # θ may hold a source twice (a self problem's weights)
     for t, gt in zip(theta, grads, strict=True):
-        if t.requires_grad:
+        if t.requires_grad and gt is not None:  # (a mirror's columns: in its rows' slots)
             old = merged.get(id(t))
             merged[id(t)] = (t, gt if old is None else old[1] + gt)
     # a source given twice (x and y of a self problem) gets its gradient once

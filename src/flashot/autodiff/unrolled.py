@@ -265,7 +265,8 @@ def dual_partials(pot, w, eps: float, rho: float | None, kind: str):
     )
 
 
-def envelope_gradient(theta, z, trajectory: Trajectory, spec: DualSpec, kind: str):
+def envelope_gradient(theta, z, trajectory: Trajectory, spec: DualSpec, kind: str,
+                      mirror: bool = False):  # fmt: skip
     r"""``∂_θ V(θ, z)``, the gradient a fixed-iteration solve returns, as an expression in θ, z.
 
     ``V = Φ_x(f*, a) + Φ_y(g*, b)`` (:func:`dual_partials`, plus ``ε m(a) m(b)`` on the
@@ -280,9 +281,13 @@ def envelope_gradient(theta, z, trajectory: Trajectory, spec: DualSpec, kind: st
         z: (f_K, g_K) from :func:`~flashot.autodiff.replay.unrolled_potentials`.
         trajectory: how the solve ran.  spec: the problem's :class:`DualSpec`.
         kind: how the value is written (:func:`dual_partials`).
+        mirror: a mirror problem (:mod:`~flashot.autodiff.replay`: θ's columns the same
+            functions of the sources as its rows, f_K = g_K): the columns' terms equal the
+            rows', so the rows' are formed once and counted twice, in the rows' slots.
 
     Returns:
-        Six gradients shaped like θ (None for those that need none).
+        Six gradients shaped like θ (None for those that need none, and for the columns'
+        slots of a mirror).
     """
     q, alpha, k, beta, a, b = theta
     f_k, g_k = z
@@ -291,6 +296,15 @@ def envelope_gradient(theta, z, trajectory: Trajectory, spec: DualSpec, kind: st
     lam_x, lam_y = damping(rho_x, eps), damping(rho_y, eps)
     t_x, r_x = Transform.apply(q, alpha, k, beta, log_b, g_k, spec)
     f_star = lam_x * t_x
+    if mirror:
+        c_x, grad_a = dual_partials(f_star, a, eps, rho_x, kind)
+        if kind == "dual":
+            grad_a = grad_a + eps * other_masses(b, spec.segments, a)
+        u_x = lam_x * c_x
+        wanted = (q.requires_grad, alpha.requires_grad, False, False, False, False)
+        row = transform_vjp((q, alpha, k, beta, log_b, g_k), r_x, u_x, u_x, spec, wanted)
+        return (*(None if t is None else 2.0 * t for t in row[:2]), None, None,
+                2.0 * grad_a if a.requires_grad else None, None)  # fmt: skip
     h_y = f_star if trajectory.update == "alternating" else f_k
     t_y, r_y = Transform.apply(k, beta, q, alpha, log_a, h_y, spec.T)
     g_star = lam_y * t_y
