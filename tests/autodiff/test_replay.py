@@ -239,3 +239,24 @@ def test_a_self_problem_is_differentiated_as_a_mirror(seed, n, m, d, reach, cost
         two = _second_derivatives(loss, x, y, a, b, v, u)
     for got, want in zip(one, two, strict=True):  # (cosine in 1-D: zero curvature)
         assert (got - want).norm() <= 1e-10 * want.norm() + 1e-14
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [3, 64])
+def test_a_self_problem_is_a_mirror_natively(d):
+    """The mirror on the GPU (Triton, graphs captured on the second call): GeomLoss'
+    debiased call's HVP equals the two-sided one and float64's."""
+    x, y = cuda_clouds(3000, 2500, d)
+    v = torch.randn_like(x)
+    loss = flashot.SamplesLoss(blur=0.1, scaling=0.7)
+    ref = flashot.SamplesLoss(blur=0.1, scaling=0.7, backend="torch")
+    want = double_backward(lambda t: ref(t, y.double()), x.double(), v.double())[1]
+    got = []
+    with pytest.MonkeyPatch.context() as mp:
+        for on in (False, True, True):  # (the second on: a captured replay)
+            if len(got) < 2:  # (captures keep the launches they were made with)
+                replay.REPLAY_GRAPHS.clear()
+            mp.setattr(second_order, "mirrors", replay.mirrors if on else lambda *t: False)
+            got.append(double_backward(lambda t: loss(t, y), x, v)[1])
+    assert rel(got[1], got[0]) < 1e-5 and rel(got[2], got[0]) < 1e-5
+    assert rel(got[1], want) < 1e-3
