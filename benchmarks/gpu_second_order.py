@@ -25,7 +25,8 @@ Parts (env PARTS, default "A,B,C"):
   ``plan_vjp`` kernel's tiles for one value column (``_configs.VJP_NARROW_TILES``), each
   with one launch, the whole HVP and its error against the float64 double backward;
   SYM_TILES="64,64,4,2;128,64,4,2" times the symmetric reverse's tiles
-  (``_configs.SYM_VJP_TILES``), SYM_VJP on.
+  (``_configs.SYM_VJP_TILES``), SYM_VJP on; MIRROR=1 a self problem's mirror off and on,
+  twice (with P_CASE=geomloss: the debiased call).
 
 Prints a short table last; rows also go to $OUT/second_order.json when OUT is set.
 """
@@ -223,6 +224,19 @@ def part_p():
     # (GeomLoss' defaults: no float64 double backward, which takes minutes at 10k)
     ref = None if geomloss else hvp_of(x.double(), y.double(), v.double())()
     kept = vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS, vjp.SYM_VJP
+    if os.environ.get("MIRROR"):  # a self problem as a mirror, off and on (P_CASE=geomloss)
+        from flashot.autodiff import replay, second_order
+
+        for on in (False, True, False, True):
+            second_order.mirrors = replay.mirrors if on else (lambda *t: False)
+            REPLAY_GRAPHS.clear()
+            run = hvp_of(x, y, v)
+            rows.append(dict(part="P", case=case, who=f"mirror={on}", ms=0.0,
+                             hvp_ms=bench(run), err=None if ref is None else rel(run(), ref),
+                             whole_ms=bench(lambda: double_backward(loss_y, x, v))))  # fmt: skip
+            print(rows[-1], flush=True)
+        second_order.mirrors = replay.mirrors
+        REPLAY_GRAPHS.clear()
     if os.environ.get("SYM_TILES"):  # "64,64,4,2;128,64,4,2": SYM_VJP's tiles, each on
         sym_kept = vjp.SYM_VJP_TILES
         for text in os.environ["SYM_TILES"].split(";"):
