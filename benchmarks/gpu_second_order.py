@@ -26,7 +26,9 @@ Parts (env PARTS, default "A,B,C"):
   with one launch, the whole HVP and its error against the float64 double backward;
   SYM_TILES="64,64,4,2;128,64,4,2" times the symmetric reverse's tiles
   (``_configs.SYM_VJP_TILES``), SYM_VJP on; MIRROR=1 a self problem's mirror off and on,
-  twice (with P_CASE=geomloss: the debiased call).
+  twice (with P_CASE=geomloss: the debiased call); STABILIZED=1 the replay's LSEs from
+  stabilized fused sums (``_configs.STABILIZED_LSE_FROM``) off and on, twice. No float64
+  error past REF_MAX points.
 
 Prints a short table last; rows also go to $OUT/second_order.json when OUT is set.
 """
@@ -222,8 +224,20 @@ def part_p():
                     (64, 128, 4, 2), (128, 32, 4, 2), (32, 64, 4, 2), (128, 128, 8, 2),
                     (256, 64, 8, 2), (64, 32, 4, 2)]  # fmt: skip
     # (GeomLoss' defaults: no float64 double backward, which takes minutes at 10k)
-    ref = None if geomloss else hvp_of(x.double(), y.double(), v.double())()
+    ref = None if geomloss or n > REF_MAX else hvp_of(x.double(), y.double(), v.double())()
     kept = vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS, vjp.SYM_VJP
+    if os.environ.get("STABILIZED"):  # replayed LSEs from stabilized fused sums, off and on
+        stab_kept = vjp.STABILIZED_LSE_FROM
+        for on in (False, True, False, True):
+            vjp.STABILIZED_LSE_FROM = 0 if on else None
+            REPLAY_GRAPHS.clear()
+            run = hvp_of(x, y, v)
+            rows.append(dict(part="P", case=case, who=f"stabilized={on}", ms=0.0,
+                             hvp_ms=bench(run), err=None if ref is None else rel(run(), ref),
+                             whole_ms=bench(lambda: double_backward(loss_y, x, v))))  # fmt: skip
+            print(rows[-1], flush=True)
+        vjp.STABILIZED_LSE_FROM = stab_kept
+        REPLAY_GRAPHS.clear()
     if os.environ.get("MIRROR"):  # a self problem as a mirror, off and on (P_CASE=geomloss)
         from flashot.autodiff import replay, second_order
 

@@ -260,3 +260,46 @@ def test_a_self_problem_is_a_mirror_natively(d):
             got.append(double_backward(lambda t: loss(t, y), x, v)[1])
     assert rel(got[1], got[0]) < 1e-5 and rel(got[2], got[0]) < 1e-5
     assert rel(got[1], want) < 1e-3
+
+
+@pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
+def test_replayed_steps_from_stabilized_sums_give_the_same_second_derivatives():
+    """With ``STABILIZED_LSE_FROM`` a replayed symmetric step's two LSEs come from a fused
+    step's sums (stabilized by the solve's iterates): the HVP of the row passes', and of
+    float64 on the torch backend."""
+    from flashot.backends.triton import TritonBackend, _configs
+    from flashot.backends.triton import backend as triton_backend
+
+    x, y, a, b, v = problem(12, 10, 8, 3, dtype=torch.float32)
+
+    def hvp(backend, dtype=torch.float32):
+        loss = flashot.SamplesLoss(blur=0.2, scaling=0.6, diameter=4.0, backend=backend)
+        return double_backward(lambda t: loss(a.to(dtype), t, b.to(dtype), y.to(dtype)),
+                               x.to(dtype), v.to(dtype))[1]  # fmt: skip
+
+    want = hvp("torch", torch.float64)
+    inside, calls = [], []  # (fused steps taken inside potential_lse: the replay's)
+    with pytest.MonkeyPatch.context() as mp:
+        step, lse = triton_backend.fused_step, TritonBackend.potential_lse
+
+        def spied_lse(self, pot, stabilized=False):
+            inside.append(1)
+            try:
+                return lse(self, pot, stabilized)
+            finally:
+                inside.pop()
+
+        mp.setattr(TritonBackend, "potential_lse", spied_lse)
+
+        def spied_step(*t, **k):
+            calls.extend(inside[:1])
+            return step(*t, **k)
+
+        mp.setattr(triton_backend, "fused_step", spied_step)
+        plain = hvp(TritonBackend())
+        assert not calls
+        mp.setattr(_configs, "STABILIZED_LSE_FROM", 0)
+        fused = hvp(TritonBackend())
+    steps = len(geomloss_schedule(4.0, 0.04, 0.6))  # (xy; the self problem is a mirror)
+    assert len(calls) >= steps - 1, (len(calls), steps)
+    assert rel(fused, plain) < 1e-5 and rel(fused, want) < 1e-4

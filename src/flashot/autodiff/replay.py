@@ -264,7 +264,8 @@ class _Sweep:
         form = transform_form(q, alpha, k, beta, spec)
         with spec.backend.operand_scope(spec.operands):
             lse_r, lse_c = spec.backend.potential_lse(
-                Potentials(form, f, g, log_a.detach(), log_b.detach(), spec.eps)
+                Potentials(form, f, g, log_a.detach(), log_b.detach(), spec.eps),
+                stabilized=True,
             )
         return ((self._lam(e, 0) * (form.alpha - lse_r), -lse_r),
                 (self._lam(e, 1) * (form.beta - lse_c), -lse_c))  # fmt: skip

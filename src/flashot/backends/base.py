@@ -163,11 +163,17 @@ class Backend:
             self.row_attend(form.T, h_row, eps, log_w=log_w_row)[0],
         )
 
-    def potential_lse(self, pot: Potentials) -> tuple[torch.Tensor, torch.Tensor]:
+    def potential_lse(
+        self, pot: Potentials, stabilized: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`symmetric_lse` with the biases of potentials, ``h = g − β``, weights b.
 
         Args:
             pot: the problem at potentials (f, g).
+            stabilized: the potentials are a solve's iterates, near the step's fixed point
+                (a replayed schedule's steps; not a cold start): a backend may form the
+                sums relative to them (one exponential a score, rows out of range
+                recomputed exactly). The same LSEs either way.
         """
         form = pot.form
         return self.symmetric_lse(form, pot.g - form.beta, pot.f - form.alpha, pot.eps,

@@ -234,3 +234,43 @@ def test_potential_lse_is_one_exact_pass_in_fp32(n, m, d, log_eps, spread, preci
             scale = float(w.abs().max()) + float(ref_form.q.norm(dim=1).max() ** 2) + 1.0
             tol = 64 * 2.0**-24 if precision == "fp32" else 2.0**-6
             assert (o.double().cpu() - w).abs().max() < tol * scale
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(1, 60), m=st.integers(1, 60), d=st.integers(1, 20),
+       log_eps=st.floats(-2.5, 0.5), spread=st.floats(0.0, 6.0), steps=st.integers(0, 4),
+       precision=st.sampled_from(["fp32", "bf16"]))  # fmt: skip
+def test_stabilized_potential_lse_is_a_fused_step(n, m, d, log_eps, spread, steps, precision):
+    """``potential_lse(stabilized=True)`` (a replayed step) from ``STABILIZED_LSE_FROM``
+    score elements: a fused step's sums, one exponential a score for both sides, rows out
+    of the window recomputed. Both LSEs equal float64's at far potentials (repaired) and
+    at a solve's iterates, as the row passes' do."""
+    from flashot.backends.triton import TritonBackend, _configs, backend
+
+    gen = torch.Generator().manual_seed(n * 7919 + m * 31 + d + 101 * steps)
+    x, y = clouds(gen, n, m, d, dtype=torch.float64)
+    la, lb = (torch.log(torch.rand(s, generator=gen, dtype=torch.float64) + 0.05)
+              for s in (n, m))  # fmt: skip
+    eps = 10.0**log_eps * d
+    ref_form, form = _forms(x, y)
+    ref = TorchBackend()
+    f, g = (spread * torch.randn(s, generator=gen, dtype=torch.float64) for s in (n, m))
+    for _ in range(steps):  # (a solve's iterates: near the step's fixed point)
+        f, g, _ = ref.jacobi_step(Potentials(ref_form, f, g, la, lb, eps), (1.0, 1.0),
+                                  (None, None))  # fmt: skip
+    want = ref.potential_lse(Potentials(ref_form, f, g, la, lb, eps))
+    args32 = [t.float().to(DEVICE) for t in (f, g, la, lb)]
+    calls: list = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_configs, "STABILIZED_LSE_FROM", 0)
+        step = backend.fused_step
+        mp.setattr(backend, "fused_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+        be = TritonBackend(precision=precision)
+        got = be.potential_lse(Potentials(form, *args32, eps), stabilized=True)
+        plain = be.potential_lse(Potentials(form, *args32, eps))
+    assert len(calls) == (not is_near_uniform(form, eps))
+    for o, p, w in zip(got, plain, want, strict=True):
+        scale = float(w.abs().max()) + float(ref_form.q.norm(dim=1).max() ** 2) + 1.0
+        tol = 64 * 2.0**-24 if precision == "fp32" else 2.0**-6
+        assert (o.double().cpu() - w).abs().max() < tol * scale
+        assert (o - p).abs().max() < tol * scale

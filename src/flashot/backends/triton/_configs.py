@@ -296,6 +296,13 @@ VJP_NARROW_WIDE_TILES = (64, 64, 4, 2)
 #: GeomLoss' defaults at 10k, d = 3 and 64, within the runs' spread); sm_90 counts 24–27
 #: instructions a score for it against 2 × 13.7 for two row passes
 ONE_PASS_LSE = False
+#: from this many score elements (n · m; None: never) a replayed step's two LSEs come from
+#: the fused step's sums, stabilized by the solve's own iterates (one exp a score for both
+#: sides, a row pass's cost for two; ``TritonBackend.potential_lse(stabilized=True)``).
+#: Off until timed: predicted (H100, the peer's HVP setting, 50k d64, 54 steps at ~3.6 ms
+#: a row pass against ~3.2 for a fused step) 998 → ~780 ms; at 10k the four launches of a
+#: fused step may cost more than two row passes (v48, NOTES.md)
+STABILIZED_LSE_FROM: int | None = None
 #: a replayed symmetric step's two reverse products in one launch (:mod:`._sym_vjp`: one
 #: score tile and two exps a score against three launches' three and three), up to
 #: SYM_VJP_UP_TO features. sm_90 counts at d = 64, split operands: 41 instructions a
