@@ -27,7 +27,9 @@ Parts (env PARTS, default "A,B,C"):
   SYM_TILES="64,64,4,2;128,64,4,2" times the symmetric reverse's tiles
   (``_configs.SYM_VJP_TILES``), SYM_VJP on; MIRROR=1 a self problem's mirror off and on,
   twice (with P_CASE=geomloss: the debiased call); STABILIZED=1 the replay's LSEs from
-  stabilized fused sums (``_configs.STABILIZED_LSE_FROM``) off and on, twice. No float64
+  stabilized fused sums (``_configs.STABILIZED_LSE_FROM``) off and on, twice;
+  MID="128,64,8,2" the wide reverse product's tiles for 17…64 values
+  (``_configs.VJP_MID_TILES``: the envelope's row average) off, then each. No float64
   error past REF_MAX points.
 
 Prints a short table last; rows also go to $OUT/second_order.json when OUT is set.
@@ -226,6 +228,18 @@ def part_p():
     # (GeomLoss' defaults: no float64 double backward, which takes minutes at 10k)
     ref = None if geomloss or n > REF_MAX else hvp_of(x.double(), y.double(), v.double())()
     kept = vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS, vjp.SYM_VJP
+    if os.environ.get("MID"):  # "128,64,8,2;64,64,4,2": VJP_MID_TILES off, then each
+        mid_kept = vjp.VJP_MID_TILES
+        for text in ["off"] + os.environ["MID"].split(";"):
+            vjp.VJP_MID_TILES = None if text == "off" else tuple(int(t) for t in text.split(","))
+            REPLAY_GRAPHS.clear()
+            run = hvp_of(x, y, v)
+            rows.append(dict(part="P", case=case, who=f"mid tiles {vjp.VJP_MID_TILES}", ms=0.0,
+                             hvp_ms=bench(run), err=None if ref is None else rel(run(), ref),
+                             whole_ms=bench(lambda: double_backward(loss_y, x, v))))  # fmt: skip
+            print(rows[-1], flush=True)
+        vjp.VJP_MID_TILES = mid_kept
+        REPLAY_GRAPHS.clear()
     if os.environ.get("STABILIZED"):  # replayed LSEs from stabilized fused sums, off and on
         stab_kept = vjp.STABILIZED_LSE_FROM
         for on in (False, True, False, True):

@@ -60,14 +60,15 @@ def launches(d: int, presplit: bool):
 
 def reverse_products(d: int, presplit: bool):
     """The reverse plan product's launches (:func:`._vjp._rows`) at d features for one
-    value column (the replay's), 16 (narrow, not an outer product) and 32 (wide)."""
-    for p in (1, 16, 32):
+    value column (the replay's), 16 (narrow, not an outer product), 32 and 64 (wide)."""
+    for p in (1, 16, 32, 64):
         outer = p == 1
         bm, bn, warps, stages = _vjp.vjp_tiles(p, d)
-        chunks = 1 if p <= _vjp._configs.VJP_P_CHUNK else 2
+        chunk = _vjp.vjp_chunk(p, d)
+        chunks = 1 if p <= chunk else 2
         half = (("Q", "K") if presplit else ()) + (("KV",) if outer and presplit else ())
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_vjp._width(d), BLOCK_K=_vjp._width(d),
-                      BLOCK_P=_vjp._width(p) if chunks == 1 else _vjp._configs.VJP_P_CHUNK,
+                      BLOCK_P=_vjp._width(p) if chunks == 1 else chunk,
                       P_CHUNKS=chunks, SPLIT=True, WITH_K=True,
                       PRECISION="ieee" if presplit else "tf32x3", V_PRECISION="tf32x3",
                       PRESPLIT=presplit, OUTER=outer, KV_SPLIT=outer and presplit,

@@ -56,11 +56,16 @@ def test_one_value_column_of_a_softmax_matches_dense(n, m, d, eps, presplit, spl
         assert rel(getattr(out, key).double().cpu(), want[key]) < tol, key
 
 
+@pytest.mark.parametrize("mid", [None, (128, 64, 8, 2)])
 @pytest.mark.parametrize("presplit", [None, True])
-@pytest.mark.parametrize("p,d0", [(1, False), (1, True), (7, True), (40, False)])
-def test_split_scores_match_dense_for_any_values(gen, presplit, p, d0):
+@pytest.mark.parametrize("p,d0", [(1, False), (1, True), (7, True), (40, False), (64, True)])
+def test_split_scores_match_dense_for_any_values(gen, monkeypatch, presplit, p, d0, mid):
     """Wider values and a row-sum cotangent take the general path (values by MMA, not
-    split); its scores read the split parts too."""
+    split); its scores read the split parts too. ``VJP_MID_TILES`` (on a GPU: 17…64
+    values in one chunk of 64) gives the same reductions."""
+    from flashot.backends.triton import _configs
+
+    monkeypatch.setattr(_configs, "VJP_MID_TILES", mid)
     n, m, d, eps = 45, 61, 24, 0.2
     form, h = problem(gen, n, m, d, torch.float32, DEVICE)
     log_w = torch.log(torch.rand(m, generator=gen) + 0.1).to(DEVICE)

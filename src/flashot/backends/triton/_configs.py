@@ -321,6 +321,12 @@ SYM_VJP_TILES = (128, 64, 8, 2)
 SYM_VJP_WIDE_TILES = {128: (64, 32, 4, 2), 256: (64, 32, 4, 1)}
 #: values wider than this stream in chunks of it (not hoisted)
 VJP_P_CHUNK = 32
+#: 17…64 value columns at ≤ 64 score features (the envelope's row average backward, p = d)
+#: in one chunk of 64 (None: VJP_TILES, chunks of 32). sm_90 counts at d = 64, split
+#: operands: 128 × 64 × 8 warps 41.4 instructions a score, no spills, 197 KB (213 KB on
+#: float32 clouds), against 84.7 for 32 × 64 × 4 in two chunks (v48, offline; NOTES.md).
+#: Off until timed
+VJP_MID_TILES: tuple | None = None
 #: a reverse product of one value column that needs the column sums but not their keys
 #: (a replayed row transform's) forms them in the rows' launch (one more exp2 per score,
 #: atomics per tile) instead of a second launch on the transposed form. Off: timed on an

@@ -92,7 +92,7 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
     blocks = cdiv(n, block_m)
     splits, per = _configs.column_grid(blocks, m, block_n, dev, backend.splits)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
-    chunk = 16 if triton_interpreted() else _configs.VJP_P_CHUNK
+    chunk = 16 if triton_interpreted() else vjp_chunk(p, qs.shape[1])
     block_p, p_chunks = (_width(p), 1) if p <= chunk else (chunk, cdiv(p, chunk))
     with on_device(dev):
         _plan_vjp_kernel[(blocks, splits)](
@@ -117,11 +117,21 @@ def vjp_tiles(p: int, dq: int) -> tuple:
     """(BLOCK_M, BLOCK_N, warps, stages) on a GPU for p values and ``dq`` score features.
 
     Narrow values past 64 features take the tiles that fit sm_90's shared memory there
-    (:data:`._configs.VJP_NARROW_WIDE_TILES`).
+    (:data:`._configs.VJP_NARROW_WIDE_TILES`); up to 64 values and features, in one
+    chunk, :data:`._configs.VJP_MID_TILES` where set.
     """
     if p > 16:
-        return _configs.VJP_TILES
+        return _configs.VJP_MID_TILES if _mid(p, dq) else _configs.VJP_TILES
     return _configs.VJP_NARROW_WIDE_TILES if _width(dq) > 64 else _configs.VJP_NARROW_TILES
+
+
+def vjp_chunk(p: int, dq: int) -> int:
+    """The value columns a tile takes at a time (the rest stream in further chunks)."""
+    return 64 if _mid(p, dq) else _configs.VJP_P_CHUNK
+
+
+def _mid(p: int, dq: int) -> bool:
+    return _configs.VJP_MID_TILES is not None and 16 < p <= 64 and _width(dq) <= 64
 
 
 def _value_dot(backend) -> str:
