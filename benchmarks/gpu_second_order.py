@@ -230,7 +230,7 @@ def part_p():
     kept = vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS, vjp.SYM_VJP
     if os.environ.get("MID"):  # "128,64,8,2;64,64,4,2": VJP_MID_TILES off, then each
         mid_kept = vjp.VJP_MID_TILES
-        for text in ["off"] + os.environ["MID"].split(";"):
+        for text in ["off", *os.environ["MID"].split(";")]:
             vjp.VJP_MID_TILES = None if text == "off" else tuple(int(t) for t in text.split(","))
             REPLAY_GRAPHS.clear()
             run = hvp_of(x, y, v)
