@@ -120,8 +120,9 @@ def vjp_tiles(p: int, dq: int) -> tuple:
     (:data:`._configs.VJP_NARROW_WIDE_TILES`); up to 64 values and features, in one
     chunk, :data:`._configs.VJP_MID_TILES` where set.
     """
+    mid = _configs.VJP_MID_TILES
     if p > 16:
-        return _configs.VJP_MID_TILES if _mid(p, dq) else _configs.VJP_TILES
+        return mid if mid is not None and _mid(p, dq) else _configs.VJP_TILES
     return _configs.VJP_NARROW_WIDE_TILES if _width(dq) > 64 else _configs.VJP_NARROW_TILES
 
 
