@@ -25,7 +25,8 @@ Parts (env PARTS, default "A,B,C"):
   ``plan_vjp`` kernel's tiles for one value column (``_configs.VJP_NARROW_TILES``), each
   with one launch, the whole HVP and its error against the float64 double backward;
   SYM_TILES="64,64,4,2;128,64,4,2" times the symmetric reverse's tiles
-  (``_configs.SYM_VJP_TILES``), SYM_VJP on; MIRROR=1 a self problem's mirror off and on,
+  (``_configs.SYM_VJP_TILES``; SYM_VJP is on by default); MIRROR=1 a self problem's
+  mirror off and on,
   twice (with P_CASE=geomloss: the debiased call); STABILIZED=1 the replay's LSEs from
   stabilized fused sums (``_configs.STABILIZED_LSE_FROM``) off and on, twice;
   MID="128,64,8,2" the wide reverse product's tiles for 17…64 values
@@ -228,56 +229,38 @@ def part_p():
     # (GeomLoss' defaults: no float64 double backward, which takes minutes at 10k)
     ref = None if geomloss or n > REF_MAX else hvp_of(x.double(), y.double(), v.double())()
     kept = vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS, vjp.SYM_VJP
-    if os.environ.get("MID"):  # "128,64,8,2;64,64,4,2": VJP_MID_TILES off, then each
-        mid_kept = vjp.VJP_MID_TILES
-        for text in ["off", *os.environ["MID"].split(";")]:
-            vjp.VJP_MID_TILES = None if text == "off" else tuple(int(t) for t in text.split(","))
-            REPLAY_GRAPHS.clear()
+
+    def toggle(module, name, labelled):  # module.name at each (label, value), then restored
+        kept_value = getattr(module, name)
+        for label, value in labelled:
+            setattr(module, name, value)
+            REPLAY_GRAPHS.clear()  # (captured replays keep the launches they were made with)
             run = hvp_of(x, y, v)
-            rows.append(dict(part="P", case=case, who=f"mid tiles {vjp.VJP_MID_TILES}", ms=0.0,
-                             hvp_ms=bench(run), err=None if ref is None else rel(run(), ref),
+            rows.append(dict(part="P", case=case, who=label, ms=0.0, hvp_ms=bench(run),
+                             err=None if ref is None else rel(run(), ref),
                              whole_ms=bench(lambda: double_backward(loss_y, x, v))))  # fmt: skip
             print(rows[-1], flush=True)
-        vjp.VJP_MID_TILES = mid_kept
+        setattr(module, name, kept_value)
         REPLAY_GRAPHS.clear()
+
+    def tiles(text):  # "128,64,8,2;64,64,4,2" → tuples
+        return [tuple(int(t) for t in one.split(",")) for one in text.split(";")]
+
+    if os.environ.get("MID"):  # VJP_MID_TILES off, then each
+        toggle(vjp, "VJP_MID_TILES", [(f"mid tiles {t}", t)
+                                      for t in [None, *tiles(os.environ["MID"])]])  # fmt: skip
     if os.environ.get("STABILIZED"):  # replayed LSEs from stabilized fused sums, off and on
-        stab_kept = vjp.STABILIZED_LSE_FROM
-        for on in (False, True, False, True):
-            vjp.STABILIZED_LSE_FROM = 0 if on else None
-            REPLAY_GRAPHS.clear()
-            run = hvp_of(x, y, v)
-            rows.append(dict(part="P", case=case, who=f"stabilized={on}", ms=0.0,
-                             hvp_ms=bench(run), err=None if ref is None else rel(run(), ref),
-                             whole_ms=bench(lambda: double_backward(loss_y, x, v))))  # fmt: skip
-            print(rows[-1], flush=True)
-        vjp.STABILIZED_LSE_FROM = stab_kept
-        REPLAY_GRAPHS.clear()
+        toggle(vjp, "STABILIZED_LSE_FROM", [(f"stabilized={on}", 0 if on else None)
+                                            for on in (False, True, False, True)])  # fmt: skip
     if os.environ.get("MIRROR"):  # a self problem as a mirror, off and on (P_CASE=geomloss)
         from flashot.autodiff import replay, second_order
 
-        for on in (False, True, False, True):
-            second_order.mirrors = replay.mirrors if on else (lambda *t: False)
-            REPLAY_GRAPHS.clear()
-            run = hvp_of(x, y, v)
-            rows.append(dict(part="P", case=case, who=f"mirror={on}", ms=0.0,
-                             hvp_ms=bench(run), err=None if ref is None else rel(run(), ref),
-                             whole_ms=bench(lambda: double_backward(loss_y, x, v))))  # fmt: skip
-            print(rows[-1], flush=True)
-        second_order.mirrors = replay.mirrors
-        REPLAY_GRAPHS.clear()
-    if os.environ.get("SYM_TILES"):  # "64,64,4,2;128,64,4,2": SYM_VJP's tiles, each on
-        sym_kept = vjp.SYM_VJP_TILES
-        for text in os.environ["SYM_TILES"].split(";"):
-            vjp.SYM_VJP, vjp.SYM_VJP_TILES = True, tuple(int(t) for t in text.split(","))
-            REPLAY_GRAPHS.clear()
-            run = hvp_of(x, y, v)
-            err = None if ref is None else rel(run(), ref)
-            rows.append(dict(part="P", case=case, who=f"sym tiles {vjp.SYM_VJP_TILES}",
-                             ms=0.0, hvp_ms=bench(run), err=err,
-                             whole_ms=bench(lambda: double_backward(loss_y, x, v))))  # fmt: skip
-            print(rows[-1], flush=True)
-        vjp.SYM_VJP, vjp.SYM_VJP_TILES = kept[2], sym_kept
-        REPLAY_GRAPHS.clear()
+        off = lambda *t: False  # noqa: E731
+        toggle(second_order, "mirrors", [(f"mirror={on}", replay.mirrors if on else off)
+                                         for on in (False, True, False, True)])  # fmt: skip
+    if os.environ.get("SYM_TILES"):  # SYM_VJP's tiles (on by default), each
+        toggle(vjp, "SYM_VJP_TILES", [(f"sym tiles {t}", t)
+                                      for t in tiles(os.environ["SYM_TILES"])])  # fmt: skip
     # FUSED=1: each setting also with the columns' sums in the rows' launch; SYM=1: also
     # with a symmetric step's two reverse products in one launch (_configs.SYM_VJP)
     fusions = (False, True) if os.environ.get("FUSED") else (kept[1],)

@@ -294,42 +294,26 @@ def envelope_gradient(theta, z, trajectory: Trajectory, spec: DualSpec, kind: st
     eps, (rho_x, rho_y) = spec.eps, spec.rho
     log_a, log_b = torch.log(a), torch.log(b)
     lam_x, lam_y = damping(rho_x, eps), damping(rho_y, eps)
+    seg = spec.segments
     t_x, r_x = Transform.apply(q, alpha, k, beta, log_b, g_k, spec)
     f_star = lam_x * t_x
-    if mirror:
-        c_x, grad_a = dual_partials(f_star, a, eps, rho_x, kind)
-        if kind == "dual":
-            grad_a = grad_a + eps * other_masses(b, spec.segments, a)
-        u_x = lam_x * c_x
-        wanted = (q.requires_grad, alpha.requires_grad, False, False, False, False)
-        row = transform_vjp((q, alpha, k, beta, log_b, g_k), r_x, u_x, u_x, spec, wanted)
-        return (*(None if t is None else 2.0 * t for t in row[:2]), None, None,
-                2.0 * grad_a if a.requires_grad else None, None)  # fmt: skip
+    c_x, grad_a = dual_partials(f_star, a, eps, rho_x, kind)
+    if kind == "dual":  # (+ ε m(a) m(b), per problem)
+        grad_a = grad_a + eps * other_masses(b, seg, a)
+    u_x = lam_x * c_x
+    wanted = (q.requires_grad, alpha.requires_grad, False, False, False, False)
+    row = transform_vjp((q, alpha, k, beta, log_b, g_k), r_x, u_x, u_x, spec, wanted)
+    grad_a = grad_a if a.requires_grad else None
+    if mirror:  # (the columns' terms are the rows')
+        twice = [None if t is None else 2.0 * t for t in (row[0], row[1], grad_a)]
+        return twice[0], twice[1], None, None, twice[2], None
     h_y = f_star if trajectory.update == "alternating" else f_k
     t_y, r_y = Transform.apply(k, beta, q, alpha, log_a, h_y, spec.T)
     g_star = lam_y * t_y
-    c_x, grad_a = dual_partials(f_star, a, eps, rho_x, kind)
     c_y, grad_b = dual_partials(g_star, b, eps, rho_y, kind)
-    if kind == "dual":  # (+ ε m(a) m(b), per problem)
-        seg = spec.segments
-        grad_a = grad_a + eps * other_masses(b, seg, a)
+    if kind == "dual":
         grad_b = grad_b + eps * other_masses(a, None if seg is None else seg.T, b)
-    u_x, u_y = lam_x * c_x, lam_y * c_y
-    row = transform_vjp(
-        (q, alpha, k, beta, log_b, g_k),
-        r_x,
-        u_x,
-        u_x,
-        spec,
-        (q.requires_grad, alpha.requires_grad, False, False, False, False),
-    )
-    col = transform_vjp(
-        (k, beta, q, alpha, log_a, h_y),
-        r_y,
-        u_y,
-        u_y,
-        spec.T,
-        (k.requires_grad, beta.requires_grad, False, False, False, False),
-    )
-    return (row[0], row[1], col[0], col[1], grad_a if a.requires_grad else None,
-            grad_b if b.requires_grad else None)  # fmt: skip
+    u_y = lam_y * c_y
+    wanted = (k.requires_grad, beta.requires_grad, False, False, False, False)
+    col = transform_vjp((k, beta, q, alpha, log_a, h_y), r_y, u_y, u_y, spec.T, wanted)
+    return row[0], row[1], col[0], col[1], grad_a, grad_b if b.requires_grad else None

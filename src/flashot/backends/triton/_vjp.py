@@ -120,19 +120,19 @@ def vjp_tiles(p: int, dq: int) -> tuple:
     (:data:`._configs.VJP_NARROW_WIDE_TILES`); up to 64 values and features, in one
     chunk, :data:`._configs.VJP_MID_TILES` where set.
     """
-    mid = _configs.VJP_MID_TILES
     if p > 16:
-        return mid if mid is not None and _mid(p, dq) else _configs.VJP_TILES
+        return _mid_tiles(p, dq) or _configs.VJP_TILES
     return _configs.VJP_NARROW_WIDE_TILES if _width(dq) > 64 else _configs.VJP_NARROW_TILES
 
 
 def vjp_chunk(p: int, dq: int) -> int:
     """The value columns a tile takes at a time (the rest stream in further chunks)."""
-    return 64 if _mid(p, dq) else _configs.VJP_P_CHUNK
+    return 64 if _mid_tiles(p, dq) else _configs.VJP_P_CHUNK
 
 
-def _mid(p: int, dq: int) -> bool:
-    return _configs.VJP_MID_TILES is not None and 16 < p <= 64 and _width(dq) <= 64
+def _mid_tiles(p: int, dq: int) -> tuple | None:
+    """:data:`._configs.VJP_MID_TILES` where they serve (17…64 values, ≤ 64 features)."""
+    return _configs.VJP_MID_TILES if 16 < p <= 64 and _width(dq) <= 64 else None
 
 
 def _value_dot(backend) -> str:

@@ -239,18 +239,17 @@ class TritonBackend(Backend):
     def potential_lse(self, pot, stabilized=False):
         """See :meth:`flashot.backends.base.Backend.potential_lse`.
 
-        ``stabilized`` from :data:`._configs.STABILIZED_LSE_FROM` score elements: a fused
-        step's sums (:func:`._step.fused_step`: one exponential a score for both sides,
-        rows outside the sums' exact window recomputed), ``LSE = α − T``. In "fp32" both
-        LSEs come from one pass over the score tiles (two exps a score,
-        :func:`._one_pass.exact_lse`) where its partials fit their budget
+        ``stabilized`` from :data:`._configs.STABILIZED_LSE_FROM` score elements: the
+        undamped :meth:`extrapolate` (a fused step's sums, one exponential a score for
+        both sides, rows outside the sums' exact window recomputed), ``LSE = α − T``.
+        Otherwise in "fp32" both LSEs come from one pass over the score tiles (two exps a
+        score, :func:`._one_pass.exact_lse`) where its partials fit their budget
         (:data:`._configs.ONE_PASS_LSE`); else, and for near-uniform forms, two row passes.
         """
-        form = pot.form
-        big = _configs.STABILIZED_LSE_FROM is not None and self.fused
-        big = big and form.q.shape[0] * form.k.shape[0] >= _configs.STABILIZED_LSE_FROM
-        if stabilized and big and not _near(form, pot.eps):
-            t_x, t_y, _ = fused_step(self, pot, (0.0, 0.0), (1.0, 1.0))
+        form, start = pot.form, _configs.STABILIZED_LSE_FROM
+        big = start is not None and form.q.shape[0] * form.k.shape[0] >= start
+        if stabilized and big and self.fused and not _near(form, pot.eps):
+            t_x, t_y = self.extrapolate(pot, (1.0, 1.0))
             return form.alpha - t_x, form.beta - t_y
         if _configs.ONE_PASS_LSE and self.precision == "fp32" and not _near(pot.form, pot.eps):
             both = exact_lse(self, pot)
