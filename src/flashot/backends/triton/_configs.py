@@ -299,10 +299,9 @@ ONE_PASS_LSE = False
 #: from this many score elements (n · m; None: never) a replayed step's two LSEs come from
 #: the fused step's sums, stabilized by the solve's own iterates (one exp a score for both
 #: sides, a row pass's cost for two; ``TritonBackend.potential_lse(stabilized=True)``).
-#: Off until timed: predicted (H100, the peer's HVP setting, 50k d64, 54 steps at ~3.6 ms
-#: a row pass against ~3.2 for a fused step) 998 → ~780 ms; at 10k the four launches of a
-#: fused step may cost more than two row passes (v48, NOTES.md)
-STABILIZED_LSE_FROM: int | None = None
+#: Measured (H100, v49, the peer's HVP setting, d64, whole call): 10k 55.7 → 50.7 ms, 50k
+#: 1 013 → 880 ms, HVP error 3.3e-5 → 3.2e-5; below 10k × 10k untimed (NOTES.md)
+STABILIZED_LSE_FROM: int | None = 10_000 * 10_000
 #: a replayed symmetric step's two reverse products in one launch (:mod:`._sym_vjp`: one
 #: score tile and two exps a score against three launches' three and three), up to
 #: SYM_VJP_UP_TO features. sm_90 counts at d = 64, split operands: 41 instructions a
@@ -324,9 +323,10 @@ VJP_P_CHUNK = 32
 #: 17…64 value columns at ≤ 64 score features (the envelope's row average backward, p = d)
 #: in one chunk of 64 (None: VJP_TILES, chunks of 32). sm_90 counts at d = 64, split
 #: operands: 128 × 64 × 8 warps 41.4 instructions a score, no spills, 197 KB (213 KB on
-#: float32 clouds), against 84.7 for 32 × 64 × 4 in two chunks (v48, offline; NOTES.md).
-#: Off until timed
-VJP_MID_TILES: tuple | None = None
+#: float32 clouds), against 84.7 for 32 × 64 × 4 in two chunks (v48, offline). Measured
+#: (H100, v49, GeomLoss' defaults 10k d64): HVP 24.0 → 21.1 ms, whole 43.3 → 39.1 (64 × 64
+#: × 4: 22.7 / 41.9; NOTES.md)
+VJP_MID_TILES: tuple | None = (128, 64, 8, 2)
 #: a reverse product of one value column that needs the column sums but not their keys
 #: (a replayed row transform's) forms them in the rows' launch (one more exp2 per score,
 #: atomics per tile) instead of a second launch on the transposed form. Off: timed on an
