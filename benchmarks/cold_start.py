@@ -3,7 +3,9 @@
 Each case runs twice in a new Python process: first with empty caches (``TRITON_CACHE_DIR``
 and ``FLASHOT_CACHE_DIR`` pointed at new folders, per case; the tile tables as shipped),
 then again with those caches warm. Env: ONLY (a substring of the case names), COMPILES=1
-(list the first call's kernel compilations). Times are
+(list the first call's kernel compilations), PROFILE=1 (the first call under cProfile: its
+30 costliest functions by cumulative time, e.g. compiling against building launchers
+against CUDA's own first use; the time printed then includes the profiler's). Times are
 wall seconds of the call (import excluded), synchronized.
 
     python benchmarks/cold_start.py
@@ -74,9 +76,14 @@ import time, torch, flashot, warnings
 warnings.simplefilter("ignore")
 {hooks}
 {setup}
-torch.cuda.synchronize(); t0 = time.perf_counter(); call(); torch.cuda.synchronize()
-print(f"{{time.perf_counter() - t0:.2f}}")
+{profile}torch.cuda.synchronize(); t0 = time.perf_counter(); call(); torch.cuda.synchronize()
+t1 = time.perf_counter(){report}
+print(f"{{t1 - t0:.2f}}")
 """
+PROFILED = ("import cProfile, io, pstats\n_prof = cProfile.Profile(); _prof.enable()\n",
+            "\n_prof.disable(); _out = io.StringIO()\n"
+            "pstats.Stats(_prof, stream=_out).sort_stats('cumulative').print_stats(30)\n"
+            "print('\\n'.join('  prof ' + l for l in _out.getvalue().splitlines() if l.strip()))")
 
 print("case                                       cold s   warm-cache s", flush=True)
 for name, setup in CASES.items():
@@ -88,13 +95,15 @@ for name, setup in CASES.items():
     env.pop("FLASHOT_AUTOTUNE", None)
     times = []
     for _ in range(2):
-        code = TIMER.format(setup=setup, hooks=HOOKS)
+        profile = PROFILED if os.environ.get("PROFILE") == "1" and not times else ("", "")
+        code = TIMER.format(setup=setup, hooks=HOOKS, profile=profile[0], report=profile[1])
         run = subprocess.run([sys.executable, "-c", code], env=env,
                              capture_output=True, text=True, timeout=300)  # fmt: skip
         lines = run.stdout.strip().splitlines()
         times.append(lines[-1] if run.returncode == 0 else "failed")
-        if len(times) == 1 and HOOKS:
-            print("\n".join(line for line in lines if line.startswith("  compile")), flush=True)
+        if len(times) == 1:
+            print("\n".join(line for line in lines if line.startswith(("  compile", "  prof"))),
+                  flush=True)  # fmt: skip
         if run.returncode:
             print(run.stderr[-2000:], flush=True)
     print(f"{name:42s} {times[0]:>7s}   {times[1]:>7s}", flush=True)
