@@ -208,3 +208,30 @@ def test_one_check_schedule(n_temps, check_every, it):
     assert s.on_grid(it) == (it - 1 >= last and (it - last) % check_every == 0)
     assert s.before(it) == (it >= last and (it + 1 - last) % check_every == 0)
     assert s.in_warmup(it) == (it - 1 < last and it % check_every == 0)
+
+
+@pytest.mark.parametrize("tol", ["auto", 1e-6])
+def test_a_stall_under_the_floor_ends_after_a_few_flat_checks(tol):
+    # v49: OTDD's self problems sat at 0.3-0.45 of the floor from their 24th iteration and
+    # ran to the 104th, eight flat checks later
+    from flashot.solver.stopping import AT_FLOOR_PATIENCE, _Stopping, resolve_stopping
+
+    tol, _ = resolve_stopping(tol, "symmetric")
+    stop = _Stopping(tol, floor=lambda: 3.4e-6)
+    errors = [1.5e-6, 1.1e-6] + [1.3e-6, 1.26e-6, 1.2e-6, 1.34e-6] * 3
+    ends = [stop.done(e, it) for it, e in enumerate(errors)]
+    assert ends.index(True) == 1 + AT_FLOOR_PATIENCE <= 3
+    if type(tol) is float:  # a plain tol: a miss at the floor, named
+        assert stop.converged is False and stop.cause == "precision_floor"
+    else:  # "auto": the floor within its slack is convergence
+        assert stop.converged is True and stop.cause is None
+
+
+def test_a_stall_above_the_floor_goes_on():
+    from flashot.solver.stopping import _Stopping
+
+    stop = _Stopping(1e-6, floor=lambda: 1e-9)
+    errors = [1.5e-4] + [1.6e-4, 1.55e-4] * 20
+    assert not any(stop.done(e, it) for it, e in enumerate(errors))
+    stop.finish()
+    assert stop.converged is False and stop.cause is not None
