@@ -80,10 +80,12 @@ warnings.simplefilter("ignore")
 t1 = time.perf_counter(){report}
 print(f"{{t1 - t0:.2f}}")
 """
-PROFILED = ("import cProfile, io, pstats\n_prof = cProfile.Profile(); _prof.enable()\n",
-            "\n_prof.disable(); _out = io.StringIO()\n"
-            "pstats.Stats(_prof, stream=_out).sort_stats('cumulative').print_stats(30)\n"
-            "print('\\n'.join('  prof ' + l for l in _out.getvalue().splitlines() if l.strip()))")
+PROFILED = (
+    "import cProfile, io, pstats\n_prof = cProfile.Profile(); _prof.enable()\n",
+    "\n_prof.disable(); _out = io.StringIO()\n"
+    "pstats.Stats(_prof, stream=_out).sort_stats('cumulative').print_stats(30)\n"
+    "print('\\n'.join('  prof ' + l for l in _out.getvalue().splitlines() if l.strip()))",
+)
 
 print("case                                       cold s   warm-cache s", flush=True)
 for name, setup in CASES.items():
