@@ -142,8 +142,11 @@ for n in SIZES:
     )
     if AGAIN:
         out, secs, mb = timed(lambda: dataset_distance(xa, ya, xb, yb, **KW))
-        print(f"  again (the first result alive): {secs:.2f} s, peak {mb:.0f} MB above what "
-              f"was allocated before it ({PEAK_TOTAL:.0f} MB in all)", flush=True)
+        print(
+            f"  again (the first result alive): {secs:.2f} s, peak {mb:.0f} MB above what "
+            f"was allocated before it ({PEAK_TOTAL:.0f} MB in all)",
+            flush=True,
+        )
     first = out = None  # their lazy plans keep the operands: not the flow's memory
     if FLOW:
         # a user's first step (the input is the state) and a later step's peak: a step
