@@ -12,7 +12,8 @@ TRACE_PEAK (MB: list the tensors of at least that size alive at each call's peak
 with where they were made), ALLOCATOR_PEAK=1 (the same from the CUDA caching allocator's
 record, which also sees allocations made inside operators), FLOW_RUNS ("first,later":
 which flow steps to measure), PROFILE=1 (cProfile of each timed call: the top functions
-by cumulative time, to find where a slow first call spends it).
+by cumulative time, to find where a slow first call spends it), ITERS (1: each solve's
+iterations and convergence after each timed call; 0: flashot.sinkhorn left unwrapped).
 
     python benchmarks/gpu_otdd.py
 """
@@ -40,9 +41,24 @@ if os.environ.get("PRESPLIT"):  # "1"/"0": the Triton backend's presplit forced 
     KW["backend"] = TritonBackend(PRECISION, presplit=os.environ["PRESPLIT"] == "1")
 
 
+SOLVES: list = []  # (iterations, converged) of each solve since the last timed call
+if os.environ.get("ITERS", "1") == "1":  # each OT solve's iterations (the self problems too)
+    import flashot
+
+    _sinkhorn = flashot.sinkhorn
+
+    def _counted(*args, **kwargs):
+        res = _sinkhorn(*args, **kwargs)
+        SOLVES.append((res.n_iter, res.converged))
+        return res
+
+    flashot.sinkhorn = _counted
+
+
 def timed(fn):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    SOLVES.clear()
     base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     out = fn()
@@ -137,14 +153,15 @@ for n in SIZES:
     first, t_first, mb_first = timed(lambda: dataset_distance(xa, ya, xb, yb, **KW))
     print(
         f"n={n} d=784 {PRECISION}: OTDD {float(first.distance):.6g}  first call {t_first:.1f} s, "
-        f"peak {mb_first:.0f} MB above the inputs ({PEAK_TOTAL:.0f} MB in all), {first.result}",
+        f"peak {mb_first:.0f} MB above the inputs ({PEAK_TOTAL:.0f} MB in all), {first.result}; "
+        f"solves (iterations, converged): {SOLVES}",
         flush=True,
     )
     if AGAIN:
         out, secs, mb = timed(lambda: dataset_distance(xa, ya, xb, yb, **KW))
         print(
             f"  again (the first result alive): {secs:.2f} s, peak {mb:.0f} MB above what "
-            f"was allocated before it ({PEAK_TOTAL:.0f} MB in all)",
+            f"was allocated before it ({PEAK_TOTAL:.0f} MB in all); solves {SOLVES}",
             flush=True,
         )
     first = out = None  # their lazy plans keep the operands: not the flow's memory
