@@ -257,3 +257,30 @@ def test_unbalanced_weights_beyond_the_dtype_raise_naming_rho():
     res = gromov_wasserstein(x.double(), y.double(), eps=0.05, rho=1.0, relative_eps=True,
                              warn=False)  # fmt: skip
     assert math.isfinite(float(res.cost)) and float(res.plan.row_sums().sum()) > 0
+
+
+@pytest.mark.parametrize("rho", [None, 2.0])
+def test_early_steps_solve_loosely_and_the_last_to_inner_tol(rho, monkeypatch):
+    from flashot.tasks import gromov
+
+    x, y, a, b = (torch.as_tensor(t) for t in _clouds(7, 14, 11, 3, 2))
+    asked = 1e-10
+    tols = []
+    solve = flashot.sinkhorn
+
+    def recording(*args, **kwargs):
+        tols.append(kwargs["tol"])
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(flashot, "sinkhorn", recording)
+    kw = dict(eps=0.05, relative_eps=True, rho=rho, tol=1e-8, inner_tol=asked)
+    res = gromov_wasserstein(x, y, a, b, **kw)
+    assert res.converged and tols[-1] == asked and tols[0] == gromov.INEXACT_MAX
+    loose = [t for t in tols if t != asked]
+    assert loose and all(asked < t <= gromov.INEXACT_MAX for t in loose)
+    # every step at inner_tol: the same fixed point, in more inner iterations
+    monkeypatch.setattr(gromov, "INEXACT_MAX", 0.0)
+    exact = gromov_wasserstein(x, y, a, b, **kw)
+    assert set(tols[len(res.inner_iterations) :]) == {asked}
+    assert float(res.cost) == pytest.approx(float(exact.cost), rel=1e-7)
+    assert sum(res.inner_iterations) < sum(exact.inner_iterations)

@@ -65,6 +65,13 @@ from flashot.problem import check_count, check_positive, probability_weights
 
 __all__ = ["GromovWassersteinPlan", "GromovWassersteinResult", "gromov_wasserstein"]
 
+#: an outer step solves its Sinkhorn problem to INEXACT × the last relative change of
+#: M (at most INEXACT_MAX), and to ``inner_tol`` once that is tighter or M moved by less
+#: than ``tol``: early steps, whose plans the next linearization replaces anyway, take a
+#: few warm-started iterations. CPU, float64, n = 100, d = 3, relative ε 0.05: 8 120 →
+#: 2 140 inner iterations, the same 47 outer steps, the value to 3e-7 (v49, NOTES.md)
+INEXACT, INEXACT_MAX = 0.1, 1e-2
+
 
 class GromovWassersteinPlan:
     """The GW plan T (n × m), lazy: products, marginals and maps in the clouds' own spaces.
@@ -228,7 +235,10 @@ def gromov_wasserstein(
         relative_eps: ``eps`` is a fraction of the mean linearized cost at the product
             plan, ``Σ a_i b_j 2L(a bᵀ)_ij`` (the result's ``eps`` holds it multiplied
             out): a scale-free choice.
-        inner_tol: each Sinkhorn solve's ``tol`` (see :func:`flashot.sinkhorn`).
+        inner_tol: the Sinkhorn solves' ``tol`` (see :func:`flashot.sinkhorn`); steps
+            while M still moves by more than ``tol`` solve to 0.1 × its last relative
+            change where that is looser (:data:`INEXACT`), and convergence counts only
+            after a step solved to ``inner_tol`` itself.
         inner_max_iter: each Sinkhorn solve's ``max_iter``.
         backend: as :func:`flashot.sinkhorn`.  precision: as :func:`flashot.sinkhorn`.
         warn: warn (:class:`flashot.ConvergenceWarning`) when ``tol`` or an inner
@@ -284,24 +294,26 @@ def _solve(x, y, a, b, eps, cost, relative_eps, max_iter, tol, inner_tol, inner_
     res = None
     missed_inner = 0
     converged = False
+    step_tol, exact = _step_tol(inner_tol, math.inf, tol)
     for _ in range(max_iter):
         x_emb, y_emb, row_off, col_off = _embedded(phi_x, phi_y, moments, u, w)
         if init is not None and offsets is not None:  # potentials of the true cost → new embedding
             init = (init[0] + offsets[0] - row_off, init[1] + offsets[1] - col_off)
-        res = flashot.sinkhorn(x_emb, y_emb, a, b, eps=eps, tol=inner_tol,
+        res = flashot.sinkhorn(x_emb, y_emb, a, b, eps=eps, tol=step_tol,
                                max_iter=inner_max_iter, init=init, backend=backend,
                                precision=precision, warn=False)  # fmt: skip
         inner.append(res.n_iter)
-        missed_inner += res.converged is False
+        missed_inner += exact and res.converged is False
         init, offsets = (res.f, res.g), (row_off, col_off)
         t_psi = (res.plan @ psi_y.to(res.f.dtype)).to(x.dtype)  # T Ψ_y; column 0: T 1
         new = psi_x.T @ t_psi
         change = _relative_change(new, moments, eps)
         errors.append(change)
         moments = new
-        if change <= tol:
+        if change <= tol and exact:
             converged = True
             break
+        step_tol, exact = _step_tol(inner_tol, change, tol)
     assert res is not None
     _warn_missed(warn, converged, errors, max_iter, tol, missed_inner, inner, inner_tol,
                  inner_max_iter)  # fmt: skip
@@ -323,6 +335,19 @@ def _relative_change(new: torch.Tensor, old: torch.Tensor, eps: float, other: fl
         raise FloatingPointError(f"gromov_wasserstein: the iteration became non-finite "
                                  f"(eps={eps:g} too small for {new.dtype}?)")  # fmt: skip
     return max(change, other)
+
+
+def _step_tol(inner_tol, change: float, tol: float):
+    """``(the next Sinkhorn solve's tol, whether it is inner_tol)`` after M moved by ``change``.
+
+    Loose (:data:`INEXACT` × change) while M still moves by more than ``tol`` and that is
+    looser than ``inner_tol`` (``"auto"``: 1e-6); a fixed iteration count (None) as asked.
+    """
+    if inner_tol is None or change <= tol:
+        return inner_tol, True
+    loose = min(INEXACT_MAX, INEXACT * change)
+    asked = 1e-6 if inner_tol == "auto" else float(inner_tol)
+    return (loose, False) if loose > asked else (inner_tol, True)
 
 
 def _warn_missed(warn, converged, errors, max_iter, tol, missed_inner, inner, inner_tol,
@@ -438,6 +463,7 @@ def _solve_unbalanced(x, y, a, b, eps, rho, cost, relative_eps, max_iter, tol, i
     init = None
     missed_inner, converged = 0, False
     scale, res, cross_pass = 1.0, None, None
+    step_tol, exact = _step_tol(inner_tol, math.inf, tol)
     for _ in range(max_iter):
         u, w = _second_moments(phi_x, psi_x, rows), _second_moments(phi_y, psi_y, cols)
         constant = eps * entropy
@@ -463,11 +489,11 @@ def _solve_unbalanced(x, y, a, b, eps, rho, cost, relative_eps, max_iter, tol, i
                 init[1] - fold[1] * col_off.to(init[1]),
             )
         res = flashot.sinkhorn(x_emb, y_emb, torch.exp(la1), torch.exp(lb1), eps=e1,
-                               rho=tuple(None if r == big else r for r in r1), tol=inner_tol,
+                               rho=tuple(None if r == big else r for r in r1), tol=step_tol,
                                max_iter=inner_max_iter, init=init, backend=backend,
                                precision=precision, warn=False)  # fmt: skip
         inner.append(res.n_iter)
-        missed_inner += res.converged is False
+        missed_inner += exact and res.converged is False
         f, g = res.f.to(x.dtype), res.g.to(x.dtype)
         init = (res.f + fold[0] * row_off.to(res.f), res.g + fold[1] * col_off.to(res.g))
         # T' [Ψ_y, Φ_y] (column 0 of Ψ_y: the row sums) and T'ᵀ 1, then the rescaled plan
@@ -487,9 +513,10 @@ def _solve_unbalanced(x, y, a, b, eps, rho, cost, relative_eps, max_iter, tol, i
         change = _relative_change(new, moments, eps, abs(float(mass_new / mass) - 1.0))
         errors.append(change)
         moments, rows, cols, mass = new, rows_new, cols_new, mass_new
-        if change <= tol:
+        if change <= tol and exact:
             converged = True
             break
+        step_tol, exact = _step_tol(inner_tol, change, tol)
     assert res is not None and cross_pass is not None
     _warn_missed(warn, converged, errors, max_iter, tol, missed_inner, inner, inner_tol,
                  inner_max_iter)  # fmt: skip
