@@ -141,11 +141,18 @@ def test_a_missed_tolerance_warns_and_says_so():
     (dict(eps=0.1, max_iter=0), "max_iter"), (dict(eps=0.1, tol=-1.0), "tol"),
     (dict(eps=0.1, a=np.ones(3)), "a must have shape"),
     (dict(eps=0.1, b=-np.ones(6)), "non-negative"), (dict(eps=0.1, inner_max_iter=0), "inner_max"),
+    (dict(eps=0.1, inner_tol=-1e-6), "inner_tol"), (dict(eps=0.1, inner_tol=math.nan), "inner_tol"),
 ])  # fmt: skip
 def test_misuse_is_named(kw, match):
     x, y = torch.randn(5, 2, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match=match):
         gromov_wasserstein(x, y, **kw)
+
+
+def test_an_inner_tol_that_is_no_number_is_named():
+    x, y = torch.randn(5, 2, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    with pytest.raises(TypeError, match="inner_tol"):
+        gromov_wasserstein(x, y, eps=0.1, inner_tol="tight")
 
 
 def test_clouds_must_be_finite_and_alike():

@@ -249,6 +249,8 @@ def gromov_wasserstein(
     """
     eps, tol = check_positive(eps, "eps"), check_positive(tol, "tol", allow_zero=True)
     check_count(max_iter, "max_iter"), check_count(inner_max_iter, "inner_max_iter")
+    if inner_tol is not None and not (isinstance(inner_tol, str) and inner_tol == "auto"):
+        inner_tol = check_positive(inner_tol, "inner_tol", allow_zero=True)
     if cost not in INNER_COSTS:
         raise ValueError(f"cost must be one of {INNER_COSTS}, got {cost!r}")
     x, y = _cloud("x", x), _cloud("y", y)
