@@ -29,8 +29,10 @@ every step is one streamed :func:`flashot.sinkhorn` on (d + 2)-dimensional point
 one streamed plan product ``T Ψ_y``: nothing of size n × n, m × m or n × m is formed.
 
 The outer iterations stop when ``M(T)`` (all the next step depends on) moves by less
-than ``tol`` relative to its norm: a fixed point of the iteration (POT stops on the
-plan's change, every 10 iterations).
+than ``tol`` relative to its norm after a step solved to ``inner_tol``: a fixed point of
+the iteration (POT stops on the plan's change, every 10 iterations). Steps before that
+solve loosely (to 0.1 × M's last relative change, :data:`INEXACT`): the next
+linearization replaces their plans anyway.
 
 Example (a 3-D cloud against a 2-D one)::
 
