@@ -64,6 +64,7 @@ import torch
 
 import flashot
 from flashot.problem import check_count, check_positive, probability_weights
+from flashot.solver.stopping import AUTO_TOL
 
 __all__ = ["GromovWassersteinPlan", "GromovWassersteinResult", "gromov_wasserstein"]
 
@@ -345,12 +346,13 @@ def _step_tol(inner_tol, change: float, tol: float):
     """``(the next Sinkhorn solve's tol, whether it is inner_tol)`` after M moved by ``change``.
 
     Loose (:data:`INEXACT` × change) while M still moves by more than ``tol`` and that is
-    looser than ``inner_tol`` (``"auto"``: 1e-6); a fixed iteration count (None) as asked.
+    looser than ``inner_tol`` (``"auto"``: its :data:`~flashot.solver.stopping.AUTO_TOL`); a
+    fixed iteration count (None) as asked.
     """
     if inner_tol is None or change <= tol:
         return inner_tol, True
     loose = min(INEXACT_MAX, INEXACT * change)
-    asked = 1e-6 if inner_tol == "auto" else float(inner_tol)
+    asked = AUTO_TOL if inner_tol == "auto" else float(inner_tol)
     return (loose, False) if loose > asked else (inner_tol, True)
 
 
