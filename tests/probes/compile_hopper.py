@@ -135,8 +135,9 @@ def variants():
     )
     from flashot.backends.triton import _split
 
-    yield _split._split_kernel, dict(HEADROOM=_split.HEADROOM, LO_BITS=_split.LO_BITS,
-                                     BLOCK=_split.BLOCK), False  # fmt: skip
+    for lo_bits in (_split.SCORE_LO_BITS, _split.VALUE_LO_BITS):
+        yield _split._split_kernel, dict(HEADROOM=_split.HEADROOM, LO_BITS=lo_bits,
+                                         BLOCK=_split.BLOCK), False  # fmt: skip
     from flashot.backends.triton import _triples, _vjp
 
     vjp = dict(

@@ -18,11 +18,20 @@ pytestmark = pytest.mark.skipif("triton" not in available_backends(), reason="ne
 DEV = "cpu" if triton_interpreted() else "cuda"
 
 
+ROLES = ("score", "value")
+
+
+def lo_bits_of(role: str) -> int:
+    from flashot.backends.triton import _split
+
+    return _split.SCORE_LO_BITS if role == "score" else _split.VALUE_LO_BITS
+
+
 @settings(max_examples=60, deadline=None)
 @given(log_scale=st.floats(-30, 30), n=st.integers(1, 20), d=st.integers(1, 9),
-       seed=st.integers(0, 2**31 - 1), zeros=st.booleans())  # fmt: skip
-def test_split_parts_rebuild_the_features(log_scale, n, d, seed, zeros):
-    """hi + 2^-11 lo equals 2^e x to 2^-22 of the largest entry, both parts fit in
+       seed=st.integers(0, 2**31 - 1), zeros=st.booleans(), role=st.sampled_from(ROLES))  # fmt: skip
+def test_split_parts_rebuild_the_features(log_scale, n, d, seed, zeros, role):
+    """hi + 2^-lo_bits lo equals 2^e x to 2^-22 of the largest entry, both parts fit in
     float16 and the scale is a power of two bringing the largest entry to (2^13, 2^14]."""
     from flashot.backends.triton._split import split_operand
 
@@ -30,32 +39,56 @@ def test_split_parts_rebuild_the_features(log_scale, n, d, seed, zeros):
     x = torch.randn(n, d, generator=gen) * 2.0**log_scale
     if zeros:
         x[0] = 0.0
-    s = split_operand(x.to(DEV))
+    s = split_operand(x.to(DEV), lo_bits=lo_bits_of(role))
+    assert s.lo_bits == lo_bits_of(role)
     hi, lo = s.parts.double().cpu()
     assert s.parts.dtype == torch.float16 and torch.isfinite(s.parts).all()
     scale = 1.0 / float(s.inv)
     assert float(torch.log2(torch.tensor(scale))) == round(float(torch.log2(torch.tensor(scale))))
     top = float(x.abs().max()) * scale
     assert top == 0.0 or 2.0**13 < top <= 2.0**14
-    err = (hi + lo * 2.0**-11 - x.double() * scale).abs().max()
+    err = (hi + lo * 2.0**-s.lo_bits - x.double() * scale).abs().max()
     assert err <= 2.0**-22 * max(top, 1e-300) * 1.01
 
 
-def reference_split(x: torch.Tensor):
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), role=st.sampled_from(ROLES),
+       tiny=st.integers(12, 40))  # fmt: skip
+def test_split_errors_of_small_entries_stay_within_their_role_s_bound(seed, role, tiny):
+    """Entries far below the largest: a score operand's are exact to 2^-22 of themselves
+    or 2^-39 of the largest (its low part's float16 subnormals), a value's to 2^-22 of
+    themselves down to 2^-28 of the largest (the 2^11 scale keeps its low part normal)."""
+    from flashot.backends.triton._split import split_operand
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(8, 3, generator=gen) * 2.0**-tiny + 2.0 ** -(tiny + 1)
+    x[0, 0] = 1.0  # the largest entry: scaled to 2^14
+    s = split_operand(x.to(DEV), lo_bits=lo_bits_of(role))
+    hi, lo = s.parts.double().cpu()
+    scaled = x.double() / float(s.inv)
+    err = (hi + lo * 2.0**-s.lo_bits - scaled).abs()[1:]
+    if role == "score":  # (2^-25 = 2^14 · 2^-39)
+        assert (err <= torch.clamp(2.0**-22 * scaled[1:].abs(), min=2.0**-25) * 1.0001).all()
+    elif tiny <= 27:
+        assert (err <= 2.0**-22 * scaled[1:].abs() * 1.0001).all()
+
+
+def reference_split(x: torch.Tensor, lo_bits: int):
     """The module's definition in float64: the exponent by frexp, parts by rounding."""
     top = float(x.abs().max()) if x.numel() else 0.0
     mantissa, exponent = math.frexp(top)  # top = mantissa·2^exponent, mantissa ∈ [0.5, 1)
     e = 0 if top == 0 else min(max(14 - (exponent - (mantissa == 0.5)), -120), 120)
     scaled = x.double() * 2.0**e
     hi = scaled.to(torch.float16)
-    lo = ((scaled - hi.double()) * 2.0**11).to(torch.float16)
+    lo = ((scaled - hi.double()) * 2.0**lo_bits).to(torch.float16)
     return torch.stack([hi, lo]), 2.0**-e
 
 
 @settings(max_examples=80, deadline=None)
 @given(k=st.integers(-140, 120), ulps=st.sampled_from([-1, 0, 1, 2**20]), n=st.integers(1, 9),
-       d=st.integers(1, 5), seed=st.integers(0, 2**31 - 1), transposed=st.booleans())  # fmt: skip
-def test_split_kernel_matches_the_definition_bit_for_bit(k, ulps, n, d, seed, transposed):
+       d=st.integers(1, 5), seed=st.integers(0, 2**31 - 1), transposed=st.booleans(),
+       role=st.sampled_from(ROLES))  # fmt: skip
+def test_split_kernel_matches_the_definition_bit_for_bit(k, ulps, n, d, seed, transposed, role):
     """Largest entries at, one ulp below and above a power of two (where a rounded log2
     picks the wrong exponent), subnormal to huge, any layout: the parts and the scale
     equal the float64 definition exactly."""
@@ -70,8 +103,8 @@ def test_split_kernel_matches_the_definition_bit_for_bit(k, ulps, n, d, seed, tr
     x = x / x.abs().max() * peak.float() if float(peak) > 0 else x * 0
     if not torch.isfinite(x).all():
         return
-    s = split_operand(x.to(DEV))
-    parts, inv = reference_split(x)
+    s = split_operand(x.to(DEV), lo_bits=lo_bits_of(role))
+    parts, inv = reference_split(x, lo_bits_of(role))
     assert torch.equal(s.parts.cpu().view(torch.int16), parts.view(torch.int16))
     assert float(s.inv) == inv
 
@@ -168,12 +201,13 @@ def test_split_values_average_like_float64(log_v, eps, seed):
     h = torch.randn(29, generator=gen).to(DEV)
     cost = get_cost("sqeuclidean")
     backend = TritonBackend(presplit=True)
-    splits = []
-    real = backend.operands.split_parts
+    splits, values = [], []
+    real, real_values = backend.operands.split_parts, backend.operands.value_parts
     backend.operands.split_parts = lambda t: splits.append(t) or real(t)
+    backend.operands.value_parts = lambda t: values.append(t) or real_values(t)
     with backend.operand_scope():
         lse, out = backend.row_attend(attention_form(cost, x, y), h, eps, v)
-    assert len(splits) == 3  # q, k and the values: the split path ran
+    assert len(splits) == 2 and len(values) == 1  # q, k and the values: the split path ran
     form64 = attention_form(cost, x.double(), y.double())
     ref_lse, ref = TorchBackend().row_attend(form64, h.double(), eps,
                                                  v.double())  # fmt: skip
@@ -367,14 +401,14 @@ def test_split_kernel_matches_the_definition_bit_for_bit_on_cuda(device):
     gen = torch.Generator().manual_seed(0)
     for k in (-130, -20, 0, 4, 14, 20, 100):
         for n, d in ((1, 1), (10_000, 64), (777, 3)):
-            for above in (False, True):
+            for above, role in ((False, "score"), (True, "score"), (False, "value")):
                 x = torch.randn(n, d, generator=gen)
                 x = x / x.abs().max() * 2.0**k
                 if above:
                     x.view(-1)[0] = torch.nextafter(torch.tensor(2.0**k), torch.tensor(1e38))
                 xd = x.to(device)
-                s = split_operand(xd)
-                parts, inv = reference_split(x)
+                s = split_operand(xd, lo_bits=lo_bits_of(role))
+                parts, inv = reference_split(x, lo_bits_of(role))
                 assert s.parts.device == xd.device  # "cuda" resolves to the current index
                 assert torch.equal(s.parts.cpu().view(torch.int16), parts.view(torch.int16))
                 assert float(s.inv) == inv

@@ -187,7 +187,7 @@ class AttendLaunch(_launch.Launch):
         v_split = presplit and self.has_v  # values split like the score operands then
         v_args = {"V_INV": self.h, "v_lo": 0}
         if v_split:
-            vs = ops.operand(vv.contiguous())
+            vs = ops.operand(vv.contiguous(), value=True)
             vv, v_args = vs.parts[0], {"V_INV": vs.inv, "v_lo": vs.parts.stride(0)}
         self.v, self.v_args, self.split_args = vv, v_args, split_args
         self.lse = torch.empty(self.n, device=dev, dtype=torch.float32)

@@ -86,13 +86,22 @@ def _load_tile(X, offs, size, d, stride_n, stride_d, BLOCK_D: tl.constexpr, D_CH
 
 @triton.jit
 def _split_dot(a_hi, a_lo, b_hi, b_lo):
-    """``a·b`` of split parts ``x = hi + 2^-11 lo``: the low terms, then the high product.
+    """``a·b`` of score operands split as ``x = hi + lo`` (:mod:`._split`): three MMAs.
 
-    Three MMAs; the high product starts from the low terms. That non-zero accumulator
-    keeps a caller's later ``s += _split_dot(...)`` a rounded float32 add: Triton folds
-    an add of a zero-accumulator dot into the MMA, whose accumulator truncates (see
-    ``_split``).
+    The low terms first, the high product added onto them in the same accumulator. That
+    non-zero accumulator keeps a caller's later ``s += _split_dot(...)`` a rounded
+    float32 add: Triton folds an add of a zero-accumulator dot into the MMA, whose
+    accumulator truncates (see ``_split``).
     """
+    c = tl.dot(a_hi, b_lo)
+    c = tl.dot(a_lo, b_hi, c)
+    return tl.dot(a_hi, b_hi, c)
+
+
+@triton.jit
+def _split_dot_scaled(a_hi, a_lo, b_hi, b_lo):
+    """``a·b`` of parts split as ``x = hi + 2^-11 lo`` (values and weights): three MMAs,
+    the low terms scaled back before the high product adds onto them."""
     c = tl.dot(a_hi, b_lo)
     c = tl.dot(a_lo, b_hi, c)
     return tl.dot(a_hi, b_hi, c * 0.00048828125)  # 2^-11
@@ -109,9 +118,9 @@ def _score_tile(
     With one chunk the stationary side comes hoisted (``q_tile``, or ``kt_tile`` with
     HOIST_K) and the other side is loaded; with several chunks both are loaded per chunk.
     With PRESPLIT the operands are split once per solve into half-precision parts,
-    ``2^e x = hi + 2^-11 lo`` (the low parts ``q_lo``/``k_lo`` elements after the high
+    ``2^e x = hi + lo`` (the low parts ``q_lo``/``k_lo`` elements after the high
     ones, hoisted as ``q_lo_tile``/``kt_lo_tile``): three half MMAs,
-    ``⟨q, k⟩ = unscale · (hi·hi' + 2^-11 (hi·lo' + lo·hi'))``, about 22 bits like
+    ``⟨q, k⟩ = unscale · (hi·hi' + hi·lo' + lo·hi')``, about 22 bits like
     3xTF32 but with no split of the streamed tile in the loop. Per chunk the low terms
     come first and the high product adds onto them; chunks are summed in float32. The
     tile comes *without* ``unscale`` (:func:`_stationary_tiles`, a power of two, 1
@@ -289,7 +298,7 @@ def _value_product(
         # .to(v.dtype): a no-op on the GPU; float32 parts under the interpreter
         e_hi = e.to(tl.float16).to(v.dtype)
         e_lo = ((e - e_hi.to(tl.float32)) * 2048.0).to(tl.float16).to(v.dtype)
-        pv = _split_dot(e_hi, e_lo, v, tl.load(v_ptrs + v_lo, mask=v_ok, other=0.0))
+        pv = _split_dot_scaled(e_hi, e_lo, v, tl.load(v_ptrs + v_lo, mask=v_ok, other=0.0))
         return pv * v_unscale
     return tl.dot(e.to(v.dtype), v, input_precision=V_PRECISION)
 

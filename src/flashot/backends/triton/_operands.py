@@ -14,7 +14,12 @@ from collections.abc import Callable
 import torch
 
 from flashot.backends.device import triton_interpreted
-from flashot.backends.triton._split import SplitOperand, split_operand
+from flashot.backends.triton._split import (
+    SCORE_LO_BITS,
+    VALUE_LO_BITS,
+    SplitOperand,
+    split_operand,
+)
 from flashot.backends.triton._triples import TRIPLE_UP_TO, triple_pair
 
 __all__ = ["SPLIT_DOT", "Operands", "score_operands", "split_work"]
@@ -58,7 +63,7 @@ class Operands:
 
     def __init__(self, precision: str, presplit: bool | None):
         self.precision, self.presplit = precision, presplit
-        self.cache: list = []  # (weakref to the source, its version, captured, triples, copy)
+        self.cache: list = []  # (weakref to the source, its version, captured, kind, copy)
         self.scopes = 0
 
     def __getstate__(self) -> dict:
@@ -151,10 +156,12 @@ class Operands:
                 self.cache = []
 
     def operand(self, t: torch.Tensor, keep: bool = True, work: int | None = None,
-                triples: bool = False, copies: int | None = None):  # fmt: skip
+                triples: bool = False, copies: int | None = None, value: bool = False):  # fmt: skip
         """A feature matrix as the kernels read it: float32, a half copy, parts or triples.
 
-        ``triples``: both sides' triples (:func:`._triples.triple_pair`). Copies are cached
+        ``triples``: both sides' triples (:func:`._triples.triple_pair`); ``value``: a
+        value product's values (split parts keep their low part scaled, :mod:`._split`),
+        not score operands. Copies are cached
         (``keep``); ``work`` is the launch's :func:`split_work` and ``copies`` the bytes
         of both operands' split copies (see :meth:`splits`).
         Split parts (``"fp32"``) are made only within
@@ -169,7 +176,7 @@ class Operands:
         elif self.splits(work, copies):
             if self.scopes == 0:  # a one-off pass: 3xTF32 per tile, no copy
                 return t
-            convert = self.split_parts
+            convert = self.value_parts if value else self.split_parts
         elif self.precision in _HALF:
             convert = self.half
         else:
@@ -183,16 +190,20 @@ class Operands:
         # stale on replay).
         capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
         self.cache = [e for e in self.cache if e[0]() is not None]
+        role = "triples" if triples else "value" if value else "score"
         for ref, version, inside, kind, half in self.cache:
-            if ref() is t and version == t._version and inside == capturing and kind == triples:
+            if ref() is t and version == t._version and inside == capturing and kind == role:
                 return half
         half = convert(t)
-        entry = (weakref.ref(t), t._version, capturing, triples, half)
+        entry = (weakref.ref(t), t._version, capturing, role, half)
         self.cache = [*self.cache[-3:], entry]
         return half
 
     def split_parts(self, t: torch.Tensor) -> SplitOperand:
-        return split_operand(t, triton_interpreted())
+        return split_operand(t, triton_interpreted(), SCORE_LO_BITS)
+
+    def value_parts(self, t: torch.Tensor) -> SplitOperand:
+        return split_operand(t, triton_interpreted(), VALUE_LO_BITS)
 
     def half(self, t: torch.Tensor) -> torch.Tensor:
         half = t.to(_HALF[self.precision])
