@@ -89,10 +89,14 @@ def test_cost_of_names_p():
         cost_of(3)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), kr=st.integers(1, 12), kc=st.integers(1, 12),
-       bm=st.sampled_from([1, 2, 3, 16]), density=st.sampled_from([0.0, 0.3, 1.0]))  # fmt: skip
-def test_block_intervals_cover_exactly_the_clusters_a_block_keeps(seed, kr, kc, bm, density):
+       bm=st.sampled_from([1, 2, 3, 16]), density=st.sampled_from([0.0, 0.3, 1.0]),
+       gap=st.sampled_from([0, 1, 4, 32]))  # fmt: skip
+def test_block_intervals_cover_the_clusters_a_block_keeps(seed, kr, kc, bm, density, gap):
+    """Every kept column, in disjoint sorted intervals that start and end on kept columns;
+    an unkept run inside an interval is at most ``gap`` long, and intervals of a block
+    lie more than ``gap`` apart (gap 0: exactly the kept columns)."""
     from flashot.backends.kernel_sums import block_intervals
 
     g = torch.Generator().manual_seed(seed)
@@ -100,16 +104,28 @@ def test_block_intervals_cover_exactly_the_clusters_a_block_keeps(seed, kr, kc, 
     row_starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes_r.cumsum(0)])
     col_starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes_c.cumsum(0)])
     keep = torch.rand(kr, kc, generator=g) < density
-    ptr, iv, block = block_intervals(row_starts, col_starts, torch.nonzero(keep, as_tuple=True), bm)
+    pairs = torch.nonzero(keep, as_tuple=True)
+    ptr, iv, block = block_intervals(row_starts, col_starts, pairs, bm, gap)
     n = int(row_starts[-1])
     assert block == bm and len(ptr) == -(-n // bm) + 1
     row_cluster = torch.repeat_interleave(torch.arange(kr), sizes_r)
     col_cluster = torch.repeat_interleave(torch.arange(kc), sizes_c)
     for b in range(len(ptr) - 1):
         got = torch.zeros(int(col_starts[-1]), dtype=torch.bool)
-        for c0, c1 in iv[ptr[b] : ptr[b + 1]].tolist():
-            assert c0 < c1 and not bool(got[c0:c1].any())  # (disjoint, non-empty)
-            got[c0:c1] = True
         clusters = row_cluster[b * bm : (b + 1) * bm].unique()
         want = keep[clusters].any(0)[col_cluster]
-        assert torch.equal(got, want)
+        last_end = None
+        for c0, c1 in iv[ptr[b] : ptr[b + 1]].tolist():
+            assert c0 < c1 and not bool(got[c0:c1].any())  # (disjoint, non-empty)
+            assert bool(want[c0]) and bool(want[c1 - 1])  # (kept columns at both ends)
+            assert last_end is None or c0 - last_end > gap  # (sorted, more than gap apart)
+            unkept = (~want[c0:c1]).int().tolist()
+            run = 0
+            for u in unkept:
+                run = run + 1 if u else 0
+                assert run <= gap
+            got[c0:c1] = True
+            last_end = c1
+        assert not bool((want & ~got).any())  # every kept column
+        if gap == 0:
+            assert torch.equal(got, want)

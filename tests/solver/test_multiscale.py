@@ -4,6 +4,7 @@ call and both against the converged divergence."""
 
 import math
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 import flashot
 from flashot.backends.kernel_sums import cost_of
+from flashot.solver import multiscale
 from flashot.solver.multiscale import grid_clusters, multiscale_potentials, truncation_mask
 from flashot.solver.tiled_loop import geomloss_potentials
 
@@ -42,6 +44,33 @@ def test_grid_clusters_partition_the_cloud(seed, n, d, scale):
         if cl.weights[k] > 0:
             mean = (w[idx, None] * x[idx]).sum(0) / w[idx].sum()
             torch.testing.assert_close(cl.centroids[k], mean)
+
+
+def _z_order(cell: list[int]) -> int:
+    """The Z-order key of one cell, bit by bit (coordinate k's bit b at b·d + k)."""
+    d = len(cell)
+    return sum(((c >> b) & 1) << (b * d + k) for k, c in enumerate(cell) for b in range(63))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 80), d=st.integers(1, 8),
+       log_cells=st.integers(0, 12), order=st.sampled_from(["morton", "lex"]))  # fmt: skip
+def test_clusters_follow_the_cell_order(seed, n, d, log_cells, order):
+    """One cluster per distinct cell, in Z-order (lexicographic where the interleaved key
+    would pass 62 bits, or when asked)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, d, generator=g, dtype=torch.float64) * 2.0**log_cells
+    with mock.patch.object(multiscale, "CELL_ORDER", order):
+        cl = grid_clusters(x, torch.ones(n, dtype=torch.float64), 1.0,
+                           torch.zeros(d, dtype=torch.float64))  # fmt: skip
+    cells = [tuple(int(c) for c in torch.floor(x[idx[0]])) for idx in cl.members]
+    assert len(set(cells)) == len(cells) == len({tuple(r) for r in torch.floor(x).long().tolist()})
+    top = int(torch.floor(x).max())
+    if order == "morton" and max(1, top.bit_length()) * d <= 62:
+        keys = [_z_order(list(c)) for c in cells]
+    else:
+        keys = cells
+    assert keys == sorted(keys)
 
 
 @settings(max_examples=25, deadline=None)

@@ -256,9 +256,10 @@ def test_block_sparse_kernel_matches_its_pytorch_reference(d):
     row_starts, col_starts = torch.tensor([0, 20, 45, 70]), torch.tensor([0, 30, 31, 60, 90])
     keep = torch.tensor([[1, 0, 1, 0], [0, 1, 1, 1], [1, 0, 0, 1]], dtype=torch.bool)
     pairs = torch.nonzero(keep, as_tuple=True)
-    layout = block_intervals(row_starts, col_starts, pairs, 16)
+    # (gap 0: exactly the kept clusters; a wider gap would stream them all here)
+    layout = block_intervals(row_starts, col_starts, pairs, 16, 0)
     on_device = block_intervals(row_starts.to(DEVICE), col_starts.to(DEVICE),
-                                tuple(t.to(DEVICE) for t in pairs), 16)  # fmt: skip
+                                tuple(t.to(DEVICE) for t in pairs), 16, 0)  # fmt: skip
     cot = torch.randn(70, generator=g)
     xs = x.clone().to(DEVICE).requires_grad_()
     got = block_sparse_softmin(xs, y.to(DEVICE), h.to(DEVICE), 0.05, cost_of(1), on_device,

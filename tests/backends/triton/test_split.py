@@ -29,7 +29,8 @@ def lo_bits_of(role: str) -> int:
 
 @settings(max_examples=60, deadline=None)
 @given(log_scale=st.floats(-30, 30), n=st.integers(1, 20), d=st.integers(1, 9),
-       seed=st.integers(0, 2**31 - 1), zeros=st.booleans(), role=st.sampled_from(ROLES))  # fmt: skip
+       seed=st.integers(0, 2**31 - 1), zeros=st.booleans(),
+       role=st.sampled_from(ROLES))  # fmt: skip
 def test_split_parts_rebuild_the_features(log_scale, n, d, seed, zeros, role):
     """hi + 2^-lo_bits lo equals 2^e x to 2^-22 of the largest entry, both parts fit in
     float16 and the scale is a power of two bringing the largest entry to (2^13, 2^14]."""

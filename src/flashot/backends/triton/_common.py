@@ -100,8 +100,10 @@ def _split_dot(a_hi, a_lo, b_hi, b_lo):
 
 @triton.jit
 def _split_dot_scaled(a_hi, a_lo, b_hi, b_lo):
-    """``a·b`` of parts split as ``x = hi + 2^-11 lo`` (values and weights): three MMAs,
-    the low terms scaled back before the high product adds onto them."""
+    """``a·b`` of parts split as ``x = hi + 2^-11 lo`` (values and weights): three MMAs.
+
+    The low terms are scaled back before the high product adds onto them.
+    """
     c = tl.dot(a_hi, b_lo)
     c = tl.dot(a_lo, b_hi, c)
     return tl.dot(a_hi, b_hi, c * 0.00048828125)  # 2^-11
