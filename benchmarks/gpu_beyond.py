@@ -9,6 +9,9 @@
   shifted by 0.05), ``SamplesLoss(blur=0.01, scaling=0.5, debias=True)`` value +
   gradient, with ``cluster_scale`` in SCALES and without (the dense call, where n ≤
   DENSE_MAX): time and the value's and gradient's difference from the dense call.
+  ``MS_LAYOUTS`` (default ``new``; ``old,new`` both): v50's layout (clusters in Z-order,
+  a block's runs ≤ 32 columns apart merged) or the one before it (lexicographic cells,
+  exact intervals), in one process.
 * ``gromov_wasserstein(x, y, eps=0.05, relative_eps=True)`` at n = GW_N, d = 3 and 64,
   balanced and unbalanced (``rho=100``, the same relative ε; ρ far below the
   linearized cost's spread overflows float32, v42: ρ = 1 did at 1k points): time, outer and inner
@@ -38,6 +41,7 @@ MS_SIZES = [int(n) for n in os.environ.get("MS_SIZES", "100000,1000000").split("
 SCALES = [float(c) for c in os.environ.get("SCALES", "0.02,0.05").split(",")]
 DENSE_MAX = int(os.environ.get("DENSE_MAX", "100000"))
 PARTS = os.environ.get("PARTS", "p,kernels,multiscale,gw").split(",")
+MS_LAYOUTS = os.environ.get("MS_LAYOUTS", "new").split(",")
 rows: list[tuple] = []
 
 
@@ -94,9 +98,14 @@ for n in MS_SIZES if "multiscale" in PARTS else ():
     if n <= DENSE_MAX:
         dense = value_and_grad(flashot.SamplesLoss(blur=0.01), x, y)
         timed(("multiscale: dense", n, 3), flashot.SamplesLoss(blur=0.01), x, y)
-    for scale in SCALES:
+    for scale, layout in ((s, lay) for s in SCALES for lay in MS_LAYOUTS):
+        from flashot.backends import kernel_sums
+        from flashot.solver import multiscale
+
+        multiscale.CELL_ORDER = "lex" if layout == "old" else "morton"
+        kernel_sums.SPARSE_GAP = 0 if layout == "old" else 32
         loss = flashot.SamplesLoss(blur=0.01, cluster_scale=scale)
-        timed((f"multiscale: cluster_scale={scale}", n, 3), loss, x, y)
+        timed((f"multiscale: cluster_scale={scale} {layout} layout", n, 3), loss, x, y)
         if dense is not None:
             v, g = value_and_grad(loss, x, y)
             print(
