@@ -18,9 +18,13 @@
   iterations, and ``torch.cuda.max_memory_allocated`` above the inputs (POT's dense GW
   holds n² floats: 10 GB at 50k).
 
+* ``layout`` (CPU, not in the default PARTS): the multiscale fine phase's work counted
+  (:func:`layout_counts`), no GPU needed.
+
 Prints a short table last. PARTS (default ``p,kernels,multiscale,gw``) picks sections.
 
     python benchmarks/gpu_beyond.py
+    PARTS=layout N=20000 CS=0.02 ORDER=lex python benchmarks/gpu_beyond.py
 """
 
 import os
@@ -62,6 +66,95 @@ def timed(what, loss, x, y):
     print(rows[-1], flush=True)
 
 
+def layout_counts():
+    """The multiscale fine phase's work, counted on the CPU (no GPU needed).
+
+    Two spheres of N points (radius 0.5, the second shifted by 0.05), ``SamplesLoss(p=2,
+    blur=blur, scaling=0.5, cluster_scale=cs)`` on the torch backend; every fine
+    soft-minimum's block-sparse layout is recorded and reported as shares of the dense
+    n·m pairs: kept (the pairs of the cluster pairs the truncation keeps), block work
+    (rows × the columns of their block's intervals: the torch path's work), tile work
+    (rows × the intervals padded to BN-column tiles: the fused kernel's), for the layout
+    as built and with its intervals merged across gaps of up to G columns. Env: N (20000),
+    CS (0.02), BLUR (0.01), ORDER (``morton`` or ``lex``), gap_env (the layout's own merge
+    gap; the CPU path builds with 0 unless set), BN (64).
+    """
+    from flashot.backends import kernel_sums
+    from flashot.solver import multiscale as ms
+
+    n, cs = int(os.environ.get("N", "20000")), float(os.environ.get("CS", "0.02"))
+    blur, bn = float(os.environ.get("BLUR", "0.01")), int(os.environ.get("BN", "64"))
+    ms.CELL_ORDER = os.environ.get("ORDER", "morton")
+    gap_env = os.environ.get("GAP")
+    gaps = (0, 16, 32, 64, 128)
+    gen = torch.Generator().manual_seed(0)
+
+    def sphere(n):
+        v = torch.randn(n, 3, generator=gen)
+        return 0.5 * v / v.norm(dim=1, keepdim=True)
+
+    def tile_work(iv, owner, bm, gap, cells):
+        """(share of the dense pairs, intervals) after merging a block's runs ≤ gap apart."""
+        a, b = iv[:, 0].long(), iv[:, 1].long()
+        new = torch.ones(len(a), dtype=torch.bool)
+        new[1:] = (owner[1:] != owner[:-1]) | (a[1:] - b[:-1] > gap)
+        group = torch.cumsum(new.long(), 0) - 1
+        ends = torch.zeros(int(new.sum()), dtype=torch.long).scatter_reduce_(
+            0, group, b, "amax", include_self=False
+        )
+        tiles = (ends - a[new] + bn - 1) // bn
+        return float(bm * bn * tiles.sum()) / cells, int(new.sum())
+
+    stats = []
+    real = kernel_sums.block_intervals
+
+    def recording(row_starts, col_starts, pairs, bm=kernel_sums.SPARSE_BLOCK, gap=None):
+        ptr, iv, bm = real(row_starts, col_starts, pairs, bm, int(gap_env) if gap_env else gap)
+        kr, kc = len(row_starts) - 1, len(col_starts) - 1
+        if len(pairs[0]) < kr * kc:  # (not an initialization over every pair)
+            nr, nc = int(row_starts[-1]), int(col_starts[-1])
+            blocks = len(ptr) - 1
+            rows = torch.full((blocks,), bm, dtype=torch.long)
+            rows[-1] = nr - bm * (blocks - 1)
+            owner = torch.repeat_interleave(torch.arange(blocks), (ptr[1:] - ptr[:-1]).long())
+            widths = torch.zeros(blocks, dtype=torch.long).index_add_(
+                0, owner, (iv[:, 1] - iv[:, 0]).long()
+            )
+            size_r, size_c = row_starts.diff(), col_starts.diff()
+            kept = float((size_r[pairs[0]] * size_c[pairs[1]]).sum()) / (nr * nc)
+            block = float((rows * widths).sum()) / (nr * nc)
+            tiles = [tile_work(iv, owner, bm, g, nr * nc) for g in gaps]
+            stats.append((kept, block, len(iv), tiles))
+        return ptr, iv, bm
+
+    ms.block_intervals = recording
+    x, y = sphere(n), sphere(n) + torch.tensor([0.05, 0.0, 0.0])
+    start = time.perf_counter()
+    loss = flashot.SamplesLoss(p=2, blur=blur, scaling=0.5, cluster_scale=cs, backend="torch")
+    value = float(loss(x, y))
+    seconds = time.perf_counter() - start
+
+    def mean(values):
+        values = list(values)
+        return sum(values) / len(values)
+
+    print(f"N={n} cluster_scale={cs} blur={blur} order={ms.CELL_ORDER} "
+          f"gap={gap_env or 'default'}: value {value:.10e}, {len(stats)} fine soft-minima, "
+          f"{seconds:.1f} s on the CPU")  # fmt: skip
+    kept, block, count = (mean(s[i] for s in stats) for i in range(3))
+    print(f"kept {100 * kept:.2f} %, block work {100 * block:.2f} %, intervals {count:.0f}")
+    for i, gap in enumerate(gaps):
+        work, count = mean(s[3][i][0] for s in stats), mean(s[3][i][1] for s in stats)
+        print(f"  merged across ≤ {gap:3d} columns: tile work ({bn} columns) {100 * work:.2f} %, "
+              f"intervals {count:.0f}")  # fmt: skip
+
+
+if "layout" in PARTS:
+    layout_counts()
+if not torch.cuda.is_available():
+    if set(PARTS) - {"layout"}:
+        raise SystemExit("gpu_beyond: these parts need a CUDA GPU (PARTS=layout runs on the CPU)")
+    raise SystemExit(0)
 print(torch.cuda.get_device_name(), torch.__version__, flashot.__version__, flush=True)
 for n in SIZES if "p" in PARTS else ():
     for d in DIMS:
