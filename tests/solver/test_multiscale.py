@@ -73,6 +73,13 @@ def test_clusters_follow_the_cell_order(seed, n, d, log_cells, order):
     assert keys == sorted(keys)
 
 
+def test_cells_below_the_corner_fall_back_to_the_lexicographic_order():
+    """Negative cells (a corner above some point) would alias under bit interleaving."""
+    cells = torch.tensor([[-1, 0], [0, 0], [1, 2]])
+    assert multiscale.morton_keys(cells) is None
+    assert multiscale.morton_keys(cells + 1) is not None
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 10**6),

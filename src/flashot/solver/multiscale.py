@@ -118,12 +118,14 @@ def grid_clusters(x: torch.Tensor, w: torch.Tensor, scale: float, origin: torch.
 
 
 def morton_keys(cells: torch.Tensor) -> torch.Tensor | None:
-    """(n,) Z-order keys of grid cells ``cells`` (n, d) ≥ 0, or None past 62 bits.
+    """(n,) Z-order keys of grid cells ``cells`` (n, d), or None past 62 bits or below 0.
 
     The bits of the d coordinates interleaved, lowest first: cells close on the curve are
     close in space, so a run of sorted cells is a compact patch rather than a line.
     """
     n, d = cells.shape
+    if n and int(cells.min()) < 0:  # (a corner above some point: keys must stay injective)
+        return None
     bits = max(1, int(cells.max()).bit_length()) if n else 1
     if bits * d > 62:
         return None
