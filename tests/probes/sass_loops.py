@@ -186,6 +186,16 @@ def cases():
                 half,
                 per_grad,
             )
+    from flashot.backends.triton import _pair_sums
+
+    bm, bn, warps, stages = _configs.PAIRWISE_SUMS_TILES
+    window = dict(COST=pf.distance, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=64, D_CHUNKS=1,
+                  DIFF=False, PRECISION="tf32x3", PRESPLIT=True)  # fmt: skip
+    per = bm * bn // (32 * warps)
+    for rows in (True, False):
+        name = f"window pass p=1 d64 {'rows' if rows else 'self'}"
+        kernel = _pair_sums._pair_sums_kernel
+        yield name, kernel, dict(window, ROWS=rows), ("XP", "YP"), per, warps, stages
     yield (
         "softmin p=1 d3 (differences)",
         pw._softmin_kernel,
