@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from flashot.backends import temperature as _row
+from flashot.backends.triton import _split
 
 # fmt: off
 LOG2E = tl.constexpr(_row.LOG2E)  # (the host's, :mod:`flashot.backends.temperature`)
@@ -20,6 +21,8 @@ LOG2E = tl.constexpr(_row.LOG2E)  # (the host's, :mod:`flashot.backends.temperat
 EPS, SCALE, RATIO, LAM_X, LAM_Y = (tl.constexpr(c) for c in (_row.EPS, _row.SCALE, _row.RATIO,
                                                             _row.LAM_X, _row.LAM_Y))  # fmt: skip
 READ_RATIO, READ_DAMPING = tl.constexpr(_row.READ_RATIO), tl.constexpr(_row.READ_DAMPING)
+#: a value product's split: values and weights keep their low halves scaled by 2^11
+VALUE_LO_BITS = tl.constexpr(_split.VALUE_LO_BITS)
 #: scalar control pointers (gates, the error sum, repair bounds): views at any offset of
 #: small state buffers. Specialized on their alignment, one set of constexprs compiled
 #: again per offset (the GeomLoss call's first call on the H200: 3 plan-sums, 2 attend
@@ -85,28 +88,20 @@ def _load_tile(X, offs, size, d, stride_n, stride_d, BLOCK_D: tl.constexpr, D_CH
 
 
 @triton.jit
-def _split_dot(a_hi, a_lo, b_hi, b_lo):
-    """``a·b`` of score operands split as ``x = hi + lo`` (:mod:`._split`): three MMAs.
+def _split_dot(a_hi, a_lo, b_hi, b_lo, LO_BITS: tl.constexpr = 0):
+    """``a·b`` of parts split as ``x = hi + 2^-LO_BITS lo`` (:mod:`._split`): three MMAs.
 
-    The low terms first, the high product added onto them in the same accumulator. That
-    non-zero accumulator keeps a caller's later ``s += _split_dot(...)`` a rounded
-    float32 add: Triton folds an add of a zero-accumulator dot into the MMA, whose
-    accumulator truncates (see ``_split``).
+    The low terms first (scaled back by ``2^-LO_BITS`` when it is not 0: values and
+    weights), the high product added onto them in the same accumulator. That non-zero
+    accumulator keeps a caller's later ``s += _split_dot(...)`` a rounded float32 add:
+    Triton folds an add of a zero-accumulator dot into the MMA, whose accumulator
+    truncates (see ``_split``).
     """
     c = tl.dot(a_hi, b_lo)
     c = tl.dot(a_lo, b_hi, c)
+    if LO_BITS != 0:
+        c = c * (2.0**-LO_BITS)
     return tl.dot(a_hi, b_hi, c)
-
-
-@triton.jit
-def _split_dot_scaled(a_hi, a_lo, b_hi, b_lo):
-    """``a·b`` of parts split as ``x = hi + 2^-11 lo`` (values and weights): three MMAs.
-
-    The low terms are scaled back before the high product adds onto them.
-    """
-    c = tl.dot(a_hi, b_lo)
-    c = tl.dot(a_lo, b_hi, c)
-    return tl.dot(a_hi, b_hi, c * 0.00048828125)  # 2^-11
 
 
 @triton.jit
@@ -289,7 +284,7 @@ def _value_product(
 
     V_SPLIT: the values come split once per solve like the score operands (``V`` the
     high parts, ``v_lo`` elements to the low ones, ``v_unscale`` their ``2^-e``); the
-    weights ``e ∈ [0, 1]`` are split here into half ``hi + 2^-11 lo`` (absolute error
+    weights ``e ∈ [0, 1]`` are split here the same way, ``hi + 2^-11 lo`` (absolute error
     2^-36 per weight): three half MMAs with float32 accumulation, the accuracy of
     3xTF32 at half its tensor-core work and with no split of the values per tile.
     """
@@ -299,8 +294,9 @@ def _value_product(
     if V_SPLIT:
         # .to(v.dtype): a no-op on the GPU; float32 parts under the interpreter
         e_hi = e.to(tl.float16).to(v.dtype)
-        e_lo = ((e - e_hi.to(tl.float32)) * 2048.0).to(tl.float16).to(v.dtype)
-        pv = _split_dot_scaled(e_hi, e_lo, v, tl.load(v_ptrs + v_lo, mask=v_ok, other=0.0))
+        e_lo = ((e - e_hi.to(tl.float32)) * (2.0**VALUE_LO_BITS)).to(tl.float16).to(v.dtype)
+        v_lo_part = tl.load(v_ptrs + v_lo, mask=v_ok, other=0.0)
+        pv = _split_dot(e_hi, e_lo, v, v_lo_part, VALUE_LO_BITS)
         return pv * v_unscale
     return tl.dot(e.to(v.dtype), v, input_precision=V_PRECISION)
 
