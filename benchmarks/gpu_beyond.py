@@ -35,6 +35,8 @@ import torch
 from triton.testing import do_bench
 
 import flashot
+from flashot.backends import kernel_sums
+from flashot.solver import multiscale
 
 warnings.simplefilter("ignore")
 SIZES = [int(n) for n in os.environ.get("SIZES", "10000,50000").split(",")]
@@ -76,12 +78,10 @@ def layout_counts():
     (rows × the columns of their block's intervals: the torch path's work), tile work
     (rows × the intervals padded to BN-column tiles: the fused kernel's), for the layout
     as built and with its intervals merged across gaps of up to G columns. Env: N (20000),
-    CS (0.02), BLUR (0.01), ORDER (``morton`` or ``lex``), gap_env (the layout's own merge
+    CS (0.02), BLUR (0.01), ORDER (``morton`` or ``lex``), GAP (the layout's own merge
     gap; the CPU path builds with 0 unless set), BN (64).
     """
-    from flashot.backends import kernel_sums
-    from flashot.solver import multiscale as ms
-
+    ms = multiscale
     n, cs = int(os.environ.get("N", "20000")), float(os.environ.get("CS", "0.02"))
     blur, bn = float(os.environ.get("BLUR", "0.01")), int(os.environ.get("BN", "64"))
     ms.CELL_ORDER = os.environ.get("ORDER", "morton")
@@ -93,39 +93,36 @@ def layout_counts():
         v = torch.randn(n, 3, generator=gen)
         return 0.5 * v / v.norm(dim=1, keepdim=True)
 
-    def tile_work(iv, owner, bm, gap, cells):
-        """(share of the dense pairs, intervals) after merging a block's runs ≤ gap apart."""
-        a, b = iv[:, 0].long(), iv[:, 1].long()
-        new = torch.ones(len(a), dtype=torch.bool)
-        new[1:] = (owner[1:] != owner[:-1]) | (a[1:] - b[:-1] > gap)
-        group = torch.cumsum(new.long(), 0) - 1
-        ends = torch.zeros(int(new.sum()), dtype=torch.long).scatter_reduce_(
-            0, group, b, "amax", include_self=False
-        )
-        tiles = (ends - a[new] + bn - 1) // bn
-        return float(bm * bn * tiles.sum()) / cells, int(new.sum())
+    def block_rows(ptr, bm, nr):
+        """(intervals,) the rows of each interval's block."""
+        blocks = len(ptr) - 1
+        rows = torch.full((blocks,), bm, dtype=torch.long)
+        rows[-1] = nr - bm * (blocks - 1)
+        return torch.repeat_interleave(rows, (ptr[1:] - ptr[:-1]).long())
+
+    def tile_work(layout, nr, nc):
+        """(share of the dense pairs, intervals): bm × bn tiles, as the kernel runs them
+        (a tail block's rows and an interval's last columns padded)."""
+        _, iv, bm = layout
+        tiles = ((iv[:, 1] - iv[:, 0]).long() + bn - 1) // bn
+        return float(bm * bn * tiles.sum()) / (nr * nc), len(iv)
 
     stats = []
     real = kernel_sums.block_intervals
 
     def recording(row_starts, col_starts, pairs, bm=kernel_sums.SPARSE_BLOCK, gap=None):
-        ptr, iv, bm = real(row_starts, col_starts, pairs, bm, int(gap_env) if gap_env else gap)
+        layout = real(row_starts, col_starts, pairs, bm, int(gap_env) if gap_env else gap)
         kr, kc = len(row_starts) - 1, len(col_starts) - 1
         if len(pairs[0]) < kr * kc:  # (not an initialization over every pair)
+            ptr, iv, bm = layout
             nr, nc = int(row_starts[-1]), int(col_starts[-1])
-            blocks = len(ptr) - 1
-            rows = torch.full((blocks,), bm, dtype=torch.long)
-            rows[-1] = nr - bm * (blocks - 1)
-            owner = torch.repeat_interleave(torch.arange(blocks), (ptr[1:] - ptr[:-1]).long())
-            widths = torch.zeros(blocks, dtype=torch.long).index_add_(
-                0, owner, (iv[:, 1] - iv[:, 0]).long()
-            )
             size_r, size_c = row_starts.diff(), col_starts.diff()
             kept = float((size_r[pairs[0]] * size_c[pairs[1]]).sum()) / (nr * nc)
-            block = float((rows * widths).sum()) / (nr * nc)
-            tiles = [tile_work(iv, owner, bm, g, nr * nc) for g in gaps]
+            widths = (iv[:, 1] - iv[:, 0]).long()
+            block = float((block_rows(ptr, bm, nr) * widths).sum()) / (nr * nc)
+            tiles = [tile_work(real(row_starts, col_starts, pairs, bm, g), nr, nc) for g in gaps]
             stats.append((kept, block, len(iv), tiles))
-        return ptr, iv, bm
+        return layout
 
     ms.block_intervals = recording
     x, y = sphere(n), sphere(n) + torch.tensor([0.05, 0.0, 0.0])
@@ -192,9 +189,6 @@ for n in MS_SIZES if "multiscale" in PARTS else ():
         dense = value_and_grad(flashot.SamplesLoss(blur=0.01), x, y)
         timed(("multiscale: dense", n, 3), flashot.SamplesLoss(blur=0.01), x, y)
     for scale, layout in ((s, lay) for s in SCALES for lay in MS_LAYOUTS):
-        from flashot.backends import kernel_sums
-        from flashot.solver import multiscale
-
         multiscale.CELL_ORDER = "lex" if layout == "old" else "morton"
         kernel_sums.SPARSE_GAP = 0 if layout == "old" else 32
         loss = flashot.SamplesLoss(blur=0.01, cluster_scale=scale)
