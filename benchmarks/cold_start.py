@@ -2,15 +2,22 @@
 
 Each case runs twice in a new Python process: first with empty caches (``TRITON_CACHE_DIR``
 and ``FLASHOT_CACHE_DIR`` pointed at new folders, per case; the tile tables as shipped),
-then again with those caches warm. Env: ONLY (a substring of the case names), COMPILES=1
-(list the first call's kernel compilations), PROFILE=1 (the first call under cProfile: its
-30 costliest functions by cumulative time, e.g. compiling against building launchers
-against CUDA's own first use; the time printed then includes the profiler's). Times are
+then again with those caches warm. Env: ONLY (substrings of the case names, comma-separated),
+COMPILES=1 (list the first call's kernel compilations), PROFILE=1 (the first call under
+cProfile: its 30 costliest functions by cumulative time, e.g. compiling against building
+launchers against CUDA's own first use; the time printed then includes the profiler's). Times are
 wall seconds of the call (import excluded), synchronized.
 
+Compiling ahead (:mod:`flashot.backends.triton._ahead`): ``RECORD=FILE`` records each
+case's first-call compiles (Triton's specialization data, in order) and writes them as a
+manifest to FILE (ship it as ``tiles/ahead_sm<cc>_triton<version>.json``);
+``AHEAD=off,on`` runs each case's fresh process with compiling ahead off, then on.
+
     python benchmarks/cold_start.py
+    RECORD=/tmp/ahead.json python benchmarks/cold_start.py
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -46,7 +53,7 @@ for n in (10_000, 50_000):
         CASES[f"peer {n // 1000}k d{d} (its TF32 default)"] = DATA.format(n=n, d=d) + PEER.format(
             n=n
         )
-ONLY = os.environ.get("ONLY")  # a substring of the case names to run
+ONLY = os.environ.get("ONLY")  # substrings of the case names to run, comma-separated
 # COMPILES=1: each first call also lists its kernel compilations (Triton's JIT hooks), with
 # the constexprs that made each one a new specialization and its seconds
 HOOKS = (
@@ -71,6 +78,29 @@ _knobs.runtime.jit_cache_hook, _knobs.runtime.jit_post_compile_hook = _pre, _pos
     if os.environ.get("COMPILES") == "1"
     else ""
 )
+# RECORD: the first process's compiles as Triton serializes them (its serializer made
+# tolerant: a constexpr that is a function, as the pair kernels take, is not recorded)
+RECORDER = """
+import json as _json
+import triton.runtime.jit as _jit
+from triton import knobs as _knobs
+_serialize = _jit.serialize_specialization_data
+def _tolerant(*a, **k):
+    try:
+        return _serialize(*a, **k)
+    except TypeError:
+        return None
+_jit.serialize_specialization_data = _tolerant
+def _record(*, key, fn, compile, **_):
+    data = compile.get("specialization_data")
+    if data and fn.module.startswith("flashot."):
+        with open({path!r}, "a") as _f:
+            _f.write(_json.dumps({{"kernel": fn.module + ":" + fn.name, "key": str(key),
+                                  "data": data}}) + "\\n")
+_knobs.runtime.jit_post_compile_hook = _record
+"""
+RECORD = os.environ.get("RECORD")
+AHEAD = os.environ.get("AHEAD", "").split(",") if os.environ.get("AHEAD") else [None]
 TIMER = """
 import time, torch, flashot, warnings
 warnings.simplefilter("ignore")
@@ -88,17 +118,22 @@ PROFILED = (
 )
 
 print("case                                       cold s   warm-cache s", flush=True)
-for name, setup in CASES.items():
-    if ONLY and ONLY not in name:
+recorded = {}
+for (name, setup), ahead in ((c, a) for c in CASES.items() for a in AHEAD):
+    if ONLY and not any(part in name for part in ONLY.split(",")):
         continue
     # a fresh environment per case: empty Triton and flashot caches
     env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="cold_triton_"),
                FLASHOT_CACHE_DIR=tempfile.mkdtemp(prefix="cold_flashot_"))  # fmt: skip
     env.pop("FLASHOT_AUTOTUNE", None)
+    if ahead is not None or RECORD:  # (a recording compiles in launch order)
+        env["FLASHOT_COMPILE_AHEAD"] = "1" if ahead == "on" and not RECORD else "0"
+    log = tempfile.mktemp(suffix=".jsonl")
     times = []
     for _ in range(2):
         profile = PROFILED if os.environ.get("PROFILE") == "1" and not times else ("", "")
-        code = TIMER.format(setup=setup, hooks=HOOKS, profile=profile[0], report=profile[1])
+        hooks = HOOKS + (RECORDER.format(path=log) if RECORD and not times else "")
+        code = TIMER.format(setup=setup, hooks=hooks, profile=profile[0], report=profile[1])
         run = subprocess.run([sys.executable, "-c", code], env=env,
                              capture_output=True, text=True, timeout=300)  # fmt: skip
         lines = run.stdout.strip().splitlines()
@@ -108,4 +143,15 @@ for name, setup in CASES.items():
                   flush=True)  # fmt: skip
         if run.returncode:
             print(run.stderr[-2000:], flush=True)
-    print(f"{name:42s} {times[0]:>7s}   {times[1]:>7s}", flush=True)
+    label = name if ahead is None else f"{name} (ahead {ahead})"
+    print(f"{label:42s} {times[0]:>7s}   {times[1]:>7s}", flush=True)
+    if RECORD and os.path.exists(log):
+        with open(log) as f:
+            recorded[name] = [json.loads(line) for line in f]
+if RECORD:
+    import triton
+
+    with open(RECORD, "w") as f:
+        json.dump({"triton": triton.__version__, "runs": recorded}, f)
+    print(f"recorded {sum(map(len, recorded.values()))} compiles of {len(recorded)} cases "
+          f"to {RECORD}")  # fmt: skip

@@ -23,6 +23,7 @@ import triton.language as tl
 from flashot.backends.device import on_device
 from flashot.backends.temperature import LOG2E as HOST_LOG2E
 from flashot.backends.triton import _configs, _launch
+from flashot.backends.triton._ahead import fire
 from flashot.backends.triton._combine import _combine_kernel
 from flashot.backends.triton._common import (
     CONTROL_POINTERS,
@@ -264,7 +265,7 @@ class AttendLaunch(_launch.Launch):
         blk, bpc = COMBINE_TILE if has_v else (128, 1)
         bpc = min(bpc, next_pow2(p))
         with on_device(self.device):
-            _combine_kernel[(cdiv(n, blk), cdiv(p, bpc))](
+            fire(_combine_kernel, (cdiv(n, blk), cdiv(p, bpc)),
                 PART_MAX=part_max, PART_SUM=plan.args["PART_SUM"],
                 PART_ACC=plan.args["PART_ACC"], LSE=self.lse, OUT=out, n=n, p=p,
                 splits=part_max.shape[0], eps=self.eps, **_launch.temp_args(self.eps, self.lse),

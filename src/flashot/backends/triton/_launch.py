@@ -23,6 +23,7 @@ from triton.runtime.errors import OutOfResources
 from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.temperature import READ_DAMPING, READ_RATIO, READ_ROW, Temperature
 from flashot.backends.triton import _configs, _tables
+from flashot.backends.triton._ahead import fire
 from flashot.backends.triton._configs import cdiv
 
 __all__ = ["FINALISTS", "Launch", "Plan", "dispatch", "launch", "run", "splits_for",
@@ -262,7 +263,7 @@ def start(kernel, cfg, plan: Plan, device) -> Plan:
     """Launch ``kernel`` with tiles ``cfg`` as ``plan`` says; returns the plan."""
     tiles = cfg.kwargs if triton_interpreted() else cfg.all_kwargs()
     with on_device(device):
-        kernel[plan.grid(cfg.kwargs)](**plan.args, **plan.consts, **tiles)
+        fire(kernel, plan.grid(cfg.kwargs), **plan.args, **plan.consts, **tiles)
     return plan
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from flashot.backends.device import on_device
+from flashot.backends.triton._ahead import fire
 from flashot.backends.triton._combine import _combine_kernel
 from flashot.backends.triton._configs import cdiv
 from flashot.backends.triton._launch import run, table_tiles, temp_args
@@ -94,7 +95,7 @@ def exact_lse(backend, pot):
             (plan.args["ROW_LSE"], plan.args["ROW_LSE"], op.lse_r, n),
             (plan.args["COL_MAX"], plan.args["COL_SUM"], op.lse_c, m),
         ):
-            _combine_kernel[(cdiv(size, 128), 1)](
+            fire(_combine_kernel, (cdiv(size, 128), 1),
                 PART_MAX=part_max, PART_SUM=part_sum, PART_ACC=part_max, LSE=out, OUT=out,
                 n=size, p=1, splits=part_max.shape[0], eps=eps, **temp_args(eps, out),
                 stride_on=0, stride_op=0, BLOCK=128, BLOCK_P=1, HAS_V=False,

@@ -38,6 +38,7 @@ import triton.language as tl
 from flashot.backends import temperature as _row
 from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.triton import _configs
+from flashot.backends.triton._ahead import fire
 from flashot.backends.triton._common import _stationary_tiles
 from flashot.backends.triton._configs import cdiv
 from flashot.backends.triton._pair_functions import triton_functions
@@ -117,7 +118,7 @@ def _sums(xs, ys, xn, yn, f, la, g, lb, scale: float, cost: PairCost, rows: bool
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
     score, presplit = score_operands(xs, ys, diff)
     with on_device(xs.device):
-        _pair_sums_kernel[(cdiv(m, bn), splits)](
+        fire(_pair_sums_kernel, (cdiv(m, bn), splits),
             xs, ys, xn, yn, f, la, g, lb, r, cp, n, m, d, scale, per, *xs.stride(),
             *ys.stride(), *score, COST=fn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
             D_CHUNKS=chunks, DIFF=diff, PRECISION=_precision(), PRESPLIT=presplit, ROWS=rows,

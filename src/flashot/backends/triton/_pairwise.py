@@ -31,6 +31,7 @@ import triton.language as tl
 from flashot.backends import temperature as _row
 from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.triton import _configs
+from flashot.backends.triton._ahead import fire
 from flashot.backends.triton._common import (
     LOG2E,
     _load_tile,
@@ -417,7 +418,7 @@ def _launch_forward(x, y, vec, scale: float, cost: PairCost, sum_mode: bool, spa
             *xs.stride(), *ys.stride(), *score, sums, pot, pot_cols, 2.0**-window,
             2.0**window)  # fmt: skip
     with on_device(xs.device):
-        _softmin_kernel[(cdiv(n, bm), splits)](
+        fire(_softmin_kernel, (cdiv(n, bm), splits),
             *args, COST=fn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, D_CHUNKS=chunks,
             DIFF=diff, PRECISION=_precision(), SUM=sum_mode, SPARSE=sparse is not None,
             PRESPLIT=presplit, REPAIR=repair is not None, **options,
@@ -500,7 +501,7 @@ def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols:
         if rows:
             splits, per = (1, m) if sparse else _configs.column_grid(cdiv(n, bm), m, bn, xs.device)
             gx = torch.empty(splits, n, d, device=xs.device, dtype=torch.float32)
-            _grad_kernel[(cdiv(n, bm), splits)](
+            fire(_grad_kernel, (cdiv(n, bm), splits),
                 *head, gx, gx, *tail, per, *strides, COLUMNS=False, SPARSE=sparse is not None,
                 **flags,
             )  # fmt: skip
@@ -509,8 +510,7 @@ def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols:
             splits, per = _configs.column_grid(cdiv(m, bn), n, bm, xs.device)
             gy = torch.empty(splits, m, d, device=xs.device, dtype=torch.float32)
             gv = torch.empty(splits, m, device=xs.device, dtype=torch.float32)
-            _grad_kernel[(cdiv(m, bn), splits)](
-                *head, gy, gv, *tail, per, *strides, COLUMNS=True, SPARSE=False, **flags
-            )
+            fire(_grad_kernel, (cdiv(m, bn), splits), *head, gy, gv, *tail, per, *strides,
+                 COLUMNS=True, SPARSE=False, **flags)  # fmt: skip
             gy, gv = gy.sum(0), gv.sum(0)
     return gx, gy, gv

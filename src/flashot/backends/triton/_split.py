@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from flashot.backends.device import on_device, triton_interpreted
+from flashot.backends.triton._ahead import fire
 from flashot.backends.triton._configs import cdiv
 
 __all__ = ["SplitOperand", "split_keys", "split_operand"]
@@ -95,7 +96,7 @@ def split_operand(t: torch.Tensor, interpreted: bool = False,
     if t.numel():
         low, high = torch.aminmax(t)
         with on_device(t.device):  # Triton launches on the current device
-            _split_kernel[(cdiv(t.numel(), BLOCK),)](
+            fire(_split_kernel, (cdiv(t.numel(), BLOCK),),
                 t, low, high, parts, inv, t.numel(), HEADROOM=HEADROOM, LO_BITS=lo_bits,
                 BLOCK=BLOCK,
             )  # fmt: skip

@@ -34,6 +34,7 @@ import triton.language as tl
 from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.temperature import LOG2E, device_scale
 from flashot.backends.triton import _configs
+from flashot.backends.triton._ahead import fire
 from flashot.backends.triton._common import (
     SCALE,
     _from_row,
@@ -102,7 +103,7 @@ def symmetric_vjp(backend, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps):
     splits, per = _configs.column_grid(blocks, m, block_n, dev, backend.splits)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
     with on_device(dev):
-        _sym_vjp_kernel[(blocks, splits)](
+        fire(_sym_vjp_kernel, (blocks, splits),
             Q=qs, K=ks, KV0=kv0, KV1=kv1, RB0=rb0, CB0=cb0, U0=u0, RB1=rb1, CB1=cb1, U1=u1,
             OUT_K0=out_k0, OUT_C0=out_c0, OUT_W1=out_w1, OUT_K1=out_k1, n=n, m=m, d=d,
             dq=qs.shape[1], scale=LOG2E / eps, **temp_args(eps, rb0), cols_per_split=per,

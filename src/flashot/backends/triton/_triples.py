@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from flashot.backends.device import on_device
+from flashot.backends.triton._ahead import fire
 from flashot.backends.triton._configs import cdiv
 
 __all__ = ["TRIPLE_UP_TO", "TRIPLE_WIDTH", "triple_operand", "triple_pair"]
@@ -53,9 +54,8 @@ def triple_pair(t: torch.Tensor) -> torch.Tensor:
         return t.new_zeros(2, n, TRIPLE_WIDTH)
     pair = torch.empty(2, n, TRIPLE_WIDTH, dtype=torch.float32, device=t.device)
     with on_device(t.device):  # Triton launches on the current device
-        _triple_kernel[(cdiv(n, BLOCK_N),)](
-            t, pair, n, d, t.stride(0), t.stride(1), WIDTH=TRIPLE_WIDTH, BLOCK_N=BLOCK_N
-        )
+        fire(_triple_kernel, (cdiv(n, BLOCK_N),), t, pair, n, d, t.stride(0), t.stride(1),
+             WIDTH=TRIPLE_WIDTH, BLOCK_N=BLOCK_N)  # fmt: skip
     return pair
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from flashot.backends.device import on_device
+from flashot.backends.triton._ahead import fire
 from flashot.backends.triton._common import (
     CONTROL_POINTERS,
     EPS,
@@ -136,7 +137,7 @@ def update(pot, w_old, w_new, rho, sums, lse_r, lse_c, *, shift, check=False, ga
     f_out, g_out = torch.empty_like(f), torch.empty_like(g)
     err = torch.zeros(1, device=dev, dtype=torch.float32) if check else f_out
     with on_device(dev):
-        _update_kernel[(cdiv(n, BLOCK) + cdiv(m, BLOCK),)](
+        fire(_update_kernel, (cdiv(n, BLOCK) + cdiv(m, BLOCK),),
             F=f, R=r, LSE_R=lse_r, ALPHA=form.alpha, LOG_A=log_a, F_OUT=f_out, G=g, C=c,
             LSE_C=lse_c, BETA=form.beta, LOG_B=log_b, G_OUT=g_out, ERR=err,
             GATE=f_out if gate is None else gate, n=n, m=m, eps=eps,

@@ -35,6 +35,7 @@ from flashot.backends.dual import Potentials, plan_times
 from flashot.backends.plan_vjp import ALL, PlanVJP
 from flashot.backends.temperature import LOG2E, device_scale
 from flashot.backends.triton import _configs
+from flashot.backends.triton._ahead import fire
 from flashot.backends.triton._common import (
     SCALE,
     _from_row,
@@ -95,7 +96,7 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
     chunk = 16 if triton_interpreted() else vjp_chunk(p, qs.shape[1])
     block_p, p_chunks = (_width(p), 1) if p <= chunk else (chunk, cdiv(p, chunk))
     with on_device(dev):
-        _plan_vjp_kernel[(blocks, splits)](
+        fire(_plan_vjp_kernel, (blocks, splits),
             Q=qs, K=ks, KV=kv, ROW_B=row_bias, COL_B=col_bias, DR=dr, VC=vc,
             EXTRA=row_bias if extra is None else extra, OUT_W=out_w, OUT_K=out_k,
             COL_RB=col_rb, COL_CB=col_cb, OUT_C=out_c, n=n, m=m,
