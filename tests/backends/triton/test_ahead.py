@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
-from flashot.backends.triton import _ahead  # noqa: E402
+from flashot.backends.triton import _ahead
 
 
 class FakeKernel:
@@ -160,9 +160,11 @@ def test_a_key_shared_by_workloads_waits_for_one_of_its_own():
 
 
 def test_the_interpreter_never_compiles_ahead():
-    with mock.patch.object(_ahead, "_STATE", {"enabled": None}):
-        with mock.patch.dict("os.environ", {"TRITON_INTERPRET": "1", _ahead.ENV: "1"}):
-            assert _ahead._enabled() is False
+    with (
+        mock.patch.object(_ahead, "_STATE", {"enabled": None}),
+        mock.patch.dict("os.environ", {"TRITON_INTERPRET": "1", _ahead.ENV: "1"}),
+    ):
+        assert _ahead._enabled() is False
 
 
 def test_manifests_are_named_by_capability_and_triton_version():

@@ -49,7 +49,7 @@ _SUBMITTED: set[str] = set()  # cache keys compiled or given to a worker in this
 _PENDING: dict[int, list[Future]] = {}  # id(kernel) → its compiles in flight
 _POOL: ThreadPoolExecutor | None = None
 _LOCK = threading.Lock()
-_STATE = {"enabled": None}
+_STATE: dict[str, bool | None] = {"enabled": None}
 
 
 def fire(kernel, grid, *args, **kwargs):
