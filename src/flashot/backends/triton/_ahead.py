@@ -112,7 +112,11 @@ def _enabled() -> bool:
 def _cached(kernel) -> int | None:
     """How many specializations ``kernel`` holds compiled, all devices (None: unknown)."""
     try:
-        return sum(len(entry[0]) for entry in list(kernel.device_caches.values()))
+        caches = kernel.device_caches
+        if len(caches) == 1:  # (the usual case, kept short: every launch pays it)
+            for entry in caches.values():
+                return len(entry[0])
+        return sum([len(entry[0]) for entry in list(caches.values())])
     except (AttributeError, TypeError, IndexError):
         return None
 
