@@ -7,7 +7,8 @@ a manifest recorded on the GPU (``tiles/ahead_sm<cc>_triton<version>.json``, wri
 ``RECORD=… python benchmarks/cold_start.py``) lists, per recorded workload, each
 specialization in the order it was first compiled, with Triton's own specialization data.
 
-Every flashot launch goes through :func:`fire`. When a launch compiles a specialization
+Every flashot launch goes through :func:`fire` (a compile without launching through
+:func:`warmup`). When a launch compiles a specialization
 that the manifest knows, the ones that followed it in the recorded workloads are
 compiled in worker threads (``JITFunction.preload``, and the launcher module where the
 Triton builds one per signature) while the host goes on: Triton's compiler and ptxas
@@ -35,7 +36,7 @@ import torch
 
 from flashot.backends.device import triton_interpreted
 
-__all__ = ["ENV", "fire", "manifest_path", "successors"]
+__all__ = ["ENV", "fire", "manifest_path", "successors", "warmup"]
 
 #: the environment variable that turns compiling ahead off ("0")
 ENV = "FLASHOT_COMPILE_AHEAD"
@@ -54,14 +55,23 @@ _STATE: dict[str, bool | None] = {"enabled": None}
 
 def fire(kernel, grid, *args, **kwargs):
     """Launch ``kernel[grid](*args, **kwargs)``, compiling ahead around it (see the module)."""
+    return _around(kernel, lambda: kernel[grid](*args, **kwargs))
+
+
+def warmup(kernel, grid, **kwargs):
+    """``kernel.warmup(grid=grid, **kwargs)`` (compile and return, no launch), the same way."""
+    return _around(kernel, lambda: kernel.warmup(grid=grid, **kwargs))
+
+
+def _around(kernel, call):
     if not _enabled():
-        return kernel[grid](*args, **kwargs)
+        return call()
     pending = _PENDING.pop(id(kernel), None)
     if pending:
         for future in pending:
             future.exception()  # (waits; a failed compile is the launch's to redo)
     before = _cached(kernel)
-    out = kernel[grid](*args, **kwargs)
+    out = call()
     if before is not None and _cached(kernel) != before:
         _compiled(kernel)
     return out
