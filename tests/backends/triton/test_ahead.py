@@ -37,6 +37,12 @@ class FakeKernel:
 
         return launch
 
+    def warmup(self, *, grid, key):  # (compiles, never launches)
+        cache = self.device_caches[0][0]
+        if key not in cache:
+            self.launch_compiles.append(key)
+            cache[key] = object()
+
     def preload(self, data):
         if self.delay is not None:
             self.delay.wait(5)
@@ -106,6 +112,18 @@ def test_a_launch_that_compiles_hands_its_successors_to_workers_and_none_compile
     assert [p["key"] for p in b.preloads] == ["b1"] and [p["key"] for p in a.preloads] == ["a2"]
     assert a.launches == ["a1", "a2"] and b.launches == ["b1"]
     assert all("extern_libs" not in p["options"] for p in a.preloads + b.preloads)
+
+
+def test_a_compile_without_launch_hands_on_its_successors_too():
+    """The occupancy probe compiles a launch's kernel before the launch itself: that
+    compile is the workload's first own key and must not go unseen."""
+    a, b = FakeKernel("a"), FakeKernel("b")
+    with gate({"w": [entry("a", "a1"), entry("b", "b1")]}, {"a": a, "b": b}):
+        _ahead.warmup(a, (1,), key="a1")
+        _ahead.fire(a, (1,), "a1")
+        _ahead.fire(b, (1,), "b1")
+    assert a.launch_compiles == ["a1"] and a.launches == ["a1"]
+    assert [p["key"] for p in b.preloads] == ["b1"] and b.launch_compiles == []
 
 
 def test_a_launch_waits_for_its_kernels_compiles_in_flight():
