@@ -188,3 +188,25 @@ def test_the_interpreter_never_compiles_ahead():
 def test_manifests_are_named_by_capability_and_triton_version():
     path = _ahead.manifest_path((9, 0), "3.6.0")
     assert path.name == "ahead_sm90_triton3.6.0.json" and path.parent.name == "tiles"
+
+
+def test_triton_is_hashed_in_a_thread_that_the_first_launch_joins():
+    calls, release = [], threading.Event()
+
+    def slow_key():
+        release.wait(5)
+        calls.append(threading.current_thread().name)
+
+    a = FakeKernel("a")
+    with (
+        gate({}, {"a": a}),
+        mock.patch.object(_ahead, "_HASHING", []),
+        mock.patch.object(_ahead.torch.cuda, "is_available", lambda: True),
+        mock.patch("triton.runtime.cache.triton_key", slow_key),
+    ):
+        _ahead.hash_triton_early()
+        _ahead.hash_triton_early()  # (once a process)
+        assert len(_ahead._HASHING) == 1 and not calls
+        threading.Timer(0.2, release.set).start()
+        _ahead.fire(a, (1,), "a1")  # joins the hashing thread before compiling
+        assert calls == ["flashot-triton-key"] and not _ahead._HASHING
