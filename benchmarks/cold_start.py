@@ -53,7 +53,34 @@ for n in (10_000, 50_000):
         CASES[f"peer {n // 1000}k d{d} (its TF32 default)"] = DATA.format(n=n, d=d) + PEER.format(
             n=n
         )
+# more first calls for a compiling-ahead manifest (run only when ONLY names them)
+EXTRA = {
+    f"extra sinkhorn 50k d64 {mode}": DATA.format(n=50_000, d=64)
+    + (
+        f"call = lambda: flashot.sinkhorn(x, y, eps=0.1, max_iter=10, tol=None, "
+        f"precision='{mode}').cost"
+    )
+    for mode in ("tf32", "bf16")
+}
+EXTRA["extra sinkhorn 50k d64 fp32 value+grad"] = (
+    DATA.format(n=50_000, d=64) + "x.requires_grad_()\n"
+    "call = lambda: torch.autograd.grad(flashot.sinkhorn(x, y, eps=0.1).cost, x)"
+)
+EXTRA["extra SamplesLoss 10k d64 value+grad"] = (
+    DATA.format(n=10_000, d=64) + "x.requires_grad_()\n"
+    "loss = flashot.SamplesLoss(p=2, blur=0.05, scaling=0.5, debias=True)\n"
+    "call = lambda: torch.autograd.grad(loss(x, y), x)"
+)
+EXTRA["extra SamplesLoss 10k d64 peer setting, double backward"] = (
+    DATA.format(n=10_000, d=64) + "x.requires_grad_(); v = torch.randn_like(x)\n"
+    "loss = flashot.SamplesLoss(p=2, blur=0.3, scaling=0.9, debias=False)\n"
+    "def call():\n"
+    "    (g,) = torch.autograd.grad(loss(x, y), x, create_graph=True)\n"
+    "    return torch.autograd.grad((g * v).sum(), x)"
+)
 ONLY = os.environ.get("ONLY")  # substrings of the case names to run, comma-separated
+if ONLY:
+    CASES.update(EXTRA)
 # COMPILES=1: each first call also lists its kernel compilations (Triton's JIT hooks), with
 # the constexprs that made each one a new specialization and its seconds
 HOOKS = (
