@@ -175,10 +175,10 @@ for (name, setup), ahead in ((c, a) for c in CASES.items() for a in AHEAD):
     if RECORD and os.path.exists(log):
         with open(log) as f:
             recorded[name] = [json.loads(line) for line in f]
-if RECORD:
-    import triton
+        import triton
 
-    with open(RECORD, "w") as f:
-        json.dump({"triton": triton.__version__, "runs": recorded}, f)
+        with open(RECORD, "w") as f:  # (after every case: a run cut short keeps what it had)
+            json.dump({"triton": triton.__version__, "runs": recorded}, f)
+if RECORD:
     print(f"recorded {sum(map(len, recorded.values()))} compiles of {len(recorded)} cases "
           f"to {RECORD}")  # fmt: skip
