@@ -201,7 +201,7 @@ def test_triton_is_hashed_in_a_thread_that_the_first_launch_joins():
     with (
         gate({}, {"a": a}),
         mock.patch.object(_ahead, "_HASHING", []),
-        mock.patch.object(_ahead.torch.cuda, "is_available", lambda: True),
+        mock.patch.object(_ahead.torch.cuda, "is_initialized", lambda: True),
         mock.patch("triton.runtime.cache.triton_key", slow_key),
     ):
         _ahead.hash_triton_early()

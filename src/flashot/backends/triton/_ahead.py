@@ -1,17 +1,17 @@
 """Compiling ahead: a first call's kernels built in worker threads (issue 50).
 
 A first call in a fresh process compiles every kernel specialization it launches, one
-after another as it reaches them: about 0.5–1 s each on the GPU machine, eleven of them
-for a plain 50k d = 64 solve. Which ones a workload launches is known from earlier runs:
+after another as it reaches them: about 0.5–1 s each on the GPU machine, ten of them for
+a plain 50k d = 64 solve. Which ones a workload launches is known from earlier runs:
 a manifest recorded on the GPU (``tiles/ahead_sm<cc>_triton<version>.json``, written by
 ``RECORD=… python benchmarks/cold_start.py``) lists, per recorded workload, each
 specialization in the order it was first compiled, with Triton's own specialization data.
 
-Every flashot launch goes through :func:`fire` (a compile without launching through
-:func:`warmup`). When a launch compiles a specialization
-that the manifest knows, the ones that followed it in the recorded workloads are
-compiled in worker threads (``JITFunction.preload``, and the launcher module where the
-Triton builds one per signature) while the host goes on: Triton's compiler and ptxas
+Every flashot launch goes through :func:`fire` (a compile without a launch through
+:func:`warmup`). When a launch compiles a specialization that the manifest knows, the
+ones that followed it in the recorded workloads are compiled in worker threads
+(``JITFunction.preload``, and the launcher module where this Triton builds one per
+signature) while the host goes on: Triton's compiler and ptxas
 release the GIL for most of their time (8 sm_90 kernels: 4.7 s in two threads, 9.4 s in
 one, on a 2-core VM). A launch of a kernel with compiles in flight waits for them first,
 so no specialization is compiled twice.
@@ -19,7 +19,9 @@ so no specialization is compiled twice.
 Triton's disk cache keys every kernel by a hash of its own installation
 (``triton_key()``, once a process: 0.37 s of a 0.98 s second-process call on the GPU
 machine). :func:`hash_triton_early` computes it in a daemon thread while the backend's
-modules import and the host prepares the problem; the first launch joins it.
+modules import and the host prepares the problem; the first launch joins it. It starts
+only where CUDA is already initialized (it never initializes CUDA itself: a process
+that forks later would inherit it).
 
 Nothing changes where no manifest matches (another GPU, another Triton, the
 interpreter): launches compile as they come. A compile that fails in a worker is
@@ -50,7 +52,7 @@ ENV = "FLASHOT_COMPILE_AHEAD"
 MOST_WORKERS = 8
 
 _TILES = pathlib.Path(__file__).with_name("tiles")
-# the manifest's successors by Triton cache key, per device capability (None: not loaded)
+# the manifest's successors by Triton cache key, per device capability (once loaded)
 _MANIFESTS: dict[tuple[int, int], dict[str, list[dict]]] = {}
 _SUBMITTED: set[str] = set()  # cache keys compiled or given to a worker in this process
 _PENDING: dict[int, list[Future]] = {}  # id(kernel) → its compiles in flight
@@ -72,7 +74,7 @@ def warmup(kernel, grid, **kwargs):
 
 def hash_triton_early() -> None:
     """Start computing Triton's installation hash in a daemon thread (see the module)."""
-    if _HASHING or not _enabled() or not torch.cuda.is_available():
+    if _HASHING or not _enabled() or not torch.cuda.is_initialized():
         return
     try:
         from triton.runtime.cache import triton_key
