@@ -210,3 +210,14 @@ def test_triton_is_hashed_in_a_thread_that_the_first_launch_joins():
         threading.Timer(0.2, release.set).start()
         _ahead.fire(a, (1,), "a1")  # joins the hashing thread before compiling
         assert calls == ["flashot-triton-key"] and not _ahead._HASHING
+
+
+def test_triton_is_not_hashed_early_where_cuda_is_not_initialized():
+    """Starting the thread must not be what initializes CUDA (a later fork would break)."""
+    with (
+        mock.patch.object(_ahead, "_HASHING", []),
+        mock.patch.object(_ahead, "_STATE", {"enabled": True}),
+        mock.patch.object(_ahead.torch.cuda, "is_initialized", lambda: False),
+    ):
+        _ahead.hash_triton_early()
+        assert _ahead._HASHING == []
