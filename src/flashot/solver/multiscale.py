@@ -124,9 +124,10 @@ def morton_keys(cells: torch.Tensor) -> torch.Tensor | None:
     close in space, so a run of sorted cells is a compact patch rather than a line.
     """
     n, d = cells.shape
-    if n and int(cells.min()) < 0:  # (a corner above some point: keys must stay injective)
+    low, high = (int(t) for t in torch.aminmax(cells)) if n else (0, 0)  # (one host wait)
+    if low < 0:  # (a corner above some point: keys must stay injective)
         return None
-    bits = max(1, int(cells.max()).bit_length()) if n else 1
+    bits = max(1, high.bit_length())
     if bits * d > 62:
         return None
     key = torch.zeros(n, dtype=torch.long, device=cells.device)
