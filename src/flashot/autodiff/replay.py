@@ -33,6 +33,13 @@ depend on ``w = ū_f + ū_g`` alone, which obeys ``w_{i−1} = ½ w_i + (∂_h T
 in the rows' slots (q, α, k, β, log b), which the sources reach through the same maps as
 the columns' (k, β, q, α, log a).
 
+Run eagerly (large problems, the CPU), the reverse sweep checks its tail every few
+steps (:class:`_Tail`, one host read each): at a schedule's first temperatures, far
+above the cost's scale, the plan's rows are near uniform and the adjoint halves a step
+with GeomLoss' averaging, so the sweep stops once what its remaining steps could add is
+below float32's rounding of θ's gradients (at the peer's HVP setting about a third of
+the steps).
+
 Both directions are fixed launch sequences given the shapes and the schedule: where the
 backend offers a graph key (:meth:`~flashot.backends.base.Backend.graph_key`: small
 problems on a GPU) they run through :data:`REPLAY_GRAPHS`, eagerly the first time a key
@@ -48,6 +55,7 @@ the cost's bound are keyed by value.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -157,9 +165,9 @@ def _run(sweep: _Sweep, direction, fn, tensors) -> tuple:
     spec, (q, alpha, k, beta) = sweep.spec, tensors[:4]
     form = transform_form(q, alpha, k, beta, spec)
     backend_key = _graph_key(spec, form)
-    if backend_key is None:
+    if backend_key is None:  # (eager: the reverse sweep may check its tail on the host)
         with spec.backend.operand_scope(spec.operands):
-            return tuple(fn(sweep, *tensors))
+            return tuple(fn(dataclasses.replace(sweep, tail_checks=True), *tensors))
     shapes = tuple((t.shape, t.dtype, t.device) for t in tensors)
     if not spec.backend.reads_vjp_temperatures(form):
         key = (direction, backend_key, shapes, sweep.values_key())
@@ -191,13 +199,15 @@ class _Sweep:
 
     ``temps``: the schedule's temperatures, floats or
     :class:`~flashot.backends.temperature.Temperature` s of a device table. ``mirror``:
-    replayed as a mirror problem (see the module).
+    replayed as a mirror problem (see the module). ``tail_checks``: the reverse sweep
+    may stop before the schedule's start (:class:`_Tail`; host reads, so eager runs only).
     """
 
     trajectory: Trajectory
     spec: DualSpec
     temps: tuple = ()
     mirror: bool = False
+    tail_checks: bool = False
 
     def __post_init__(self):
         self.temps = self.temps or tuple(self.trajectory.temps)
@@ -336,10 +346,14 @@ class _Sweep:
         traj, theta = self.trajectory, (q, alpha, k, beta, log_a, log_b)
         grads: list = [None] * 6  # q, α, k, β, log a, log b
 
+        tail = _Tail(alpha.dtype) if self.tail_checks else None
+
         def take(side, out):  # a transform's VJP list: θ's shares added, ū_h returned
             for i, t in zip(_ORDER[side], out[:5], strict=True):
                 if t is not None:
                     grads[i] = t if grads[i] is None else grads[i] + t
+                    if tail is not None:
+                        tail.record(i, t)
             return out[5]
 
         def vjp(side, u, h, r, e, warm, h_needed=True):  # λ T(h) with cotangent u: ū_h
@@ -352,6 +366,8 @@ class _Sweep:
             w = u_f + u_g
             for it, e, warm, *_ in reversed(list(self._steps())):
                 w = 0.5 * w + vjp(0, 0.5 * w, G[it - 1], RX[it], e, warm)
+                if tail is not None and tail.done(grads):
+                    return _needed(needs, grads, theta)
             if traj.init is None:
                 warm = len(traj.temps) > 1
                 vjp(0, w, torch.zeros_like(beta), RX[0], self.temps[0], warm, h_needed=False)
@@ -363,20 +379,91 @@ class _Sweep:
                                       u_tx, u_ty, e, warm)  # fmt: skip
                 if pair is not None:
                     u_f, u_g = u_tx + take(1, pair[1]), u_ty + take(0, pair[0])
-                    continue
-                u_f, u_g = (u_tx + vjp(1, u_ty, F[it - 1], RY[it], e, warm),
-                            u_ty + vjp(0, u_tx, G[it - 1], RX[it], e, warm))  # fmt: skip
-                continue
-            u_f = u_f + vjp(1, col_omega * u_g, F[it], RY[it], e, warm)
-            u_g = (1.0 - col_omega) * u_g
-            u_g = u_g + vjp(0, omega * u_f, G[it - 1], RX[it], e, warm)
-            u_f = (1.0 - omega) * u_f
+                else:
+                    u_f, u_g = (u_tx + vjp(1, u_ty, F[it - 1], RY[it], e, warm),
+                                u_ty + vjp(0, u_tx, G[it - 1], RX[it], e, warm))  # fmt: skip
+            else:
+                u_f = u_f + vjp(1, col_omega * u_g, F[it], RY[it], e, warm)
+                u_g = (1.0 - col_omega) * u_g
+                u_g = u_g + vjp(0, omega * u_f, G[it - 1], RX[it], e, warm)
+                u_f = (1.0 - omega) * u_f
+            if tail is not None and tail.done(grads):
+                return _needed(needs, grads, theta)
         if traj.init is None:
             warm = len(traj.temps) > 1
             zero_g, zero_f = torch.zeros_like(beta), torch.zeros_like(alpha)  # (T(0), Tᵀ(0))
             vjp(0, u_f, zero_g, RX[0], self.temps[0], warm, h_needed=False)
             vjp(1, u_g, zero_f, RY[0], self.temps[0], warm, h_needed=False)
         return _needed(needs, grads, theta)
+
+
+#: the reverse sweep's tail (eager runs): every TAIL_EVERY steps the θ shares of those
+#: steps are compared with the sums so far. Where the schedule starts far above the
+#: cost's scale (the peer's ``scaling=0.9``: ~15–18 of 51–54 steps), the adjoint there
+#: halves a step (GeomLoss' averaging, the plan's rows near uniform), and the shares
+#: with it.
+TAIL_EVERY = 4
+#: a check's shares at most this share of the previous check's, twice in a row
+TAIL_RATIO = 0.5
+#: the rest of the sweep, bounded as a geometric series of the larger of those two
+#: ratios, at most this much of the largest θ gradient (float32: 4 ulp; the HVP then
+#: moves by ~4e-7–1e-6 of its norm at the peer's setting, where its error against
+#: float64 is ~3e-5; in float64 the sweep runs to its start unless the tail underflows)
+TAIL_TOL = {torch.float32: 2.0**-21, torch.float64: 2.0**-48}
+
+
+class _Tail:
+    """Whether a reverse sweep's remaining steps change θ's gradients by less than rounding.
+
+    A check (every :data:`TAIL_EVERY` steps, one host read) takes, per θ gradient i, the
+    sum Δ_i of the norms of the shares added since the last check (:meth:`record`; no
+    copy of the sums is kept) and the norm A_i of the sum. The sweep stops when, for
+    every i, the last two checks' ratios Δ_i / Δ_i' are at most :data:`TAIL_RATIO` and
+    ``Δ_i r / (1 − r) ≤ TAIL_TOL · max_j A_j`` with r the larger ratio: the steps left
+    then add at most that much, as long as they keep decaying at least as fast (the
+    shares of earlier, larger temperatures decay faster: their plans are nearer
+    uniform). The bound is against the largest gradient, as rounding is: an HVP much
+    smaller than its terms is as far from float64 from either.
+    """
+
+    def __init__(self, dtype: torch.dtype):
+        self.tol = TAIL_TOL.get(dtype, 0.0)
+        self.steps = 0
+        self.pending: dict[int, torch.Tensor] = {}
+        self.deltas: list[dict[int, float]] = []
+
+    def record(self, i: int, share: torch.Tensor) -> None:
+        """One step's share of θ's gradient i (its norm, kept on the device)."""
+        if self.tol:
+            norm = share.norm()
+            self.pending[i] = norm if i not in self.pending else self.pending[i] + norm
+
+    def done(self, grads: list) -> bool:
+        """After one more step with θ's gradients ``grads`` (None where untouched)."""
+        self.steps += 1
+        if self.tol == 0.0 or self.steps % TAIL_EVERY:
+            return False
+        live = [i for i, t in enumerate(grads) if t is not None]
+        if not live:
+            return False
+        zero = grads[live[0]].new_zeros(())
+        norms = [self.pending.get(i, zero) for i in live] + [grads[i].norm() for i in live]
+        values = torch.stack(norms).tolist()  # (the one host read)
+        self.pending = {}
+        self.deltas.append(dict(zip(live, values[: len(live)], strict=True)))
+        if len(self.deltas) < 3 or not all(math.isfinite(v) for v in values):
+            return False
+        scale = max(values[len(live) :])
+        for i in live:
+            d, d1, d2 = (check.get(i, 0.0) for check in self.deltas[-1:-4:-1])
+            if d == 0.0 and d1 == 0.0:
+                continue
+            if d1 == 0.0 or d2 == 0.0:
+                return False
+            r = max(d / d1, d1 / d2)
+            if r > TAIL_RATIO or d * r / (1.0 - r) > self.tol * scale:
+                return False
+        return True
 
 
 def _needed(needs, grads, theta) -> tuple:
