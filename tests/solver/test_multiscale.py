@@ -196,3 +196,29 @@ def test_the_mask_in_chunks_is_the_mask_whole(monkeypatch):
     chunked = truncation_mask(cx, cy, f, gg, 1e-3, 12.5, 2)
     assert all(torch.equal(u, v) for u, v in zip(whole, chunked, strict=True))
     assert len(whole[0]) < len(cx.members) * len(cy.members)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(5, 120), m=st.integers(5, 120),
+       d=st.integers(1, 3), eps=st.sampled_from([1e-3, 1e-2, 0.1]),
+       p=st.sampled_from([1, 2]))  # fmt: skip
+def test_the_columns_mask_is_the_rows_mask_transposed(seed, n, m, d, eps, p):
+    """The truncation of the yx soft-minimum at the same potentials keeps the transposed
+    pairs of the xy one (multiscale._Masks serves it without a second evaluation)."""
+    from flashot.solver.multiscale import _Masks
+
+    x, y, g = _clouds(seed, n, m, d)
+    origin = torch.minimum(x.min(0).values, y.min(0).values)
+    cl = {"x": grid_clusters(x, torch.ones(n, dtype=torch.float64), 0.2, origin),
+          "y": grid_clusters(y, torch.ones(m, dtype=torch.float64), 0.2, origin)}  # fmt: skip
+    f = 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+    gg = 0.1 * torch.randn(m, generator=g, dtype=torch.float64)
+    masks = _Masks(cl, 12.5, p)
+    masks("xy", f, gg, eps)
+    with mock.patch("flashot.solver.multiscale.truncation_mask") as direct:
+        served = masks("yx", gg, f, eps)
+        assert not direct.called
+    want = truncation_mask(cl["y"], cl["x"], gg, f, eps, 12.5, p)
+    assert all(torch.equal(u, v) for u, v in zip(served, want, strict=True))
+    other = masks("yx", gg, f.clone(), eps)  # (other potentials: evaluated)
+    assert all(torch.equal(u, v) for u, v in zip(other, want, strict=True))

@@ -186,6 +186,32 @@ def truncation_mask(rows: Clusters, cols: Clusters, f, g, eps: float, tau: float
     return key // kc, key % kc
 
 
+class _Masks:
+    """:func:`truncation_mask` per soft-minimum, a step's ``yx`` mask the transpose of its ``xy``.
+
+    The bound is symmetric in the sides (``max f + max g − C_min``, each cluster's best
+    partner kept on both sides), so the columns' problem at the same potentials keeps
+    the transposed pairs: one K_r × K_c evaluation for both.
+    """
+
+    def __init__(self, clusters: dict, tau: float, p: int):
+        self.clusters, self.tau, self.p = clusters, tau, p
+        self.last: tuple | None = None  # (f, g, eps, (I, J)) of the last "xy" mask
+
+    def __call__(self, side: str, pot_rows, pot_cols, eps: float):
+        last = self.last
+        if side == "yx" and last is not None and last[0] is pot_cols and last[1] is pot_rows \
+                and last[2] == eps:  # fmt: skip
+            i, j = last[3]
+            key = torch.sort(j * self.clusters["x"].count + i).values
+            return key // self.clusters["x"].count, key % self.clusters["x"].count
+        rows, cols = self.clusters[side[0]], self.clusters[side[1]]
+        pairs = truncation_mask(rows, cols, pot_rows, pot_cols, eps, self.tau, self.p)
+        if side == "xy":
+            self.last = (pot_rows, pot_cols, eps, pairs)
+        return pairs
+
+
 def all_pairs(kr: int, kc: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Every cluster pair, sorted."""
     key = torch.arange(kr * kc, device=device)
@@ -245,6 +271,7 @@ def multiscale_potentials(
     la, lb = torch.log(a).detach(), torch.log(b).detach()
     coarse = [e for e in temps if e > scale**p]
     fine = temps[len(coarse) :]
+    masks = _Masks(cl, tau, p)
 
     def sparse(side, log_w, pot_rows, pot_cols, eps):
         rc, cc = cl[side[0]], cl[side[1]]
@@ -252,7 +279,7 @@ def multiscale_potentials(
             keep = all_pairs(rc.count, cc.count, rc.starts.device)
             h = log_w
         else:
-            keep = truncation_mask(rc, cc, pot_rows, pot_cols, eps, tau, p)
+            keep = masks(side, pot_rows, pot_cols, eps)
             h = log_w + pot_cols / eps
         return damping(eps, rho) * _sparse_softmin(
             srt[side[0]], rc, srt[side[1]], cc, h, eps, cost, keep, backend
@@ -284,7 +311,7 @@ def multiscale_potentials(
 
     def final(rows, side, log_w, pot_rows, pot_cols):
         rc, cc = cl[side[0]], cl[side[1]]
-        keep = truncation_mask(rc, cc, pot_rows, pot_cols, eps, tau, p)
+        keep = masks(side, pot_rows, pot_cols, eps)
         return damping(eps, rho) * _sparse_softmin(
             rows[rc.order], rc, srt[side[1]], cc, log_w + pot_cols / eps, eps, cost, keep, backend
         )
