@@ -222,3 +222,25 @@ def test_the_columns_mask_is_the_rows_mask_transposed(seed, n, m, d, eps, p):
     assert all(torch.equal(u, v) for u, v in zip(served, want, strict=True))
     other = masks("yx", gg, f.clone(), eps)  # (other potentials: evaluated)
     assert all(torch.equal(u, v) for u, v in zip(other, want, strict=True))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(30, 400), m=st.integers(30, 400),
+       d=st.integers(1, 3), scale=st.sampled_from([0.02, 0.05, 0.1]),
+       eps=st.sampled_from([1e-4, 1e-3, 1e-2]), p=st.sampled_from([1, 2]),
+       spread=st.sampled_from([0.0, 0.05, 1.0]))  # fmt: skip
+def test_the_two_level_mask_keeps_the_pairs_of_the_flat_one(seed, n, m, d, scale, eps, p, spread):
+    """Groups of clusters bounding their members' pairs, then members of the group pairs
+    that pass, then the best partners of clusters left without one (the two levels of
+    multiscale.truncation_mask) keep exactly the flat mask's pairs."""
+    x, y, g = _clouds(seed, n, m, d)
+    origin = torch.minimum(x.min(0).values, y.min(0).values)
+    cx = grid_clusters(x, torch.ones(n, dtype=torch.float64), scale, origin)
+    cy = grid_clusters(y, torch.ones(m, dtype=torch.float64), scale, origin)
+    f = spread * torch.randn(n, generator=g, dtype=torch.float64)
+    gg = spread * torch.randn(m, generator=g, dtype=torch.float64)
+    big_f, big_g = multiscale._cluster_max(f, cx), multiscale._cluster_max(gg, cy)
+    flat = multiscale._flat_mask(cx, cy, big_f, big_g, -12.5 * eps, p)
+    with mock.patch.object(multiscale, "CHUNK", 64), mock.patch.object(multiscale, "GROUP", 4):
+        two = truncation_mask(cx, cy, f, gg, eps, 12.5, p)
+    assert all(torch.equal(u, v) for u, v in zip(two, flat, strict=True))

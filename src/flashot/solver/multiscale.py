@@ -150,9 +150,16 @@ def _cluster_max(values: torch.Tensor, cl: Clusters) -> torch.Tensor:
 def truncation_mask(rows: Clusters, cols: Clusters, f, g, eps: float, tau: float, p: int):
     """``(I, J)``: the cluster pairs whose plan entries may reach ``e^{−τ}``, sorted by I, J.
 
-    The bound ``max f + max g − C_min ≥ −τ ε`` is evaluated in chunks of rows (the K_r × K_c
-    table is never held whole). Each cluster also keeps its best partner, whatever the
-    bound (no empty sum).
+    The bound ``max f + max g − C_min ≥ −τ ε``, and each cluster's best partner whatever
+    the bound (no empty sum). Past :data:`CHUNK` pairs in two levels: groups of
+    :data:`GROUP` clusters consecutive on the Z-order curve, each a ball around its
+    members' balls with its largest potential, bound the pairs of their members from
+    above; only the members of group pairs that pass are bounded one by one. A cluster
+    with a pair that passes has its best partner among them; the others (few) are
+    scanned over every partner. The same pairs as :func:`_flat_mask` up to the rounding of
+    the distances at the bound's edge (differences here, ``cdist`` there: in float32 7 of
+    941 014 pairs at 1M points a sphere); on the VM 1.6–2× faster at 11k and 43k
+    clusters (cluster_scale 0.02 and 0.01 on 1M points).
 
     Args:
         rows: clusters of the rows.  cols: of the columns.
@@ -161,6 +168,83 @@ def truncation_mask(rows: Clusters, cols: Clusters, f, g, eps: float, tau: float
     """
     big_f, big_g = _cluster_max(f, rows), _cluster_max(g, cols)
     kr, kc = len(big_f), len(big_g)
+    if kr * kc <= CHUNK:
+        return _flat_mask(rows, cols, big_f, big_g, -tau * eps, p)
+    floor = -tau * eps
+    gr, gc = _groups(rows, big_f), _groups(cols, big_g)
+    s, t = _flat_mask(gr, gc, gr.weights, gc.weights, floor, p, best=False)
+    found = []
+    dev = big_f.device
+    span = torch.arange(GROUP, device=dev)
+    per = max(1, CHUNK // GROUP**2)
+    for k0 in range(0, len(s), per):  # (kept group pairs → their members' pairs, in chunks)
+        i = (s[k0 : k0 + per, None, None] * GROUP + span[None, :, None]).expand(-1, -1, GROUP)
+        j = (t[k0 : k0 + per, None, None] * GROUP + span[None, None, :]).expand(-1, GROUP, -1)
+        i, j = i[(i < kr) & (j < kc)], j[(i < kr) & (j < kc)]
+        gap = ((rows.centroids[i] - cols.centroids[j]).norm(dim=1) - rows.radius[i]
+               - cols.radius[j])  # fmt: skip
+        keep = big_f[i] + big_g[j] - gap.clamp_min(0) ** p / p >= floor
+        found.append(torch.stack([i[keep], j[keep]]))
+    i, j = torch.cat(found, 1) if found else big_f.new_zeros(2, 0, dtype=torch.long)
+    lonely_r = torch.ones(kr, dtype=torch.bool, device=dev)
+    lonely_r[i] = False
+    lonely_c = torch.ones(kc, dtype=torch.bool, device=dev)
+    lonely_c[j] = False
+    extra = [torch.stack([i, j])]
+    r_idx = torch.nonzero(lonely_r).flatten()
+    if len(r_idx):  # (rows whose every pair fails: their best partner over all columns)
+        sub = _subset(rows, r_idx)
+        ri, rj = _flat_mask(sub, cols, big_f[r_idx], big_g, math.inf, p, best="rows")
+        extra.append(torch.stack([r_idx[ri], rj]))
+    c_idx = torch.nonzero(lonely_c).flatten()
+    if len(c_idx):
+        sub = _subset(cols, c_idx)
+        cj, ci = _flat_mask(sub, rows, big_g[c_idx], big_f, math.inf, p, best="rows")
+        extra.append(torch.stack([ci, c_idx[cj]]))
+    i, j = torch.cat(extra, 1)
+    key = torch.unique(i * kc + j)
+    return key // kc, key % kc
+
+
+#: clusters per group of :func:`truncation_mask`'s first level (4: the fewest member
+#: pairs bounded one by one, 3 % of K² at cluster_scale 0.02 on 1M points, against 10 % at
+#: 16; more levels would cut the first level's (K/4)² further)
+GROUP = 4
+
+
+def _groups(cl: Clusters, big: torch.Tensor) -> Clusters:
+    """Groups of :data:`GROUP` consecutive clusters (the last padded with its last).
+
+    ``centroids``: their members' mean; ``radius``: a ball holding every member's ball
+    (slack 1e-5: rounding never drops a pair); ``weights``: the members' largest
+    potential ``big``; the other fields unused.
+    """
+    k, d = cl.centroids.shape
+    pad = -k % GROUP
+    c = torch.cat([cl.centroids, cl.centroids[-1:].expand(pad, d)]).view(-1, GROUP, d)
+    r = torch.cat([cl.radius, cl.radius[-1:].expand(pad)]).view(-1, GROUP)
+    top = torch.cat([big, big[-1:].expand(pad)]).view(-1, GROUP).amax(1)
+    center = c.mean(1)
+    radius = ((c - center[:, None]).norm(dim=2) + r).amax(1) * (1 + 1e-5)
+    none = torch.empty(0, dtype=torch.long, device=c.device)
+    return Clusters(none, none, none, none, center, top, radius)
+
+
+def _subset(cl: Clusters, idx: torch.Tensor) -> Clusters:
+    """The clusters ``idx`` of ``cl`` (centroids and radii only)."""
+    none = torch.empty(0, dtype=torch.long, device=idx.device)
+    return Clusters(none, none, none, none, cl.centroids[idx], cl.weights[idx], cl.radius[idx])
+
+
+def _flat_mask(rows: Clusters, cols: Clusters, big_f, big_g, floor: float, p: int,
+               best: bool | str = True):  # fmt: skip
+    """The bound on every pair, in chunks of rows (the K_r × K_c table never whole).
+
+    ``(I, J)`` of the pairs at or above ``floor``, with (``best`` True) each row's and
+    each column's best partner, or (``best="rows"``) each row's best partner only, or
+    (False) none.
+    """
+    kr, kc = len(big_f), len(big_g)
     step = max(1, CHUNK // max(1, kc))
     found, col_best, col_arg = [], None, None
     for r0 in range(0, kr, step):
@@ -168,19 +252,21 @@ def truncation_mask(rows: Clusters, cols: Clusters, f, g, eps: float, tau: float
         gap = (torch.cdist(rows.centroids[sl], cols.centroids) - rows.radius[sl, None]
                - cols.radius[None])  # fmt: skip
         bound = big_f[sl, None] + big_g[None, :] - gap.clamp_min(0) ** p / p
-        keep = bound >= -tau * eps
-        keep[torch.arange(len(bound)), bound.argmax(1)] = True
-        best, arg = bound.max(0)
-        if col_best is None or col_arg is None:
-            col_best, col_arg = best, arg + r0
-        else:
-            better = best > col_best
-            col_best = torch.where(better, best, col_best)
-            col_arg = torch.where(better, arg + r0, col_arg)
+        keep = bound >= floor
+        if best:
+            keep[torch.arange(len(bound)), bound.argmax(1)] = True
+        if best is True:
+            top, arg = bound.max(0)
+            if col_best is None or col_arg is None:
+                col_best, col_arg = top, arg + r0
+            else:
+                better = top > col_best
+                col_best = torch.where(better, top, col_best)
+                col_arg = torch.where(better, arg + r0, col_arg)
         i, j = torch.nonzero(keep, as_tuple=True)
         found.append(torch.stack([i + r0, j]))
-    assert col_arg is not None
-    found.append(torch.stack([col_arg, torch.arange(kc, device=col_arg.device)]))
+    if col_arg is not None:
+        found.append(torch.stack([col_arg, torch.arange(kc, device=col_arg.device)]))
     i, j = torch.cat(found, 1)
     key = torch.unique(i * kc + j)
     return key // kc, key % kc
