@@ -342,6 +342,21 @@ def test_the_peers_schedule_stops_its_reverse_sweep_a_third_early():
     assert rel(cut, whole) <= 2.0**-18
 
 
+@pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
+def test_the_tail_stops_the_triton_sweep_alike():
+    """The Triton backend's reverse sweep (its one-launch symmetric reverse products, in
+    the interpreter: eager on the CPU) stops where the torch backend's does, with the
+    HVP moved by less than 2^-18 (the backends' own HVPs differ by their precision)."""
+    x, y, _, _, v = problem(0, 24, 20, 16, dtype=torch.float32)
+    out = {}
+    for backend in ("torch", "triton"):
+        loss = flashot.SamplesLoss(blur=0.3, scaling=0.9, debias=False, backend=backend)
+        out[backend] = _hvp_cut_and_whole(lambda z, loss=loss: loss(z, y), x, v)
+    (_, _, stops), (cut, whole, stops_t) = out["torch"], out["triton"]
+    assert stops == stops_t and len(stops) == 1
+    assert rel(cut, whole) <= 2.0**-18
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), n=st.integers(8, 40), d=st.sampled_from([2, 8, 64]),
        blur=st.sampled_from([0.1, 0.3, 1.0]), scaling=st.sampled_from([0.5, 0.8, 0.9]),
