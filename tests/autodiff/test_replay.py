@@ -342,6 +342,19 @@ def test_the_peers_schedule_stops_its_reverse_sweep_a_third_early():
     assert rel(cut, whole) <= 2.0**-18
 
 
+def test_a_packed_batch_runs_its_whole_sweep():
+    """A packed batch's sweep runs to its start: one bound against the largest problem's
+    gradients would leave a small problem beside it without its own relative accuracy
+    (its single problem's sweep stops)."""
+    x, y, _, _, v = problem(0, 200, 200, 64, dtype=torch.float32)
+    loss = flashot.SamplesLoss(blur=0.3, scaling=0.9, debias=False, backend="torch")
+    xb, yb, vb = (torch.stack([t, 0.01 * t]) for t in (x, y, v))
+    _, _, single = _hvp_cut_and_whole(lambda z: loss(z, y), x, v)
+    cut, whole, packed = _hvp_cut_and_whole(lambda z: loss(z, yb).sum(), xb, vb)
+    assert len(single) == 1 and packed == []
+    assert torch.equal(cut, whole)
+
+
 @pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
 def test_the_tail_stops_the_triton_sweep_alike():
     """The Triton backend's reverse sweep (its one-launch symmetric reverse products, in
