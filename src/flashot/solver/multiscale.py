@@ -180,7 +180,8 @@ def truncation_mask(rows: Clusters, cols: Clusters, f, g, eps: float, tau: float
     for k0 in range(0, len(s), per):  # (kept group pairs → their members' pairs, in chunks)
         i = (s[k0 : k0 + per, None, None] * GROUP + span[None, :, None]).expand(-1, -1, GROUP)
         j = (t[k0 : k0 + per, None, None] * GROUP + span[None, None, :]).expand(-1, GROUP, -1)
-        i, j = i[(i < kr) & (j < kc)], j[(i < kr) & (j < kc)]
+        real = (i < kr) & (j < kc)  # (not the last group's padding)
+        i, j = i[real], j[real]
         gap = ((rows.centroids[i] - cols.centroids[j]).norm(dim=1) - rows.radius[i]
                - cols.radius[j])  # fmt: skip
         keep = big_f[i] + big_g[j] - gap.clamp_min(0) ** p / p >= floor
