@@ -11,12 +11,17 @@
   DENSE_MAX): time and the value's and gradient's difference from the dense call.
   ``MS_LAYOUTS`` (default ``new``; ``old,new`` both): v50's layout (clusters in Z-order,
   a block's runs ≤ 32 columns apart merged) or the one before it (lexicographic cells,
-  exact intervals), in one process.
+  exact intervals), in one process. ``MS_PROFILE=1``: one call at each n and scale under
+  torch.profiler, its 15 costliest kernels (v52: at 1M the pair kernel's soft-minima and
+  the block-sparse gradient).
 * ``gromov_wasserstein(x, y, eps=0.05, relative_eps=True)`` at n = GW_N, d = 3 and 64,
   balanced and unbalanced (``rho=100``, the same relative ε; ρ far below the
   linearized cost's spread overflows float32, v42: ρ = 1 did at 1k points): time, outer and inner
   iterations, and ``torch.cuda.max_memory_allocated`` above the inputs (POT's dense GW
-  holds n² floats: 10 GB at 50k).
+  holds n² floats: 10 GB at 50k). ``GW_AXES="1,0.5,0.25"`` scales the coordinates
+  (cycled): clouds with distinct principal axes, as shapes have; isotropic ones (the
+  default) have an orbit of near-equal matchings along which the iteration drifts (v52:
+  d = 3 at 50k did not converge in 1 000 steps).
 
 * ``layout`` (CPU, not in the default PARTS): the multiscale fine phase's work counted
   (:func:`layout_counts`), no GPU needed.
@@ -48,6 +53,7 @@ SCALES = [float(c) for c in os.environ.get("SCALES", "0.02,0.05").split(",")]
 DENSE_MAX = int(os.environ.get("DENSE_MAX", "100000"))
 PARTS = os.environ.get("PARTS", "p,kernels,multiscale,gw").split(",")
 MS_LAYOUTS = os.environ.get("MS_LAYOUTS", "new").split(",")
+AXES = [float(a) for a in os.environ["GW_AXES"].split(",")] if os.environ.get("GW_AXES") else []
 rows: list[tuple] = []
 
 
@@ -193,6 +199,14 @@ for n in MS_SIZES if "multiscale" in PARTS else ():
         kernel_sums.SPARSE_GAP = 0 if layout == "old" else 32
         loss = flashot.SamplesLoss(blur=0.01, cluster_scale=scale)
         timed((f"multiscale: cluster_scale={scale} {layout} layout", n, 3), loss, x, y)
+        if os.environ.get("MS_PROFILE") == "1":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                value_and_grad(loss, x, y)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15,
+                                            max_name_column_width=50), flush=True)  # fmt: skip
         if dense is not None:
             v, g = value_and_grad(loss, x, y)
             print(
@@ -204,6 +218,8 @@ for d in DIMS if "gw" in PARTS else ():
     for rho in (None, 100.0):
         torch.manual_seed(3)
         x, y = torch.randn(GW_N, d, device="cuda"), torch.randn(GW_N, d, device="cuda")
+        if AXES:
+            x, y = (t * torch.tensor(AXES, device="cuda").repeat(d)[:d] for t in (x, y))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

@@ -4,8 +4,10 @@ Parts (env PARTS, default "A,B,C"):
 
 * A, the peer's HVP setting: ``SamplesLoss(blur=0.3, scaling=0.9, debias=False)``, randn
   clouds, d = 64, loss + gradient (create_graph) + one HVP by double backward; the
-  double backward alone on a kept graph (``hvp``), and the whole call on points that move
-  every call (``moving_ms``: the replay's CUDA graphs key on the schedule and bound).
+  double backward alone on a kept graph (``hvp``), the whole call on points that move
+  every call (``moving_ms``: the replay's CUDA graphs key on the schedule and bound), and
+  with the reverse sweep run to its start (``whole_sweep_ms``, ``tail_moved``: the HVP's
+  change; the tail stops only eager sweeps, past 2^28 pairs, ``replay._Tail``).
   flash-sinkhorn 0.4.1 the same way (``half_cost=True``, GeomLoss' convention) when
   installed. Accuracy against the same
   function in float64 (flashot's torch backend; SIZES_REF bounds n), and for reference
@@ -40,12 +42,14 @@ import json
 import os
 import time
 import warnings
+from unittest import mock
 
 import torch
 from tests.references import dense_hvp_implicit
 from triton.testing import do_bench
 
 import flashot
+from flashot.autodiff import replay
 
 warnings.simplefilter("ignore")
 PARTS = os.environ.get("PARTS", "A,B,C").split(",")
@@ -113,8 +117,11 @@ def part_a():
                                                x + 1e-3 * next(moved), v))  # fmt: skip
         xs = x.detach().requires_grad_()
         grad = bench(lambda: torch.autograd.grad(ours(xs, y), xs))
+        with mock.patch.object(replay, "TAIL_TOL", {}):  # (the reverse sweep run whole)
+            whole_sweep = bench(lambda: double_backward(lambda t: ours(t, y), x, v))
+            h_whole = double_backward(lambda t: ours(t, y), x, v)
         row = dict(part="A", case=f"peer setting n={n} d=64", who="flashot", ms=full,
-                   moving_ms=moving,
+                   whole_sweep_ms=whole_sweep, tail_moved=rel(h, h_whole), moving_ms=moving,
                    grad_ms=grad, hvp_ms=hvp_only_ms(lambda t: ours(t, y), x, v),
                    err=None if ref is None else rel(h, ref),
                    err_converged_hessian=None if dense is None else rel(h, dense),
