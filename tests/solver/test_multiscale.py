@@ -239,8 +239,9 @@ def test_the_two_level_mask_keeps_the_pairs_of_the_flat_one(seed, n, m, d, scale
     cy = grid_clusters(y, torch.ones(m, dtype=torch.float64), scale, origin)
     f = spread * torch.randn(n, generator=g, dtype=torch.float64)
     gg = spread * torch.randn(m, generator=g, dtype=torch.float64)
-    big_f, big_g = multiscale._cluster_max(f, cx), multiscale._cluster_max(gg, cy)
-    flat = multiscale._flat_mask(cx, cy, big_f, big_g, -12.5 * eps, p)
+    balls = [multiscale._Balls(cl.centroids, cl.radius, multiscale._cluster_max(pot, cl))
+             for cl, pot in ((cx, f), (cy, gg))]  # fmt: skip
+    flat = multiscale._flat_mask(*balls, -12.5 * eps, p)
     with mock.patch.object(multiscale, "CHUNK", 64), mock.patch.object(multiscale, "GROUP", 4):
         two = truncation_mask(cx, cy, f, gg, eps, 12.5, p)
     assert all(torch.equal(u, v) for u, v in zip(two, flat, strict=True))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -166,15 +167,14 @@ def truncation_mask(rows: Clusters, cols: Clusters, f, g, eps: float, tau: float
         f: (n,) row potentials.  g: (m,) column potentials (the step before's).
         eps: ε.  tau: τ.  p: the cost ``|x − y|^p / p``.
     """
-    big_f, big_g = _cluster_max(f, rows), _cluster_max(g, cols)
-    kr, kc = len(big_f), len(big_g)
+    r, c = _Balls(rows.centroids, rows.radius, _cluster_max(f, rows)), \
+        _Balls(cols.centroids, cols.radius, _cluster_max(g, cols))  # fmt: skip
+    kr, kc, floor = len(r.top), len(c.top), -tau * eps
     if kr * kc <= CHUNK:
-        return _flat_mask(rows, cols, big_f, big_g, -tau * eps, p)
-    floor = -tau * eps
-    gr, gc = _groups(rows, big_f), _groups(cols, big_g)
-    s, t = _flat_mask(gr, gc, gr.weights, gc.weights, floor, p, best=False)
+        return _flat_mask(r, c, floor, p)
+    s, t = _flat_mask(_groups(r), _groups(c), floor, p, row_best=False, col_best=False)
     found = []
-    dev = big_f.device
+    dev = r.top.device
     span = torch.arange(GROUP, device=dev)
     per = max(1, CHUNK // GROUP**2)
     for k0 in range(0, len(s), per):  # (kept group pairs → their members' pairs, in chunks)
@@ -182,11 +182,10 @@ def truncation_mask(rows: Clusters, cols: Clusters, f, g, eps: float, tau: float
         j = (t[k0 : k0 + per, None, None] * GROUP + span[None, None, :]).expand(-1, GROUP, -1)
         real = (i < kr) & (j < kc)  # (not the last group's padding)
         i, j = i[real], j[real]
-        gap = ((rows.centroids[i] - cols.centroids[j]).norm(dim=1) - rows.radius[i]
-               - cols.radius[j])  # fmt: skip
-        keep = big_f[i] + big_g[j] - gap.clamp_min(0) ** p / p >= floor
+        gap = (r.centers[i] - c.centers[j]).norm(dim=1) - r.radius[i] - c.radius[j]
+        keep = r.top[i] + c.top[j] - gap.clamp_min(0) ** p / p >= floor
         found.append(torch.stack([i[keep], j[keep]]))
-    i, j = torch.cat(found, 1) if found else big_f.new_zeros(2, 0, dtype=torch.long)
+    i, j = torch.cat(found, 1) if found else r.top.new_zeros(2, 0, dtype=torch.long)
     lonely_r = torch.ones(kr, dtype=torch.bool, device=dev)
     lonely_r[i] = False
     lonely_c = torch.ones(kc, dtype=torch.bool, device=dev)
@@ -194,13 +193,11 @@ def truncation_mask(rows: Clusters, cols: Clusters, f, g, eps: float, tau: float
     extra = [torch.stack([i, j])]
     r_idx = torch.nonzero(lonely_r).flatten()
     if len(r_idx):  # (rows whose every pair fails: their best partner over all columns)
-        sub = _subset(rows, r_idx)
-        ri, rj = _flat_mask(sub, cols, big_f[r_idx], big_g, math.inf, p, best="rows")
+        ri, rj = _flat_mask(r.take(r_idx), c, math.inf, p, col_best=False)
         extra.append(torch.stack([r_idx[ri], rj]))
     c_idx = torch.nonzero(lonely_c).flatten()
     if len(c_idx):
-        sub = _subset(cols, c_idx)
-        cj, ci = _flat_mask(sub, rows, big_g[c_idx], big_f, math.inf, p, best="rows")
+        cj, ci = _flat_mask(c.take(c_idx), r, math.inf, p, col_best=False)
         extra.append(torch.stack([ci, c_idx[cj]]))
     i, j = torch.cat(extra, 1)
     key = torch.unique(i * kc + j)
@@ -213,61 +210,67 @@ def truncation_mask(rows: Clusters, cols: Clusters, f, g, eps: float, tau: float
 GROUP = 4
 
 
-def _groups(cl: Clusters, big: torch.Tensor) -> Clusters:
-    """Groups of :data:`GROUP` consecutive clusters (the last padded with its last).
+class _Balls(NamedTuple):
+    """What the truncation bound reads of K clusters (or groups of them).
 
-    ``centroids``: their members' mean; ``radius``: a ball holding every member's ball
-    (slack 1e-5: rounding never drops a pair); ``weights``: the members' largest
-    potential ``big``; the other fields unused.
+    ``centers``: (K, d); ``radius``: (K,) balls holding their members; ``top``: (K,) the
+    members' largest potential.
     """
-    k, d = cl.centroids.shape
+
+    centers: torch.Tensor
+    radius: torch.Tensor
+    top: torch.Tensor
+
+    def take(self, idx: torch.Tensor) -> _Balls:
+        """The balls ``idx``."""
+        return _Balls(self.centers[idx], self.radius[idx], self.top[idx])
+
+
+def _groups(balls: _Balls) -> _Balls:
+    """Groups of :data:`GROUP` consecutive balls (the last padded with its last ball).
+
+    Centred at their members' mean, each a ball holding its members' balls (slack 1e-5:
+    rounding never drops a pair), with their largest potential.
+    """
+    k, d = balls.centers.shape
     pad = -k % GROUP
-    c = torch.cat([cl.centroids, cl.centroids[-1:].expand(pad, d)]).view(-1, GROUP, d)
-    r = torch.cat([cl.radius, cl.radius[-1:].expand(pad)]).view(-1, GROUP)
-    top = torch.cat([big, big[-1:].expand(pad)]).view(-1, GROUP).amax(1)
+    c, r, top = (torch.cat([t, t[-1:].expand(pad, *t.shape[1:])]) for t in balls)
+    c, r = c.view(-1, GROUP, d), r.view(-1, GROUP)
     center = c.mean(1)
     radius = ((c - center[:, None]).norm(dim=2) + r).amax(1) * (1 + 1e-5)
-    none = torch.empty(0, dtype=torch.long, device=c.device)
-    return Clusters(none, none, none, none, center, top, radius)
+    return _Balls(center, radius, top.view(-1, GROUP).amax(1))
 
 
-def _subset(cl: Clusters, idx: torch.Tensor) -> Clusters:
-    """The clusters ``idx`` of ``cl`` (centroids and radii only)."""
-    none = torch.empty(0, dtype=torch.long, device=idx.device)
-    return Clusters(none, none, none, none, cl.centroids[idx], cl.weights[idx], cl.radius[idx])
-
-
-def _flat_mask(rows: Clusters, cols: Clusters, big_f, big_g, floor: float, p: int,
-               best: bool | str = True):  # fmt: skip
+def _flat_mask(rows: _Balls, cols: _Balls, floor: float, p: int, row_best: bool = True,
+               col_best: bool = True):  # fmt: skip
     """The bound on every pair, in chunks of rows (the K_r × K_c table never whole).
 
-    ``(I, J)`` of the pairs at or above ``floor``, with (``best`` True) each row's and
-    each column's best partner, or (``best="rows"``) each row's best partner only, or
-    (False) none.
+    ``(I, J)`` of the pairs at or above ``floor``, and with ``row_best`` / ``col_best``
+    each row's / column's best partner.
     """
-    kr, kc = len(big_f), len(big_g)
+    kr, kc = len(rows.top), len(cols.top)
     step = max(1, CHUNK // max(1, kc))
-    found, col_best, col_arg = [], None, None
+    found, best, arg = [], None, None
     for r0 in range(0, kr, step):
         sl = slice(r0, min(kr, r0 + step))
-        gap = (torch.cdist(rows.centroids[sl], cols.centroids) - rows.radius[sl, None]
+        gap = (torch.cdist(rows.centers[sl], cols.centers) - rows.radius[sl, None]
                - cols.radius[None])  # fmt: skip
-        bound = big_f[sl, None] + big_g[None, :] - gap.clamp_min(0) ** p / p
+        bound = rows.top[sl, None] + cols.top[None, :] - gap.clamp_min(0) ** p / p
         keep = bound >= floor
-        if best:
+        if row_best:
             keep[torch.arange(len(bound)), bound.argmax(1)] = True
-        if best is True:
-            top, arg = bound.max(0)
-            if col_best is None or col_arg is None:
-                col_best, col_arg = top, arg + r0
+        if col_best:
+            top, at = bound.max(0)
+            if best is None or arg is None:
+                best, arg = top, at + r0
             else:
-                better = top > col_best
-                col_best = torch.where(better, top, col_best)
-                col_arg = torch.where(better, arg + r0, col_arg)
+                better = top > best
+                best = torch.where(better, top, best)
+                arg = torch.where(better, at + r0, arg)
         i, j = torch.nonzero(keep, as_tuple=True)
         found.append(torch.stack([i + r0, j]))
-    if col_arg is not None:
-        found.append(torch.stack([col_arg, torch.arange(kc, device=col_arg.device)]))
+    if arg is not None:
+        found.append(torch.stack([arg, torch.arange(kc, device=arg.device)]))
     i, j = torch.cat(found, 1)
     key = torch.unique(i * kc + j)
     return key // kc, key % kc

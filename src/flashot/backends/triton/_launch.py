@@ -22,8 +22,8 @@ from triton.runtime.errors import OutOfResources
 
 from flashot.backends.device import on_device, triton_interpreted
 from flashot.backends.temperature import READ_DAMPING, READ_RATIO, READ_ROW, Temperature
-from flashot.backends.triton import _ahead, _configs, _tables
-from flashot.backends.triton._ahead import fire
+from flashot.backends.triton import _configs, _tables
+from flashot.backends.triton._ahead import fire, warmup
 from flashot.backends.triton._configs import cdiv
 
 __all__ = ["FINALISTS", "Launch", "Plan", "dispatch", "launch", "run", "splits_for",
@@ -169,7 +169,7 @@ def splits_for(op: Launch, cfg, device, forced: int | None = None) -> tuple[int,
     if rkey not in _RESIDENT:
         plan = op.plan(guess, per, cfg, probe=True)
         try:  # compile (cached) and load without launching: loading sets n_regs
-            kernel = _ahead.warmup(op.kernel, plan.grid(cfg.kwargs), **plan.args,
+            kernel = warmup(op.kernel, plan.grid(cfg.kwargs), **plan.args,
                                    **plan.consts, **cfg.all_kwargs())  # fmt: skip
             kernel = kernel.result() if hasattr(kernel, "result") else kernel
             kernel._init_handles()
