@@ -7,7 +7,9 @@ Parts (env PARTS, default "A,B,C"):
   double backward alone on a kept graph (``hvp``), the whole call on points that move
   every call (``moving_ms``: the replay's CUDA graphs key on the schedule and bound), and
   with the reverse sweep run to its start (``whole_sweep_ms``, ``tail_moved``: the HVP's
-  change; the tail stops only eager sweeps, past 2^28 pairs, ``replay._Tail``).
+  change; the tail stops only eager sweeps, past 2^28 pairs, ``replay._Tail``), with the
+  schedule run again instead of read from the solve's kept iterates (``rerun_ms``,
+  ``kept_moved``), and the peak a value's graph adds (``value_graph_mib``: the iterates).
   flash-sinkhorn 0.4.1 the same way (``half_cost=True``, GeomLoss' convention) when
   installed. Accuracy against the same
   function in float64 (flashot's torch backend; SIZES_REF bounds n), and for reference
@@ -120,8 +122,17 @@ def part_a():
         with mock.patch.object(replay, "TAIL_TOL", {}):  # (the reverse sweep run whole)
             whole_sweep = bench(lambda: double_backward(lambda t: ours(t, y), x, v))
             h_whole = double_backward(lambda t: ours(t, y), x, v)
+        with mock.patch.object(replay, "_kept", lambda *t: None):  # (the schedule run again)
+            rerun = bench(lambda: double_backward(lambda t: ours(t, y), x, v))
+            h_rerun = double_backward(lambda t: ours(t, y), x, v)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        value = ours(xs, y)  # (a first-order step's graph: the kept iterates live in it)
+        kept_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+        del value
         row = dict(part="A", case=f"peer setting n={n} d=64", who="flashot", ms=full,
                    whole_sweep_ms=whole_sweep, tail_moved=rel(h, h_whole), moving_ms=moving,
+                   rerun_ms=rerun, kept_moved=rel(h, h_rerun), value_graph_mib=kept_mib,
                    grad_ms=grad, hvp_ms=hvp_only_ms(lambda t: ours(t, y), x, v),
                    err=None if ref is None else rel(h, ref),
                    err_converged_hessian=None if dense is None else rel(h, dense),

@@ -219,7 +219,7 @@ def test_samples_loss_batch_is_one_packed_solve_equal_to_the_loop(gen, reach):
 @pytest.mark.parametrize("blur", [0.05, 3.0])
 def test_packed_schedules_take_the_near_path_where_single_solves_do(gen, monkeypatch, blur):
     """A schedule's warm-up temperatures up to a few times a problem's cost bound take
-    the usual LSE (:func:`flashot.solver.loop.warm_form`); a packed batch decides per problem
+    the usual LSE (:func:`flashot.solver.blocks.warm_form`); a packed batch decides per problem
     from its segments' bounds, and took the near path (torch tiles, one problem at a
     time) at its first temperature, D², which single solves did not (H200: the GeomLoss
     call as a batch of one ran 40–80× slower). Both now take it at the same temperatures:

@@ -28,7 +28,7 @@ from flashot.autodiff.functions import (
     soft_c_transform,
 )
 from flashot.autodiff.second_order import Piece, check_hvp_tol, exact_second_order, spec_of
-from flashot.autodiff.unrolled import Trajectory
+from flashot.autodiff.unrolled import Trajectory, keeps_iterates
 from flashot.backends import entry_point
 from flashot.batched import sinkhorn_divergence_batched
 from flashot.caller import warn_at_caller
@@ -63,6 +63,8 @@ class DebiasedPotentials:
         trajectory: how OT(a, b)'s fixed-iteration solve ran (``tol=None``), for its
             second derivatives (:mod:`flashot.autodiff.unrolled`); None after a solve
             to a tolerance.
+        self_iterates: the self problems' kept iterates (``Trajectory.iterates``), or
+            None each.
     """
 
     f: torch.Tensor
@@ -72,6 +74,7 @@ class DebiasedPotentials:
     converged: bool | None
     misses: tuple[str, ...] = ()
     trajectory: Trajectory | None = None
+    self_iterates: tuple = (None, None)
 
     def value(self, problem: Problem, hvp_tol: float | None = None) -> torch.Tensor:
         """The (debiased) Sinkhorn cost, differentiable w.r.t. x, y, a, b.
@@ -99,10 +102,11 @@ class DebiasedPotentials:
                         spec, relaxed, theta, pair)]  # fmt: skip
         if self.p is not None and self.q is not None:
             # a self problem's trajectory: symmetric steps from the solver's start
-            own = None if pair is None else replace(pair, update="symmetric", init=None,
-                                                    momentum=None)  # fmt: skip
             # a divergence's rho is symmetric: the problem's spec serves its self problems
-            for cloud, w, pot in ((problem.x, a, self.p), (problem.y, b, self.q)):
+            for cloud, w, pot, kept in zip((problem.x, problem.y), (a, b), (self.p, self.q),
+                                           self.self_iterates, strict=True):  # fmt: skip
+                own = None if pair is None else replace(pair, update="symmetric", init=None,
+                                                        momentum=None, iterates=kept)  # fmt: skip
                 pieces.append(Piece(-0.5, (cloud, w), pot.detach(), pot.detach(), spec, relaxed,
                                     lambda c, w: theta(c, c, w, w), own, mirror=True))  # fmt: skip
         return exact_second_order(out, pieces)
@@ -150,15 +154,19 @@ def debiased_potentials(
         final_step=final_step_for(problem.form),
         momentum=momentum,
         init=init,
+        keep_iterates=tol is None and keeps_iterates(problem.form, max_iter, problem.a, problem.b),
         **opts,
     )
     f, g = final_potentials(problem.form, out, log_a, log_b, eps, (lam, lam), engine, update)
     dtype = problem.form.q.dtype
     outs = [("OT(a, b)", out)]
     p = q = None
+    kept: list = []
     if debias:
         selves = []
-        for cloud, log_w, name in ((problem.x, log_a, "OT(a, a)"), (problem.y, log_b, "OT(b, b)")):
+        sides = ((problem.x, problem.a, log_a, "OT(a, a)"),
+                 (problem.y, problem.b, log_b, "OT(b, b)"))  # fmt: skip
+        for cloud, w, log_w, name in sides:
             # the joint box holds each cloud's own: the problem's bound serves
             self_form = self_attention_form(problem.cost, cloud, dtype, engine.rounding,
                                             problem.form.cost_bound)  # fmt: skip
@@ -170,9 +178,11 @@ def debiased_potentials(
                 rho,
                 engine,
                 final=grads_needed(self_form)[0],
+                keep_iterates=tol is None and keeps_iterates(self_form, max_iter, w),
                 **opts,
             )
             outs.append((name, res))
+            kept.append(res.iterates)
             assert res.final is not None
             # (its pass ran with the solve: autograd gets the elementwise step only)
             selves.append(soft_c_transform(self_form, res.f, log_w, eps, lam, engine,
@@ -193,8 +203,10 @@ def debiased_potentials(
     if tol is None:
         omega = None if momentum is None else float(momentum)
         trajectory = Trajectory(tuple(float(t) for t in temps), max_iter, update, init, omega,
-                                check_every)  # fmt: skip
-    return DebiasedPotentials(f, g, p, q, converged, misses, trajectory)
+                                check_every, iterates=out.iterates)  # fmt: skip
+    return DebiasedPotentials(
+        f, g, p, q, converged, misses, trajectory, tuple(kept) if kept else (None, None)
+    )
 
 
 def _asymmetric(x, y, a, b, *, rho, eps, init, **options) -> torch.Tensor:

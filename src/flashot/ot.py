@@ -11,7 +11,7 @@ from flashot.autodiff.functional import functional_transforms
 from flashot.autodiff.functions import final_step_for, relaxed_side
 from flashot.autodiff.implicit import implicit_potentials
 from flashot.autodiff.second_order import Piece, check_hvp_tol, exact_second_order, spec_of
-from flashot.autodiff.unrolled import Trajectory
+from flashot.autodiff.unrolled import Trajectory, keeps_iterates
 from flashot.backends import entry_point
 from flashot.backends.dual import Potentials, phi_sum
 from flashot.batched import sinkhorn_batched
@@ -262,6 +262,7 @@ def sinkhorn(
         record=history,
         min_iter=min_iter,
         momentum=momentum,
+        keep_iterates=tol is None and keeps_iterates(problem.form, max_iter, problem.a, problem.b),
     )
     # Final extrapolation: the only differentiated step (GeomLoss' convention).
     f, g = final_potentials(problem.form, out, log_a, log_b, eps, problem.damping(eps), engine,
@@ -290,7 +291,7 @@ def sinkhorn(
                 "history=True are not available: pass history=False")  # fmt: skip
             trajectory = Trajectory(tuple(float(t) for t in temps), max_iter, update, init,
                                     None if momentum is None else float(momentum), check_every,
-                                    refusal)  # fmt: skip
+                                    refusal, out.iterates)  # fmt: skip
         value = exact_second_order(value, [_piece(problem, fd, gd, exact[1], trajectory)])
     error = None if error_t is None else float(error_t)
     finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()

@@ -64,7 +64,8 @@ def test_replay_routes_through_its_graph_cache_where_the_backend_keys_one(monkey
     monkeypatch.setattr(replay, "REPLAY_GRAPHS", GraphCache(capture=stand_in(captured)))
     x, y, a, b, v = problem(7, 6, 5, 2)
     loss = flashot.SamplesLoss(blur=0.2, scaling=0.6, diameter=4.0, debias=False)
-    eager = double_backward(lambda t: loss(a, t, b, y), x, v)[1]
+    with mock.patch.object(replay, "_kept", lambda *t: None):  # (a graph runs the schedule)
+        eager = double_backward(lambda t: loss(a, t, b, y), x, v)[1]
     # (the solver's own loop keeps its eager path: only the replay is keyed)
     monkeypatch.setattr(replay, "_graph_key", lambda spec, form: ("stand-in",))
     hs = [double_backward(lambda t: loss(a, t, b, y), x, v)[1] for _ in range(3)]
@@ -298,6 +299,7 @@ def test_replayed_steps_from_stabilized_sums_give_the_same_second_derivatives():
             return step(*t, **k)
 
         mp.setattr(triton_backend, "fused_step", spied_step)
+        mp.setattr(replay, "_kept", lambda *t: None)  # (the replay's own passes)
         plain = hvp(TritonBackend())
         assert not calls
         mp.setattr(_configs, "STABILIZED_LSE_FROM", 0)
@@ -443,3 +445,129 @@ def test_the_tail_check_never_stops_on_nan_or_an_unknown_dtype():
             tail.record(0, t)
             grads[0] = t if grads[0] is None else grads[0] + t
             assert not tail.done(grads)
+
+
+def _replayed_stacks(value, x, v):
+    """``(HVP, forward stacks per replay, replays from kept iterates)`` of a double backward.
+
+    The stacks are those of each :class:`replay._Sweep` forward (f_K, g_K, F, G, R_x, R_y).
+    """
+    stacks: list = []
+    forward, from_kept = replay._Sweep.forward, replay._Sweep._from_kept
+    kept: list = []
+
+    def spied(self, *t):
+        out = forward(self, *t)
+        stacks.append((self.trajectory, [s.clone() for s in out]))
+        return out
+
+    def spied_kept(self, *t):
+        kept.append(1)
+        return from_kept(self, *t)
+
+    with mock.patch.object(replay._Sweep, "forward", spied), \
+            mock.patch.object(replay._Sweep, "_from_kept", spied_kept):  # fmt: skip
+        h = double_backward(value, x, v)[1]
+    return h, stacks, len(kept)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 12), d=st.integers(1, 5),
+       entry=st.sampled_from(["loss", "sinkhorn", "warm start"]), debias=st.booleans(),
+       reach=st.sampled_from([None, 0.8]), scaling=st.sampled_from([0.5, 0.9]))  # fmt: skip
+def test_a_double_backward_reads_the_solves_own_iterates(seed, n, d, entry, debias, reach,
+                                                         scaling):  # fmt: skip
+    """A differentiable fixed-iteration solve keeps its iterates (within its memory
+    bound) and the replay reads them instead of running the schedule again: each step's
+    LSE solved from two iterates equals the one a pass returns, and the HVP is the
+    replayed one (float64; balanced or not, debiased self problems, a warm start)."""
+    x, y, a, b, v = problem(seed, n, n + 2, d, dtype=torch.float64)
+    if entry == "loss":
+        loss = flashot.SamplesLoss(blur=0.3, scaling=scaling, debias=debias, reach=reach,
+                                   backend="torch")  # fmt: skip
+
+        def value(z):
+            return loss(a, z, b, y)
+    else:
+        init = (0.1 * torch.randn(n, dtype=torch.float64), torch.zeros(n + 2, dtype=torch.float64))
+
+        def value(z):
+            return flashot.sinkhorn(z, y, a, b, eps=0.09, tol=None, max_iter=12, rho=reach,
+                                    update="symmetric", backend="torch",
+                                    init=init if entry == "warm start" else None).cost  # fmt: skip
+
+    got, kept_stacks, used = _replayed_stacks(value, x, v)
+    with mock.patch.object(replay, "_kept", lambda *t: None):
+        want, own_stacks, unused = _replayed_stacks(value, x, v)
+    pieces = 1 + (entry == "loss" and debias)  # (y takes no gradient: no yy piece)
+    assert used == pieces and unused == 0
+    for (traj, kept), (_, own) in zip(kept_stacks, own_stacks, strict=True):
+        assert traj.iterates is not None
+        first = 0 if traj.init is None else 1  # (a warm start's r_0 is never read)
+        for i, (s, t) in enumerate(zip(kept, own, strict=True)):
+            s, t = (s[first:], t[first:]) if i >= 4 else (s, t)
+            assert (s - t).abs().max() <= 1e-12 * (1 + t.abs().max()), i
+    assert rel(got, want) <= 1e-11
+
+
+def test_iterates_are_kept_only_for_a_differentiable_solve_within_their_bound():
+    """No iterates without a gradient to take, under no_grad, or past both the byte bound
+    and the clouds' size; a warm start or weights that take the gradient count."""
+    from flashot.autodiff import unrolled
+    from flashot.geometry.costs import attention_form, get_cost
+
+    x, y, a, _, _ = problem(0, 50, 40, 3, dtype=torch.float32)
+    xg, cost = x.clone().requires_grad_(), get_cost("sqeuclidean")
+    clouds = attention_form(cost, xg, y, torch.float32, None, None)
+    fixed = attention_form(cost, x, y, torch.float32, None, None)
+    assert unrolled.keeps_iterates(clouds, 30)
+    assert not unrolled.keeps_iterates(fixed, 30)
+    assert unrolled.keeps_iterates(fixed, 30, a.clone().requires_grad_(), None)
+    with torch.no_grad():
+        assert not unrolled.keeps_iterates(clouds, 30)
+    size = 31 * 90 * 4
+    with mock.patch.object(unrolled, "KEEP_ITERATES_BYTES", size):
+        assert unrolled.keeps_iterates(clouds, 30)
+    with mock.patch.object(unrolled, "KEEP_ITERATES_BYTES", size - 1):
+        assert not unrolled.keeps_iterates(clouds, 30)  # (the clouds: 90 × 5 × 4 bytes)
+        assert unrolled.keeps_iterates(clouds, 3)
+
+
+@pytest.mark.parametrize("seed,reach", [(0, None), (1, 0.8), (5, 0.8)])
+def test_iterates_kept_in_float32_give_the_replays_accuracy(seed, reach):
+    """Float32 (torch backend): the LSEs solved from the kept iterates are within 16 ulp
+    of their scale of the passes' (dividing by a small λ of an unbalanced step's warm-up
+    scales both alike), and the HVP is as near float64's as the replayed one."""
+    x, y, a, b, v = problem(seed, 30, 32, 4, dtype=torch.float32)
+
+    def value(dtype):
+        loss = flashot.SamplesLoss(blur=0.3, scaling=0.9, reach=reach, backend="torch")
+        return lambda z: loss(a.to(dtype), z, b.to(dtype), y.to(dtype))
+
+    got, kept_stacks, used = _replayed_stacks(value(torch.float32), x, v)
+    with mock.patch.object(replay, "_kept", lambda *t: None):
+        want, own_stacks, _ = _replayed_stacks(value(torch.float32), x, v)
+    exact = double_backward(value(torch.float64), x.double(), v.double())[1]
+    assert used == 2
+    for (_, kept), (_, own) in zip(kept_stacks, own_stacks, strict=True):
+        for i, (s, t) in enumerate(zip(kept, own, strict=True)):
+            ulps = 16 if i >= 4 else 2
+            assert float((s - t).abs().max()) <= ulps * 2.0**-24 * float(t.abs().max()), i
+    assert rel(got, exact) <= 1.25 * rel(want, exact) + 2.0**-21
+
+
+@pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
+def test_the_triton_solves_iterates_give_the_replayed_hvp():
+    """The Triton backend's fused steps (the interpreter) keep iterates from which the HVP
+    is as near float64's (torch backend) as the replayed one: the two paths' iterates
+    differ by their rounding at the warm-up temperatures, each consistent with itself."""
+    x, y, a, b, v = problem(3, 20, 16, 8, dtype=torch.float32)
+    loss = flashot.SamplesLoss(blur=0.3, scaling=0.8, debias=True, backend="triton")
+    got, _, used = _replayed_stacks(lambda z: loss(a, z, b, y), x, v)
+    with mock.patch.object(replay, "_kept", lambda *t: None):
+        want, _, _ = _replayed_stacks(lambda z: loss(a, z, b, y), x, v)
+    ref = flashot.SamplesLoss(blur=0.3, scaling=0.8, debias=True, backend="torch")
+    exact = double_backward(lambda z: ref(a.double(), z, b.double(), y.double()), x.double(),
+                            v.double())[1]  # fmt: skip
+    assert used == 2
+    assert rel(got, exact) <= 1.25 * rel(want, exact) + 2.0**-21

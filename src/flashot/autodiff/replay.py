@@ -168,7 +168,8 @@ def _run(sweep: _Sweep, direction, fn, tensors) -> tuple:
     if backend_key is None:  # (eager: the reverse sweep may check its tail on the host)
         # (not a packed batch's: its bound is against the largest problem's gradients,
         # and a small problem beside it would lose its own relative accuracy)
-        own = dataclasses.replace(sweep, tail_checks=spec.segments is None)
+        own = dataclasses.replace(sweep, tail_checks=spec.segments is None,
+                                  kept=_kept(sweep.trajectory, tensors[1], tensors[3]))  # fmt: skip
         with spec.backend.operand_scope(spec.operands):
             return tuple(fn(own, *tensors))
     shapes = tuple((t.shape, t.dtype, t.device) for t in tensors)
@@ -191,6 +192,16 @@ def _run(sweep: _Sweep, direction, fn, tensors) -> tuple:
     return REPLAY_GRAPHS(key, on_table, (*tensors, table))
 
 
+def _kept(trajectory: Trajectory, alpha, beta) -> tuple | None:
+    """The solve's own iterates ``(F, G)`` where they fit this replay, else None."""
+    kept, K = trajectory.iterates, trajectory.iterations
+    if kept is None or trajectory.update != "symmetric" or trajectory.momentum is not None:
+        return None
+    fits = all(t.shape == (K + 1, s.shape[0]) and (t.dtype, t.device) == (s.dtype, s.device)
+               for t, s in zip(kept, (alpha, beta), strict=True))  # fmt: skip
+    return kept if fits else None
+
+
 def _graph_key(spec: DualSpec, form: AttentionForm):
     """The backend's graph key for the replay's launches, or None (eager)."""
     return spec.backend.graph_key(form)
@@ -204,6 +215,8 @@ class _Sweep:
     :class:`~flashot.backends.temperature.Temperature` s of a device table. ``mirror``:
     replayed as a mirror problem (see the module). ``tail_checks``: the reverse sweep
     may stop before the schedule's start (:class:`_Tail`; host reads, so eager runs only).
+    ``kept``: the solve's own iterates (:func:`_kept`), which the forward then reads
+    instead of running the schedule (eager runs only: a graph would hold their addresses).
     """
 
     trajectory: Trajectory
@@ -211,6 +224,7 @@ class _Sweep:
     temps: tuple = ()
     mirror: bool = False
     tail_checks: bool = False
+    kept: tuple | None = None
 
     def __post_init__(self):
         self.temps = self.temps or tuple(self.trajectory.temps)
@@ -286,6 +300,8 @@ class _Sweep:
     def forward(self, q, alpha, k, beta, log_a, log_b, *init):
         """``(f_K, g_K, F, G, R_x, R_y)``: iterates and LSEs stacked, index 0 the start."""
         theta, traj = (q, alpha, k, beta, log_a, log_b), self.trajectory
+        if self.kept is not None:
+            return self._from_kept(alpha, beta)
         K, temps = traj.iterations, self.temps
         F, RX = alpha.new_zeros(K + 1, q.shape[0]), alpha.new_zeros(K + 1, q.shape[0])
         G, RY = beta.new_zeros(K + 1, k.shape[0]), beta.new_zeros(K + 1, k.shape[0])
@@ -314,6 +330,26 @@ class _Sweep:
             G.copy_(F)
             RY.copy_(RX)
         return F[K].clone(), G[K].clone(), F, G, RX, RY
+
+    def _from_kept(self, alpha, beta):
+        """:meth:`forward`'s stacks from the solve's own iterates (symmetric steps).
+
+        A step ``f_i = ½ (f_{i−1} + λ_i (α − lse_i))`` solved for its transform gives
+        ``r_i = −lse_i = (2 f_i − f_{i−1}) / λ_i − α``, and the start ``f_0 = λ_0 (α −
+        lse_0)`` gives ``r_0``: a few ulps of f off the LSE a pass would return (which is
+        rounded at f's scale too), and no pass.
+        """
+        F, G = self.kept
+        stacks = []
+        for side, (own, pot) in enumerate(((alpha, F), (beta, G))):
+            lams = [self._lam(self.temps[0], side)]
+            lams += [self._lam(e, side) for _, e, *_ in self._steps()]
+            lam = torch.tensor(lams, dtype=pot.dtype, device=pot.device)[:, None]
+            t = pot.clone()
+            t[1:] = 2.0 * pot[1:] - pot[:-1]
+            stacks.append(t / lam - own)
+        K = self.trajectory.iterations
+        return F[K].clone(), G[K].clone(), F, G, *stacks
 
     def _pair_vjp(self, theta, needs, f, g, r_x, r_y, u_x, u_y, e, warm):
         """A symmetric step's two VJP lists (rows' transform, columns'), or None.

@@ -40,10 +40,12 @@ from flashot.backends.temperature import device_value
 from flashot.geometry.costs import AttentionForm
 
 __all__ = [
+    "KEEP_ITERATES_BYTES",
     "Trajectory",
     "Transform",
     "envelope_gradient",
     "fill_transform_grads",
+    "keeps_iterates",
     "spec_at",
     "transform_form",
     "transform_pass",
@@ -66,6 +68,9 @@ class Trajectory:
             columns under momentum).
         refusal: why this solve cannot be replayed (its second derivatives then raise
             this), or None.
+        iterates: the solve's own iterates ``(F (K+1, n), G (K+1, m))`` of symmetric
+            steps (:func:`keeps_iterates`), which the replay then reads instead of
+            running the schedule again; None otherwise.
     """
 
     temps: tuple[float, ...]
@@ -75,6 +80,29 @@ class Trajectory:
     momentum: float | None = None
     check_every: int = 10
     refusal: str | None = None
+    iterates: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+#: a differentiable fixed-iteration solve keeps its iterates for a double backward when
+#: they take at most this many bytes, or at most the clouds' own (memory stays O((n + m) d))
+KEEP_ITERATES_BYTES = 2**26
+
+
+def keeps_iterates(form: AttentionForm, iterations: int, *weights) -> bool:
+    """Whether a fixed-iteration solve of ``form`` keeps its K + 1 iterates.
+
+    Only for a differentiable solve (grad mode on, the form or ``weights`` (tensors or
+    None) requiring it: a double backward may come), when the stacks take at most
+    :data:`KEEP_ITERATES_BYTES` or the bytes of q and k. They live as long as the value's
+    graph: first-order training holds them until its backward, and a double backward
+    saves a replay of the whole schedule (at 50 000 points a solve's time).
+    """
+    q, k = form.q, form.k
+    parts = (q, k, form.alpha, form.beta, *weights)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in parts)):
+        return False
+    size = (iterations + 1) * (q.shape[0] + k.shape[0]) * form.alpha.element_size()
+    return size <= max(KEEP_ITERATES_BYTES, q.nbytes + k.nbytes)
 
 
 def transform_form(q, alpha, k, beta, spec: DualSpec) -> AttentionForm:

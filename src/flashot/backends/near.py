@@ -28,7 +28,7 @@ probability vectors whose float sum is only approximately 1.
 This path costs two transcendentals per element; backends take it only when
 ``ε ≥ cost_bound`` (:func:`is_near_uniform`), where the usual path's ``ε·ulp`` error
 would exceed a few ulps of the cost's range (a schedule's warm-up temperatures from a
-few times higher, :func:`flashot.solver.loop.warm_form`).
+few times higher, :func:`flashot.solver.blocks.warm_form`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ __all__ = ["NEAR_FROM", "WARM_NEAR_FROM", "is_near_uniform", "log_mass", "near_a
 #: the near-uniform path runs when ε ≥ NEAR_FROM × (bound on the cost)
 NEAR_FROM = 1.0
 #: a schedule's warm-up temperatures take it from this multiple of the bound only
-#: (:func:`flashot.solver.loop.warm_form`; a replay of the schedule follows the same rule)
+#: (:func:`flashot.solver.blocks.warm_form`; a replay of the schedule follows the same rule)
 WARM_NEAR_FROM = 4.0
 
 
@@ -53,7 +53,7 @@ def warm_bounds(cost_bound: float | None, segments):
     """``(cost_bound, segments)`` as a warm-up temperature reads them.
 
     Both × :data:`WARM_NEAR_FROM` (a packed form's per problem): the near path starts
-    from that multiple of the bound (:func:`flashot.solver.loop.warm_form`).
+    from that multiple of the bound (:func:`flashot.solver.blocks.warm_form`).
     """
     bound = None if cost_bound is None else WARM_NEAR_FROM * cost_bound
     return bound, None if segments is None else segments.scaled_bounds(WARM_NEAR_FROM)

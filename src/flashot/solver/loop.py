@@ -17,7 +17,6 @@ final step only (envelope theorem).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -26,9 +25,9 @@ import torch
 from flashot.autodiff.functions import extrapolate, extrapolation_parts, transform_parts
 from flashot.backends.base import Backend
 from flashot.backends.dual import Potentials, marginal_error, row_mass
-from flashot.backends.near import is_near_uniform, warm_bounds
 from flashot.backends.temperature import device_damping, schedule_table, temperatures_on
 from flashot.geometry.costs import AttentionForm
+from flashot.solver.blocks import in_blocks, replay_key, shapes, warm_form
 from flashot.solver.graphs import GRAPHS
 from flashot.solver.momentum import Relaxation, check_momentum
 from flashot.solver.progress import Progress
@@ -69,7 +68,9 @@ class SolverOutput:
         checks: with ``record=True``, ``(iteration, ε, error)`` of every check (None
             otherwise).
         pending: a replayed block's closing check, its error still on the device (0-dim;
-            None otherwise; :func:`_in_blocks`).
+            None otherwise; :func:`~flashot.solver.blocks.in_blocks`).
+        iterates: with ``keep_iterates``, the stacked iterates ``(F (K+1, n), G (K+1, m))``,
+            row 0 the start (a self problem's G is F); None otherwise.
     """
 
     f: torch.Tensor
@@ -82,6 +83,7 @@ class SolverOutput:
     final: tuple | None = None
     checks: tuple[tuple[int, float, float], ...] | None = None
     pending: torch.Tensor | None = None
+    iterates: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @torch.no_grad()
@@ -104,6 +106,7 @@ def solve(
     record: bool = False,
     min_iter: int = 0,
     momentum: float | str | None = None,
+    keep_iterates: bool = False,
 ) -> SolverOutput:
     """Run Sinkhorn iterations between two measures.
 
@@ -137,6 +140,9 @@ def solve(
         min_iter: iterations at least before ``tol`` may stop the solve.
         momentum: over-relaxation of the alternating updates at the final ε (None,
             ``"auto"`` or ω in (0, 2); :mod:`flashot.solver.momentum`).
+        keep_iterates: keep every iterate (``SolverOutput.iterates``) where the loop runs
+            eagerly with symmetric steps and no ``tol``: a double backward then replays
+            the schedule's reverse sweep from them instead of running it again.
     """
     if update not in UPDATES:
         raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
@@ -165,16 +171,17 @@ def solve(
             out = _solve_in_blocks(form, log_a, log_b, init, backend_key, table, options)
             return replace(out, final=final(form, out, log_a, log_b))
     if backend_key is None or tol is not None:
+        keep = keep_iterates and tol is None and update == "symmetric"
         with backend.operand_scope():
             out = _iterate(form, log_a, log_b, init, progress=progress, record=record,
-                           **_on(options, table))  # fmt: skip
+                           keep=keep, **_on(options, table))  # fmt: skip
             return replace(out, final=final(form, out, log_a, log_b))
     # a fixed sequence of launches with no host round trip: replayed as a CUDA graph
     # once it repeats; the key pins everything the launches depend on besides the data
     tensors = (form.q, form.k, form.alpha, form.beta, log_a, log_b, *_given(table), *(init or ()))
     bound = form.cost_bound
     key = (
-        *_replay_key(backend_key, form, tensors, eps_list, damping, table is not None),
+        *replay_key(backend_key, form, tensors, eps_list, damping, table is not None),
         tuple(rho),
         max_iter,
         update,
@@ -222,10 +229,10 @@ def final_potentials(
 
 
 def _solve_in_blocks(form, log_a, log_b, init, backend_key, table, options) -> SolverOutput:
-    """:func:`solve`'s loop to a tolerance, in replayed blocks (:func:`_in_blocks`)."""
+    """:func:`solve`'s loop to a tolerance, in replayed blocks (:func:`~flashot.solver.blocks.in_blocks`)."""
     eps_list, bound = options["eps_list"], form.cost_bound
     tensors = (form.q, form.k, form.alpha, form.beta, log_a, log_b, *_given(table))
-    key = (backend_key, _shapes(tensors), tuple(options["rho"]), options["update"])
+    key = (backend_key, shapes(tensors), tuple(options["rho"]), options["update"])
     block_options = {**options, "tol": None}
 
     def block(span, checks, q, k, alpha, beta, la, lb, *rest):
@@ -239,92 +246,21 @@ def _solve_in_blocks(form, log_a, log_b, init, backend_key, table, options) -> S
         return precision_floor(Potentials(form, f, g, log_a, log_b, eps_list[-1]))
 
     names = ("eps_list", "damping", "max_iter", "check_every", "min_iter", "tol")
-    (f, g), it, error, stop = _in_blocks(key, tensors, init or (), block, form=form, floor=floor,
-                                         cells=table is not None,
-                                         **{n: options[n] for n in names})  # fmt: skip
+    (f, g), it, error, stop = in_blocks(key, tensors, init or (), block, form=form, floor=floor,
+                                        cells=table is not None, cache=GRAPHS,
+                                        **{n: options[n] for n in names})  # fmt: skip
     return SolverOutput(f, g, it, stop.converged, error, stop.cause, stop.floor)
-
-
-def _in_blocks(key, tensors, start, block, *, form, eps_list, damping, max_iter, check_every,
-               min_iter, tol, floor, cells=False):  # fmt: skip
-    """A solve to a tolerance in blocks of iterations that each end at a check, replayed.
-
-    Such a solve waits for the device only at its checks (every ``check_every``
-    iterations at the final ε): the iterations up to a check are a fixed sequence of
-    launches. Each block is a key of :data:`GRAPHS`, run eagerly when first met,
-    captured the second time, replayed after that. The warm-up temperatures are a block
-    of their own, and a block's key holds only its own steps' temperatures
-    (:func:`_steps_key`) and whether it checks: a long solve's blocks at the final ε
-    share one graph, and so do solves whose ε schedules differ in the warm-up only (a
-    GeomLoss schedule starts from the data's diameter, which a training loop moves
-    every step). The iterates, checks and stopping are the eager loop's.
-
-    Args:
-        key: what the launches depend on besides the data, the temperatures and the
-            block (the backend's key, the inputs' shapes, the options).
-        form: the cost (for the near-uniform rule of each step; :func:`warm_form`).
-        eps_list, damping, max_iter, check_every, min_iter, tol: as in :func:`solve`.
-        tensors: the data (the form's tensors and log weights).
-        start: the potentials to start from, or ``()`` (the loop initializes).
-        block: ``block((first, last), checks, *tensors, *potentials)`` runs iterations
-            ``first…last`` and returns the potentials, then, if it checks, the error
-            (0-dim, on the device).
-        floor: ``floor(*potentials)``, the precision floor (:func:`precision_floor`).
-        cells: the blocks read their temperatures from a device table among ``tensors``
-            (keys then hold the warm-up's structure, not its values; :func:`_steps_key`).
-
-    Returns:
-        ``(potentials, iterations, error, stopping)`` (a :class:`_Stopping`, finished).
-    """
-    last = len(eps_list) - 1
-    schedule = CheckSchedule(len(eps_list), check_every)
-    checks = [it for it in range(1, max_iter + 1) if schedule.on_grid(it) and it >= min_iter]
-    checked_at = set(checks)
-    ends = sorted(checked_at | {max_iter} | ({last} if last > 0 else set()))
-    pots = tuple(start)
-    stop = _Stopping(tol, lambda: floor(*pots))
-    error, first, it = float("nan"), 1, 0
-    for it in ends:
-        checked = it in checked_at
-        steps = _steps_key(form, eps_list, damping, first, it, cells)
-        block_key = (*key, steps, checked, not pots)
-        out = GRAPHS(block_key, functools.partial(block, (first, it), checked), (*tensors, *pots))
-        pots = out[:-1] if checked else out
-        if checked:
-            error = float(out[-1])
-            if stop.done(error, it):
-                break
-        first = it + 1
-    stop.finish()
-    return pots, it, error, stop
-
-
-def warm_form(form: AttentionForm, eps_list: Sequence[float]) -> AttentionForm:
-    """The form the warm-up steps of a schedule take: near path from a higher ε only.
-
-    The near-uniform LSE (:mod:`flashot.backends.near`) buys a few ulps of the cost's
-    range at ε above it. A warm-up temperature only starts the next one, and up to
-    :data:`WARM_NEAR_FROM` × the bound (a schedule's first temperature ``D²`` is at most
-    twice it) the usual path's ``ε·ulp`` is as small. Far above, it is not: the offsets
-    ``ε log Σ`` it rounds to are a gauge the symmetric update keeps for good, and in
-    float32 one of 1e12 swamps the potentials. The final ε keeps the usual rule.
-    """
-    seg = form.segments
-    if len(eps_list) == 1 or (form.cost_bound is None and (seg is None or seg.bounds is None)):
-        return form
-    # a packed form decides per problem, from its segments' bounds
-    bound, seg = warm_bounds(form.cost_bound, seg)
-    return replace(form, cost_bound=bound, segments=seg)
 
 
 def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_iter, tol,
              check_every, update, progress=False, record=False, min_iter=0, momentum=None,
-             span=None, check_end=False) -> SolverOutput:  # fmt: skip
+             span=None, check_end=False, keep=False) -> SolverOutput:  # fmt: skip
     """The loop of :func:`solve` (arguments checked).
 
-    ``span=(first, last)``: only those iterations (a block of :func:`_in_blocks`; from
+    ``span=(first, last)``: only those iterations (a block of :func:`~flashot.solver.blocks.in_blocks`; from
     ``init`` unless ``first`` is 1); ``check_end``: measure the error at the last one
-    and leave it on the device (``SolverOutput.pending``).
+    and leave it on the device (``SolverOutput.pending``); ``keep``: stack the iterates
+    (``SolverOutput.iterates``).
     """
     q_alpha, k_beta = form.alpha, form.beta
     first, final_it = span or (1, max_iter)
@@ -339,6 +275,7 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
         f, g = lam_x * (q_alpha - lse_r), lam_y * (k_beta - lse_c)
     else:
         f, g = init
+    kept = _stacks((f, g), final_it) if keep else None
     bar = Progress(progress, max_iter)
     # (f and g read when called: the potentials the loop has then)
     stop = _Stopping(tol, lambda: precision_floor(
@@ -380,6 +317,8 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
             # plain before a check: exact columns, so the row error is the whole error
             before_check = schedule.before(it)
             g = g_new if omega == 1.0 or before_check else torch.lerp(g, g_new, omega)
+        if kept is not None:  # (copies: a step may reuse its buffers)
+            kept[0][it], kept[1][it] = f, g
         if closing:
             pending = err  # (read by the caller, after the block: no wait in a capture)
         elif check:
@@ -394,8 +333,18 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
     bar.update(it, eps, error, force=True)
     bar.close(done=it)
     stop.finish()
+    iterates = None if kept is None else (kept[0][: it + 1], kept[1][: it + 1])
     return SolverOutput(f, g, it, stop.converged, error, stop.cause, stop.floor,
-                        checks=tuple(checks) if record else None, pending=pending)  # fmt: skip
+                        checks=tuple(checks) if record else None, pending=pending,
+                        iterates=iterates)  # fmt: skip
+
+
+def _stacks(starts, last: int) -> tuple:
+    """Per potential, a (last + 1, n) stack of its iterates, row 0 its start."""
+    out = tuple(p.new_empty(last + 1, p.shape[0]) for p in starts)
+    for stack, p in zip(out, starts, strict=True):
+        stack[0] = p
+    return out
 
 
 @torch.no_grad()
@@ -412,6 +361,7 @@ def solve_self(
     check_every: int = 10,
     min_iter: int = 0,
     final: bool | None = None,
+    keep_iterates: bool = False,
 ) -> SolverOutput:
     """Symmetric potential of the self problem OT_ε(a, a): ``p ← ½ (p + λ T(p))``.
 
@@ -427,6 +377,7 @@ def solve_self(
             True): ``SolverOutput.final`` is then ``((lse, W k or None),)``, for
             ``soft_c_transform(..., parts=final[0])``. In a replayed solve it costs no
             launch of its own.
+        keep_iterates: as in :func:`solve` (``SolverOutput.iterates`` is ``(P, P)``).
     """
     _check_iterations(max_iter, len(eps_list), tol, check_every, min_iter)
     backend_key = backend.graph_key(form) if form.segments is None else None
@@ -440,7 +391,8 @@ def solve_self(
     if backend_key is None:
         with backend.operand_scope():
             out = _self_iterations(form, log_a, _temperatures(eps_list, table), damping, rho,
-                                   backend, max_iter, tol, check_every, min_iter)  # fmt: skip
+                                   backend, max_iter, tol, check_every, min_iter,
+                                   keep=keep_iterates and tol is None)  # fmt: skip
             return replace(out, final=last_pass(form, out.f, log_a))
     # a fixed sequence of launches, replayed as a CUDA graph as :func:`solve`'s loop is
     # (a debiased divergence's two self problems were most of its eager launches)
@@ -451,8 +403,8 @@ def solve_self(
         own, start = _split_inputs(rest, table)
         return _temperatures(eps_list, own), start
 
-    if tol is not None:  # in blocks that end at a check (:func:`_in_blocks`)
-        key = ("self", backend_key, _shapes(tensors), rho)
+    if tol is not None:  # in blocks that end at a check (:func:`~flashot.solver.blocks.in_blocks`)
+        key = ("self", backend_key, shapes(tensors), rho)
 
         def block(span, checks, q, k, alpha, beta, la, *rest):
             own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
@@ -466,15 +418,15 @@ def solve_self(
             return precision_floor(Potentials(form, p, p, log_a, log_a, eps_list[-1]))
 
         with backend.operand_scope():
-            (p,), it, error, stop = _in_blocks(
+            (p,), it, error, stop = in_blocks(
                 key, tensors, (), block, form=form, eps_list=eps_list, damping=damping,
                 max_iter=max_iter, check_every=check_every, min_iter=min_iter, tol=tol,
-                floor=floor, cells=table is not None,
+                floor=floor, cells=table is not None, cache=GRAPHS,
             )  # fmt: skip
             parts = last_pass(form, p, log_a)
         return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor, final=parts)
 
-    key = ("self", *_replay_key(backend_key, form, tensors, eps_list, damping, table is not None),
+    key = ("self", *replay_key(backend_key, form, tensors, eps_list, damping, table is not None),
            rho, max_iter, final)  # fmt: skip
 
     def run(q, k, alpha, beta, la, *rest):
@@ -486,16 +438,6 @@ def solve_self(
     with backend.operand_scope():
         p, parts = GRAPHS(key, run, tensors)
     return SolverOutput(p, p, max_iter, None, float("nan"), final=parts)
-
-
-def _replay_key(backend_key, form, tensors, eps_list, damping, cells) -> tuple:
-    """What a replayed loop's launches depend on besides the data and the solver's options.
-
-    The backend's key, the inputs' shapes and every temperature's step
-    (:func:`_steps_key`).
-    """
-    steps = _steps_key(form, eps_list, damping, 1, len(eps_list), cells)
-    return backend_key, _shapes(tensors), steps
 
 
 def _table(backend, form, eps_list, dtype, damping):
@@ -528,34 +470,10 @@ def _split_inputs(rest: tuple, table) -> tuple:
     return (rest[0], rest[1:]) if table is not None else (None, rest)
 
 
-def _shapes(tensors) -> tuple:
-    return tuple((t.shape, t.dtype, t.device) for t in tensors)
-
-
-def _steps_key(form, eps_list, damping, first: int, last_it: int, cells: bool = False) -> tuple:
-    """What iterations ``first…last_it`` of a schedule launch.
-
-    Per step: its temperature, whether it is the final one, which LSE it takes (the
-    warm-up steps by :func:`warm_form`'s near-uniform rule, the final ones by the
-    form's) and its damping. With ``cells`` (the launches read the temperatures and
-    the damping from a device table) a warm-up step's values are left out unless it
-    takes the near-uniform LSE (torch ops with their scalars); the final one's are
-    kept, which the extrapolation and the checks take as scalars.
-    """
-    warm, last = warm_form(form, eps_list), len(eps_list) - 1
-    steps = []
-    for it in range(first, last_it + 1):
-        i = min(it - 1, last)
-        e = eps_list[i]
-        near = is_near_uniform(form if i == last else warm, e)
-        by_row = cells and i < last and not near  # (read from the device table)
-        steps.append((None, i == last, near) if by_row else (e, i == last, near, damping(e)))
-    return tuple(steps)
-
-
 def _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol, check_every,
-                     min_iter, init=None, span=None, check_end=False) -> SolverOutput:  # fmt: skip
-    """The loop of :func:`solve_self`; ``init``, ``span``, ``check_end`` as in :func:`_iterate`."""
+                     min_iter, init=None, span=None, check_end=False,
+                     keep=False) -> SolverOutput:  # fmt: skip
+    """The loop of :func:`solve_self`; ``init``, ``span``, ``check_end``, ``keep`` as there."""
     alpha = form.alpha
     first, final_it = span or (1, max_iter)
     last = len(eps_list) - 1
@@ -567,6 +485,7 @@ def _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol
         p = _self_damping(eps_list[0], damping) * (alpha - lse)
     else:
         p = init
+    kept = _stacks((p,), final_it)[0] if keep else None
     stop = _Stopping(tol, lambda: precision_floor(Potentials(form, p, p, log_a, log_a,
                                                              eps_list[-1])))  # fmt: skip
     error, it, pending = float("nan"), 0, None
@@ -582,10 +501,14 @@ def _self_iterations(form, log_a, eps_list, damping, rho, backend, max_iter, tol
             else:
                 error = float(err)
         p = 0.5 * (p + _self_damping(eps, damping) * (alpha - lse))
+        if kept is not None:
+            kept[it] = p
         if check and stop.done(error, it):
             break
     stop.finish()
-    return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor, pending=pending)
+    iterates = None if kept is None else (kept[: it + 1],) * 2
+    return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor, pending=pending,
+                        iterates=iterates)  # fmt: skip
 
 
 def _self_damping(eps, damping):
