@@ -203,6 +203,12 @@ def cases():
         (),
         per_diff,
     )
+    half_square = dict(grad, COST=pf.half_square, GRAD=pf.half_square_grad, BLOCK_D=16,
+                       DIFF=True, PRESPLIT=False, COLUMNS=False, RADIAL=True,
+                       SPARSE=True)  # fmt: skip
+    for linear in (False, True):
+        yield (f"pair gradient p=2 d3 (differences, sparse) linear={linear}", pw._grad_kernel,
+               dict(half_square, LINEAR=linear), (), per_grad)  # fmt: skip
 
 
 def main(pattern: str = "") -> int:

@@ -229,7 +229,7 @@ def final_potentials(
 
 
 def _solve_in_blocks(form, log_a, log_b, init, backend_key, table, options) -> SolverOutput:
-    """:func:`solve`'s loop to a tolerance, in replayed blocks (:func:`~flashot.solver.blocks.in_blocks`)."""
+    """:func:`solve`'s loop to a tolerance, in replayed blocks (:func:`.blocks.in_blocks`)."""
     eps_list, bound = options["eps_list"], form.cost_bound
     tensors = (form.q, form.k, form.alpha, form.beta, log_a, log_b, *_given(table))
     key = (backend_key, shapes(tensors), tuple(options["rho"]), options["update"])
@@ -257,8 +257,8 @@ def _iterate(form, log_a, log_b, init, *, eps_list, damping, rho, backend, max_i
              span=None, check_end=False, keep=False) -> SolverOutput:  # fmt: skip
     """The loop of :func:`solve` (arguments checked).
 
-    ``span=(first, last)``: only those iterations (a block of :func:`~flashot.solver.blocks.in_blocks`; from
-    ``init`` unless ``first`` is 1); ``check_end``: measure the error at the last one
+    ``span=(first, last)``: only those iterations (a block of :func:`.blocks.in_blocks`;
+    from ``init`` unless ``first`` is 1); ``check_end``: measure the error at the last one
     and leave it on the device (``SolverOutput.pending``); ``keep``: stack the iterates
     (``SolverOutput.iterates``).
     """

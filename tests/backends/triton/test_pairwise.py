@@ -240,10 +240,12 @@ def test_samples_loss_kernel_norms_on_the_kernel_match_tiles(name):
     assert _rel(out[0][0], out[1][0]) < 1e-5 and _rel(out[0][1], out[1][1]) < 1e-5
 
 
+@pytest.mark.parametrize("p", [1, 2])
 @pytest.mark.parametrize("d", [2, 12])
-def test_block_sparse_kernel_matches_its_pytorch_reference(d):
+def test_block_sparse_kernel_matches_its_pytorch_reference(d, p):
     """The fused block-sparse soft-minimum (rows sorted in blocks, column intervals) and
-    its row gradient against the PyTorch blocks of the same layout, in float64."""
+    its row gradient against the PyTorch blocks of the same layout, in float64 (p = 2 at
+    d = 2: the gradient's weight sums from the value product's ones column)."""
     from flashot.backends.kernel_sums import (
         _intervals_softmin,
         block_intervals,
@@ -262,16 +264,17 @@ def test_block_sparse_kernel_matches_its_pytorch_reference(d):
                                 tuple(t.to(DEVICE) for t in pairs), 16, 0)  # fmt: skip
     cot = torch.randn(70, generator=g)
     xs = x.clone().to(DEVICE).requires_grad_()
-    got = block_sparse_softmin(xs, y.to(DEVICE), h.to(DEVICE), 0.05, cost_of(1), on_device,
+    got = block_sparse_softmin(xs, y.to(DEVICE), h.to(DEVICE), 0.05, cost_of(p), on_device,
                                "triton")  # fmt: skip
     (gx,) = torch.autograd.grad(got, xs, cot.to(DEVICE))
     x64 = x.double().requires_grad_()
-    ref = _intervals_softmin(x64, y.double(), h.double(), 0.05, cost_of(1), layout, 1 << 20)
+    ref = _intervals_softmin(x64, y.double(), h.double(), 0.05, cost_of(p), layout, 1 << 20)
     (rx,) = torch.autograd.grad(ref, x64, cot.double())
     assert _rel(got, ref) < 2e-6 and _rel(gx, rx) < 2e-5
 
 
-def test_samples_loss_multiscale_on_the_kernel_matches_its_pytorch_blocks(monkeypatch):
+@pytest.mark.parametrize("p", [1, 2])
+def test_samples_loss_multiscale_on_the_kernel_matches_its_pytorch_blocks(monkeypatch, p):
     from flashot.backends.triton import _pairwise
 
     sparse_calls = []
@@ -287,7 +290,7 @@ def test_samples_loss_multiscale_on_the_kernel_matches_its_pytorch_blocks(monkey
     out = []
     for backend in ("triton", "torch"):
         xs = x.clone().to(DEVICE).requires_grad_()
-        loss = flashot.SamplesLoss(p=1, blur=0.05, cluster_scale=0.2, backend=backend)
+        loss = flashot.SamplesLoss(p=p, blur=0.05, cluster_scale=0.2, backend=backend)
         value = loss(xs, y.to(DEVICE))
         out.append((value, torch.autograd.grad(value, xs)[0]))
     assert _rel(out[0][0], out[1][0]) < 1e-5 and _rel(out[0][1], out[1][1]) < 1e-4

@@ -86,6 +86,9 @@ BUILT_IN = {
 #: gradients of functions of s = |x − y|² alone (φ_t = φ_a = φ_b = 0): their kernels skip
 #: those terms (a user's cost may be translation invariant and still use t, a and b)
 RADIAL = frozenset(grad for _, grad in BUILT_IN.values())
+#: radial gradients with a constant φ_s: Σ_j w_ij (x_i − y_j) as value products, even for
+#: differences (``_pairwise._grad_kernel``'s LINEAR)
+LINEAR = frozenset({half_square_grad})
 
 
 def triton_functions(cost: PairCost):

@@ -42,7 +42,7 @@ from flashot.backends.triton._common import (
     _stationary_tiles,
 )
 from flashot.backends.triton._configs import cdiv, next_pow2
-from flashot.backends.triton._pair_functions import RADIAL, triton_functions
+from flashot.backends.triton._pair_functions import LINEAR, RADIAL, triton_functions
 from flashot.backends.triton._pair_operands import prepared, score_operands
 from flashot.geometry.pair_costs import DIFFERENCES_UP_TO, PairCost
 
@@ -258,6 +258,7 @@ def _grad_kernel(
     COST: tl.constexpr, GRAD: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIFF: tl.constexpr, PRECISION: tl.constexpr,
     SUM: tl.constexpr, SPARSE: tl.constexpr, PRESPLIT: tl.constexpr, RADIAL: tl.constexpr = False,
+    LINEAR: tl.constexpr = False,
 ):  # fmt: skip
     """The gradient sums of one side.
 
@@ -268,7 +269,12 @@ def _grad_kernel(
     gradient: weights ``W_ij = ḡ_i w_j`` (H holds w) and ``w̄_j = Σ_i ḡ_i φ_ij`` for ``h̄``.
     ``SPARSE`` (rows only): the forward's column intervals. XP, YP, INV_X, INV_Y, x_lo,
     y_lo, PRESPLIT: the scores' operands, as the forward's. RADIAL: GRAD's φ_t, φ_a,
-    φ_b are zero (:data:`~._pair_functions.RADIAL`), their terms skipped.
+    φ_b are zero (:data:`~._pair_functions.RADIAL`), their terms skipped. LINEAR: RADIAL
+    with a constant φ_s (:data:`~._pair_functions.LINEAR`, the half square): a row's
+    ``Σ_j w_ij (x_i − y_j) = x_i Σ_j w_ij − Σ_j w_ij y_j`` takes one value product a tile
+    even where s came from differences, instead of a reduction per feature (no weight
+    grows at coincident points: nothing cancels but the two sums); with differences
+    (d < BLOCK_D) a ones column at d gives ``Σ_j w_ij`` from the same product.
     """
     offs_d = tl.arange(0, BLOCK_D)
     split = tl.program_id(1)
@@ -332,27 +338,35 @@ def _grad_kernel(
                 else:
                     scale += tl.sum(2.0 * w * c_a, 1)
             # (close pairs: (x_i − y_j)/|x_i − y_j| from differences)
-            if DIFF or near > 0:
+            if (DIFF or near > 0) and not LINEAR:
                 acc = _exact_part(X, Y, offs_m, offs_n, offs_d, n, m_end, d, sxn, sxd, syn, syd,
                                   ws, wt, acc, COLUMNS, RADIAL)  # fmt: skip
             else:  # 2φ_s (x_i − y_j) + φ_t y_j = 2φ_s x_i + (φ_t − 2φ_s) y_j
                 u = -ws if RADIAL else wt - ws
                 if COLUMNS:
-                    scale += tl.sum(ws, 0)
+                    if not (LINEAR and DIFF):
+                        scale += tl.sum(ws, 0)
                     xt = tl.load(
                         X + offs_m[:, None] * sxn + offs_d[None, :] * sxd,
                         mask=(offs_m[:, None] < n) & (offs_d[None, :] < d),
                         other=0.0,
                     )
+                    if LINEAR and DIFF:  # (a ones column at d: the product sums -ws too)
+                        xt = tl.where(offs_d[None, :] == d, 1.0, xt)
                     acc = tl.dot(tl.trans(u), xt, acc, input_precision=PRECISION)
                 else:
-                    scale += tl.sum(ws, 1)
+                    if not (LINEAR and DIFF):
+                        scale += tl.sum(ws, 1)
                     yt = tl.load(
                         Y + offs_n[:, None] * syn + offs_d[None, :] * syd,
                         mask=(offs_n[:, None] < m_end) & (offs_d[None, :] < d),
                         other=0.0,
                     )
+                    if LINEAR and DIFF:
+                        yt = tl.where(offs_d[None, :] == d, 1.0, yt)
                     acc = tl.dot(u, yt, acc, input_precision=PRECISION)
+    if LINEAR and DIFF:  # (d < BLOCK_D: the weights' sums sat in column d, negated)
+        scale = -tl.sum(tl.where(offs_d[None, :] == d, acc, 0.0), 1)
     acc += scale[:, None] * own
     if COLUMNS:
         tl.store(
@@ -491,7 +505,7 @@ def fused_grads(x, y, vec, eps, cost: PairCost, lse, grad_out, rows: bool, cols:
     score, presplit = score_operands(xs, ys, diff)
     flags = dict(COST=fn, GRAD=grad, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, DIFF=diff,
                  PRECISION=_precision(), SUM=sum_mode, PRESPLIT=presplit,
-                 RADIAL=grad in RADIAL, **options)  # fmt: skip
+                 RADIAL=grad in RADIAL, LINEAR=grad in LINEAR, **options)  # fmt: skip
     head = (xs, ys, xn, yn, h.contiguous(), lse, g)
     ptr, iv = sparse[:2] if sparse else (g, g)
     tail = (ptr, iv, n, m, d, eps, _row.LOG2E / eps)
