@@ -140,3 +140,31 @@ def test_samples_loss_p1_runs_under_inference_mode():
         assert xi.is_inference()
         got = loss(xi, yi)
     assert torch.equal(got, ref)
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 40), m=st.integers(1, 40),
+       d=st.sampled_from([1, 3, 8, 9]), p=st.sampled_from([1, 2]))  # fmt: skip
+def test_feature_major_clouds_give_the_row_major_results_bit_for_bit(seed, n, m, d, p):
+    """Clouds with differences (d ≤ 8) reach the kernels feature-major, others row-major
+    (``_pair_operands.FEATURE_MAJOR``): the same soft-minima and gradients, bit for bit,
+    as with row-major clouds (only the loads' addresses change)."""
+    from flashot.backends.triton import _pair_operands
+
+    x, y, h = _clouds(seed, n, m, d)
+    cost = cost_of(p)
+
+    def run():
+        xs = x.clone().requires_grad_()
+        out = softmin(xs, y, h, 0.3, cost, backend="triton")
+        (gx,) = torch.autograd.grad(out, xs, torch.ones_like(out))
+        return out, gx, _pair_operands.prepared(x, y, cost)[0]
+
+    *feature_major, xs = run()
+    assert xs.t().is_contiguous() if d <= 8 else xs.is_contiguous()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_pair_operands, "FEATURE_MAJOR", False)
+        *row_major, xs = run()
+        assert xs.is_contiguous()
+    for a, b in zip(feature_major, row_major, strict=True):
+        assert torch.equal(a, b)
