@@ -325,7 +325,7 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
         if tol is None:  # (a fixed schedule: its returned gradient's derivative)
             omega = None if momentum is None else float(momentum)
             trajectory = Trajectory(tuple(float(t) for t in temps), max_iter, update, init,
-                                    omega, check_every)  # fmt: skip
+                                    omega, check_every, iterates=out.iterates)  # fmt: skip
         value = exact_second_order(value, [packed_piece(pp, fd, gd, hvp_tol, trajectory)])
     err_host = None
     if tol is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from flashot.autodiff.functions import extrapolate
+from flashot.autodiff.unrolled import keeps_iterates
 from flashot.backends import resolve_backend
 from flashot.backends.base import Backend
 from flashot.backends.near import NEAR_FROM
@@ -189,6 +190,9 @@ class PackedProblem:
         """
         log_a, log_b = torch.log(self.a.detach()), torch.log(self.b.detach())
         detached, engine = self.form.detach(), self.engine
+        if solve_options.get("tol", "auto") is None and "max_iter" in solve_options:
+            solve_options["keep_iterates"] = keeps_iterates(self.form, solve_options["max_iter"],
+                                                            self.a, self.b)  # fmt: skip
         out = solve(detached, log_a, log_b, temps, self.damping, self.rho, engine,
                     **solve_options)  # fmt: skip
         update = solve_options.get("update", "symmetric")

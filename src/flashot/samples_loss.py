@@ -414,7 +414,7 @@ class SamplesLoss(torch.nn.Module):
         pp = pack_problems(packed_x, packed_y, rows, cols, wa, wb, eps=self.blur**2,
                            cost=self.cost, backend=self.backend, precision=self.precision,
                            normalize=False, rho=rho)  # fmt: skip
-        f, g, _ = pp.potentials(temps, max_iter=len(temps), tol=None, update="symmetric")
+        f, g, out = pp.potentials(temps, max_iter=len(temps), tol=None, update="symmetric")
         seg = pp.segments
         if self.potentials:
             fs = f[: bsz * n].reshape(bsz, n)
@@ -427,7 +427,8 @@ class SamplesLoss(torch.nn.Module):
         eps = self.blur**2
         value = dual_term(f, pp.a, eps, rho, seg.sum) + dual_term(g, pp.b, eps, rho, seg.T.sum)
         if torch.is_grad_enabled() and value.requires_grad:  # differentiable twice
-            trajectory = Trajectory(tuple(float(t) for t in temps), len(temps))
+            trajectory = Trajectory(tuple(float(t) for t in temps), len(temps),
+                                    iterates=out.iterates)  # fmt: skip
             value = exact_second_order(value, [packed_piece(pp, f, g, trajectory=trajectory,
                                                             geomloss=True)])  # fmt: skip
         value = value.reshape(-1, bsz)

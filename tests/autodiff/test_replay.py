@@ -474,16 +474,23 @@ def _replayed_stacks(value, x, v):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), n=st.integers(2, 12), d=st.integers(1, 5),
-       entry=st.sampled_from(["loss", "sinkhorn", "warm start"]), debias=st.booleans(),
+       entry=st.sampled_from(["loss", "batch", "sinkhorn", "warm start"]), debias=st.booleans(),
        reach=st.sampled_from([None, 0.8]), scaling=st.sampled_from([0.5, 0.9]))  # fmt: skip
 def test_a_double_backward_reads_the_solves_own_iterates(seed, n, d, entry, debias, reach,
                                                          scaling):  # fmt: skip
     """A differentiable fixed-iteration solve keeps its iterates (within its memory
     bound) and the replay reads them instead of running the schedule again: each step's
     LSE solved from two iterates equals the one a pass returns, and the HVP is the
-    replayed one (float64; balanced or not, debiased self problems, a warm start)."""
+    replayed one (float64; balanced or not, debiased self problems, a packed batch, a
+    warm start)."""
     x, y, a, b, v = problem(seed, n, n + 2, d, dtype=torch.float64)
-    if entry == "loss":
+    if entry == "batch":  # (one packed solve: its self problems ride in it)
+        loss = flashot.SamplesLoss(blur=0.3, scaling=scaling, debias=debias, reach=reach,
+                                   backend="torch")  # fmt: skip
+
+        def value(z):
+            return loss(torch.stack([z, 0.5 * z]), torch.stack([y, y + 1.0])).sum()
+    elif entry == "loss":
         loss = flashot.SamplesLoss(blur=0.3, scaling=scaling, debias=debias, reach=reach,
                                    backend="torch")  # fmt: skip
 
