@@ -33,12 +33,17 @@ def stand_in(captured: list):
 
 
 @pytest.mark.gpu
-def test_replayed_schedule_graphs_give_the_eager_second_derivative():
+@pytest.mark.parametrize("kept", [False, True])
+def test_replayed_schedule_graphs_give_the_eager_second_derivative(monkeypatch, kept):
     """The replay and its adjoint sweep run eagerly on a key's first call, captured on
     the second and replayed after (flashot.autodiff.replay): the same HVP each time
-    (to the atomics' rounding), one forward and one backward graph per piece."""
+    (to the atomics' rounding), one forward and one backward graph per piece; with the
+    solves' iterates kept (their loops replayed as graphs too) the forward reads them
+    and only the backward is a graph."""
     from flashot.solver.graphs import _Captured
 
+    if not kept:
+        monkeypatch.setattr(replay, "_kept", lambda *t: None)
     REPLAY_GRAPHS = replay.REPLAY_GRAPHS
     REPLAY_GRAPHS.clear()
     x, y = cuda_clouds(2000, 1500, 8)
@@ -51,25 +56,29 @@ def test_replayed_schedule_graphs_give_the_eager_second_derivative():
         hs.append(torch.autograd.grad((g * v).sum(), xs)[0])
     # (xy and xx pieces; y is fixed: no yy replay), each a CUDA graph, not the eager
     # fallback of a capture that failed (something in it waited for the host)
-    assert len(REPLAY_GRAPHS._graphs) == 4
+    assert len(REPLAY_GRAPHS._graphs) == (2 if kept else 4)
     assert all(isinstance(c, _Captured) for c in REPLAY_GRAPHS._graphs.values())
     assert all(rel(h, hs[0]) < 1e-5 for h in hs[1:])
 
 
-def test_replay_routes_through_its_graph_cache_where_the_backend_keys_one(monkeypatch):
+@pytest.mark.parametrize("kept", [False, True])
+def test_replay_routes_through_its_graph_cache_where_the_backend_keys_one(monkeypatch, kept):
     """With a graph key (a stand-in capture on the CPU) the replay's two directions are
     keys of their own, served from the cache from the second call on, with the eager
-    derivative."""
+    derivative; with the solve's iterates kept the forward reads them outside any graph
+    and only the reverse sweep is keyed."""
     captured: list = []
     monkeypatch.setattr(replay, "REPLAY_GRAPHS", GraphCache(capture=stand_in(captured)))
+    if not kept:
+        monkeypatch.setattr(replay, "_kept", lambda *t: None)
     x, y, a, b, v = problem(7, 6, 5, 2)
     loss = flashot.SamplesLoss(blur=0.2, scaling=0.6, diameter=4.0, debias=False)
-    with mock.patch.object(replay, "_kept", lambda *t: None):  # (a graph runs the schedule)
-        eager = double_backward(lambda t: loss(a, t, b, y), x, v)[1]
+    eager = double_backward(lambda t: loss(a, t, b, y), x, v)[1]
     # (the solver's own loop keeps its eager path: only the replay is keyed)
     monkeypatch.setattr(replay, "_graph_key", lambda spec, form: ("stand-in",))
     hs = [double_backward(lambda t: loss(a, t, b, y), x, v)[1] for _ in range(3)]
-    assert len(captured) == 2 and len(replay.REPLAY_GRAPHS._graphs) == 2
+    keys = 1 if kept else 2
+    assert len(captured) == keys and len(replay.REPLAY_GRAPHS._graphs) == keys
     assert all(torch.equal(h, eager) for h in hs)
 
 
@@ -80,9 +89,10 @@ def test_a_structure_key_serves_a_moved_schedule_by_its_device_table(monkeypatch
     captured once and then serves another schedule of that structure (another diameter),
     with that schedule's eager derivative: every launch and torch op of both directions
     reads the temperatures' device table (ε, and the damping of a relaxed side), none the
-    captured call's floats."""
+    captured call's floats (the schedule run, not read from kept iterates)."""
     from flashot.backends.triton import TritonBackend
 
+    monkeypatch.setattr(replay, "_kept", lambda *t: None)
     x, y, a, b, v = problem(9, 8, 6, 2, dtype=torch.float32)
     backend = TritonBackend()
     diameters = (3.0, 3.5)  # (7 temperatures each, all different)
@@ -105,15 +115,16 @@ def test_a_structure_key_serves_a_moved_schedule_by_its_device_table(monkeypatch
 
 
 @pytest.mark.gpu
-def test_points_that_move_replay_the_same_graphs_with_the_eager_derivative():
+def test_points_that_move_replay_the_same_graphs_with_the_eager_derivative(monkeypatch):
     """A GeomLoss schedule moves with the data's diameter: on the Triton kernels the
     replay keys its graphs by the schedule's structure, so points that move every call
     (an optimizer's) replay the graphs captured once, with the derivative an eager
-    replay (graphs=False) gives at each point."""
+    replay (graphs=False) gives at each point (both run the schedule: no kept iterates)."""
     from flashot.backends.triton import TritonBackend
     from flashot.solver.graphs import _Captured
 
     replay.REPLAY_GRAPHS.clear()
+    monkeypatch.setattr(replay, "_kept", lambda *t: None)
     x, y = cuda_clouds(2000, 1500, 8)
     v = torch.randn_like(x)
     points = [x * (1 + 0.002 * i) for i in range(5)]
@@ -129,8 +140,7 @@ def test_points_that_move_replay_the_same_graphs_with_the_eager_derivative():
             out.append(torch.autograd.grad((g * v).sum(), ps)[0])
         return out
 
-    with mock.patch.object(replay, "_kept", lambda *t: None):  # (the schedule run, as graphs)
-        eager = hvps(TritonBackend(graphs=False))
+    eager = hvps(TritonBackend(graphs=False))
     assert len(replay.REPLAY_GRAPHS._graphs) == 0
     got = hvps(TritonBackend())
     graphs = list(replay.REPLAY_GRAPHS._graphs.values())
@@ -426,7 +436,8 @@ def test_the_tail_check_bounds_a_geometric_tail_and_waits_on_a_slow_one(rho, fir
             break
     if stopped is None:
         per_check = rho**replay.TAIL_EVERY
-        left = first * rho**steps / (1 - rho)
+        checked = steps - steps % replay.TAIL_EVERY  # (the last check's step)
+        left = first * rho**checked / (1 - rho)
         total = first / (1 - rho)
         assert per_check > replay.TAIL_RATIO or left > 0.5 * tol * total or steps < 16
         return

@@ -85,6 +85,34 @@ def test_solver_replays_fixed_iteration_solves_with_new_data(gen, monkeypatch, u
     assert Replayer.log == ["capture", "replay", "replay"]
 
 
+def test_replayed_loops_return_the_iterates_they_keep(gen, monkeypatch):
+    """``keep_iterates`` in a replayed loop (the problem's and a self problem's): run,
+    captured, then replayed on new data, each call returns its own stacked iterates
+    (copies, not the graph's buffers), the eager loop's."""
+    from flashot.geometry.costs import attention_form, get_cost
+
+    monkeypatch.setattr(solver, "GRAPHS", graphs.GraphCache(capture=Replayer))
+    temps, log_w = [4.0, 1.0, 0.5], torch.full((20,), -math.log(20), dtype=torch.float64)
+    kept, Replayer.log = [], []
+    for shift in (0.0, 1.0, 2.0):
+        x, _ = clouds(gen, 20, 15, 3, shift=shift)
+        form = attention_form(get_cost("sqeuclidean"), x, x)
+        outs = []
+        for key in (("torch",), None):
+            monkeypatch.setattr(TorchBackend, "graph_key", lambda self, form, key=key: key)
+            pair = solver.solve(form, log_w, log_w, temps, lambda e: (1.0, 1.0), (None, None),
+                                TorchBackend(), max_iter=6, tol=None,
+                                keep_iterates=True)  # fmt: skip
+            own = solver.solve_self(form, log_w, temps, lambda e: 1.0, None, TorchBackend(),
+                                    max_iter=6, tol=None, keep_iterates=True)  # fmt: skip
+            outs.append((*pair.iterates, *own.iterates))
+        for got, want in zip(*outs, strict=True):
+            assert got.shape == (7, 20) and rel(got, want) < 1e-13
+        kept.append(outs[0])
+    assert not torch.equal(kept[0][0], kept[2][0])  # (the first call's not overwritten)
+    assert Replayer.log.count("capture") == 2 and Replayer.log.count("replay") == 4
+
+
 @pytest.mark.parametrize("replayed", [False, True])
 def test_final_step_runs_with_the_loop_and_matches_the_extrapolation(gen, monkeypatch, replayed):
     """``final_step=True`` returns ``(λ T(g), λ T(f))`` of the loop's last iterate, in

@@ -165,11 +165,13 @@ def _run(sweep: _Sweep, direction, fn, tensors) -> tuple:
     spec, (q, alpha, k, beta) = sweep.spec, tensors[:4]
     form = transform_form(q, alpha, k, beta, spec)
     backend_key = _graph_key(spec, form)
+    kept = _kept(sweep.trajectory, alpha, beta)
+    if direction == "forward" and kept is not None:  # (elementwise ops: no graph needed)
+        return tuple(fn(dataclasses.replace(sweep, kept=kept), *tensors))
     if backend_key is None:  # (eager: the reverse sweep may check its tail on the host)
         # (not a packed batch's: its bound is against the largest problem's gradients,
         # and a small problem beside it would lose its own relative accuracy)
-        own = dataclasses.replace(sweep, tail_checks=spec.segments is None,
-                                  kept=_kept(sweep.trajectory, tensors[1], tensors[3]))  # fmt: skip
+        own = dataclasses.replace(sweep, tail_checks=spec.segments is None, kept=kept)
         with spec.backend.operand_scope(spec.operands):
             return tuple(fn(own, *tensors))
     shapes = tuple((t.shape, t.dtype, t.device) for t in tensors)
@@ -216,7 +218,7 @@ class _Sweep:
     replayed as a mirror problem (see the module). ``tail_checks``: the reverse sweep
     may stop before the schedule's start (:class:`_Tail`; host reads, so eager runs only).
     ``kept``: the solve's own iterates (:func:`_kept`), which the forward then reads
-    instead of running the schedule (eager runs only: a graph would hold their addresses).
+    instead of running the schedule (never inside a graph: it would hold their addresses).
     """
 
     trajectory: Trajectory

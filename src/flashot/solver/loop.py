@@ -140,9 +140,9 @@ def solve(
         min_iter: iterations at least before ``tol`` may stop the solve.
         momentum: over-relaxation of the alternating updates at the final ε (None,
             ``"auto"`` or ω in (0, 2); :mod:`flashot.solver.momentum`).
-        keep_iterates: keep every iterate (``SolverOutput.iterates``) where the loop runs
-            eagerly with symmetric steps and no ``tol``: a double backward then replays
-            the schedule's reverse sweep from them instead of running it again.
+        keep_iterates: keep every iterate (``SolverOutput.iterates``) of a loop with
+            symmetric steps and no ``tol`` (eager, or a replayed graph's copies): a double
+            backward then sweeps back from them instead of running the schedule again.
     """
     if update not in UPDATES:
         raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
@@ -170,8 +170,8 @@ def solve(
         with backend.operand_scope():
             out = _solve_in_blocks(form, log_a, log_b, init, backend_key, table, options)
             return replace(out, final=final(form, out, log_a, log_b))
+    keep = keep_iterates and tol is None and update == "symmetric"
     if backend_key is None or tol is not None:
-        keep = keep_iterates and tol is None and update == "symmetric"
         with backend.operand_scope():
             out = _iterate(form, log_a, log_b, init, progress=progress, record=record,
                            keep=keep, **_on(options, table))  # fmt: skip
@@ -187,17 +187,18 @@ def solve(
         update,
         final_step,
         momentum,
+        keep,
     )
 
     def run(q, k, alpha, beta, la, lb, *rest):
         form = AttentionForm(q, k, alpha, beta, cost_bound=bound)
         own, start = _split_inputs(rest, table)
-        out = _iterate(form, la, lb, start or None, **_on(options, own))
-        return out.f, out.g, final(form, out, la, lb)
+        out = _iterate(form, la, lb, start or None, keep=keep, **_on(options, own))
+        return out.f, out.g, final(form, out, la, lb), out.iterates
 
-    with backend.operand_scope():
-        f, g, last = GRAPHS(key, run, tensors)
-    return SolverOutput(f, g, max_iter, None, float("nan"), final=last)
+    with backend.operand_scope():  # (a replay returns copies: the iterates are the caller's)
+        f, g, last, kept = GRAPHS(key, run, tensors)
+    return SolverOutput(f, g, max_iter, None, float("nan"), final=last, iterates=kept)
 
 
 def final_potentials(
@@ -427,17 +428,18 @@ def solve_self(
         return SolverOutput(p, p, it, stop.converged, error, stop.cause, stop.floor, final=parts)
 
     key = ("self", *replay_key(backend_key, form, tensors, eps_list, damping, table is not None),
-           rho, max_iter, final)  # fmt: skip
+           rho, max_iter, final, keep_iterates)  # fmt: skip
 
     def run(q, k, alpha, beta, la, *rest):
         own = AttentionForm(q, k, alpha, beta, cost_bound=bound)
         out = _self_iterations(own, la, temps(rest)[0], damping, rho, backend, max_iter, None,
-                               check_every, min_iter)  # fmt: skip
-        return out.f, last_pass(own, out.f, la)
+                               check_every, min_iter, keep=keep_iterates)  # fmt: skip
+        return out.f, last_pass(own, out.f, la), None if out.iterates is None else out.iterates[0]
 
     with backend.operand_scope():
-        p, parts = GRAPHS(key, run, tensors)
-    return SolverOutput(p, p, max_iter, None, float("nan"), final=parts)
+        p, parts, kept = GRAPHS(key, run, tensors)
+    iterates = None if kept is None else (kept, kept)
+    return SolverOutput(p, p, max_iter, None, float("nan"), final=parts, iterates=iterates)
 
 
 def _table(backend, form, eps_list, dtype, damping):
