@@ -37,6 +37,9 @@ from triton.compiler import ASTSource
 #: feature and value-column strides: 1 at every real launch, so constexprs
 UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_kvd", "sxd", "syd", "stride_vp", "stride_op",
                 "stride_dp"}  # fmt: skip
+#: a feature stride that is not 1 where a case gives its row stride as 1 (feature-major
+#: clouds: ``_pair_operands.FEATURE_MAJOR``)
+ROW_STRIDES = {"sxd": "sxn", "syd": "syn"}
 #: integers the kernels exclude from specialization (do_not_specialize)
 UNSPECIALIZED = {"temp_at", "gate_span", "n_bucket", "m_bucket"}
 
@@ -48,7 +51,7 @@ def compile_like_jit(fn, consts: dict, half=(), warps: int = 4, stages: int = 2)
         if name in consts:
             sig[name] = "constexpr"
             continue
-        if name in UNIT_STRIDES:
+        if name in UNIT_STRIDES and ROW_STRIDES.get(name) not in consts:
             sig[name], constexprs[name] = "constexpr", 1
             continue
         if name in FLOATS:
@@ -209,6 +212,14 @@ def cases():
     for linear in (False, True):
         yield (f"pair gradient p=2 d3 (differences, sparse) linear={linear}", pw._grad_kernel,
                dict(half_square, LINEAR=linear), (), per_grad)  # fmt: skip
+    # as shipped: feature-major clouds (row strides 1), the LINEAR gradient
+    major = dict(sxn=1, syn=1)
+    yield ("softmin p=2 d3 (differences, sparse, feature-major)", pw._softmin_kernel,
+           dict(fwd_diff, COST=pf.half_square, BLOCK_M=64, BLOCK_D=16, D_CHUNKS=1, DIFF=True,
+                PRESPLIT=False, REPAIR=False, SPARSE=True, **major), (), 64 * fwd_diff["BLOCK_N"]
+           // 128)  # fmt: skip
+    yield ("pair gradient p=2 d3 (differences, sparse, feature-major)", pw._grad_kernel,
+           dict(half_square, LINEAR=True, **major), (), per_grad)  # fmt: skip
 
 
 def main(pattern: str = "") -> int:
