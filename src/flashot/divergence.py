@@ -154,7 +154,7 @@ def debiased_potentials(
         final_step=final_step_for(problem.form),
         momentum=momentum,
         init=init,
-        keep_iterates=tol is None and keeps_iterates(problem.form, max_iter, problem.a, problem.b),
+        keep_iterates=keeps_iterates(problem.form, max_iter, problem.a, problem.b),
         **opts,
     )
     f, g = final_potentials(problem.form, out, log_a, log_b, eps, (lam, lam), engine, update)
@@ -178,7 +178,7 @@ def debiased_potentials(
                 rho,
                 engine,
                 final=grads_needed(self_form)[0],
-                keep_iterates=tol is None and keeps_iterates(self_form, max_iter, w),
+                keep_iterates=keeps_iterates(self_form, max_iter, w),
                 **opts,
             )
             outs.append((name, res))

@@ -262,7 +262,7 @@ def sinkhorn(
         record=history,
         min_iter=min_iter,
         momentum=momentum,
-        keep_iterates=tol is None and keeps_iterates(problem.form, max_iter, problem.a, problem.b),
+        keep_iterates=keeps_iterates(problem.form, max_iter, problem.a, problem.b),
     )
     # Final extrapolation: the only differentiated step (GeomLoss' convention).
     f, g = final_potentials(problem.form, out, log_a, log_b, eps, problem.damping(eps), engine,

@@ -190,11 +190,9 @@ class PackedProblem:
         """
         log_a, log_b = torch.log(self.a.detach()), torch.log(self.b.detach())
         detached, engine = self.form.detach(), self.engine
-        if solve_options.get("tol", "auto") is None and "max_iter" in solve_options:
-            solve_options["keep_iterates"] = keeps_iterates(self.form, solve_options["max_iter"],
-                                                            self.a, self.b)  # fmt: skip
+        keep = keeps_iterates(self.form, solve_options["max_iter"], self.a, self.b)
         out = solve(detached, log_a, log_b, temps, self.damping, self.rho, engine,
-                    **solve_options)  # fmt: skip
+                    keep_iterates=keep, **solve_options)  # fmt: skip
         update = solve_options.get("update", "symmetric")
         with engine.operand_scope():
             f, g = extrapolate(self.form, out.f, out.g, log_a, log_b, self.eps0,

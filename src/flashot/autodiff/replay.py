@@ -74,6 +74,7 @@ from flashot.backends.dual import Potentials
 from flashot.backends.near import is_near_uniform
 from flashot.backends.temperature import device_damping, schedule_table, temperatures_on
 from flashot.geometry.costs import AttentionForm
+from flashot.solver.blocks import shapes
 from flashot.solver.graphs import GraphCache, capture_or_eager
 from flashot.solver.stopping import CheckSchedule
 
@@ -174,9 +175,8 @@ def _run(sweep: _Sweep, direction, fn, tensors) -> tuple:
         own = dataclasses.replace(sweep, tail_checks=spec.segments is None, kept=kept)
         with spec.backend.operand_scope(spec.operands):
             return tuple(fn(own, *tensors))
-    shapes = tuple((t.shape, t.dtype, t.device) for t in tensors)
     if not spec.backend.reads_vjp_temperatures(form):
-        key = (direction, backend_key, shapes, sweep.values_key())
+        key = (direction, backend_key, shapes(tensors), sweep.values_key())
 
         def captured(*t):  # a capture converts its own operands (its inputs are its buffers)
             with spec.backend.operand_scope([]):
@@ -184,7 +184,7 @@ def _run(sweep: _Sweep, direction, fn, tensors) -> tuple:
 
         return REPLAY_GRAPHS(key, captured, tensors)
     table = sweep.table(q.device, alpha.dtype)
-    key = (direction, backend_key, shapes, sweep.structure_key(form))
+    key = (direction, backend_key, shapes(tensors), sweep.structure_key(form))
 
     def on_table(*t):
         own = dataclasses.replace(sweep, temps=tuple(temperatures_on(sweep.temps, t[-1])))
@@ -197,7 +197,7 @@ def _run(sweep: _Sweep, direction, fn, tensors) -> tuple:
 def _kept(trajectory: Trajectory, alpha, beta) -> tuple | None:
     """The solve's own iterates ``(F, G)`` where they fit this replay, else None."""
     kept, K = trajectory.iterates, trajectory.iterations
-    if kept is None or trajectory.update != "symmetric" or trajectory.momentum is not None:
+    if kept is None or trajectory.update != "symmetric":  # (symmetric steps take no momentum)
         return None
     fits = all(t.shape == (K + 1, s.shape[0]) and (t.dtype, t.device) == (s.dtype, s.device)
                for t, s in zip(kept, (alpha, beta), strict=True))  # fmt: skip
@@ -343,13 +343,15 @@ class _Sweep:
         """
         F, G = self.kept
         stacks = []
-        for side, (own, pot) in enumerate(((alpha, F), (beta, G))):
+        for side, (own, pot) in enumerate(((alpha, F), (beta, G))[: 1 if self.mirror else 2]):
             lams = [self._lam(self.temps[0], side)]
             lams += [self._lam(e, side) for _, e, *_ in self._steps()]
             lam = torch.tensor(lams, dtype=pot.dtype, device=pot.device)[:, None]
             t = pot.clone()
             t[1:] = 2.0 * pot[1:] - pot[:-1]
             stacks.append(t / lam - own)
+        if self.mirror:  # (one potential, one ρ, α = β: the columns' LSEs are the rows')
+            stacks.append(stacks[0])
         K = self.trajectory.iterations
         return F[K].clone(), G[K].clone(), F, G, *stacks
 
