@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 import flashot
 from flashot.backends.kernel_sums import cost_of
 from flashot.solver import multiscale
-from flashot.solver.multiscale import grid_clusters, multiscale_potentials, truncation_mask
+from flashot.solver.multiscale import (
+    centroid_clusters,
+    grid_clusters,
+    jump_pairs,
+    multiscale_potentials,
+    truncation_mask,
+)
 from flashot.solver.tiled_loop import geomloss_potentials
 
 
@@ -111,6 +117,39 @@ def test_the_truncation_drops_only_pairs_below_its_bound(seed, n, m, d, p, eps, 
         for j, cj in enumerate(cy.members):
             if not keep[i, j]:
                 assert float(slack[ri][:, cj].max()) < 1e-12
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    n=st.integers(1, 80),
+    m=st.integers(1, 80),
+    d=st.integers(1, 3),
+    p=st.sampled_from([1, 2]),
+    eps=st.sampled_from([1e-3, 1e-2, 0.1]),
+    scale=st.sampled_from([0.05, 0.2, 0.5]),
+    tau=st.sampled_from([3.0, 12.5]),
+)
+def test_the_jump_drops_only_centroids_below_its_bound(seed, n, m, d, p, eps, scale, tau):
+    """Every dropped centroid's term is below e^{−τ} of its row's soft-minimum sum (dense
+    float64 check of every point), so the jump moves each potential by ≤ ε K e^{−τ}."""
+    x, y, g = _clouds(seed, n, m, d)
+    origin = torch.zeros(d, dtype=torch.float64)
+    cx = grid_clusters(x, torch.ones(n, dtype=torch.float64), scale, origin)
+    cy = grid_clusters(y, torch.rand(m, generator=g, dtype=torch.float64) + 0.1, scale, origin)
+    cols = centroid_clusters(cy)
+    h = torch.log(cy.weights) + torch.randn(cy.count, generator=g, dtype=torch.float64)
+    rows, kept = jump_pairs(cx, cols, h, eps, tau, p)
+    keep = torch.zeros(cx.count, cy.count, dtype=torch.bool)
+    keep[rows, kept] = True
+    assert keep.any(1).all()
+    logits = h[None, :] - torch.cdist(x, cy.centroids) ** p / (p * eps)  # (n, K)
+    s = -eps * torch.logsumexp(logits, dim=1)
+    share = logits + s[:, None] / eps  # (log of each term's share of its row's sum)
+    dropped = ~keep[cx.label]
+    assert float(share.masked_fill(~dropped, -math.inf).max()) < -tau + 1e-9
+    truncated = -eps * torch.logsumexp(logits.masked_fill(dropped, -math.inf), dim=1)
+    assert torch.all(truncated - s <= eps * cy.count * math.exp(-tau) + 1e-12)
 
 
 @pytest.mark.parametrize("p,debias,rho", [(2, True, None), (1, False, None), (2, True, 0.3)])
