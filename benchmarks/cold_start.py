@@ -5,8 +5,9 @@ and ``FLASHOT_CACHE_DIR`` pointed at new folders, per case; the tile tables as s
 then again with those caches warm. Env: ONLY (substrings of the case names, comma-separated),
 COMPILES=1 (list the first call's kernel compilations), PROFILE=1 (the first call under
 cProfile: its 30 costliest functions by cumulative time, e.g. compiling against building
-launchers against CUDA's own first use; the time printed then includes the profiler's). Times are
-wall seconds of the call (import excluded), synchronized.
+launchers against CUDA's own first use; the time printed then includes the profiler's;
+PROFILE=2: the second process's first call). Times are wall seconds of the call (import
+excluded), synchronized.
 
 Compiling ahead (:mod:`flashot.backends.triton._ahead`): ``RECORD=FILE`` records each
 case's first-call compiles (Triton's specialization data, in order) and writes them as a
@@ -158,14 +159,15 @@ for (name, setup), ahead in ((c, a) for c in CASES.items() for a in AHEAD):
     log = tempfile.mktemp(suffix=".jsonl")
     times = []
     for _ in range(2):
-        profile = PROFILED if os.environ.get("PROFILE") == "1" and not times else ("", "")
+        # (PROFILE=1: the fresh process under cProfile; 2: the second, warm-cache one)
+        profile = PROFILED if os.environ.get("PROFILE") == str(1 + len(times)) else ("", "")
         hooks = HOOKS + (RECORDER.format(path=log) if RECORD and not times else "")
         code = TIMER.format(setup=setup, hooks=hooks, profile=profile[0], report=profile[1])
         run = subprocess.run([sys.executable, "-c", code], env=env,
                              capture_output=True, text=True, timeout=300)  # fmt: skip
         lines = run.stdout.strip().splitlines()
         times.append(lines[-1] if run.returncode == 0 else "failed")
-        if len(times) == 1:
+        if len(times) == 1 or profile[0]:
             print("\n".join(line for line in lines if line.startswith(("  compile", "  prof"))),
                   flush=True)  # fmt: skip
         if run.returncode:
