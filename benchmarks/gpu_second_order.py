@@ -60,7 +60,9 @@ REF_MAX = int(os.environ.get("REF_MAX", "50000"))
 DENSE_MAX = int(os.environ.get("DENSE_MAX", "10000"))
 P_D = int(os.environ.get("P_D", "64"))
 TOLS = [float(t) for t in os.environ.get("TOLS", "1e-2,1e-3,1e-4").split(",")]
-try:
+try:  # (PEER=0: without the peer, whose first call autotunes for about a minute)
+    if os.environ.get("PEER") == "0":
+        raise ImportError("PEER=0")
     from flash_sinkhorn import SamplesLoss as PeerLoss
 except Exception as exc:
     PeerLoss = None
