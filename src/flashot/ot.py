@@ -190,7 +190,9 @@ def sinkhorn(
             by CG to the relative residual ``hvp_tol / 10`` (measured errors were 0.1–1.6
             times the residual, up to ~13 at ε near 0.1 % of the mean cost). None: 1e-3
             in float32 (and the half precisions), 1e-8 in float64. Solves without a
-            ``tol`` differentiate their iterations instead, exactly (no tolerance).
+            ``tol`` differentiate their iterations instead, exactly, reading the
+            iterates the solve kept where the step LSEs they imply hold to ``hvp_tol /
+            10`` (else running the schedule again).
             Diagnostics of the solves: :func:`flashot.record_dual_solves`.
 
     Returns:

@@ -168,7 +168,12 @@ def _run(sweep: _Sweep, direction, fn, tensors) -> tuple:
     backend_key = _graph_key(spec, form)
     kept = _kept(sweep.trajectory, alpha, beta)
     if direction == "forward" and kept is not None:  # (elementwise ops: no graph needed)
-        return tuple(fn(dataclasses.replace(sweep, kept=kept), *tensors))
+        own = dataclasses.replace(sweep, kept=kept)
+        with spec.backend.operand_scope(spec.operands):
+            held = own.kept_within_tol(*tensors[:6])
+        if held:
+            return tuple(fn(own, *tensors))
+        kept = None  # (their LSEs are off by more than cg_tol: the schedule runs again)
     if backend_key is None:  # (eager: the reverse sweep may check its tail on the host)
         # (not a packed batch's: its bound is against the largest problem's gradients,
         # and a small problem beside it would lose its own relative accuracy)
@@ -202,6 +207,19 @@ def _kept(trajectory: Trajectory, alpha, beta) -> tuple | None:
     fits = all(t.shape == (K + 1, s.shape[0]) and (t.dtype, t.device) == (s.dtype, s.device)
                for t, s in zip(kept, (alpha, beta), strict=True))  # fmt: skip
     return kept if fits else None
+
+
+def _implied_lse(pot: torch.Tensor, own: torch.Tensor, lams) -> torch.Tensor:
+    """``r_i = (2 f_i − f_{i−1}) / λ_i − α`` (row 0: ``f_0 / λ_0 − α``) of stacked iterates.
+
+    In float64 from the stored floats (no rounding of its own), returned in theirs.
+    """
+    wide = pot.double()
+    lam = torch.stack([torch.as_tensor(v, dtype=wide.dtype, device=wide.device)
+                       for v in lams])[:, None]  # fmt: skip
+    t = wide.clone()
+    t[1:] = 2.0 * wide[1:] - wide[:-1]
+    return (t / lam - own.double()).to(pot.dtype)
 
 
 def _graph_key(spec: DualSpec, form: AttentionForm):
@@ -338,22 +356,46 @@ class _Sweep:
 
         A step ``f_i = ½ (f_{i−1} + λ_i (α − lse_i))`` solved for its transform gives
         ``r_i = −lse_i = (2 f_i − f_{i−1}) / λ_i − α``, and the start ``f_0 = λ_0 (α −
-        lse_0)`` gives ``r_0``: a few ulps of f off the LSE a pass would return (which is
-        rounded at f's scale too), and no pass.
+        lse_0)`` gives ``r_0``, with no pass. Formed in float64 from the stored floats,
+        so its only error is theirs: f_i rounded at f's scale (twice, in 2 f_i), which
+        :meth:`kept_within_tol` bounds.
         """
         F, G = self.kept
         stacks = []
         for side, (own, pot) in enumerate(((alpha, F), (beta, G))[: 1 if self.mirror else 2]):
             lams = [self._lam(self.temps[0], side)]
             lams += [self._lam(e, side) for _, e, *_ in self._steps()]
-            lam = torch.tensor(lams, dtype=pot.dtype, device=pot.device)[:, None]
-            t = pot.clone()
-            t[1:] = 2.0 * pot[1:] - pot[:-1]
-            stacks.append(t / lam - own)
+            stacks.append(_implied_lse(pot, own, lams))
         if self.mirror:  # (one potential, one ρ, α = β: the columns' LSEs are the rows')
             stacks.append(stacks[0])
         K = self.trajectory.iterations
         return F[K].clone(), G[K].clone(), F, G, *stacks
+
+    def kept_within_tol(self, q, alpha, k, beta, log_a, log_b) -> bool:
+        """Whether the LSEs the kept iterates imply are within ``cg_tol`` of a pass's.
+
+        Each kept f_i is rounded at f's scale, so ``r_i`` from it is off by up to
+        ``2^-23 max|f|`` (as is the solve's own run-to-run rounding, which reaches r the
+        same way): a relative error of ``2^-23 max|f| / ε_i`` in the plan weights the
+        reverse products use, largest at the last, smallest ε. Large potentials (wide
+        norms against a small ε: GeomLoss' blur 0.05 at d = 64, ~1e-3) would carry it
+        into the HVP, so one exact pass at the last step measures it; above ``cg_tol``
+        (hvp_tol / 10, as the dual solves) the schedule runs again instead (one host read).
+        """
+        traj, theta = self.trajectory, (q, alpha, k, beta, log_a, log_b)
+        K = traj.iterations
+        if K == 0:  # (no step: the start alone, exact but for f_0's own rounding)
+            return True
+        *_, (_, e, warm, _, _) = self._steps()
+        eps = float(traj.temps[min(K - 1, len(traj.temps) - 1)])
+        gaps = []
+        for side, (own, pot, h) in enumerate(((alpha, *self.kept), (beta, *self.kept[::-1]))):
+            if side and self.mirror:
+                break
+            lam = self._lam(e, side)
+            implied = _implied_lse(pot[K - 1 : K + 1], own, [lam, lam])[1]
+            gaps.append((self._transform(theta, side, h[K - 1], e, warm)[1] - implied).abs().max())
+        return float(torch.stack(gaps).max()) <= self.spec.cg_tol * eps
 
     def _pair_vjp(self, theta, needs, f, g, r_x, r_y, u_x, u_y, e, warm):
         """A symmetric step's two VJP lists (rows' transform, columns'), or None.
