@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 import flashot
@@ -521,7 +521,12 @@ def test_a_double_backward_reads_the_solves_own_iterates(seed, n, d, entry, debi
                                     update="symmetric", backend="torch",
                                     init=init if entry == "warm start" else None).cost  # fmt: skip
 
-    got, kept_stacks, used = _replayed_stacks(value, x, v)
+    try:
+        got, kept_stacks, used = _replayed_stacks(value, x, v)
+    except NotImplementedError as exc:  # (a relaxed batch above a problem's cost range)
+        if entry != "batch" or "relaxed batch" not in str(exc):
+            raise
+        reject()
     with mock.patch.object(replay, "_kept", lambda *t: None):
         want, own_stacks, unused = _replayed_stacks(value, x, v)
     pieces = 1 + (entry == "loss" and debias)  # (y takes no gradient: no yy piece)

@@ -300,11 +300,12 @@ class _Sweep:
         t, r = transform_pass(q, alpha, k, beta, log_w, h, spec_at(spec, e, warm))
         return self._lam(e, side) * t, r
 
-    def _both(self, theta, f, g, e, warm):
+    def _both(self, theta, f, g, e, warm, stabilized: bool = True):
         """``((λ_x T_x(g), r_x), (λ_y T_y(f), r_y))`` at ε = e: a symmetric step's transforms.
 
         By the backend's :meth:`~flashot.backends.base.Backend.potential_lse`: one pass
-        over the scores where the backend fuses the two.
+        over the scores where the backend fuses the two (``stabilized``: from fused sums
+        where the backend takes them).
         """
         q, alpha, k, beta, log_a, log_b = theta
         spec = spec_at(self.spec, e, warm)
@@ -312,7 +313,7 @@ class _Sweep:
         with spec.backend.operand_scope(spec.operands):
             lse_r, lse_c = spec.backend.potential_lse(
                 Potentials(form, f, g, log_a.detach(), log_b.detach(), spec.eps),
-                stabilized=True,
+                stabilized=stabilized,
             )
         return ((self._lam(e, 0) * (form.alpha - lse_r), -lse_r),
                 (self._lam(e, 1) * (form.beta - lse_c), -lse_c))  # fmt: skip
@@ -388,13 +389,16 @@ class _Sweep:
             return True
         *_, (_, e, warm, _, _) = self._steps()
         eps = float(traj.temps[min(K - 1, len(traj.temps) - 1)])
+        F, G = self.kept
+        if self.mirror:  # (passes as the schedule's own: exact LSEs)
+            exact = [self._transform(theta, 0, F[K - 1], e, warm)[1]]
+        else:
+            exact = [t[1] for t in self._both(theta, F[K - 1], G[K - 1], e, warm, False)]
         gaps = []
-        for side, (own, pot, h) in enumerate(((alpha, *self.kept), (beta, *self.kept[::-1]))):
-            if side and self.mirror:
-                break
-            lam = self._lam(e, side)
-            implied = _implied_lse(pot[K - 1 : K + 1], own, [lam, lam])[1]
-            gaps.append((self._transform(theta, side, h[K - 1], e, warm)[1] - implied).abs().max())
+        for side, r in enumerate(exact):
+            own, pot = (alpha, F) if side == 0 else (beta, G)
+            implied = _implied_lse(pot[K - 1 : K + 1], own, [self._lam(e, side)] * 2)[1]
+            gaps.append((r - implied).abs().max())
         return float(torch.stack(gaps).max()) <= self.spec.cg_tol * eps
 
     def _pair_vjp(self, theta, needs, f, g, r_x, r_y, u_x, u_y, e, warm):
