@@ -131,12 +131,14 @@ def test_the_truncation_drops_only_pairs_below_its_bound(seed, n, m, d, p, eps, 
     tau=st.sampled_from([3.0, 12.5]),
 )
 def test_the_jump_drops_only_centroids_below_its_bound(seed, n, m, d, p, eps, scale, tau):
-    """Every dropped centroid's term is below e^{−τ} of its row's soft-minimum sum (dense
-    float64 check of every point), so the jump moves each potential by ≤ ε K e^{−τ}."""
+    """Every dropped centroid's term is below e^{−τ} W_J of its row's soft-minimum sum
+    (dense float64 check of every point), so the jump moves each potential by at most
+    −ε log(1 − e^{−τ} M) for columns of mass M."""
     x, y, g = _clouds(seed, n, m, d)
     origin = torch.zeros(d, dtype=torch.float64)
     cx = grid_clusters(x, torch.ones(n, dtype=torch.float64), scale, origin)
-    cy = grid_clusters(y, torch.rand(m, generator=g, dtype=torch.float64) + 0.1, scale, origin)
+    w = torch.rand(m, generator=g, dtype=torch.float64) + 0.1
+    cy = grid_clusters(y, w / w.sum(), scale, origin)  # (probability weights: mass 1)
     cols = centroid_clusters(cy)
     h = torch.log(cy.weights) + torch.randn(cy.count, generator=g, dtype=torch.float64)
     rows, kept = jump_pairs(cx, cols, h, eps, tau, p)
@@ -147,9 +149,11 @@ def test_the_jump_drops_only_centroids_below_its_bound(seed, n, m, d, p, eps, sc
     s = -eps * torch.logsumexp(logits, dim=1)
     share = logits + s[:, None] / eps  # (log of each term's share of its row's sum)
     dropped = ~keep[cx.label]
-    assert float(share.masked_fill(~dropped, -math.inf).max()) < -tau + 1e-9
+    below = share - torch.log(cy.weights)[None, :]
+    assert float(below.masked_fill(~dropped, -math.inf).max()) < -tau + 1e-9
     truncated = -eps * torch.logsumexp(logits.masked_fill(dropped, -math.inf), dim=1)
-    assert torch.all(truncated - s <= eps * cy.count * math.exp(-tau) + 1e-12)
+    mass = float(cy.weights.sum())
+    assert torch.all(truncated - s <= -eps * math.log1p(-math.exp(-tau) * mass) + 1e-12)
 
 
 @pytest.mark.parametrize("p,debias,rho", [(2, True, None), (1, False, None), (2, True, 0.3)])
