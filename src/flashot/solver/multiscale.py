@@ -10,8 +10,8 @@ float's resolution. This loop (after Schmitzer 2016 and Feydy 2020) skips them:
    centroids, a problem of K ≪ n points.
 3. **Jump.** At the first ε ≤ scale^p the fine potentials are one extrapolation from
    the coarse ones: a soft-minimum over the centroids, each row cluster's over the
-   centroids whose terms may reach ``e^{−τ}`` of its sum (:func:`jump_pairs`; the
-   centroids of a shape's far side are most of them).
+   centroids J whose terms may reach ``e^{−τ} W_J`` of its sum (:func:`jump_pairs`;
+   the centroids of a shape's far side are most of them).
 4. **Fine phase.** Every soft-minimum runs over the cluster pairs (I, J) that the
    truncation keeps,
 
