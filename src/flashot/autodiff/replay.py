@@ -389,6 +389,7 @@ class _Sweep:
             return True
         *_, (_, e, warm, _, _) = self._steps()
         eps = float(traj.temps[min(K - 1, len(traj.temps) - 1)])
+        assert self.kept is not None
         F, G = self.kept
         if self.mirror:  # (passes as the schedule's own: exact LSEs)
             exact = [self._transform(theta, 0, F[K - 1], e, warm)[1]]
