@@ -140,8 +140,9 @@ def test_the_jump_drops_only_centroids_below_its_bound(seed, n, m, d, p, eps, sc
     w = torch.rand(m, generator=g, dtype=torch.float64) + 0.1
     cy = grid_clusters(y, w / w.sum(), scale, origin)  # (probability weights: mass 1)
     cols = centroid_clusters(cy)
-    h = torch.log(cy.weights) + torch.randn(cy.count, generator=g, dtype=torch.float64)
-    rows, kept = jump_pairs(cx, cols, h, eps, tau, p)
+    pot = eps * torch.randn(cy.count, generator=g, dtype=torch.float64)
+    h = torch.log(cy.weights) + pot / eps
+    rows, kept = jump_pairs(cx, cols, pot, eps, tau, p)
     keep = torch.zeros(cx.count, cy.count, dtype=torch.bool)
     keep[rows, kept] = True
     assert keep.any(1).all()

@@ -317,7 +317,7 @@ def centroid_clusters(cl: Clusters) -> Clusters:
                     torch.zeros_like(cl.weights))  # fmt: skip
 
 
-def jump_pairs(rows: Clusters, cols: Clusters, h: torch.Tensor, eps: float, tau: float, p: int):
+def jump_pairs(rows: Clusters, cols: Clusters, g: torch.Tensor, eps: float, tau: float, p: int):
     r"""``(I, J)``: the column centroids whose terms may reach ``e^{−τ} W_J`` of a soft-minimum.
 
     The jump's soft-minimum over the centroids (weights W_J),
@@ -333,10 +333,11 @@ def jump_pairs(rows: Clusters, cols: Clusters, h: torch.Tensor, eps: float, tau:
 
     Args:
         rows: clusters of the rows.  cols: the centroids as single clusters
-            (:func:`centroid_clusters`).  h: (K_c,) the log-weights of the soft-minimum.
+            (:func:`centroid_clusters`).  g: (K_c,) the centroids' potentials.
         eps: ε.  tau: τ.  p: the cost ``|x − y|^p / p``.
     """
     kc = cols.count
+    h = torch.log(cols.weights) + g / eps
     step = max(1, CHUNK // max(1, kc))
     tops = []
     for r0 in range(0, rows.count, step):  # (S_I in chunks of row clusters)
@@ -344,9 +345,8 @@ def jump_pairs(rows: Clusters, cols: Clusters, h: torch.Tensor, eps: float, tau:
         reach = torch.cdist(rows.centroids[sl], cols.centroids) + rows.radius[sl, None]
         tops.append(-eps * torch.logsumexp(h[None, :] - reach**p / (p * eps), dim=1))
     r = _Balls(rows.centroids, rows.radius, torch.cat(tops))
-    live = cols.weights > 0  # (g_J = ε (h_J − log W_J); an empty centroid takes no term)
-    g = torch.where(live, eps * (h - torch.log(torch.where(live, cols.weights, 1.0))), -math.inf)
-    return _ball_mask(r, _Balls(cols.centroids, cols.radius, g), -tau * eps, p)
+    top = torch.where(cols.weights > 0, g, -math.inf)  # (an empty centroid takes no term)
+    return _ball_mask(r, _Balls(cols.centroids, cols.radius, top), -tau * eps, p)
 
 
 def all_pairs(kr: int, kc: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -435,7 +435,7 @@ def multiscale_potentials(
             def jump(side, pot):
                 h = lw[side[1]] + pot / eps
                 rows, cols = cl[side[0]], singles[side[1]]
-                keep = jump_pairs(rows, cols, h, eps, tau, p)
+                keep = jump_pairs(rows, cols, pot, eps, tau, p)
                 return damping(eps, rho) * _sparse_softmin(
                     srt[side[0]], rows, cen[side[1]], cols, h, eps, cost, keep, backend
                 )
