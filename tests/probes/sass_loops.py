@@ -220,13 +220,6 @@ def cases():
            // 128)  # fmt: skip
     yield ("pair gradient p=2 d3 (differences, sparse, feature-major)", pw._grad_kernel,
            dict(half_square, LINEAR=True, **major), (), per_grad)  # fmt: skip
-    bm, bn, warps, stages = _configs.PAIRWISE_SPARSE_SUMS_TILES
-    sparse_window = dict(COST=pf.half_square, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=16, D_CHUNKS=1,
-                         DIFF=True, PRECISION="tf32x3", PRESPLIT=False, SPARSE=True, **major)  # fmt: skip
-    for rows in (True, False):
-        yield (f"window pass p=2 d3 (differences, sparse) {'rows' if rows else 'self'}",
-               _pair_sums._pair_sums_kernel, dict(sparse_window, ROWS=rows), (),
-               bm * bn // (32 * warps), warps, stages)  # fmt: skip
 
 
 def main(pattern: str = "") -> int:

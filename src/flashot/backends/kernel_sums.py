@@ -162,8 +162,7 @@ def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, c
     return -eps * torch.cat(rows)
 
 
-def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "auto",
-                sparse=None):  # fmt: skip
+def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "auto"):
     r"""``(softmin(x, y, lb + g/ε), softmin(y, x, la + f/ε))`` from one fused pass, or None.
 
     The pass (:mod:`flashot.backends.triton._pair_sums`) forms each cost once for both
@@ -177,9 +176,6 @@ def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "
     Args:
         x: (n, d), y: (m, d) clouds.  la: (n,), lb: (m,) log-weights.
         f: (n,), g: (m,) the current potentials.  eps: ε.  cost, backend: as :func:`softmin`.
-        sparse: None, or ``(x's layout, y's layout)`` (:func:`block_intervals`, the clouds
-            sorted by cluster; y's the transposed pairs of x's): each side over its kept
-            pairs, as :func:`block_sparse_softmin` (a self problem takes x's alone).
     """
     if not (isinstance(cost, PairCost) and _fused(x, y, cost, backend)):
         return None
@@ -189,12 +185,7 @@ def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "
         return None
     from flashot.backends.triton._pair_sums import MAX_D, window_softmins
 
-    if x.shape[1] > MAX_D:
-        return None
-    if sparse is not None:
-        for layout in sparse[: 1 if (y is x and la is lb and f is g) else 2]:
-            _nonempty(layout)
-    return window_softmins(x, y, la, lb, f, g, eps, cost, sparse)
+    return None if x.shape[1] > MAX_D else window_softmins(x, y, la, lb, f, g, eps, cost)
 
 
 @contextlib.contextmanager
@@ -347,7 +338,10 @@ def block_sparse_softmin(x, y, log_w, eps: float, cost, layout, backend: str = "
     Returns:
         (n,); differentiable (twice) in x (and in y, h through the PyTorch path).
     """
-    _nonempty(layout)
+    ptr = layout[0]
+    if bool((ptr[1:] == ptr[:-1]).any()):
+        raise ValueError("a row block of the layout has no column interval: its soft-minimum "
+                         "would be +inf")  # fmt: skip
     if (isinstance(cost, PairCost) and _fused(x, y, cost, backend)
             and not (y.requires_grad or log_w.requires_grad)):  # fmt: skip
         if torch.is_grad_enabled() and x.requires_grad:
@@ -356,14 +350,6 @@ def block_sparse_softmin(x, y, log_w, eps: float, cost, layout, backend: str = "
 
         return fused_softmin(x, y, log_w, eps, cost, layout)[0]
     return _intervals_softmin(x, y, log_w, eps, cost, layout, BUDGET)
-
-
-def _nonempty(layout) -> None:
-    """Raise where a row block of ``layout`` streams nothing (its soft-minimum: +∞)."""
-    ptr = layout[0]
-    if bool((ptr[1:] == ptr[:-1]).any()):
-        raise ValueError("a row block of the layout has no column interval: its soft-minimum "
-                         "would be +inf")  # fmt: skip
 
 
 def _intervals_softmin(x, y, log_w, eps, cost, layout, budget):

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashot.backends.kernel_sums import block_intervals, block_sparse_softmin, window_step
+from flashot.backends.kernel_sums import block_intervals, block_sparse_softmin
 from flashot.solver.tiled_loop import GeomLossPotentials, damping, dense_softmin, symmetric_steps
 
 __all__ = ["Clusters", "all_pairs", "centroid_clusters", "default_scale", "grid_clusters",
@@ -355,74 +355,17 @@ def all_pairs(kr: int, kc: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return key // kc, key % kc
 
 
-def _layout(rows: Clusters, cols: Clusters, pairs, cuda: bool):
-    """The rows' block-sparse layout of the kept cluster ``pairs`` (:func:`block_intervals`)."""
-    # (merged runs pay on the GPU, where the kernel pads intervals to tiles; the CPU's
-    # PyTorch blocks have no padding and do ~12 % more work with them: v50, 20k spheres)
-    return block_intervals(rows.starts, cols.starts, pairs, gap=None if cuda else 0)
-
-
-def _sparse_softmin(xs, rows: Clusters, ys, cols: Clusters, log_w, eps, cost, layout, backend):
-    """``softmin`` of every row over its block's column intervals (n,), rows' own order.
+def _sparse_softmin(xs, rows: Clusters, ys, cols: Clusters, log_w, eps, cost, pairs, backend):
+    """``softmin`` of every row over the column clusters its block keeps (n,), rows' order.
 
     By :func:`~flashot.backends.kernel_sums.block_sparse_softmin`; ``xs``, ``ys``: the
-    clouds already in cluster order; ``log_w`` (m,) in the columns' own order; ``layout``
-    of the rows (:func:`~flashot.backends.kernel_sums.block_intervals`).
+    clouds already in cluster order; ``log_w`` (m,) in the columns' own order.
     """
+    # (merged runs pay on the GPU, where the kernel pads intervals to tiles; the CPU's
+    # PyTorch blocks have no padding and do ~12 % more work with them: v50, 20k spheres)
+    layout = block_intervals(rows.starts, cols.starts, pairs, gap=None if xs.is_cuda else 0)
     out = block_sparse_softmin(xs, ys, log_w[cols.order], eps, cost, layout, backend)
     return out[rows.inverse]
-
-
-class _SparseSoftMin:
-    """The fine phase's soft-minima, over the cluster pairs the truncation keeps.
-
-    A :data:`~flashot.solver.tiled_loop.SoftMin` (every pair at an initialization). Where
-    the fused kernels run, a step's two sides come from one block-sparse window pass
-    (:meth:`both`, :func:`~flashot.backends.kernel_sums.window_step`: each cost formed
-    once for both sides), and a self problem's side from the columns of one.
-    """
-
-    def __init__(self, cl: dict, srt: dict, masks: _Masks, cost, rho, backend: str):
-        self.cl, self.srt, self.masks = cl, srt, masks
-        self.cost, self.rho, self.backend = cost, rho, backend
-
-    def _layout(self, side: str, pairs):
-        return _layout(self.cl[side[0]], self.cl[side[1]], pairs, self.srt[side[0]].is_cuda)
-
-    def __call__(self, side, log_w, pot_rows, pot_cols, eps):
-        rc, cc = self.cl[side[0]], self.cl[side[1]]
-        lam = damping(eps, self.rho)
-        if pot_rows is None or pot_cols is None:  # (an initialization: every pair)
-            layout = self._layout(side, all_pairs(rc.count, cc.count, rc.starts.device))
-            return lam * _sparse_softmin(self.srt[side[0]], rc, self.srt[side[1]], cc, log_w,
-                                         eps, self.cost, layout, self.backend)  # fmt: skip
-        layout = self._layout(side, self.masks(side, pot_rows, pot_cols, eps))
-        if side[0] == side[1] and pot_rows is pot_cols:  # (a self problem: one window pass)
-            xs, lw, pot = self.srt[side[0]], log_w[rc.order], pot_rows[rc.order]
-            got = window_step(xs, xs, lw, lw, pot, pot, eps, self.cost, self.backend,
-                              (layout,))  # fmt: skip
-            if got is not None:
-                return lam * got[0][rc.inverse]
-        return lam * _sparse_softmin(self.srt[side[0]], rc, self.srt[side[1]], cc,
-                                     log_w + pot_cols / eps, eps, self.cost, layout,
-                                     self.backend)  # fmt: skip
-
-    def both(self, la, lb, f, g, eps):
-        """``(self("xy", lb, f, g, eps), self("yx", la, g, f, eps))`` from one window pass."""
-        if f is None or g is None:
-            return self("xy", lb, f, g, eps), self("yx", la, g, f, eps)
-        cx, cy = self.cl["x"], self.cl["y"]
-        xy = self._layout("xy", self.masks("xy", f, g, eps))
-        yx = self._layout("yx", self.masks("yx", g, f, eps))
-        got = window_step(self.srt["x"], self.srt["y"], la[cx.order], lb[cy.order], f[cx.order],
-                          g[cy.order], eps, self.cost, self.backend, (xy, yx))  # fmt: skip
-        lam = damping(eps, self.rho)
-        if got is None:
-            return (lam * _sparse_softmin(self.srt["x"], cx, self.srt["y"], cy, lb + g / eps,
-                                          eps, self.cost, xy, self.backend),
-                    lam * _sparse_softmin(self.srt["y"], cy, self.srt["x"], cx, la + f / eps,
-                                          eps, self.cost, yx, self.backend))  # fmt: skip
-        return lam * got[0][cx.inverse], lam * got[1][cy.inverse]
 
 
 def multiscale_potentials(
@@ -467,7 +410,18 @@ def multiscale_potentials(
     fine = temps[len(coarse) :]
     masks = _Masks(cl, tau, p)
 
-    sparse = _SparseSoftMin(cl, srt, masks, cost, rho, backend)
+    def sparse(side, log_w, pot_rows, pot_cols, eps):
+        rc, cc = cl[side[0]], cl[side[1]]
+        if pot_rows is None or pot_cols is None:  # (an initialization: every pair)
+            keep = all_pairs(rc.count, cc.count, rc.starts.device)
+            h = log_w
+        else:
+            keep = masks(side, pot_rows, pot_cols, eps)
+            h = log_w + pot_cols / eps
+        return damping(eps, rho) * _sparse_softmin(
+            srt[side[0]], rc, srt[side[1]], cc, h, eps, cost, keep, backend
+        )
+
     start = None
     if coarse:  # GeomLoss' steps on the centroids (their weights summed), then the jump
         cen = {k: c.centroids for k, c in cl.items()}
@@ -481,9 +435,9 @@ def multiscale_potentials(
             def jump(side, pot):
                 h = lw[side[1]] + pot / eps
                 rows, cols = cl[side[0]], singles[side[1]]
-                layout = _layout(rows, cols, jump_pairs(rows, cols, pot, eps, tau, p), x.is_cuda)
+                keep = jump_pairs(rows, cols, pot, eps, tau, p)
                 return damping(eps, rho) * _sparse_softmin(
-                    srt[side[0]], rows, cen[side[1]], cols, h, eps, cost, layout, backend
+                    srt[side[0]], rows, cen[side[1]], cols, h, eps, cost, keep, backend
                 )
 
             start = (
@@ -497,17 +451,9 @@ def multiscale_potentials(
 
     def final(rows, side, log_w, pot_rows, pot_cols):
         rc, cc = cl[side[0]], cl[side[1]]
-        layout = _layout(rc, cc, masks(side, pot_rows, pot_cols, eps), x.is_cuda)
+        keep = masks(side, pot_rows, pot_cols, eps)
         return damping(eps, rho) * _sparse_softmin(
-            rows[rc.order],
-            rc,
-            srt[side[1]],
-            cc,
-            log_w + pot_cols / eps,
-            eps,
-            cost,
-            layout,
-            backend,
+            rows[rc.order], rc, srt[side[1]], cc, log_w + pot_cols / eps, eps, cost, keep, backend
         )
 
     # the final extrapolation, differentiated in the first argument of each cost only

@@ -356,10 +356,6 @@ PAIRWISE_DIFF_TILES = (128, 64, 4, 2)
 #: by the sm_90 loop counts (v46): at 128 × 64 p = 1 d64 24.0 instructions a score with
 #: row sums (21.5 without; two exact passes 2 × 27.7), no spills; 64 × 128 spills 276
 PAIRWISE_SUMS_TILES = (128, 64, 4, 2)
-#: the block-sparse window sums' (BLOCK_N: the layout's column blocks; BLOCK_M the rows
-#: streamed from intervals of ~100 rows at 1M points and cluster_scale 0.02, where 128
-#: would pad more than it saves), as the block-sparse soft-minimum's 64-row blocks
-PAIRWISE_SPARSE_SUMS_TILES = (64, 64, 4, 2)
 
 #: autotune only when n·m ≥ 2^TUNE_FROM_LOG2 (smaller solves cost less than tuning them)
 TUNE_FROM_LOG2 = 24
