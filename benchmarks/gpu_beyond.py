@@ -13,7 +13,11 @@
   a block's runs ≤ 32 columns apart merged) or the one before it (lexicographic cells,
   exact intervals), in one process. ``MS_PROFILE=1``: one call at each n and scale under
   torch.profiler, its 15 costliest kernels (v52: at 1M the pair kernel's soft-minima and
-  the block-sparse gradient).
+  the block-sparse gradient). ``keops`` in PARTS: GeomLoss 0.3.1's own multiscale mode
+  (KeOps, ``.keops`` carried) on the same clouds beside it.
+* ``multiscale8``: d = 8 (the grid's widest), a flat torus turned into 8-D and a Gaussian,
+  MS8_SIZES points, blur 0.05, the default ``cluster_scale`` and MS8_SCALES, against the
+  dense call.
 * ``gromov_wasserstein(x, y, eps=0.05, relative_eps=True)`` at n = GW_N, d = 3 and 64,
   balanced and unbalanced (``rho=100``, the same relative ε; ρ far below the
   linearized cost's spread overflows float32, v42: ρ = 1 did at 1k points): time, outer and inner
@@ -32,6 +36,7 @@ Prints a short table last. PARTS (default ``p,kernels,multiscale,gw``) picks sec
     PARTS=layout N=20000 CS=0.02 ORDER=lex python benchmarks/gpu_beyond.py
 """
 
+import math
 import os
 import time
 import warnings
@@ -53,6 +58,8 @@ SCALES = [float(c) for c in os.environ.get("SCALES", "0.02,0.05").split(",")]
 DENSE_MAX = int(os.environ.get("DENSE_MAX", "100000"))
 PARTS = os.environ.get("PARTS", "p,kernels,multiscale,gw").split(",")
 MS_LAYOUTS = os.environ.get("MS_LAYOUTS", "new").split(",")
+MS8_SIZES = [int(n) for n in os.environ.get("MS8_SIZES", "100000").split(",")]
+MS8_SCALES = [float(c) for c in os.environ.get("MS8_SCALES", "0.2,0.1").split(",")]
 AXES = [float(a) for a in os.environ["GW_AXES"].split(",")] if os.environ.get("GW_AXES") else []
 rows: list[tuple] = []
 
@@ -187,6 +194,24 @@ def sphere(n, shift):
     return 0.5 * v / v.norm(dim=1, keepdim=True) + 0.5 + shift
 
 
+def torus8(n):
+    """A flat 2-torus of radius 0.5 turned into 8-D (a 2-D manifold in the grid's d)."""
+    t = 2 * math.pi * torch.rand(n, 2, device="cuda")
+    flat = 0.5 * torch.cat([torch.cos(t), torch.sin(t)], 1)
+    turn = torch.linalg.qr(torch.randn(8, 8, device="cuda"))[0][:4]
+    return flat @ turn
+
+
+def gaussian8(n):
+    return 0.3 * torch.randn(n, 8, device="cuda")
+
+
+def against_dense(got, dense):
+    (v, g), (dv, dg) = got, dense
+    print(f"  against dense: value {abs(float(v - dv)) / abs(float(dv)):.2e}, "
+          f"gradient {float((g - dg).norm() / dg.norm()):.2e}", flush=True)  # fmt: skip
+
+
 for n in MS_SIZES if "multiscale" in PARTS else ():
     torch.manual_seed(4)
     x, y = sphere(n, 0.0), sphere(n, 0.05)
@@ -208,12 +233,31 @@ for n in MS_SIZES if "multiscale" in PARTS else ():
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15,
                                             max_name_column_width=50), flush=True)  # fmt: skip
         if dense is not None:
-            v, g = value_and_grad(loss, x, y)
-            print(
-                f"  against dense: value {abs(float(v - dense[0])) / abs(float(dense[0])):.2e}, "
-                f"gradient {float((g - dense[1]).norm() / dense[1].norm()):.2e}",
-                flush=True,
-            )
+            against_dense(value_and_grad(loss, x, y), dense)
+    if "keops" in PARTS:  # (GeomLoss' own multiscale mode on KeOps, the same call)
+        import geomloss
+
+        for scale in SCALES:
+            peer = geomloss.SamplesLoss("sinkhorn", p=2, blur=0.01, scaling=0.5, debias=True,
+                                        cluster_scale=scale, backend="multiscale")  # fmt: skip
+            try:
+                timed((f"GeomLoss-KeOps multiscale: cluster_scale={scale}", n, 3), peer, x, y)
+            except Exception as err:  # (its JIT or its clustering: report, go on)
+                print(f"GeomLoss-KeOps multiscale n={n}: {err!r}"[:300], flush=True)
+                continue
+            if dense is not None:
+                against_dense(value_and_grad(peer, x, y), dense)
+for n in MS8_SIZES if "multiscale8" in PARTS else ():  # (d = 8: MAX_DIM, issue 52 asks it)
+    torch.manual_seed(5)
+    for cloud, make in (("torus", torus8), ("gaussian", gaussian8)):
+        x, y = make(n), make(n) + 0.05
+        dense = value_and_grad(flashot.SamplesLoss(blur=0.05), x, y)
+        timed((f"d=8 {cloud}: dense", n, 8), flashot.SamplesLoss(blur=0.05), x, y)
+        for scale in (None, *MS8_SCALES):
+            mode = "multiscale" if scale is None else "auto"  # (None: GeomLoss' default side)
+            loss = flashot.SamplesLoss(blur=0.05, cluster_scale=scale, backend=mode)
+            timed((f"d=8 {cloud}: cluster_scale={scale or 'default'}", n, 8), loss, x, y)
+            against_dense(value_and_grad(loss, x, y), dense)
 for d in DIMS if "gw" in PARTS else ():
     for rho in (None, 100.0):
         torch.manual_seed(3)
