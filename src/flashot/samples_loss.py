@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 
 import torch
 
@@ -36,7 +37,12 @@ from flashot.problem import (
     weights_tensor,
 )
 from flashot.solver.loop import geomloss_schedule
-from flashot.solver.multiscale import MAX_DIM, default_scale, multiscale_potentials
+from flashot.solver.multiscale import (
+    MAX_DIM,
+    TooManyPairsError,
+    default_scale,
+    multiscale_potentials,
+)
 from flashot.solver.tiled_loop import geomloss_potentials
 
 __all__ = ["LOSSES", "SamplesLoss"]
@@ -97,7 +103,10 @@ class SamplesLoss(torch.nn.Module):
             cluster_scale^p, then block-sparse soft-minima over the cluster pairs the
             truncation keeps (:mod:`flashot.solver.multiscale`). An approximation: its
             value and gradient are within the truncation of the dense ones only as far
-            as the coarse steps converge alike (measured in benchmarks/NOTES.md).
+            as the coarse steps converge alike (measured in benchmarks/NOTES.md). It
+            pays for 2-D and 3-D shapes; where a mask would keep more than
+            :data:`~flashot.solver.multiscale.MAX_PAIRS` cluster pairs it warns and
+            solves the dense problem.
         debias: return the debiased Sinkhorn divergence (else OT_ε).
         potentials: return the potentials (F, G) instead of the value.
         verbose: print one line per call on stderr (sizes, ε schedule, backend).
@@ -342,9 +351,16 @@ class SamplesLoss(torch.nn.Module):
             if self._multiscale:
                 scale = self.cluster_scale or default_scale(diameter, x.shape[1])
                 trunc = math.inf if self.truncate is None else float(self.truncate)
-                pots = multiscale_potentials(a, x, b, y, self._tile_cost, temps, self.debias,
-                                             scale, trunc, self.p, rho,
-                                             self._tile_backend())  # fmt: skip
+                try:
+                    pots = multiscale_potentials(a, x, b, y, self._tile_cost, temps,
+                                                 self.debias, scale, trunc, self.p, rho,
+                                                 self._tile_backend())  # fmt: skip
+                except TooManyPairsError as err:  # (the dense problem: exact, O((n + m) d))
+                    warnings.warn(f"SamplesLoss(cluster_scale={scale:.3g}) on {x.shape[1]}-D "
+                                  f"clouds: {err}; solved without clusters instead",
+                                  stacklevel=3)  # fmt: skip
+                    pots = geomloss_potentials(a, x, b, y, self._tile_cost, temps,
+                                               self.debias, rho, self._tile_backend())  # fmt: skip
             else:
                 pots = geomloss_potentials(a, x, b, y, self._tile_cost, temps, self.debias,
                                            rho, self._tile_backend())  # fmt: skip

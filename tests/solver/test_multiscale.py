@@ -289,3 +289,29 @@ def test_the_two_level_mask_keeps_the_pairs_of_the_flat_one(seed, n, m, d, scale
     with mock.patch.object(multiscale, "CHUNK", 64), mock.patch.object(multiscale, "GROUP", 4):
         two = truncation_mask(cx, cy, f, gg, eps, 12.5, p)
     assert all(torch.equal(u, v) for u, v in zip(two, flat, strict=True))
+
+
+def test_a_problem_too_dense_to_prune_is_solved_without_clusters(monkeypatch):
+    """Past MAX_PAIRS kept cluster pairs a mask raises (the flat and the two-level bound
+    alike), and SamplesLoss warns and returns the dense call's value and gradient: at
+    d = 8 such masks ran a GPU out of memory (v55)."""
+    x, y, _ = _clouds(7, 60, 50, 3)
+    cl_x = grid_clusters(x, torch.ones(60, dtype=torch.float64), 0.1, torch.zeros(3))
+    cl_y = grid_clusters(y, torch.ones(50, dtype=torch.float64), 0.1, torch.zeros(3))
+    f, g = torch.zeros(60, dtype=torch.float64), torch.zeros(50, dtype=torch.float64)
+    kept = len(truncation_mask(cl_x, cl_y, f, g, 1.0, 12.5, 2)[0])
+    monkeypatch.setattr(multiscale, "MAX_PAIRS", kept - 1)
+    with pytest.raises(multiscale.TooManyPairsError, match="cluster pairs"):
+        truncation_mask(cl_x, cl_y, f, g, 1.0, 12.5, 2)
+    monkeypatch.setattr(multiscale, "CHUNK", 8)  # (the two-level bound, in chunks)
+    with pytest.raises(multiscale.TooManyPairsError):
+        truncation_mask(cl_x, cl_y, f, g, 1.0, 12.5, 2)
+    monkeypatch.setattr(multiscale, "MAX_PAIRS", 0)
+    xs = x.clone().requires_grad_()
+    with pytest.warns(UserWarning, match="solved without clusters"):
+        value = flashot.SamplesLoss(blur=0.05, cluster_scale=0.1)(xs, y)
+    (grad,) = torch.autograd.grad(value, xs)
+    xd = x.clone().requires_grad_()
+    dense = flashot.SamplesLoss(blur=0.05)(xd, y)
+    torch.testing.assert_close(value, dense, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, torch.autograd.grad(dense, xd)[0], rtol=1e-10, atol=1e-14)

@@ -46,8 +46,9 @@ import torch
 from flashot.backends.kernel_sums import block_intervals, block_sparse_softmin
 from flashot.solver.tiled_loop import GeomLossPotentials, damping, dense_softmin, symmetric_steps
 
-__all__ = ["Clusters", "all_pairs", "centroid_clusters", "default_scale", "grid_clusters",
-           "jump_pairs", "morton_keys", "multiscale_potentials", "truncation_mask"]  # fmt: skip
+__all__ = ["Clusters", "TooManyPairsError", "all_pairs", "centroid_clusters", "default_scale",
+           "grid_clusters", "jump_pairs", "morton_keys", "multiscale_potentials",
+           "truncation_mask"]  # fmt: skip
 
 #: widest feature size the grid clustering accepts (cells multiply as scale^-d)
 MAX_DIM = 8
@@ -142,6 +143,25 @@ def morton_keys(cells: torch.Tensor) -> torch.Tensor | None:
 
 #: entries of one chunk of the cluster-pair bound (rows × all columns)
 CHUNK = 1 << 22
+#: the most cluster pairs a mask may keep: ~1 GB of int64 keys and their sort. Past it
+#: the clusters are too small or too close to prune (v55, H100: a Gaussian in 8-D at
+#: cluster_scale 0.2 asked 7.4 GB for one mask, 67 GB in use, and ran out of memory)
+MAX_PAIRS = 1 << 25
+
+
+class TooManyPairsError(RuntimeError):
+    """A truncation mask would keep more than :data:`MAX_PAIRS` cluster pairs."""
+
+
+def _count(found: list[torch.Tensor], kr: int, kc: int) -> None:
+    """Raise :class:`TooManyPairsError` once the ``(2, k)`` pair lists in ``found`` pass the cap."""
+    kept = sum(t.shape[1] for t in found)
+    if kept > MAX_PAIRS:
+        raise TooManyPairsError(
+            f"the truncation keeps more than {MAX_PAIRS} of the {kr} × {kc} cluster pairs: "
+            f"the clusters are too small or too close, at this cluster_scale, blur and "
+            f"dimension, for block-sparse soft-minima to prune"
+        )
 
 
 def _cluster_max(values: torch.Tensor, cl: Clusters) -> torch.Tensor:
@@ -192,6 +212,7 @@ def _ball_mask(r: _Balls, c: _Balls, floor: float, p: int):
         gap = (r.centers[i] - c.centers[j]).norm(dim=1) - r.radius[i] - c.radius[j]
         keep = r.top[i] + c.top[j] - gap.clamp_min(0) ** p / p >= floor
         found.append(torch.stack([i[keep], j[keep]]))
+        _count(found, kr, kc)
     i, j = torch.cat(found, 1) if found else r.top.new_zeros(2, 0, dtype=torch.long)
     lonely_r = torch.ones(kr, dtype=torch.bool, device=dev)
     lonely_r[i] = False
@@ -276,6 +297,7 @@ def _flat_mask(rows: _Balls, cols: _Balls, floor: float, p: int, row_best: bool 
                 arg = torch.where(better, at + r0, arg)
         i, j = torch.nonzero(keep, as_tuple=True)
         found.append(torch.stack([i + r0, j]))
+        _count(found, kr, kc)
     if arg is not None:
         found.append(torch.stack([arg, torch.arange(kc, device=arg.device)]))
     i, j = torch.cat(found, 1)
