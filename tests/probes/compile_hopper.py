@@ -180,6 +180,21 @@ def variants():
 
     yield _triples._triple_kernel, dict(WIDTH=_triples.TRIPLE_WIDTH,
                                         BLOCK_N=_triples.BLOCK_N), False  # fmt: skip
+    # cached scores (._scores): the matrix's kernel (split parts, d512 chunks) and the
+    # streaming kernels reading it (PRECISION "cached", one-column views)
+    from flashot.backends.triton import _scores
+
+    yield _scores._scores_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, D_CHUNKS=8,
+                                       PRECISION="ieee", PRESPLIT=True), True  # fmt: skip
+    cached = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=16, D_CHUNKS=1, PRECISION="cached",
+                  PRESPLIT=False, SEGMENTED=False, MULTIPLY=False)  # fmt: skip
+    yield K._plan_sums_kernel, dict(cached, GATED=True, EXACT=False), False
+    yield K._attend_kernel, {**base, **plain, "BLOCK_D": 16, "D_CHUNKS": 1, "SPLIT": True,
+                             "PRECISION": "cached", "V_PRECISION": "tf32x3",
+                             "SEGMENTED": False, "PRESPLIT": False, "V_SPLIT": False,
+                             "P_LOOP": 1}, False  # fmt: skip
+    yield _sym_vjp._sym_vjp_kernel, dict(sym, PRECISION="cached", PRESPLIT=False,
+                                         BLOCK_D=16), False  # fmt: skip
     # the pair-cost kernels: soft-minimum or kernel sum, dense or block-sparse, product
     # form (feature chunks) or differences, and both gradient sides
     from flashot.backends.triton import _configs

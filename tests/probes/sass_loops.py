@@ -119,6 +119,10 @@ def cases():
     yield "plan_sums tf32", kernel, dict(sums, PRECISION="tf32", PRESPLIT=False), (), 64
     yield "plan_sums split", kernel, dict(sums, PRECISION="ieee", PRESPLIT=True), ("Q", "K"), 64
     yield "plan_sums bf16", kernel, dict(sums, PRECISION="ieee", PRESPLIT=False), ("Q", "K"), 64
+    # cached scores (._scores): the pass reads its scores, no MMA
+    for dot in ("cached", "cached_t"):
+        consts = dict(sums, BLOCK_D=16, PRECISION=dot, PRESPLIT=False)
+        yield f"plan_sums {dot}", kernel, consts, (), 64
     # the one-pass exact step of wide features (d ≥ 256), as sm_90.json tiles it for d512
     exact = dict(sums, BLOCK_M=128, BLOCK_N=64, D_CHUNKS=8, GATED=False, EXACT=True)
     exact_split = dict(exact, PRECISION="ieee", PRESPLIT=True)

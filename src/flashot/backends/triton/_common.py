@@ -123,8 +123,19 @@ def _score_tile(
     tile comes *without* ``unscale`` (:func:`_stationary_tiles`, a power of two, 1
     without PRESPLIT): callers fold it into the factor they multiply scores by, one
     multiply per score fewer.
+
+    PRECISION ``"cached"`` / ``"cached_t"``: the scores are in memory (:mod:`._scores`):
+    ``Q`` addresses the matrix, score (i, j) at ``i·stride_qn + j`` (row-major) or
+    ``i + j·stride_qd`` (its transpose); nothing else is read. 64-bit offsets for the
+    strided side only (a tile's pointers cost one 64-bit add a score).
     """
-    if D_CHUNKS == 1:  # the streamed side loaded (and its low part), the other hoisted
+    if PRECISION == "cached":
+        rows = _rows_in(offs_m, n).to(tl.int64)
+        s = tl.load((Q + rows * stride_qn)[:, None] + _rows_in(offs_n, m)[None, :])
+    elif PRECISION == "cached_t":
+        cols = _rows_in(offs_n, m).to(tl.int64)
+        s = tl.load((Q + cols * stride_qd)[None, :] + _rows_in(offs_m, n)[:, None])
+    elif D_CHUNKS == 1:  # the streamed side loaded (and its low part), the other hoisted
         if HOIST_K:
             q, kt = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False), kt_tile
             q_lo_tile = q

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from flashot.backends.device import triton_interpreted
+from flashot.backends.triton._scores import cached_dot, cached_views, fits, score_matrix
 from flashot.backends.triton._split import (
     SCORE_LO_BITS,
     VALUE_LO_BITS,
@@ -59,20 +60,24 @@ class Operands:
     Args:
         precision: the backend's mode (``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``).
         presplit: the backend's ``presplit`` option (None, True or False).
+        scores: the backend's ``scores`` option: ``"stream"`` or ``"cache"``
+            (:meth:`cached_scores`).
     """
 
-    def __init__(self, precision: str, presplit: bool | None):
-        self.precision, self.presplit = precision, presplit
+    def __init__(self, precision: str, presplit: bool | None, scores: str = "stream"):
+        self.precision, self.presplit, self.scores = precision, presplit, scores
         self.cache: list = []  # (weakref to the source, its version, captured, kind, copy)
+        self.matrices: list = []  # (weakrefs to q and k, their versions, the score matrix)
         self.scopes = 0
 
     def __getstate__(self) -> dict:
         """Options only (pickling): the cached operands are rebuilt on demand."""
-        return {"precision": self.precision, "presplit": self.presplit}
+        return {"precision": self.precision, "presplit": self.presplit, "scores": self.scores}
 
     def __setstate__(self, state: dict) -> None:
         self.precision, self.presplit = state["precision"], state["presplit"]
-        self.cache, self.scopes = [], 0
+        self.scores = state.get("scores", "stream")
+        self.cache, self.matrices, self.scopes = [], [], 0
 
     def dot(self, triples: bool = False) -> str:
         """The score MMAs' ``input_precision`` (``triples``: one TF32 product of triples)."""
@@ -115,6 +120,11 @@ class Operands:
         of the score MMAs (:data:`SPLIT_DOT` for split parts; :meth:`kernel_dot` maps it
         to the kernels' ``PRECISION``).
         """
+        if segments is None:
+            cached = self.cached_scores(q, k)
+            if cached is not None:  # (one-column views of the matrix: see ._scores)
+                qv, kv, transposed = cached
+                return qv, kv, _split_args(qv, kv, 0, 0), False, cached_dot(transposed)
         elements = q.shape[0] * k.shape[0] if segments is None else segments.elements
         qs, ks, split_args, presplit, triples = self.score_pair(
             q, k, keep_q, split_work(elements, q.shape[1])
@@ -135,6 +145,34 @@ class Operands:
             return True
         return work >= PRESPLIT_FROM and (copies is None or copies <= PRESPLIT_MAX_BYTES)
 
+    def cached_scores(self, q: torch.Tensor, k: torch.Tensor):
+        """``(Q, K, transposed)``: views of the score matrix of q and k, or None.
+
+        ``q`` (n, d), ``k`` (m, d); the views are :func:`._scores.cached_views`'s
+        (``transposed``: the matrix was formed for (k, q)).
+
+        With ``scores="cache"``, within a :meth:`scope` (a solve) and outside CUDA graph
+        captures: the matrix ``q kᵀ`` formed once (:func:`._scores.score_matrix`, this
+        mode's precision) and shared by every launch of the scope, the transposed
+        problem's (k, q) included; dropped when the scope ends. None otherwise, or where
+        the matrix would not fit (:func:`._scores.fits`): the launch streams.
+        """
+        if self.scores != "cache" or self.scopes == 0:
+            return None
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # (a capture must not read a matrix that outlives nothing)
+        for ref_q, ref_k, versions, matrix in self.matrices:
+            if ref_q() is q and ref_k() is k and versions == (q._version, k._version):
+                return (*cached_views(matrix), False)
+            if ref_q() is k and ref_k() is q and versions == (k._version, q._version):
+                return (*cached_views(matrix, transposed=True), True)
+        if not fits(q.shape[0], k.shape[0], q.device):
+            return None
+        matrix = score_matrix(self, q, k)
+        # (kept until the scope ends: a debiased solve's steps visit three pairs in turn)
+        self.matrices.append((weakref.ref(q), weakref.ref(k), (q._version, k._version), matrix))
+        return (*cached_views(matrix), False)
+
     @contextlib.contextmanager
     def scope(self, carry: list | None = None):
         """See :meth:`flashot.backends.base.Backend.operand_scope`.
@@ -152,8 +190,10 @@ class Operands:
             self.scopes -= 1
             if carry is not None:
                 carry[:] = [e for e in self.cache if e[0]() is not None]
-            if self.scopes == 0 and self.splits():
-                self.cache = []
+            if self.scopes == 0:
+                self.matrices = []
+                if self.splits():
+                    self.cache = []
 
     def operand(self, t: torch.Tensor, keep: bool = True, work: int | None = None,
                 triples: bool = False, copies: int | None = None, value: bool = False):  # fmt: skip

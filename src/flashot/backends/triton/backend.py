@@ -74,6 +74,19 @@ class TritonBackend(Backend):
             beyond, 3xTF32 per tile keeps the memory at the clouds'); and up to 5
             features every score launch, solve or not, reads TF32 triples (:mod:`._triples`:
             3xTF32's three terms in one TF32 MMA of 16 features) instead.
+        scores: ``"stream"`` (default) recomputes every score in every pass, memory
+            O((n + m) d); ``"cache"`` forms each solve's n × m score matrix once, in
+            this precision mode, and its passes read it (:mod:`._scores`): 4·n·m bytes
+            while the solve runs (10 GB at n = m = 50 000), each pass bandwidth-bound
+            instead of recomputing d-wide dot products. Only solves and their
+            differentiated steps use it (not packed batches, not inside CUDA graph
+            captures, so not the graph replays of n·m ≤ 2^28); the p = 1 and pair costs
+            stream, and so does a solve whose matrix would take more than half the free
+            GPU memory. Measured (v55, H100, 10 symmetric iterations at ε = 0.1, the
+            default precision): n = m = 50 000, d = 512 forward 259–265 → 149 ms, with
+            ∇x 367–378 → 275 ms (cost 7.3e-8 and gradient 3.7e-5 from streamed); at d =
+            64 (the fused one-exponential pass streams) and at 10k (graph replays) no
+            change. Not chosen automatically yet.
     """
 
     name = "triton"
@@ -89,8 +102,11 @@ class TritonBackend(Backend):
         splits: int | None = None,
         graphs: bool = True,
         presplit: bool | None = None,
+        scores: str = "stream",
     ):
         super().__init__(precision)
+        if scores not in ("stream", "cache"):
+            raise ValueError(f"scores must be 'stream' or 'cache', got {scores!r}")
         if autotune is None:
             opted = os.environ.get("FLASHOT_AUTOTUNE", "0").strip().lower()
             autotune = opted in ("1", "true", "yes")
@@ -103,7 +119,7 @@ class TritonBackend(Backend):
             raise ValueError(f"splits must be None or an integer ≥ 1, got {splits!r}")
         self.fused, self.autotune, self.splits, self.graphs = fused, autotune, splits, graphs
         #: the score operands' conversions and MMA precisions (:mod:`._operands`)
-        self.operands = Operands(self.precision, None)
+        self.operands = Operands(self.precision, None, scores)
         self.presplit = presplit  # (checked by the setter)
 
     @property

@@ -1,0 +1,156 @@
+"""Score matrices held in memory (flashot.backends.triton._scores, ``scores="cache"``)."""
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashot
+from flashot.backends import available_backends
+from flashot.backends.device import triton_interpreted
+from tests.conftest import rel
+
+pytestmark = pytest.mark.skipif("triton" not in available_backends(), reason="needs triton")
+#: the kernels' device: CPU tensors in the interpreter (CI), the GPU otherwise
+DEV = "cpu" if triton_interpreted() else "cuda"
+
+
+def _backend(scores: str, **kw):
+    from flashot.backends.triton import TritonBackend
+
+    return TritonBackend(scores=scores, **kw)
+
+
+@contextlib.contextmanager
+def _counting():
+    """The (n, m) of every score matrix formed within (a list, filled as they are)."""
+    from flashot.backends.triton import _operands, _scores
+
+    formed, real = [], _scores.score_matrix
+
+    def counting(ops, q, k):
+        formed.append((q.shape[0], k.shape[0]))
+        return real(ops, q, k)
+
+    with mock.patch.object(_operands, "score_matrix", counting):
+        yield formed
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_views_address_the_matrix_and_its_transpose(transposed):
+    """Element (i, j) at ``i·stride(0) + j·stride(1)`` of the first view's pointer is
+    S[i, j] (or S[j, i]); the second view only counts the columns."""
+    from flashot.backends.triton._scores import cached_views
+
+    s = torch.arange(35.0).view(5, 7)
+    q, k = cached_views(s, transposed)
+    want = s.T if transposed else s
+    assert q.shape == (want.shape[0], 1) and k.shape == (want.shape[1], 1)
+    flat = s.view(-1)
+    offset = q.data_ptr() - s.data_ptr()
+    got = torch.tensor([[float(flat[offset // 4 + i * q.stride(0) + j * q.stride(1)])
+                         for j in range(want.shape[1])] for i in range(want.shape[0])])  # fmt: skip
+    assert torch.equal(got, want)
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 40), m=st.integers(1, 40), d=st.integers(1, 70),
+       seed=st.integers(0, 2**31 - 1))  # fmt: skip
+def test_the_matrix_is_the_streamed_scores(n, m, d, seed):
+    """``score_matrix`` equals q kᵀ in float64 to float32's accuracy (relative to |q||k|),
+    whatever the sizes (tails of tiles, several feature chunks)."""
+    from flashot.backends.triton._operands import Operands
+    from flashot.backends.triton._scores import score_matrix
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(n, d, generator=gen), torch.randn(m, d, generator=gen) * 3.0
+    s = score_matrix(Operands("fp32", None), q.to(DEV), k.to(DEV)).cpu().double()
+    ref = q.double() @ k.double().T
+    scale = q.double().norm(dim=1)[:, None] * k.double().norm(dim=1)[None, :]
+    assert s.shape == (n, m) and float(((s - ref).abs() / scale).max()) < 1e-6
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(2, 40), m=st.integers(2, 40), d=st.sampled_from([2, 5, 33]),
+       cost=st.sampled_from(["sqeuclidean", "cosine"]), rho=st.sampled_from([None, 1.0]),
+       seed=st.integers(0, 2**31 - 1))  # fmt: skip
+def test_cached_solves_equal_streamed_ones(n, m, d, cost, rho, seed):
+    """Cost, potentials and the gradient of a cached solve equal the streamed solve's
+    (balanced and unbalanced, both costs, random weights); one matrix a pair and scope,
+    dropped after it."""
+    with _counting() as formed:
+        _compare_solves(n, m, d, cost, rho, seed, formed)
+
+
+def _compare_solves(n, m, d, cost, rho, seed, formed):
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, d, generator=gen), torch.randn(m, d, generator=gen) + 0.4
+    a, b = torch.rand(n, generator=gen) + 0.1, torch.rand(m, generator=gen) + 0.1
+    a, b = a / a.sum(), b / b.sum()
+    out = {}
+    for scores in ("stream", "cache"):
+        formed.clear()
+        backend = _backend(scores)
+        xs = x.clone().to(DEV).requires_grad_()
+        res = flashot.sinkhorn(xs, y.to(DEV), a.to(DEV), b.to(DEV), eps=0.5, cost=cost,
+                               rho=rho, backend=backend)  # fmt: skip
+        (grad,) = torch.autograd.grad(res.cost, xs)
+        out[scores] = (res.cost.detach(), res.f.detach(), res.g.detach(), grad)
+        assert backend.operands.matrices == []  # (dropped when the solve ended)
+        assert len(formed) == (0 if scores == "stream" else len(set(formed)))
+    assert formed  # the cached solve formed its matrix
+    for streamed, cached in zip(out["stream"], out["cache"], strict=True):
+        assert rel(cached, streamed) < 1e-5
+
+
+def test_a_debiased_loss_and_its_hvp_are_the_same_cached():
+    """SamplesLoss' three problems (x against y, x and y against themselves) and the double
+    backward's reverse products read cached matrices: the same value, gradient and HVP."""
+    with _counting() as formed:
+        _compare_debiased(formed)
+
+
+def _compare_debiased(formed):
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(30, 6, generator=gen), torch.randn(26, 6, generator=gen) + 0.3
+    u = torch.randn(30, 6, generator=gen)
+    out = {}
+    for scores in ("stream", "cache"):
+        loss = flashot.SamplesLoss(blur=0.5, scaling=0.7, backend=_backend(scores))
+        xs = x.clone().to(DEV).requires_grad_()
+        value = loss(xs, y.to(DEV))
+        (grad,) = torch.autograd.grad(value, xs, create_graph=True)
+        (hvp,) = torch.autograd.grad((grad * u.to(DEV)).sum(), xs)
+        out[scores] = (value.detach(), grad.detach(), hvp)
+    assert {(30, 26), (30, 30), (26, 26)} <= set(formed)
+    for streamed, cached in zip(out["stream"], out["cache"], strict=True):
+        assert rel(cached, streamed) < 1e-5
+
+
+def test_passes_outside_a_solve_stream():
+    """A one-off pass (no operand scope) forms no matrix: memory stays O((n + m) d)."""
+    with _counting() as formed:
+        _one_off_and_scoped(formed)
+
+
+def _one_off_and_scoped(formed):
+    from flashot.geometry.costs import attention_form, get_cost
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 4, generator=gen).to(DEV), torch.randn(15, 4, generator=gen).to(DEV)
+    backend = _backend("cache")
+    form = attention_form(get_cost("sqeuclidean"), x, y)
+    backend.row_attend(form, torch.zeros(15, device=DEV), 0.5)
+    assert formed == []
+    with backend.operand_scope():
+        backend.row_attend(form, torch.zeros(15, device=DEV), 0.5)
+        backend.row_attend(form.T, torch.zeros(20, device=DEV), 0.5)  # (the transposed pair)
+    assert formed == [(20, 15)] and backend.operands.matrices == []
+
+
+def test_the_option_is_checked():
+    with pytest.raises(ValueError, match="scores must be 'stream' or 'cache'"):
+        _backend("dense")
