@@ -627,4 +627,6 @@ def test_the_triton_solves_iterates_give_the_replayed_hvp():
     exact = double_backward(lambda z: ref(a.double(), z, b.double(), y.double()), x.double(),
                             v.double())[1]  # fmt: skip
     assert used == 2
-    assert rel(got, exact) <= 1.25 * rel(want, exact) + 2.0**-21
+    # (2^-16: float32 rounding of the two paths, which moves with the machine's numpy; a
+    # step's iterates read at the wrong temperature are off by 1e-3 and more)
+    assert rel(got, exact) <= 1.25 * rel(want, exact) + 2.0**-16

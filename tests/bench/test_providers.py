@@ -128,3 +128,27 @@ def test_otdd_workload_streamed_and_dense_agree_with_float64():
     for prov in (Flashot("torch"), DenseTorch()):
         assert "otdd" in prov.workloads
         assert float(prov.prepare("otdd", pb)()) == pytest.approx(want, rel=1e-5), prov.name
+
+
+def test_the_cached_scores_provider_is_opt_in_and_computes_the_same_value():
+    """``flashot-triton-cache`` runs only when named, and its forward (a solve reading one
+    cached score matrix; Triton's interpreter here) equals the float64 value."""
+    from flashot.backends import available_backends
+    from flashot.bench.providers import providers
+
+    assert "flashot-triton-cache" not in [p.name for p in providers(torch.device("cuda"))]
+    (prov,) = providers(CPU, ["flashot-triton-cache"])
+    if "triton" not in available_backends(CPU):
+        pytest.skip("needs triton's interpreter")
+    pb = make_problem(40, 30, 5, CPU, eps=2.0, seed=4)
+    x, y, a, b = (t.double() for t in (pb.x, pb.y, pb.a, pb.b))
+    want = float(flashot.sinkhorn(x, y, a, b, eps=pb.eps, tol=None, max_iter=pb.iters,
+                                  update="symmetric", backend="torch").cost)  # fmt: skip
+    from unittest import mock
+
+    from flashot.backends.triton import _operands
+
+    with mock.patch.object(_operands, "score_matrix", wraps=_operands.score_matrix) as made:
+        got = float(prov.prepare("forward", pb)())
+    assert made.call_count >= 1  # (the solve read a cached matrix)
+    assert got == pytest.approx(want, rel=2e-6)

@@ -133,11 +133,12 @@ def _timed(value_of: Callable[[torch.Tensor], torch.Tensor], workload: str, x: t
 
 
 class Flashot(Provider):
-    """flashot with a backend and precision mode."""
+    """flashot with a backend and precision mode (``scores="cache"``: cached score matrices)."""
 
-    def __init__(self, backend: str, precision: str = "auto"):
-        self.backend, self.precision = backend, precision
-        tag = "" if precision == "auto" else f"-{precision}"
+    def __init__(self, backend: str, precision: str = "auto", scores: str = "stream"):
+        self.backend, self.precision, self.scores = backend, precision, scores
+        tag = ("" if precision == "auto" else f"-{precision}") + (
+            "-cache" if scores == "cache" else "")  # fmt: skip
         self.name = f"flashot-{backend}{tag}"
         self.computes = (
             "OT_eps; fixed iterations: symmetric averaged updates (GeomLoss') and a final "
@@ -156,6 +157,10 @@ class Flashot(Provider):
 
     def prepare(self, workload, pb):
         kw = dict(eps=pb.eps, backend=self.backend, precision=self.precision)
+        if self.scores == "cache":  # (TritonBackend(scores="cache"): an instance, its precision)
+            from flashot.backends.triton import TritonBackend
+
+            kw.update(backend=TritonBackend(self.precision, scores="cache"), precision="auto")
         if workload == "otdd":  # debiased, diagonal Gaussian inner, fixed iterations
             from flashot.tasks.otdd import dataset_distance
 
@@ -543,13 +548,16 @@ def providers(device: torch.device, names=None) -> list[Provider]:
     """The providers to run; those unavailable say why when run.
 
     ``names``: these (of :data:`PROVIDERS`), in their order; None: every one in the
-    table's order, the Triton rows on a GPU only.
+    table's order, the Triton rows on a GPU only, ``flashot-triton-cache`` (opt-in, as
+    its option) only when named.
     """
     out: list[Provider] = [Flashot("torch"), Flashot("triton"), Flashot("triton", "tf32"),
-                           Flashot("triton", "bf16"), DenseTorch(), GeomLoss("tensorized"),
+                           Flashot("triton", "bf16"), Flashot("triton", scores="cache"),
+                           DenseTorch(), GeomLoss("tensorized"),
                            GeomLoss("online"), POT(), POTLazy(), FlashSinkhorn(), OTT("dense"),
                            OTT("online")]  # fmt: skip
     if names is not None:
         by_name = {p.name: p for p in out}
         return [by_name[name] for name in dict.fromkeys(names)]
-    return [p for p in out if device.type == "cuda" or not p.name.startswith("flashot-triton")]
+    return [p for p in out if p.name != "flashot-triton-cache"
+            and (device.type == "cuda" or not p.name.startswith("flashot-triton"))]  # fmt: skip
