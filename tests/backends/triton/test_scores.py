@@ -73,8 +73,8 @@ def test_the_matrix_is_the_streamed_scores(n, m, d, seed):
     assert s.shape == (n, m) and float(((s - ref).abs() / scale).max()) < 1e-6
 
 
-@settings(max_examples=6, deadline=None)
-@given(n=st.integers(2, 40), m=st.integers(2, 40), d=st.sampled_from([2, 5, 33]),
+@settings(max_examples=4, deadline=None)  # (each example: four interpreted solves)
+@given(n=st.integers(2, 24), m=st.integers(2, 24), d=st.sampled_from([2, 5, 33]),
        cost=st.sampled_from(["sqeuclidean", "cosine"]), rho=st.sampled_from([None, 1.0]),
        seed=st.integers(0, 2**31 - 1))  # fmt: skip
 def test_cached_solves_equal_streamed_ones(n, m, d, cost, rho, seed):
@@ -119,8 +119,8 @@ def test_a_debiased_loss_and_its_hvp_are_the_same_cached():
 
 def _compare_debiased(formed):
     gen = torch.Generator().manual_seed(3)
-    x, y = torch.randn(30, 6, generator=gen), torch.randn(26, 6, generator=gen) + 0.3
-    u = torch.randn(30, 6, generator=gen)
+    x, y = torch.randn(18, 6, generator=gen), torch.randn(15, 6, generator=gen) + 0.3
+    u = torch.randn(18, 6, generator=gen)
     out = {}
     for scores in ("stream", "cache"):
         loss = flashot.SamplesLoss(blur=0.5, scaling=0.7, backend=_backend(scores))
@@ -129,7 +129,7 @@ def _compare_debiased(formed):
         (grad,) = torch.autograd.grad(value, xs, create_graph=True)
         (hvp,) = torch.autograd.grad((grad * u.to(DEV)).sum(), xs)
         out[scores] = (value.detach(), grad.detach(), hvp)
-    assert {(30, 26), (30, 30), (26, 26)} <= set(formed)
+    assert {(18, 15), (18, 18), (15, 15)} <= set(formed)
     for streamed, cached in zip(out["stream"], out["cache"], strict=True):
         assert rel(cached, streamed) < 1e-5
 
