@@ -348,6 +348,7 @@ class SamplesLoss(torch.nn.Module):
             raise ValueError(f"cluster_scale (the multiscale mode) takes clouds of at most "
                              f"{MAX_DIM} dimensions, got {x.shape[1]}")  # fmt: skip
         with pair_scope(x, y, self._tile_cost, self._tile_backend()):  # (operands made once)
+            pots = None
             if self._multiscale:
                 scale = self.cluster_scale or default_scale(diameter, x.shape[1])
                 trunc = math.inf if self.truncate is None else float(self.truncate)
@@ -355,13 +356,11 @@ class SamplesLoss(torch.nn.Module):
                     pots = multiscale_potentials(a, x, b, y, self._tile_cost, temps,
                                                  self.debias, scale, trunc, self.p, rho,
                                                  self._tile_backend())  # fmt: skip
-                except TooManyPairsError as err:  # (the dense problem: exact, O((n + m) d))
+                except TooManyPairsError as err:  # (the dense problem below: exact, O((n + m) d))
                     warnings.warn(f"SamplesLoss(cluster_scale={scale:.3g}) on {x.shape[1]}-D "
                                   f"clouds: {err}; solved without clusters instead",
                                   stacklevel=3)  # fmt: skip
-                    pots = geomloss_potentials(a, x, b, y, self._tile_cost, temps,
-                                               self.debias, rho, self._tile_backend())  # fmt: skip
-            else:
+            if pots is None:
                 pots = geomloss_potentials(a, x, b, y, self._tile_cost, temps, self.debias,
                                            rho, self._tile_backend())  # fmt: skip
         if self.potentials:
