@@ -244,6 +244,61 @@ def sinkhorn(
     init = check_init(init, problem.a, problem.b)
     form = problem.form.detach()
     log_a, log_b = problem.log_a, problem.log_b
+    engine.take_score_memory()  # (counts this solve's score matrices from here)
+    # one scope: a cached score matrix serves the final passes and the error too
+    with engine.operand_scope():
+        out, f, g, plan, error_t, excess, exact = _solve_and_finish(
+            problem, form, temps, tol, update, init, hvp_tol, max_iter, check_every,
+            progress, history, min_iter, momentum)  # fmt: skip
+    score_memory = engine.take_score_memory()
+    value = _dual_value(problem, f, g, excess)  # queued before the checks wait
+    fd, gd = f.detach(), g.detach()
+    if exact is not None:
+        trajectory = None  # (to a tolerance: the converged problem's second derivatives)
+        if tol is None:
+            # (with history=True, a fixed momentum falls back to plain steps where a
+            # check sees no progress: a path the replay does not know)
+            refusal = None if not (history and momentum is not None) else (
+                "second derivatives of a fixed-iteration solve with momentum and "
+                "history=True are not available: pass history=False")  # fmt: skip
+            trajectory = Trajectory(tuple(float(t) for t in temps), max_iter, update, init,
+                                    None if momentum is None else float(momentum), check_every,
+                                    refusal, out.iterates)  # fmt: skip
+        value = exact_second_order(value, [_piece(problem, fd, gd, exact[1], trajectory)])
+    error = None if error_t is None else float(error_t)
+    finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
+    if not (bool(finite) and (error is None or math.isfinite(error))):
+        raise FloatingPointError(
+            "Sinkhorn produced non-finite potentials; try a larger eps, an eps_schedule, "
+            "or float64 inputs"
+        )
+    at_end = Potentials(form, fd, gd, log_a, log_b, eps)
+    floor_now = functools.cache(lambda: precision_floor(at_end))
+    bound = problem.form.cost_bound
+    converged, cause, why = final_verdict(tol, error, out, floor_now, problem.form.q.dtype, update,
+                                          None if bound is None else bound / eps)  # fmt: skip
+    if why is not None and warn:
+        warn_at_caller(why, ConvergenceWarning)
+    f_out, g_out = (f, g) if exact is None else implicit_potentials(exact[0], fd, gd, exact[1])
+    record = None
+    if history:
+        checks = out.checks or ()
+        record = SolveHistory([c[0] for c in checks], [c[1] for c in checks],
+                              [c[2] for c in checks], [float(t) for t in temps])  # fmt: skip
+    return SinkhornResult(f_out, g_out, value, out.n_iter, converged, eps, plan, error, cause,
+                          record, score_memory)  # fmt: skip
+
+
+def _solve_and_finish(problem: Problem, form, temps, tol, update, init, hvp_tol, max_iter,
+                      check_every, progress, history, min_iter, momentum):  # fmt: skip
+    """:func:`sinkhorn`'s solve, its final (differentiated) extrapolation and the error.
+
+    Returns ``(out, f, g, plan, error_t, excess, exact)``: the solver's output, the final
+    potentials, the lazy plan, the marginal error and mass excess (None where not
+    measured) and ``exact`` (the differentiated parameters and their second-order spec,
+    or None).
+    """
+    log_a, log_b, eps, engine = problem.log_a, problem.log_b, problem.eps, problem.engine
     rhos = (problem.rho_x, problem.rho_y)
     out = solve(
         form,
@@ -282,41 +337,7 @@ def sinkhorn(
     error_t = excess = None
     if tol is not None or not problem.balanced:
         error_t, excess = plan._marginal_error()
-    value = _dual_value(problem, f, g, excess)  # queued before the checks wait
-    if exact is not None:
-        trajectory = None  # (to a tolerance: the converged problem's second derivatives)
-        if tol is None:
-            # (with history=True, a fixed momentum falls back to plain steps where a
-            # check sees no progress: a path the replay does not know)
-            refusal = None if not (history and momentum is not None) else (
-                "second derivatives of a fixed-iteration solve with momentum and "
-                "history=True are not available: pass history=False")  # fmt: skip
-            trajectory = Trajectory(tuple(float(t) for t in temps), max_iter, update, init,
-                                    None if momentum is None else float(momentum), check_every,
-                                    refusal, out.iterates)  # fmt: skip
-        value = exact_second_order(value, [_piece(problem, fd, gd, exact[1], trajectory)])
-    error = None if error_t is None else float(error_t)
-    finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
-    if not (bool(finite) and (error is None or math.isfinite(error))):
-        raise FloatingPointError(
-            "Sinkhorn produced non-finite potentials; try a larger eps, an eps_schedule, "
-            "or float64 inputs"
-        )
-    at_end = Potentials(form, fd, gd, log_a, log_b, eps)
-    floor_now = functools.cache(lambda: precision_floor(at_end))
-    bound = problem.form.cost_bound
-    converged, cause, why = final_verdict(tol, error, out, floor_now, problem.form.q.dtype, update,
-                                          None if bound is None else bound / eps)  # fmt: skip
-    if why is not None and warn:
-        warn_at_caller(why, ConvergenceWarning)
-    f_out, g_out = (f, g) if exact is None else implicit_potentials(theta, fd, gd, exact[1])
-    record = None
-    if history:
-        checks = out.checks or ()
-        record = SolveHistory([c[0] for c in checks], [c[1] for c in checks],
-                              [c[2] for c in checks], [float(t) for t in temps])  # fmt: skip
-    return SinkhornResult(f_out, g_out, value, out.n_iter, converged, eps, plan, error, cause,
-                          record)  # fmt: skip
+    return out, f, g, plan, error_t, excess, exact
 
 
 def _dual_value(problem: Problem, f, g, excess) -> torch.Tensor:

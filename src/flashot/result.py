@@ -471,6 +471,9 @@ class SinkhornResult:
             ``"eps_too_small"``, ``"final_step"``); None when converged or without tol.
             The :class:`ConvergenceWarning` says the same in words.
         history: the :class:`SolveHistory` when the solve recorded one (``history=True``).
+        score_memory: bytes of n × m score matrices the solve held at once: 0 when every
+            pass streamed (memory O((n + m) d)); the Triton backend's ``scores`` option
+            (``"auto"`` by default) caches them where that is faster and they fit.
     """
 
     f: torch.Tensor
@@ -483,6 +486,7 @@ class SinkhornResult:
     measured_error: float | None = None
     cause: str | None = None
     history: SolveHistory | None = None
+    score_memory: int = 0
 
     def __getstate__(self) -> dict:
         """A snapshot for pickling (``torch.save``): values and the lazy plan, detached."""
@@ -498,6 +502,8 @@ class SinkhornResult:
         """One line: sizes, ε, the value and how the solve ended (no tensors printed)."""
         value = float(self.cost.detach())
         end = "" if self.cause is None else f", cause={self.cause!r}"
+        if self.score_memory:
+            end += f", scores cached ({self.score_memory / 2**20:.3g} MiB)"
         return (
             f"SinkhornResult(n={len(self.f)}, m={len(self.g)}, eps={self.eps:g}, "
             f"cost={value:.6g}, n_iter={self.n_iter}, converged={self.converged}{end})"

@@ -130,14 +130,17 @@ def test_otdd_workload_streamed_and_dense_agree_with_float64():
         assert float(prov.prepare("otdd", pb)()) == pytest.approx(want, rel=1e-5), prov.name
 
 
-def test_the_cached_scores_provider_is_opt_in_and_computes_the_same_value():
-    """``flashot-triton-cache`` runs only when named, and its forward (a solve reading one
-    cached score matrix; Triton's interpreter here) equals the float64 value."""
+@pytest.mark.parametrize("name, forms", [("flashot-triton-cache", True),
+                                          ("flashot-triton-stream", False)])  # fmt: skip
+def test_the_scores_providers_are_opt_in_and_compute_the_same_value(name, forms):
+    """``flashot-triton-cache`` and ``-stream`` run only when named, and their forward
+    (a solve reading one cached score matrix, or none; Triton's interpreter here) equals
+    the float64 value."""
     from flashot.backends import available_backends
     from flashot.bench.providers import providers
 
-    assert "flashot-triton-cache" not in [p.name for p in providers(torch.device("cuda"))]
-    (prov,) = providers(CPU, ["flashot-triton-cache"])
+    assert name not in [p.name for p in providers(torch.device("cuda"))]
+    (prov,) = providers(CPU, [name])
     if "triton" not in available_backends(CPU):
         pytest.skip("needs triton's interpreter")
     pb = make_problem(40, 30, 5, CPU, eps=2.0, seed=4)
@@ -150,5 +153,5 @@ def test_the_cached_scores_provider_is_opt_in_and_computes_the_same_value():
 
     with mock.patch.object(_operands, "score_matrix", wraps=_operands.score_matrix) as made:
         got = float(prov.prepare("forward", pb)())
-    assert made.call_count >= 1  # (the solve read a cached matrix)
+    assert (made.call_count >= 1) == forms  # (the solve read a cached matrix, or streamed)
     assert got == pytest.approx(want, rel=2e-6)

@@ -157,6 +157,7 @@ def resolve_backend(
     device: torch.device,
     precision: str = "auto",
     dtype: torch.dtype = torch.float32,
+    scores: str = "auto",
 ) -> Backend:
     """Turn a ``backend=`` argument into a backend instance for tensors on ``device``.
 
@@ -166,6 +167,8 @@ def resolve_backend(
         precision: one of :data:`PRECISIONS`.
         dtype: the compute dtype (the Triton kernels compute in float32; float64
             problems run on the torch backend).
+        scores: the Triton backend's ``scores`` option where one is made here
+            (``"stream"`` keeps a solve's memory O((n + m) d)); an instance keeps its own.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -200,5 +203,5 @@ def resolve_backend(
             )
         from flashot.backends.triton import TritonBackend
 
-        return TritonBackend(precision)
+        return TritonBackend(precision, scores=scores)
     return TorchBackend(precision)

@@ -255,6 +255,20 @@ class Backend:
         """
         return contextlib.nullcontext()
 
+    def take_score_memory(self) -> int:
+        """The most bytes of n × m score matrices held at once since the last call.
+
+        0 for backends that stream every score; the Triton backend may cache a solve's
+        scores (its ``scores`` option). Reading resets the count.
+        """
+        return 0
+
+    def replayed(self, form: AttentionForm) -> None:
+        """A CUDA graph of a solve of ``form`` has replayed.
+
+        :meth:`take_score_memory` then counts the score matrix its capture holds, if any.
+        """
+
     def launch_key(self) -> tuple:
         """What, besides shapes and arguments, fixes this backend's launch sequence.
 

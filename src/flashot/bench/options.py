@@ -8,8 +8,9 @@ __all__ = ["FULL", "PROVIDERS", "QUICK", "WORKLOADS", "add_arguments"]
 
 #: provider names accepted by ``--providers`` (flashot's precision rows included)
 PROVIDERS = ("flashot-torch", "flashot-triton", "flashot-triton-tf32", "flashot-triton-bf16",
-             "flashot-triton-cache", "dense-torch", "geomloss-tensorized", "geomloss-online",
-             "pot", "pot-lazy", "flash-sinkhorn", "ott-dense", "ott-online")  # fmt: skip
+             "flashot-triton-stream", "flashot-triton-cache", "dense-torch", "geomloss-tensorized",
+             "geomloss-online", "pot", "pot-lazy", "flash-sinkhorn", "ott-dense",
+             "ott-online")  # fmt: skip
 
 WORKLOADS = ("forward", "gradient", "converge", "plan", "hvp", "otdd")
 #: the default suite per device type: (sizes, dims); --full: FULL

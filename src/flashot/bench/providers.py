@@ -133,12 +133,16 @@ def _timed(value_of: Callable[[torch.Tensor], torch.Tensor], workload: str, x: t
 
 
 class Flashot(Provider):
-    """flashot with a backend and precision mode (``scores="cache"``: cached score matrices)."""
+    """flashot with a backend and precision mode.
 
-    def __init__(self, backend: str, precision: str = "auto", scores: str = "stream"):
+    ``scores``: the Triton backend's option (``"auto"``, its default; ``"stream"`` and
+    ``"cache"`` name the provider ``flashot-triton-stream`` and ``-cache``).
+    """
+
+    def __init__(self, backend: str, precision: str = "auto", scores: str = "auto"):
         self.backend, self.precision, self.scores = backend, precision, scores
         tag = ("" if precision == "auto" else f"-{precision}") + (
-            "-cache" if scores == "cache" else "")  # fmt: skip
+            "" if scores == "auto" else f"-{scores}")  # fmt: skip
         self.name = f"flashot-{backend}{tag}"
         self.computes = (
             "OT_eps; fixed iterations: symmetric averaged updates (GeomLoss') and a final "
@@ -157,10 +161,11 @@ class Flashot(Provider):
 
     def prepare(self, workload, pb):
         kw = dict(eps=pb.eps, backend=self.backend, precision=self.precision)
-        if self.scores == "cache":  # (TritonBackend(scores="cache"): an instance, its precision)
+        if self.scores != "auto":  # (TritonBackend(scores=...): an instance, its precision)
             from flashot.backends.triton import TritonBackend
 
-            kw.update(backend=TritonBackend(self.precision, scores="cache"), precision="auto")
+            kw.update(backend=TritonBackend(self.precision, scores=self.scores),
+                      precision="auto")  # fmt: skip
         if workload == "otdd":  # debiased, diagonal Gaussian inner, fixed iterations
             from flashot.tasks.otdd import dataset_distance
 
@@ -544,20 +549,24 @@ def _ott_jax_compat():
         batching.is_vmappable = lambda leaf: False
 
 
+#: providers that A/B an option's value (the Triton backend's ``scores``): run when named
+OPT_IN = ("flashot-triton-stream", "flashot-triton-cache")
+
+
 def providers(device: torch.device, names=None) -> list[Provider]:
     """The providers to run; those unavailable say why when run.
 
     ``names``: these (of :data:`PROVIDERS`), in their order; None: every one in the
-    table's order, the Triton rows on a GPU only, ``flashot-triton-cache`` (opt-in, as
-    its option) only when named.
+    table's order, the Triton rows on a GPU only, :data:`OPT_IN` only when named.
     """
     out: list[Provider] = [Flashot("torch"), Flashot("triton"), Flashot("triton", "tf32"),
-                           Flashot("triton", "bf16"), Flashot("triton", scores="cache"),
+                           Flashot("triton", "bf16"), Flashot("triton", scores="stream"),
+                           Flashot("triton", scores="cache"),
                            DenseTorch(), GeomLoss("tensorized"),
                            GeomLoss("online"), POT(), POTLazy(), FlashSinkhorn(), OTT("dense"),
                            OTT("online")]  # fmt: skip
     if names is not None:
         by_name = {p.name: p for p in out}
         return [by_name[name] for name in dict.fromkeys(names)]
-    return [p for p in out if p.name != "flashot-triton-cache"
+    return [p for p in out if p.name not in OPT_IN
             and (device.type == "cuda" or not p.name.startswith("flashot-triton"))]  # fmt: skip

@@ -198,6 +198,7 @@ def solve(
 
     with backend.operand_scope():  # (a replay returns copies: the iterates are the caller's)
         f, g, last, kept = GRAPHS(key, run, tensors)
+    backend.replayed(form)
     return SolverOutput(f, g, max_iter, None, float("nan"), final=last, iterates=kept)
 
 
@@ -250,6 +251,7 @@ def _solve_in_blocks(form, log_a, log_b, init, backend_key, table, options) -> S
     (f, g), it, error, stop = in_blocks(key, tensors, init or (), block, form=form, floor=floor,
                                         cells=table is not None, cache=GRAPHS,
                                         **{n: options[n] for n in names})  # fmt: skip
+    options["backend"].replayed(form)
     return SolverOutput(f, g, it, stop.converged, error, stop.cause, stop.floor)
 
 

@@ -22,7 +22,7 @@ import torch
 import flashot
 from flashot.backends import entry_point
 from flashot.backends.base import _given
-from flashot.tasks.otdd import _label_cost, _outer, _prepare
+from flashot.tasks.otdd import _label_cost, _outer, _prepare, _streaming
 
 __all__ = ["FlowResult", "dataset_flow", "save_grid"]
 
@@ -226,6 +226,7 @@ def dataset_flow(
     if not isinstance(warm_start, bool):
         raise ValueError(f"warm_start must be True or False, got {warm_start!r}")
     warm: dict | None = {} if warm_start else None
+    sinkhorn_options = _streaming(sinkhorn_options, xa)  # (OTDD's memory bound)
     ka, kb = len(classes_a), len(classes_b)
     first = xa.detach()
     out = FlowResult(first)  # the input is the first state (never written to)

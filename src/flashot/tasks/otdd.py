@@ -212,6 +212,21 @@ def _outer(xa, index_a, xb, index_b, cost, eps, debias, self_b=None, solve=None,
     return value, res, self_b
 
 
+def _streaming(sinkhorn_options: dict, x: torch.Tensor) -> dict:
+    """``sinkhorn_options`` with a backend that streams every score.
+
+    OTDD's memory stays O((n + m) d) (60k MNIST against itself in under 1 GB): a backend
+    named by a string is made with ``scores="stream"`` (the Triton backend's ``"auto"``
+    would cache a 60k × 60k matrix, 14 GB); a backend instance is the caller's choice.
+    """
+    backend = sinkhorn_options.get("backend", "auto")
+    if not isinstance(backend, str):
+        return sinkhorn_options
+    made = flashot.backends.resolve_backend(backend, x.device, sinkhorn_options.get(
+        "precision", "auto"), x.dtype, scores="stream")  # fmt: skip
+    return {**sinkhorn_options, "backend": made}
+
+
 def _check_flag(value, name: str) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -266,6 +281,7 @@ def dataset_distance(
         through the outer problems (the class table is held fixed).
     """
     xa, classes_a, index_a, xb, classes_b, index_b = _prepare(xa, ya, xb, yb)
+    sinkhorn_options = _streaming(sinkhorn_options, xa)
     ka, kb = len(classes_a), len(classes_b)
     cost = _label_cost(xa, index_a, ka, xb, index_b, kb, inner, diagonal, inner_eps or eps,
                        lambda_x, lambda_y, unbiased)  # fmt: skip

@@ -156,5 +156,86 @@ def _one_off_and_scoped(formed):
 
 
 def test_the_option_is_checked():
-    with pytest.raises(ValueError, match="scores must be 'stream' or 'cache'"):
+    with pytest.raises(ValueError, match=r"scores must be one of \('auto', 'stream', 'cache'\)"):
         _backend("dense")
+
+
+def test_auto_caches_wide_features_and_the_result_says_so():
+    """``scores="auto"`` (the default) streams below ``AUTO_FROM_D`` features and caches
+    from there; the result's ``score_memory`` is the matrix's bytes (0 streamed), its repr
+    says so, and the cached solve's cost and gradient (a program per value chunk, 300
+    values) equal the streamed one's."""
+    from flashot.backends.triton import TritonBackend, _configs
+    from flashot.backends.triton._scores import AUTO_FROM_D
+
+    wide = AUTO_FROM_D["fp32"]
+    assert TritonBackend().operands.scores == "auto"
+    out = {}
+    with _counting() as formed:
+        for d, scores in ((wide - 1, "auto"), (wide + 44, "auto"), (wide + 44, "stream")):
+            formed.clear()
+            gen = torch.Generator().manual_seed(d)  # (the same clouds for both options)
+            x, y = torch.randn(9, d, generator=gen), torch.randn(7, d, generator=gen) / 2
+            x = x.to(DEV).requires_grad_()
+            res = flashot.sinkhorn(x, y.to(DEV), eps=float(d), tol=None, max_iter=4,
+                                   backend=TritonBackend(scores=scores))  # fmt: skip
+            (grad,) = torch.autograd.grad(res.cost, x)
+            cached = scores == "auto" and d >= wide
+            assert res.score_memory == (4 * 9 * 7 if cached else 0)
+            assert formed == ([(9, 7)] if cached else [])
+            assert ("scores cached" in repr(res)) == cached
+            out[(d, scores)] = (res.cost.detach(), grad)
+    assert _configs.value_loop(d, cached=True) == 1 < _configs.value_loop(d)
+    for streamed, cached in zip(out[(wide + 44, "stream")], out[(wide + 44, "auto")],
+                                strict=True):  # fmt: skip
+        assert rel(cached, streamed) < 1e-5
+
+
+def test_a_matrix_that_does_not_fit_streams():
+    """Where the matrix would take more than the free share, the solve streams."""
+    from flashot.backends.triton import _operands
+
+    x, y = torch.randn(6, 3).to(DEV), torch.randn(5, 3).to(DEV)
+    with _counting() as formed, mock.patch.object(_operands, "fits", return_value=False):
+        res = flashot.sinkhorn(x, y, eps=1.0, tol=None, max_iter=3, backend=_backend("cache"))
+    assert formed == [] and res.score_memory == 0
+
+
+def test_a_capture_repeats_its_eager_choice():
+    """While capturing a CUDA graph the choice is the eager call's of the same shapes (no
+    driver query), and without one the capture streams; a replay counts the matrix its
+    capture holds."""
+    from flashot.backends.triton._operands import Operands
+
+    ops = Operands("fp32", None, "cache")
+    q, k, other = torch.randn(6, 3), torch.randn(5, 3), torch.randn(4, 3)
+    assert ops.caches(q, k, capturing=True) is False  # (no eager call yet)
+    assert ops.caches(q, k) is True  # (the CPU always fits)
+    assert ops.caches(q, k, capturing=True) is True
+    assert ops.caches(other, k, capturing=True) is False
+    ops.replayed(other, k)  # (a replay holds what its capture formed: nothing here)
+    assert ops.take_held() == 0
+    ops.replayed(q, k)
+    assert ops.take_held() == 4 * 6 * 5 and ops.take_held() == 0
+    ops.scores = "auto"
+    assert ops.caches(q, k) is False and ops.caches(q, k, capturing=True) is False
+    ops.replayed(q, k)
+    assert ops.take_held() == 0
+
+
+def test_otdd_streams_where_sinkhorn_would_cache():
+    """OTDD keeps its O((n + m) d) memory: its solves stream under a backend named by a
+    string, where a plain solve of the same clouds caches."""
+    from flashot.backends.triton._scores import AUTO_FROM_D
+    from flashot.tasks.otdd import dataset_distance
+
+    gen = torch.Generator().manual_seed(2)
+    d = AUTO_FROM_D["fp32"]
+    xa, xb = torch.randn(12, d, generator=gen).to(DEV), torch.randn(10, d, generator=gen).to(DEV)
+    ya, yb = torch.arange(12).to(DEV) % 3, torch.arange(10).to(DEV) % 2
+    with _counting() as formed:
+        out = dataset_distance(xa, ya, xb, yb, eps=float(d), diagonal=True, tol=None,
+                               max_iter=3, backend="triton")  # fmt: skip
+        assert formed == [] and out.result.score_memory == 0
+        res = flashot.sinkhorn(xa, xb, eps=float(d), tol=None, max_iter=3, backend="triton")
+        assert formed == [(12, 10)] and res.score_memory == 4 * 12 * 10

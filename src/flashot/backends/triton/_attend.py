@@ -41,6 +41,7 @@ from flashot.backends.triton._common import (
     _value_product,
 )
 from flashot.backends.triton._configs import cdiv, next_pow2
+from flashot.backends.triton._scores import CACHED_DOT, CACHED_T_DOT
 
 __all__ = ["COMBINE_TILE", "VALUE_PARTIALS", "AttendLaunch", "attend"]
 
@@ -194,7 +195,8 @@ class AttendLaunch(_launch.Launch):
         self.lse = torch.empty(self.n, device=dev, dtype=torch.float32)
         self.out = (torch.empty(self.n, self.p, device=dev, dtype=torch.float32)
                     if self.has_v else self.lse)  # fmt: skip
-        p_loop = _configs.value_loop(self.p) if self.has_v else 1
+        cached = dot in (CACHED_DOT, CACHED_T_DOT)
+        p_loop = _configs.value_loop(self.p, cached) if self.has_v else 1
         bd, chunks = _configs.block_d(self.d, qs.element_size())
         bp = _configs.block_p(self.p)
         self.p_chunks = cdiv(self.p, bp * p_loop) if self.has_v else 1  # (grid axis 2)

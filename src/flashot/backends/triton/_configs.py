@@ -106,9 +106,22 @@ def block_p(p: int) -> int:
 VALUE_LOOP_FROM: int | None = 256
 
 
-def value_loop(p: int) -> int:
-    """``P_LOOP``: the value chunks one program loops over (1: a program per chunk)."""
+#: with cached scores (``TritonBackend(scores=...)``) the loop too, or a program per
+#: value chunk that reads its tiles' scores again (a load and an exponential a score,
+#: no d-wide product) and keeps its products in registers: the loop's running products
+#: go through memory each tile (64 × 512 floats twice at d = 512). Predicted at 50k d512
+#: (v56): the gradient's product 126 → ~40 ms on the H100.
+CACHED_VALUE_LOOP = False
+
+
+def value_loop(p: int, cached: bool = False) -> int:
+    """``P_LOOP``: the value chunks one program loops over (1: a program per chunk).
+
+    ``cached``: the launch reads cached scores (:data:`CACHED_VALUE_LOOP`).
+    """
     chunks = cdiv(p, block_p(p))
+    if cached and not CACHED_VALUE_LOOP:
+        return 1
     return chunks if VALUE_LOOP_FROM is not None and p >= VALUE_LOOP_FROM and chunks > 1 else 1
 
 

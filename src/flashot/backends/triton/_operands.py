@@ -14,7 +14,14 @@ from collections.abc import Callable
 import torch
 
 from flashot.backends.device import triton_interpreted
-from flashot.backends.triton._scores import cached_dot, cached_views, fits, score_matrix
+from flashot.backends.triton._scores import (
+    auto_caches,
+    cached_dot,
+    cached_views,
+    fits,
+    score_matrix,
+    scores_bytes,
+)
 from flashot.backends.triton._split import (
     SCORE_LO_BITS,
     VALUE_LO_BITS,
@@ -67,8 +74,14 @@ class Operands:
     def __init__(self, precision: str, presplit: bool | None, scores: str = "stream"):
         self.precision, self.presplit, self.scores = precision, presplit, scores
         self.cache: list = []  # (weakref to the source, its version, captured, kind, copy)
-        self.matrices: list = []  # (weakrefs to q and k, their versions, the score matrix)
+        # (weakrefs to q and k, their versions, captured, the score matrix)
+        self.matrices: list = []
         self.scopes = 0
+        #: the eager calls' choices by (n, m, d, device): a capture repeats its eager call's
+        #: (it must not ask the driver for free memory while capturing)
+        self.choices: dict = {}
+        #: the most bytes of score matrices held at once since :meth:`take_held`
+        self.peak_held = 0
 
     def __getstate__(self) -> dict:
         """Options only (pickling): the cached operands are rebuilt on demand."""
@@ -76,8 +89,9 @@ class Operands:
 
     def __setstate__(self, state: dict) -> None:
         self.precision, self.presplit = state["precision"], state["presplit"]
-        self.scores = state.get("scores", "stream")
+        self.scores = state.get("scores", "auto")
         self.cache, self.matrices, self.scopes = [], [], 0
+        self.choices, self.peak_held = {}, 0
 
     def dot(self, triples: bool = False) -> str:
         """The score MMAs' ``input_precision`` (``triples``: one TF32 product of triples)."""
@@ -151,27 +165,61 @@ class Operands:
         ``q`` (n, d), ``k`` (m, d); the views are :func:`._scores.cached_views`'s
         (``transposed``: the matrix was formed for (k, q)).
 
-        With ``scores="cache"``, within a :meth:`scope` (a solve) and outside CUDA graph
-        captures: the matrix ``q kᵀ`` formed once (:func:`._scores.score_matrix`, this
-        mode's precision) and shared by every launch of the scope, the transposed
-        problem's (k, q) included; dropped when the scope ends. None otherwise, or where
-        the matrix would not fit (:func:`._scores.fits`): the launch streams.
+        Within a :meth:`scope` (a solve), where :meth:`caches` says so: the matrix ``q kᵀ``
+        formed once (:func:`._scores.score_matrix`, this mode's precision) and shared by
+        every launch of the scope, the transposed problem's (k, q) included; dropped when
+        the scope ends. A CUDA graph capture forms its own (in the graph's memory pool,
+        held while the graph is) and reads no matrix formed outside it. None otherwise:
+        the launch streams.
         """
-        if self.scores != "cache" or self.scopes == 0:
+        if self.scores == "stream" or self.scopes == 0:
             return None
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None  # (a capture must not read a matrix that outlives nothing)
-        for ref_q, ref_k, versions, matrix in self.matrices:
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        for ref_q, ref_k, versions, captured, matrix in self.matrices:
+            if captured != capturing:
+                continue  # (a graph reads only what it formed, and nothing outlives it)
             if ref_q() is q and ref_k() is k and versions == (q._version, k._version):
                 return (*cached_views(matrix), False)
             if ref_q() is k and ref_k() is q and versions == (k._version, q._version):
                 return (*cached_views(matrix, transposed=True), True)
-        if not fits(q.shape[0], k.shape[0], q.device):
+        if not self.caches(q, k, capturing):
             return None
         matrix = score_matrix(self, q, k)
         # (kept until the scope ends: a debiased solve's steps visit three pairs in turn)
-        self.matrices.append((weakref.ref(q), weakref.ref(k), (q._version, k._version), matrix))
+        entry = (weakref.ref(q), weakref.ref(k), (q._version, k._version), capturing, matrix)
+        self.matrices.append(entry)
+        held = sum(scores_bytes(*e[-1].shape) for e in self.matrices)
+        self.peak_held = max(self.peak_held, held)
         return (*cached_views(matrix), False)
+
+    def caches(self, q: torch.Tensor, k: torch.Tensor, capturing: bool = False) -> bool:
+        """Whether a scope forms the score matrix of q (n, d) and k (m, d).
+
+        ``scores="cache"``: where the matrix fits (:func:`._scores.fits`); ``"auto"``:
+        also only from :data:`._scores.AUTO_FROM_D` features. A capture (``capturing``)
+        repeats the choice of the eager call of its shapes (a graph's first call is
+        eager), and streams without one.
+        """
+        n, m, d = q.shape[0], k.shape[0], q.shape[1]
+        key = (n, m, d, q.device)
+        if capturing:
+            return self.choices.get(key, False)
+        wanted = self.scores == "cache" or auto_caches(self.precision, d)
+        choice = self.choices[key] = wanted and fits(n, m, q.device)
+        if len(self.choices) > 64:  # (varying shapes: the oldest choices go)
+            self.choices.pop(next(iter(self.choices)))
+        return choice
+
+    def replayed(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """A graph of a solve of q and k replayed: its capture's matrix counts as held."""
+        if self.scores != "stream" and self.choices.get((q.shape[0], k.shape[0], q.shape[1],
+                                                         q.device)):  # fmt: skip
+            self.peak_held = max(self.peak_held, scores_bytes(q.shape[0], k.shape[0]))
+
+    def take_held(self) -> int:
+        """The most bytes of score matrices held at once since the last call (0: none)."""
+        held, self.peak_held = self.peak_held, 0
+        return held
 
     @contextlib.contextmanager
     def scope(self, carry: list | None = None):

@@ -36,6 +36,7 @@ from flashot.backends.triton._gate import _HI, _LO_PER_TERM, Gate
 from flashot.backends.triton._one_pass import exact_lse
 from flashot.backends.triton._operands import Operands
 from flashot.backends.triton._plan_sums import plan_sums
+from flashot.backends.triton._scores import SCORES
 from flashot.backends.triton._step import GATE_LIMIT, fused_step
 from flashot.backends.triton._sym_vjp import symmetric_vjp
 from flashot.backends.triton._vjp import FUSED_UP_TO, fused_plan_vjp
@@ -74,19 +75,25 @@ class TritonBackend(Backend):
             beyond, 3xTF32 per tile keeps the memory at the clouds'); and up to 5
             features every score launch, solve or not, reads TF32 triples (:mod:`._triples`:
             3xTF32's three terms in one TF32 MMA of 16 features) instead.
-        scores: ``"stream"`` (default) recomputes every score in every pass, memory
-            O((n + m) d); ``"cache"`` forms each solve's n × m score matrix once, in
-            this precision mode, and its passes read it (:mod:`._scores`): 4·n·m bytes
-            while the solve runs (10 GB at n = m = 50 000), each pass bandwidth-bound
-            instead of recomputing d-wide dot products. Only solves and their
-            differentiated steps use it (not packed batches, not inside CUDA graph
-            captures, so not the graph replays of n·m ≤ 2^28); the p = 1 and pair costs
-            stream, and so does a solve whose matrix would take more than half the free
-            GPU memory. Measured (v55, H100, 10 symmetric iterations at ε = 0.1, the
-            default precision): n = m = 50 000, d = 512 forward 259–265 → 149 ms, with
-            ∇x 367–378 → 275 ms (cost 7.3e-8 and gradient 3.7e-5 from streamed); at d =
-            64 (the fused one-exponential pass streams) and at 10k (graph replays) no
-            change. Not chosen automatically yet.
+        scores: ``"auto"`` (default), ``"stream"`` or ``"cache"``. ``"stream"``
+            recomputes every score in every pass, memory O((n + m) d); ``"cache"`` forms
+            each solve's n × m score matrix once, in this precision mode, and its passes
+            read it (:mod:`._scores`): 4·n·m bytes while the solve runs (10 GB at n = m =
+            50 000), each pass bandwidth-bound instead of recomputing d-wide dot products.
+            ``"auto"`` caches where that pays: from :data:`._scores.AUTO_FROM_D` features
+            (256 in "fp32" and "tf32", 512 in "bf16" and "fp16"). Either way a matrix is
+            formed only while it takes at most half the GPU's free memory
+            (:data:`._scores.FREE_SHARE`; otherwise the solve streams), lives while the
+            solve and its final passes run, and is freed after; a result's
+            ``score_memory`` says how many bytes its solve held (0: streamed). Only solves
+            use it (not packed batches, not the plan's later products, which stream); the
+            p = 1 and pair costs stream. A CUDA graph replay of a small solve (n·m ≤
+            2^28) forms its matrix inside the graph, whose memory pool keeps it while the
+            graph is cached (``flashot.solver.graphs.GRAPHS.clear()`` frees them).
+            Measured (v55, H100, 10 symmetric iterations at ε = 0.1, the default
+            precision): n = m = 50 000, d = 512 forward 259–265 → 149 ms, with ∇x 367–378
+            → 275 ms (cost 7.3e-8 and gradient 3.7e-5 from streamed). Tasks bounded in
+            memory (``flashot.tasks.otdd``) stream.
     """
 
     name = "triton"
@@ -102,11 +109,11 @@ class TritonBackend(Backend):
         splits: int | None = None,
         graphs: bool = True,
         presplit: bool | None = None,
-        scores: str = "stream",
+        scores: str = "auto",
     ):
         super().__init__(precision)
-        if scores not in ("stream", "cache"):
-            raise ValueError(f"scores must be 'stream' or 'cache', got {scores!r}")
+        if scores not in SCORES:
+            raise ValueError(f"scores must be one of {SCORES}, got {scores!r}")
         if autotune is None:
             opted = os.environ.get("FLASHOT_AUTOTUNE", "0").strip().lower()
             autotune = opted in ("1", "true", "yes")
@@ -149,6 +156,14 @@ class TritonBackend(Backend):
         Split operands are made and shared within (:meth:`._operands.Operands.scope`).
         """
         return self.operands.scope(carry)
+
+    def take_score_memory(self) -> int:
+        """See :meth:`flashot.backends.base.Backend.take_score_memory`."""
+        return self.operands.take_held()
+
+    def replayed(self, form) -> None:
+        """See :meth:`flashot.backends.base.Backend.replayed`."""
+        self.operands.replayed(form.q, form.k)
 
     # ---- primitives ----------------------------------------------------------------
     def _row_attend(self, form, h, eps, v=None):
@@ -229,7 +244,8 @@ class TritonBackend(Backend):
     def launch_key(self):
         """See :meth:`flashot.backends.base.Backend.launch_key`."""
         splits = self.operands.splits()
-        return (*super().launch_key(), self.fused, self.autotune, self.splits, splits)
+        return (*super().launch_key(), self.fused, self.autotune, self.splits, splits,
+                self.operands.scores)  # fmt: skip
 
     def fast_state(self, device):
         """See :meth:`flashot.backends.base.Backend.fast_state`: the residual gate."""
