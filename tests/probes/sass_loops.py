@@ -39,7 +39,7 @@ UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_kvd", "sxd", "syd", "stride_vp
                 "stride_dp"}  # fmt: skip
 #: a feature stride that is not 1 where a case gives its row stride as 1 (feature-major
 #: clouds: ``_pair_operands.FEATURE_MAJOR``)
-ROW_STRIDES = {"sxd": "sxn", "syd": "syn"}
+ROW_STRIDES = {"sxd": "sxn", "syd": "syn", "stride_qd": "stride_qn"}
 #: integers the kernels exclude from specialization (do_not_specialize)
 UNSPECIALIZED = {"temp_at", "gate_span", "n_bucket", "m_bucket"}
 
@@ -122,6 +122,8 @@ def cases():
     # cached scores (._scores): the pass reads its scores, no MMA
     for dot in ("cached", "cached_t"):
         consts = dict(sums, BLOCK_D=16, PRECISION=dot, PRESPLIT=False)
+        if dot == "cached_t":  # (the transposed view: rows of stride 1, the matrix's row
+            consts["stride_qn"] = 1  # stride, 16-divisible, as its feature stride)
         yield f"plan_sums {dot}", kernel, consts, (), 64
     # the one-pass exact step of wide features (d ≥ 256), as sm_90.json tiles it for d512
     exact = dict(sums, BLOCK_M=128, BLOCK_N=64, D_CHUNKS=8, GATED=False, EXACT=True)
@@ -148,6 +150,14 @@ def cases():
             (),
             64,
         )
+    for dot in ("cached", "cached_t"):  # (row passes and value products on cached scores)
+        consts = dict(att, BLOCK_D=16, D_CHUNKS=1, PRECISION=dot, V_PRECISION="tf32x3",
+                      PRESPLIT=False)  # fmt: skip
+        if dot == "cached_t":
+            consts["stride_qn"] = 1
+        yield f"attend {dot}", _attend._attend_kernel, consts, (), 64
+        yield (f"attend {dot} P @ V (64 of 512 values)", _attend._attend_kernel,
+               dict(consts, HAS_V=True, REPAIR=False), (), 64)  # fmt: skip
     vjp = dict(BLOCK_M=128, BLOCK_N=64, SPLIT=True, WITH_K=True, PRECISION="ieee",
                V_PRECISION="tf32x3", EXTRA_SIDE=0, BLOCK_P=16, P_CHUNKS=1, PRESPLIT=True,
                OUTER=True, KV_SPLIT=True, COLS=False)  # fmt: skip

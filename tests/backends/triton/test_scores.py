@@ -26,14 +26,15 @@ def _backend(scores: str, **kw):
 
 @contextlib.contextmanager
 def _counting():
-    """The (n, m) of every score matrix formed within (a list, filled as they are)."""
+    """The problem (n, m) of every score matrix formed within (a list, filled as they are;
+    the matrix is formed for the transposed problem, k qᵀ)."""
     from flashot.backends.triton import _operands, _scores
 
     formed, real = [], _scores.score_matrix
 
-    def counting(ops, q, k):
+    def counting(ops, k, q):
         formed.append((q.shape[0], k.shape[0]))
-        return real(ops, q, k)
+        return real(ops, k, q)
 
     with mock.patch.object(_operands, "score_matrix", counting):
         yield formed

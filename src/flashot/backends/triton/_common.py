@@ -127,14 +127,17 @@ def _score_tile(
     PRECISION ``"cached"`` / ``"cached_t"``: the scores are in memory (:mod:`._scores`):
     ``Q`` addresses the matrix, score (i, j) at ``i·stride_qn + j`` (row-major) or
     ``i + j·stride_qd`` (its transpose); nothing else is read. 64-bit offsets for the
-    strided side only (a tile's pointers cost one 64-bit add a score).
+    strided side only (a tile's pointers cost one 64-bit add a score). Masked tails
+    read 0 (finite, as the clamped rows of :func:`_rows_in` are).
     """
-    if PRECISION == "cached":
-        rows = _rows_in(offs_m, n).to(tl.int64)
-        s = tl.load((Q + rows * stride_qn)[:, None] + _rows_in(offs_n, m)[None, :])
+    if PRECISION == "cached":  # (masked, not clamped: contiguous columns load as vectors)
+        ok = (offs_m[:, None] < n) & (offs_n[None, :] < m)
+        rows = offs_m.to(tl.int64) * stride_qn
+        s = tl.load(Q + rows[:, None] + offs_n[None, :], mask=ok, other=0.0)
     elif PRECISION == "cached_t":
-        cols = _rows_in(offs_n, m).to(tl.int64)
-        s = tl.load((Q + cols * stride_qd)[None, :] + _rows_in(offs_m, n)[:, None])
+        ok = (offs_m[:, None] < n) & (offs_n[None, :] < m)
+        cols = offs_n.to(tl.int64) * stride_qd
+        s = tl.load(Q + cols[None, :] + offs_m[:, None], mask=ok, other=0.0)
     elif D_CHUNKS == 1:  # the streamed side loaded (and its low part), the other hoisted
         if HOIST_K:
             q, kt = _load_tile(Q, offs_m, n, d, stride_qn, stride_qd, BLOCK_D, 1, False), kt_tile

@@ -184,13 +184,18 @@ class Operands:
                 return (*cached_views(matrix, transposed=True), True)
         if not self.caches(q, k, capturing):
             return None
-        matrix = score_matrix(self, q, k)
+        # formed as k qᵀ: the kernels read a tile of the transpose with its rows in
+        # contiguous lanes, where the row reductions stay in a thread (sm_90 count,
+        # tests/probes/sass_loops.py: the symmetric step's pass 15.4 → 8.4 instructions
+        # a score, a row pass 26.3 → 11.3); the symmetric and SamplesLoss' steps
+        # mostly launch (q, k), the alternating one both ways alike
+        matrix = score_matrix(self, k, q)
         # (kept until the scope ends: a debiased solve's steps visit three pairs in turn)
-        entry = (weakref.ref(q), weakref.ref(k), (q._version, k._version), capturing, matrix)
+        entry = (weakref.ref(k), weakref.ref(q), (k._version, q._version), capturing, matrix)
         self.matrices.append(entry)
         held = sum(scores_bytes(*e[-1].shape) for e in self.matrices)
         self.peak_held = max(self.peak_held, held)
-        return (*cached_views(matrix), False)
+        return (*cached_views(matrix, transposed=True), True)
 
     def caches(self, q: torch.Tensor, k: torch.Tensor, capturing: bool = False) -> bool:
         """Whether a scope forms the score matrix of q (n, d) and k (m, d).
