@@ -240,3 +240,17 @@ def test_otdd_streams_where_sinkhorn_would_cache():
         assert formed == [] and out.result.score_memory == 0
         res = flashot.sinkhorn(xa, xb, eps=float(d), tol=None, max_iter=3, backend="triton")
         assert formed == [(12, 10)] and res.score_memory == 4 * 12 * 10
+
+
+def test_the_free_share_counts_the_matrices_held():
+    """A matrix fits while all the solve holds stays within half the memory free before
+    them (a debiased solve's three too), asked of the device's free memory."""
+    from flashot.backends.triton._scores import fits
+
+    cuda = torch.device("cuda")
+    with mock.patch.object(torch.cuda, "mem_get_info", return_value=(1000, 10**6)):
+        assert fits(10, 10, cuda)  # 400 of 1 000 free
+        assert not fits(10, 13, cuda)  # 520
+        assert not fits(10, 10, cuda, held=400)  # 800 of 1 400
+        assert fits(10, 5, cuda, held=400)  # 600 of 1 400
+    assert fits(10**6, 10**6, torch.device("cpu"))

@@ -210,7 +210,8 @@ class Operands:
         if capturing:
             return self.choices.get(key, False)
         wanted = self.scores == "cache" or auto_caches(self.precision, d)
-        choice = self.choices[key] = wanted and fits(n, m, q.device)
+        held = sum(scores_bytes(*e[-1].shape) for e in self.matrices if not e[3])
+        choice = self.choices[key] = wanted and fits(n, m, q.device, held)
         if len(self.choices) > 64:  # (varying shapes: the oldest choices go)
             self.choices.pop(next(iter(self.choices)))
         return choice

@@ -57,15 +57,17 @@ def auto_caches(precision: str, d: int) -> bool:
     return d >= AUTO_FROM_D[precision]
 
 
-def fits(n: int, m: int, device: torch.device) -> bool:
+def fits(n: int, m: int, device: torch.device, held: int = 0) -> bool:
     """Whether an n × m matrix fits :data:`FREE_SHARE` of the device's free memory now.
 
+    ``held``: bytes of matrices the solve already holds (they count against the share
+    of the memory free before them, so a debiased solve's three stay within it too).
     Always on the CPU (the interpreter's tests).
     """
     if device.type != "cuda":
         return True
     free, _ = torch.cuda.mem_get_info(device)
-    return scores_bytes(n, m) <= FREE_SHARE * free
+    return held + scores_bytes(n, m) <= FREE_SHARE * (free + held)
 
 
 def cached_views(s: torch.Tensor, transposed: bool = False):
