@@ -27,13 +27,15 @@ def _backend(scores: str, **kw):
 @contextlib.contextmanager
 def _counting():
     """The problem (n, m) of every score matrix formed within (a list, filled as they are;
-    the matrix is formed for the transposed problem, k qᵀ)."""
+    the matrix is formed for the transposed problem, k qᵀ), outside CUDA graph captures
+    (a capture of a solve's block forms its own: on a GPU, by design)."""
     from flashot.backends.triton import _operands, _scores
 
     formed, real = [], _scores.score_matrix
 
     def counting(ops, k, q):
-        formed.append((q.shape[0], k.shape[0]))
+        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            formed.append((q.shape[0], k.shape[0]))
         return real(ops, k, q)
 
     with mock.patch.object(_operands, "score_matrix", counting):
@@ -206,10 +208,12 @@ def test_a_capture_repeats_its_eager_choice():
     """While capturing a CUDA graph the choice is the eager call's of the same shapes (no
     driver query), and without one the capture streams; a replay counts the matrix its
     capture holds."""
+    from flashot.backends.triton import _operands
     from flashot.backends.triton._operands import Operands
 
     ops = Operands("fp32", None, "cache")
     q, k, other = torch.randn(6, 3), torch.randn(5, 3), torch.randn(4, 3)
+    _operands._CHOICES.clear()
     assert ops.caches(q, k, capturing=True) is False  # (no eager call yet)
     assert ops.caches(q, k) is True  # (the CPU always fits)
     assert ops.caches(q, k, capturing=True) is True
@@ -218,7 +222,12 @@ def test_a_capture_repeats_its_eager_choice():
     assert ops.take_held() == 0
     ops.replayed(q, k)
     assert ops.take_held() == 4 * 6 * 5 and ops.take_held() == 0
+    other_instance = Operands("fp32", None, "cache")  # (graphs are shared: so are choices)
+    assert other_instance.caches(q, k, capturing=True) is True
+    other_instance.replayed(q, k)
+    assert other_instance.take_held() == 4 * 6 * 5
     ops.scores = "auto"
+    assert ops.caches(q, k, capturing=True) is False  # (another option: no choice yet)
     assert ops.caches(q, k) is False and ops.caches(q, k, capturing=True) is False
     ops.replayed(q, k)
     assert ops.take_held() == 0

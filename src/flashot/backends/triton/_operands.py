@@ -32,6 +32,12 @@ from flashot.backends.triton._triples import TRIPLE_UP_TO, triple_pair
 
 __all__ = ["SPLIT_DOT", "Operands", "score_operands", "split_work"]
 
+#: the eager calls' choices to cache scores, by :meth:`Operands._choice_key`: a capture
+#: repeats its eager call's (it must not ask the driver for free memory while capturing)
+#: and a replay counts what its capture formed. Shared by the backends as the captured
+#: graphs are (:data:`flashot.solver.graphs.GRAPHS` keys on the backends' launch keys).
+_CHOICES: dict = {}
+
 # tl.dot input precisions per mode (float32 operands); the interpreter knows only IEEE
 _DOT = {"fp32": "tf32x3", "tf32": "tf32", "bf16": "tf32", "fp16": "tf32"}
 #: the tile tables' name for the split score operands' dot (:mod:`._split`)
@@ -77,9 +83,6 @@ class Operands:
         # (weakrefs to q and k, their versions, captured, the score matrix)
         self.matrices: list = []
         self.scopes = 0
-        #: the eager calls' choices by (n, m, d, device): a capture repeats its eager call's
-        #: (it must not ask the driver for free memory while capturing)
-        self.choices: dict = {}
         #: the most bytes of score matrices held at once since :meth:`take_held`
         self.peak_held = 0
 
@@ -91,7 +94,7 @@ class Operands:
         self.precision, self.presplit = state["precision"], state["presplit"]
         self.scores = state.get("scores", "auto")
         self.cache, self.matrices, self.scopes = [], [], 0
-        self.choices, self.peak_held = {}, 0
+        self.peak_held = 0
 
     def dot(self, triples: bool = False) -> str:
         """The score MMAs' ``input_precision`` (``triples``: one TF32 product of triples)."""
@@ -205,21 +208,23 @@ class Operands:
         repeats the choice of the eager call of its shapes (a graph's first call is
         eager), and streams without one.
         """
-        n, m, d = q.shape[0], k.shape[0], q.shape[1]
-        key = (n, m, d, q.device)
+        key = self._choice_key(q, k)
         if capturing:
-            return self.choices.get(key, False)
-        wanted = self.scores == "cache" or auto_caches(self.precision, d)
+            return _CHOICES.get(key, False)
+        wanted = self.scores == "cache" or auto_caches(self.precision, q.shape[1])
         held = sum(scores_bytes(*e[-1].shape) for e in self.matrices if not e[3])
-        choice = self.choices[key] = wanted and fits(n, m, q.device, held)
-        if len(self.choices) > 64:  # (varying shapes: the oldest choices go)
-            self.choices.pop(next(iter(self.choices)))
+        choice = _CHOICES[key] = wanted and fits(q.shape[0], k.shape[0], q.device, held)
+        if len(_CHOICES) > 64:  # (varying shapes: the oldest choices go)
+            _CHOICES.pop(next(iter(_CHOICES)))
         return choice
+
+    def _choice_key(self, q: torch.Tensor, k: torch.Tensor) -> tuple:
+        """What a choice depends on besides free memory: shapes, device and options."""
+        return (q.shape[0], k.shape[0], q.shape[1], q.device, self.precision, self.scores)
 
     def replayed(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """A graph of a solve of q and k replayed: its capture's matrix counts as held."""
-        if self.scores != "stream" and self.choices.get((q.shape[0], k.shape[0], q.shape[1],
-                                                         q.device)):  # fmt: skip
+        if _CHOICES.get(self._choice_key(q, k)):
             self.peak_held = max(self.peak_held, scores_bytes(q.shape[0], k.shape[0]))
 
     def take_held(self) -> int:

@@ -42,9 +42,11 @@ TILES = (64, 64, 4)
 FREE_SHARE = 0.5
 #: ``scores="auto"`` caches a solve's scores from this many features (the form's, per
 #: precision mode): a streamed score costs d multiply-adds (three MMAs of them in "fp32"),
-#: a cached one 4 bytes read. Measured (H100, v55, 10 symmetric iterations at 50k): d = 512
-#: in "fp32" forward 259–265 → 149 ms; at d = 64 it does not pay.
-AUTO_FROM_D = {"fp32": 256, "tf32": 256, "bf16": 512, "fp16": 512}
+#: a cached one 4 bytes read. Measured (H100, v56, 10 symmetric iterations at ε = 0.1,
+#: forward / with ∇x, ms): d = 512 "fp32" 10k 12.9 / 18.2 → 8.7 / 13.8, 50k 258 / 367 →
+#: 112 / 209; "bf16" 10k 7.1 / 15.3 → 7.2 / 11.0, 50k 132 / 309 → 97 / 160. d = 256 is not
+#: measured (at 10k the matrix's formation and reads may cost what the products do).
+AUTO_FROM_D = {"fp32": 512, "tf32": 512, "bf16": 512, "fp16": 512}
 
 
 def scores_bytes(n: int, m: int) -> int:
