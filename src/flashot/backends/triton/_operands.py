@@ -168,8 +168,9 @@ class Operands:
         ``q`` (n, d), ``k`` (m, d); the views are :func:`._scores.cached_views`'s
         (``transposed``: the matrix was formed for (k, q)).
 
-        Within a :meth:`scope` (a solve), where :meth:`caches` says so: the matrix ``q kᵀ``
-        formed once (:func:`._scores.score_matrix`, this mode's precision) and shared by
+        Within a :meth:`scope` (a solve), where :meth:`caches` says so: the scores formed
+        once (:func:`._scores.score_matrix`, this mode's precision, stored as ``k qᵀ``;
+        ``transposed`` is then True) and shared by
         every launch of the scope, the transposed problem's (k, q) included; dropped when
         the scope ends. A CUDA graph capture forms its own (in the graph's memory pool,
         held while the graph is) and reads no matrix formed outside it. None otherwise:
