@@ -244,15 +244,49 @@ def sinkhorn(
     init = check_init(init, problem.a, problem.b)
     form = problem.form.detach()
     log_a, log_b = problem.log_a, problem.log_b
+    rhos = (problem.rho_x, problem.rho_y)
     engine.take_score_memory()  # (counts this solve's score matrices from here)
     # one scope: a cached score matrix serves the final passes and the error too
     with engine.operand_scope():
-        out, f, g, plan, error_t, excess, exact = _solve_and_finish(
-            problem, form, temps, tol, update, init, hvp_tol, max_iter, check_every,
-            progress, history, min_iter, momentum)  # fmt: skip
+        out = solve(
+            form,
+            log_a,
+            log_b,
+            temps,
+            problem.damping,
+            rhos,
+            engine,
+            max_iter=max_iter,
+            tol=tol,
+            check_every=check_every,
+            update=update,
+            init=init,
+            progress=progress,
+            # (replayed with the loop, its streaming passes too when differentiated)
+            final_step=final_step_for(problem.form),
+            record=history,
+            min_iter=min_iter,
+            momentum=momentum,
+            keep_iterates=keeps_iterates(problem.form, max_iter, problem.a, problem.b),
+        )
+        # Final extrapolation: the only differentiated step (GeomLoss' convention).
+        f, g = final_potentials(problem.form, out, log_a, log_b, eps, problem.damping(eps), engine,
+                                update)  # fmt: skip
+        fd, gd = f.detach(), g.detach()
+        pf = problem.form
+        theta = (pf.q, pf.alpha, pf.k, pf.beta, problem.a, problem.b)
+        exact = None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in theta):
+            exact = (theta, spec_of(problem, fd.dtype, hvp_tol))
+        plan = TransportPlan(form if exact is not None else _remade(problem, form), fd, gd, log_a,
+                             log_b, eps, engine, problem.x, problem.y, rhos, exact)  # fmt: skip
+        # a fixed-iteration balanced solve needs neither the error nor the plan's mass:
+        # the error is then measured only if asked for (it costs a pass over the plan)
+        error_t = excess = None
+        if tol is not None or not problem.balanced:
+            error_t, excess = plan._marginal_error()
     score_memory = engine.take_score_memory()
     value = _dual_value(problem, f, g, excess)  # queued before the checks wait
-    fd, gd = f.detach(), g.detach()
     if exact is not None:
         trajectory = None  # (to a tolerance: the converged problem's second derivatives)
         if tol is None:
@@ -279,7 +313,7 @@ def sinkhorn(
                                           None if bound is None else bound / eps)  # fmt: skip
     if why is not None and warn:
         warn_at_caller(why, ConvergenceWarning)
-    f_out, g_out = (f, g) if exact is None else implicit_potentials(exact[0], fd, gd, exact[1])
+    f_out, g_out = (f, g) if exact is None else implicit_potentials(theta, fd, gd, exact[1])
     record = None
     if history:
         checks = out.checks or ()
@@ -287,57 +321,6 @@ def sinkhorn(
                               [c[2] for c in checks], [float(t) for t in temps])  # fmt: skip
     return SinkhornResult(f_out, g_out, value, out.n_iter, converged, eps, plan, error, cause,
                           record, score_memory)  # fmt: skip
-
-
-def _solve_and_finish(problem: Problem, form, temps, tol, update, init, hvp_tol, max_iter,
-                      check_every, progress, history, min_iter, momentum):  # fmt: skip
-    """:func:`sinkhorn`'s solve, its final (differentiated) extrapolation and the error.
-
-    Returns ``(out, f, g, plan, error_t, excess, exact)``: the solver's output, the final
-    potentials, the lazy plan, the marginal error and mass excess (None where not
-    measured) and ``exact`` (the differentiated parameters and their second-order spec,
-    or None).
-    """
-    log_a, log_b, eps, engine = problem.log_a, problem.log_b, problem.eps, problem.engine
-    rhos = (problem.rho_x, problem.rho_y)
-    out = solve(
-        form,
-        log_a,
-        log_b,
-        temps,
-        problem.damping,
-        rhos,
-        engine,
-        max_iter=max_iter,
-        tol=tol,
-        check_every=check_every,
-        update=update,
-        init=init,
-        progress=progress,
-        # (replayed with the loop, its streaming passes too when differentiated)
-        final_step=final_step_for(problem.form),
-        record=history,
-        min_iter=min_iter,
-        momentum=momentum,
-        keep_iterates=keeps_iterates(problem.form, max_iter, problem.a, problem.b),
-    )
-    # Final extrapolation: the only differentiated step (GeomLoss' convention).
-    f, g = final_potentials(problem.form, out, log_a, log_b, eps, problem.damping(eps), engine,
-                            update)  # fmt: skip
-    fd, gd = f.detach(), g.detach()
-    pf = problem.form
-    theta = (pf.q, pf.alpha, pf.k, pf.beta, problem.a, problem.b)
-    exact = None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in theta):
-        exact = (theta, spec_of(problem, fd.dtype, hvp_tol))
-    plan = TransportPlan(form if exact is not None else _remade(problem, form), fd, gd, log_a,
-                         log_b, eps, engine, problem.x, problem.y, rhos, exact)  # fmt: skip
-    # a fixed-iteration balanced solve needs neither the error nor the plan's mass:
-    # the error is then measured only if asked for (it costs a pass over the plan)
-    error_t = excess = None
-    if tol is not None or not problem.balanced:
-        error_t, excess = plan._marginal_error()
-    return out, f, g, plan, error_t, excess, exact
 
 
 def _dual_value(problem: Problem, f, g, excess) -> torch.Tensor:

@@ -176,8 +176,8 @@ class Operands:
         held while the graph is) and reads no matrix formed outside it. None otherwise:
         the launch streams.
         """
-        if self.scores == "stream" or self.scopes == 0:
-            return None
+        if self.scopes == 0 or not self._wants(q.shape[1]):
+            return None  # (before any other check: every launch of a solve asks)
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         for ref_q, ref_k, versions, captured, matrix in self.matrices:
             if captured != capturing:
@@ -197,8 +197,7 @@ class Operands:
         # (kept until the scope ends: a debiased solve's steps visit three pairs in turn)
         entry = (weakref.ref(k), weakref.ref(q), (k._version, q._version), capturing, matrix)
         self.matrices.append(entry)
-        held = sum(scores_bytes(*e[-1].shape) for e in self.matrices)
-        self.peak_held = max(self.peak_held, held)
+        self.peak_held = max(self.peak_held, self._held())
         return (*cached_views(matrix, transposed=True), True)
 
     def caches(self, q: torch.Tensor, k: torch.Tensor, capturing: bool = False) -> bool:
@@ -210,14 +209,24 @@ class Operands:
         eager), and streams without one.
         """
         key = self._choice_key(q, k)
+        if not self._wants(q.shape[1]):
+            return False
         if capturing:
             return _CHOICES.get(key, False)
-        wanted = self.scores == "cache" or auto_caches(self.precision, q.shape[1])
-        held = sum(scores_bytes(*e[-1].shape) for e in self.matrices if not e[3])
-        choice = _CHOICES[key] = wanted and fits(q.shape[0], k.shape[0], q.device, held)
+        held = self._held(eager=True)
+        choice = _CHOICES[key] = fits(q.shape[0], k.shape[0], q.device, held)
         if len(_CHOICES) > 64:  # (varying shapes: the oldest choices go)
             _CHOICES.pop(next(iter(_CHOICES)))
         return choice
+
+    def _wants(self, d: int) -> bool:
+        """Whether the ``scores`` option asks for cached scores of d-feature operands."""
+        return self.scores == "cache" or (self.scores == "auto"
+                                          and auto_caches(self.precision, d))  # fmt: skip
+
+    def _held(self, eager: bool = False) -> int:
+        """Bytes of the matrices held now (``eager``: those formed outside captures)."""
+        return sum(scores_bytes(*e[-1].shape) for e in self.matrices if not (eager and e[3]))
 
     def _choice_key(self, q: torch.Tensor, k: torch.Tensor) -> tuple:
         """What a choice depends on besides free memory: shapes, device and options."""
