@@ -263,3 +263,21 @@ def test_the_free_share_counts_the_matrices_held():
         assert not fits(10, 10, cuda, held=400)  # 800 of 1 400
         assert fits(10, 5, cuda, held=400)  # 600 of 1 400
     assert fits(10**6, 10**6, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("scores", ["stream", "cache"])
+@pytest.mark.parametrize("d", [3, 7])
+def test_inference_mode_gives_the_plain_numbers(scores, d):
+    """Under torch.inference_mode (tensors without version counters) the Triton backend
+    solves as in plain mode: operand conversions (triples up to 5 features) and cached
+    score matrices alike; it crashed in both before."""
+    gen = torch.Generator().manual_seed(d)
+    x, y = torch.randn(14, d, generator=gen).to(DEV), torch.randn(11, d, generator=gen).to(DEV)
+    out = {}
+    for mode, ctx in (("plain", torch.no_grad), ("inference", torch.inference_mode)):
+        with ctx():
+            res = flashot.sinkhorn(x, y, eps=2.0, tol=None, max_iter=5, backend=_backend(scores))
+            out[mode] = (res.cost.clone(), res.f.clone(), res.score_memory)
+    assert torch.equal(out["plain"][0], out["inference"][0])
+    assert torch.equal(out["plain"][1], out["inference"][1])
+    assert out["plain"][2] == out["inference"][2] == (4 * 14 * 11 if scores == "cache" else 0)

@@ -182,9 +182,9 @@ class Operands:
         for ref_q, ref_k, versions, captured, matrix in self.matrices:
             if captured != capturing:
                 continue  # (a graph reads only what it formed, and nothing outlives it)
-            if ref_q() is q and ref_k() is k and versions == (q._version, k._version):
+            if ref_q() is q and ref_k() is k and versions == (_version(q), _version(k)):
                 return (*cached_views(matrix), False)
-            if ref_q() is k and ref_k() is q and versions == (k._version, q._version):
+            if ref_q() is k and ref_k() is q and versions == (_version(k), _version(q)):
                 return (*cached_views(matrix, transposed=True), True)
         if not self.caches(q, k, capturing):
             return None
@@ -195,7 +195,7 @@ class Operands:
         # mostly launch (q, k), the alternating one both ways alike
         matrix = score_matrix(self, k, q)
         # (kept until the scope ends: a debiased solve's steps visit three pairs in turn)
-        entry = (weakref.ref(k), weakref.ref(q), (k._version, q._version), capturing, matrix)
+        entry = (weakref.ref(k), weakref.ref(q), (_version(k), _version(q)), capturing, matrix)
         self.matrices.append(entry)
         self.peak_held = max(self.peak_held, self._held())
         return (*cached_views(matrix, transposed=True), True)
@@ -290,7 +290,7 @@ class Operands:
             convert = self.half
         else:
             return t
-        if not keep:  # a one-off sample
+        if not keep or t.is_inference():  # a one-off sample; no version counter to key on
             return convert(t)
         # the solver reuses q and k: convert each once. Entries hold a weak reference to
         # their source, so a new tensor at a freed one's address never hits a stale copy
@@ -319,6 +319,15 @@ class Operands:
         if triton_interpreted():  # numpy has no bfloat16: round, compute in float32
             half = half.float()  # (exact: products of halves fit in float32)
         return half
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; None for an inference tensor, which has none.
+
+    A score matrix lives for one solve, which cannot change its operands in place, so
+    identity alone serves there.
+    """
+    return None if t.is_inference() else t._version
 
 
 def score_operands(q, k):
