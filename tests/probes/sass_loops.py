@@ -158,6 +158,8 @@ def cases():
         yield f"attend {dot}", _attend._attend_kernel, consts, (), 64
         yield (f"attend {dot} P @ V (64 of 512 values)", _attend._attend_kernel,
                dict(consts, HAS_V=True, REPAIR=False), (), 64)  # fmt: skip
+        yield (f"attend {dot} P @ V split values", _attend._attend_kernel,
+               dict(consts, HAS_V=True, REPAIR=False, V_SPLIT=True), ("V",), 64)  # fmt: skip
     vjp = dict(BLOCK_M=128, BLOCK_N=64, SPLIT=True, WITH_K=True, PRECISION="ieee",
                V_PRECISION="tf32x3", EXTRA_SIDE=0, BLOCK_P=16, P_CHUNKS=1, PRESPLIT=True,
                OUTER=True, KV_SPLIT=True, COLS=False)  # fmt: skip

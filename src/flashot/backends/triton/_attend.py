@@ -186,7 +186,11 @@ class AttendLaunch(_launch.Launch):
         self.has_v = v is not None
         self.p = v.shape[1] if self.has_v else 1
         vv = v.to(torch.float32) if self.has_v else self.h
-        v_split = presplit and self.has_v  # values split like the score operands then
+        cached = dot in (CACHED_DOT, CACHED_T_DOT)
+        # values split like the score operands then; on cached scores wherever the mode
+        # splits (within the solve's scope, which a cached matrix implies)
+        split_cached = cached and _configs.CACHED_SPLIT_VALUES and ops.splits()
+        v_split = (presplit or split_cached) and self.has_v
         v_args = {"V_INV": self.h, "v_lo": 0}
         if v_split:
             vs = ops.operand(vv.contiguous(), value=True)
@@ -195,7 +199,6 @@ class AttendLaunch(_launch.Launch):
         self.lse = torch.empty(self.n, device=dev, dtype=torch.float32)
         self.out = (torch.empty(self.n, self.p, device=dev, dtype=torch.float32)
                     if self.has_v else self.lse)  # fmt: skip
-        cached = dot in (CACHED_DOT, CACHED_T_DOT)
         p_loop = _configs.value_loop(self.p, cached) if self.has_v else 1
         bd, chunks = _configs.block_d(self.d, qs.element_size())
         bp = _configs.block_p(self.p)
