@@ -100,6 +100,8 @@ def test_cosine_extension_matches_dense_loop(gen):
         (dict(reach=-1.0), "reach"),
         (dict(scaling=1.5), "scaling"),
         (dict(cost="l1"), "cost"),
+        (dict(hvp_tol=0.0), "hvp_tol"),
+        (dict(hvp_tol=True), "hvp_tol"),
     ],
 )
 def test_bad_options(kwargs, match):

@@ -192,7 +192,9 @@ def sinkhorn(
             in float32 (and the half precisions), 1e-8 in float64. Solves without a
             ``tol`` differentiate their iterations instead, exactly, reading the
             iterates the solve kept where the step LSEs they imply hold to ``hvp_tol /
-            10`` (else running the schedule again).
+            10`` (else running the schedule again), and stopping an eager reverse sweep
+            where its first steps could add at most ``hvp_tol / 100`` of the largest
+            gradient.
             Diagnostics of the solves: :func:`flashot.record_dual_solves`.
 
     Returns:

@@ -19,7 +19,7 @@ import torch
 
 from flashot.autodiff.functional import functional_transforms
 from flashot.autodiff.functions import dual_term
-from flashot.autodiff.second_order import exact_second_order, packed_piece
+from flashot.autodiff.second_order import check_hvp_tol, exact_second_order, packed_piece
 from flashot.autodiff.unrolled import Trajectory
 from flashot.backends import entry_point
 from flashot.backends.kernel_sums import cost_of, kernel_matvec, pair_scope, softmin
@@ -116,6 +116,13 @@ class SamplesLoss(torch.nn.Module):
             ``cluster_scale``: about 2 000 cells across the bounding box).
         precision: precision mode of the backend (see :func:`flashot.sinkhorn`),
             keyword only.
+        hvp_tol: the relative error asked of second derivatives (a double backward),
+            keyword only; None: 1e-3 in float32, 1e-8 in float64. The schedule's
+            iterations are differentiated exactly, up to two approximations held to it:
+            the iterates the solve kept are read where the step LSEs they imply hold to
+            ``hvp_tol / 10``, and an eager reverse sweep (large problems on a GPU, any on
+            the CPU) stops where the schedule's first steps could add at most
+            ``hvp_tol / 100`` of the largest gradient (:mod:`flashot.autodiff.replay`).
 
     The positional order is GeomLoss': ``SamplesLoss("sinkhorn", 2, blur, reach,
     diameter, scaling, truncate, cost, kernel, cluster_scale, debias, potentials,
@@ -153,6 +160,7 @@ class SamplesLoss(torch.nn.Module):
         backend="auto",
         *,
         precision: str = "auto",
+        hvp_tol: float | None = None,
     ):
         super().__init__()
         if loss not in LOSSES:
@@ -200,6 +208,7 @@ class SamplesLoss(torch.nn.Module):
         self.scaling, self.debias, self.potentials = float(scaling), bool(debias), bool(potentials)
         self.loss, self.p = loss, int(p)
         self.backend, self.precision = backend, precision
+        self.hvp_tol = check_hvp_tol(hvp_tol)
         self.cost = get_cost("half_sqeuclidean" if cost is None or custom else cost)
         self._tile_cost = _checked_cost(cost) if custom else cost_of(int(p))
         self._custom_cost = custom
@@ -207,7 +216,8 @@ class SamplesLoss(torch.nn.Module):
         # what a flashot::loss node needs to rebuild this loss (None: no node, eager call)
         node = dict(blur=self.blur, reach=self.reach, diameter=self.diameter,
                     scaling=self.scaling, cost=cost, debias=self.debias,
-                    backend=self.backend, precision=precision)  # fmt: skip
+                    backend=self.backend, precision=precision,
+                    hvp_tol=self.hvp_tol)  # fmt: skip
         self._node_options = (None if potentials or verbose or not fused
                               or not encodable(node) else node)  # fmt: skip
 
@@ -406,7 +416,7 @@ class SamplesLoss(torch.nn.Module):
             f = f.reshape(shape_a) if shape_a is not None else f
             g = g.reshape(shape_b) if shape_b is not None else g
             return f, g  # (in the compute dtype: the dtype rule, flashot.problem.compute_dtype)
-        return pots.value(problem)
+        return pots.value(problem, self.hvp_tol)
 
     def _batched(self, a, x, b, y, temps):
         """A batch as one packed solve (balanced or with ``reach``).
@@ -444,7 +454,7 @@ class SamplesLoss(torch.nn.Module):
         if torch.is_grad_enabled() and value.requires_grad:  # differentiable twice
             trajectory = Trajectory(tuple(float(t) for t in temps), len(temps),
                                     iterates=out.iterates)  # fmt: skip
-            value = exact_second_order(value, [packed_piece(pp, f, g, trajectory=trajectory,
+            value = exact_second_order(value, [packed_piece(pp, f, g, self.hvp_tol, trajectory,
                                                             geomloss=True)])  # fmt: skip
         value = value.reshape(-1, bsz)
         value = value[0] - 0.5 * (value[1] + value[2]) if self.debias else value[0]

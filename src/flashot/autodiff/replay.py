@@ -37,8 +37,7 @@ Run eagerly (large problems, the CPU), the reverse sweep checks its tail every f
 steps (:class:`_Tail`, one host read each): at a schedule's first temperatures, far
 above the cost's scale, the plan's rows are near uniform and the adjoint halves a step
 with GeomLoss' averaging, so the sweep stops once what its remaining steps could add is
-below float32's rounding of θ's gradients (at the peer's HVP setting about a third of
-the steps).
+below ``hvp_tol / 100`` of θ's largest gradient, or its rounding where that is larger.
 
 Both directions are fixed launch sequences given the shapes and the schedule: where the
 backend offers a graph key (:meth:`~flashot.backends.base.Backend.graph_key`: small
@@ -436,7 +435,7 @@ class _Sweep:
         traj, theta = self.trajectory, (q, alpha, k, beta, log_a, log_b)
         grads: list = [None] * 6  # q, α, k, β, log a, log b
 
-        tail = _Tail(alpha.dtype) if self.tail_checks else None
+        tail = _Tail(alpha.dtype, self.spec.cg_tol) if self.tail_checks else None
 
         def take(side, out):  # a transform's VJP list: θ's shares added, ū_h returned
             for i, t in zip(_ORDER[side], out[:5], strict=True):
@@ -496,10 +495,11 @@ TAIL_EVERY = 4
 #: a check's shares at most this share of the previous check's, twice in a row
 TAIL_RATIO = 0.5
 #: the rest of the sweep, bounded as a geometric series of the larger of those two
-#: ratios, at most this much of the largest θ gradient (float32: 4 ulp; the HVP then
-#: moves by ~4e-7–1e-6 of its norm at the peer's setting, where its error against
-#: float64 is ~3e-5; in float64 the sweep runs to its start unless the tail underflows)
+#: ratios, at most TAIL_SHARE of the dual solves' ``cg_tol`` (``hvp_tol / 100``) of the
+#: largest θ gradient, and never less than its rounding, TAIL_TOL (float32: 4 ulp; a
+#: dtype without an entry runs the whole sweep)
 TAIL_TOL = {torch.float32: 2.0**-21, torch.float64: 2.0**-48}
+TAIL_SHARE = 0.1
 
 
 class _Tail:
@@ -509,15 +509,17 @@ class _Tail:
     sum Δ_i of the norms of the shares added since the last check (:meth:`record`; no
     copy of the sums is kept) and the norm A_i of the sum. The sweep stops when, for
     every i, the last two checks' ratios Δ_i / Δ_i' are at most :data:`TAIL_RATIO` and
-    ``Δ_i r / (1 − r) ≤ TAIL_TOL · max_j A_j`` with r the larger ratio: the steps left
+    ``Δ_i r / (1 − r) ≤ tol · max_j A_j`` with r the larger ratio (``tol`` the larger of
+    ``TAIL_SHARE · cg_tol`` and the dtype's :data:`TAIL_TOL`): the steps left
     then add at most that much, as long as they keep decaying at least as fast (the
     shares of earlier, larger temperatures decay faster: their plans are nearer
     uniform). The bound is against the largest gradient, as rounding is: an HVP much
     smaller than its terms is as far from float64 from either.
     """
 
-    def __init__(self, dtype: torch.dtype):
-        self.tol = TAIL_TOL.get(dtype, 0.0)
+    def __init__(self, dtype: torch.dtype, cg_tol: float = 0.0):
+        floor = TAIL_TOL.get(dtype)
+        self.tol = 0.0 if floor is None else max(floor, TAIL_SHARE * cg_tol)
         self.steps = 0
         self.pending: dict[int, torch.Tensor] = {}
         self.deltas: list[dict[int, float]] = []
