@@ -132,3 +132,56 @@ def test_the_schedule_takes_the_window_pass(monkeypatch):
     assert steps > 0 and steps % 3 == 0  # (per step: both sides, then two self problems)
     assert abs(float(windowed[0] - exact[0])) <= 1e-6 * max(1.0, abs(float(exact[0])))
     assert float((windowed[1] - exact[1]).norm()) <= 1e-5 * float(exact[1].norm())
+
+
+def _masked_softmin(x, y, lw, eps, cost, keep):
+    """float64 ``−ε log Σ_j [keep_ij] e^{lw_j − C_ij/ε}`` (n,): the kept pairs only."""
+    c = cost(x.double(), y.double())
+    z = torch.where(keep, lw.double()[None, :] - c / eps, -float("inf"))
+    return -eps * torch.logsumexp(z, 1)
+
+
+def _cluster_mask(gen, rows: int, cols: int, symmetric: bool):
+    """A random cluster-pair mask (rows, cols) keeping each row and column cluster once at
+    least (a symmetric one for a self problem)."""
+    keep = torch.rand(rows, cols, generator=gen) < 0.5
+    keep[torch.arange(rows), torch.randint(cols, (rows,), generator=gen)] = True
+    keep[torch.randint(rows, (cols,), generator=gen), torch.arange(cols)] = True
+    return keep | keep.T if symmetric else keep
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(17, 60), m=st.integers(17, 60),
+       d=st.sampled_from([2, 3, 20]), offset=st.sampled_from([0.0, 200.0]),
+       self_problem=st.booleans())  # fmt: skip
+def test_block_sparse_sides_match_masked_soft_minima(seed, n, m, d, offset, self_problem):
+    """With block-sparse layouts (a cluster-pair mask and its transpose; clusters of one
+    row block each, so the layouts cover exactly the kept pairs) the window pass and its
+    repairs give each side's soft-minimum over its kept pairs, against a float64 masked
+    reference: stabilizers at that reference (every sum in its window) or far off (every
+    row repaired); a self problem's symmetric mask from half a pass."""
+    from flashot.backends.kernel_sums import block_intervals
+    from flashot.backends.triton._pair_sums import window_softmins
+
+    x, y, la, lb, g = _problem(seed, n, m, d)
+    if self_problem:
+        y, lb, m = x, la, n
+    bm = 16  # (a cluster a block: the rows of a block keep the same columns)
+    rs, cs = (torch.arange(0, size + bm, bm).clamp(max=size) for size in (n, m))
+    keep_c = _cluster_mask(g, len(rs) - 1, len(cs) - 1, self_problem)
+    keep = keep_c.repeat_interleave(bm, 0)[:n].repeat_interleave(bm, 1)[:, :m]
+    pairs = torch.nonzero(keep_c).T
+    pairs_t = torch.nonzero(keep_c.T).T
+    rows = block_intervals(rs.to(DEVICE), cs.to(DEVICE), pairs.to(DEVICE), bm=bm, gap=0)
+    cols = block_intervals(cs.to(DEVICE), rs.to(DEVICE), pairs_t.to(DEVICE), bm=bm, gap=0)
+    cost, eps = cost_of(1), 0.3
+    f = _masked_softmin(x, y, lb, eps, cost, keep).float()
+    gg = f if self_problem else _masked_softmin(y, x, la, eps, cost, keep.T).float()
+    if offset:
+        f = f + offset * torch.rand(n, generator=g)
+        gg = f if self_problem else gg - offset * torch.rand(m, generator=g)
+    xd, lad, fd = x.to(DEVICE), la.to(DEVICE), f.to(DEVICE)
+    yd, lbd, gd = (xd, lad, fd) if self_problem else (y.to(DEVICE), lb.to(DEVICE), gg.to(DEVICE))
+    got_f, got_g = window_softmins(xd, yd, lad, lbd, fd, gd, eps, cost, sparse=(rows, cols))
+    assert _close(got_f, _masked_softmin(x, y, lb + gg / eps, eps, cost, keep), (f, gg))
+    assert _close(got_g, _masked_softmin(y, x, la + f / eps, eps, cost, keep.T), (f, gg))

@@ -45,6 +45,8 @@ from flashot.backends.triton._pair_functions import triton_functions
 from flashot.backends.triton._pair_operands import pair_scope, prepared, score_operands
 from flashot.backends.triton._pairwise import (
     GRAD_UP_TO,
+    _interval,
+    _interval_span,
     _launch_forward,
     _layout,
     _pair_stats,
@@ -64,11 +66,11 @@ MAX_D = GRAD_UP_TO
 
 @triton.jit
 def _pair_sums_kernel(
-    X, Y, XN, YN, F, LA, G, LB, R, CP, n, m, d, scale, per, sxn, sxd, syn, syd,
+    X, Y, XN, YN, F, LA, G, LB, R, CP, PTR, IV, n, m, d, scale, per, sxn, sxd, syn, syd,
     XP, YP, INV_X, INV_Y, x_lo, y_lo,
     COST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, DIFF: tl.constexpr, PRECISION: tl.constexpr,
-    PRESPLIT: tl.constexpr, ROWS: tl.constexpr,
+    PRESPLIT: tl.constexpr, ROWS: tl.constexpr, SPARSE: tl.constexpr = False,
 ):  # fmt: skip
     """Column partials ``CP[split, j] = Σ_i a_i E_ij`` and (ROWS) row sums ``R_i``.
 
@@ -76,58 +78,68 @@ def _pair_sums_kernel(
     (atomically; R zeroed). F, G: the stabilizers; ``a = e^LA``, ``b = e^LB``: the
     weights; ``scale = log2 e/ε``. Grid: (column blocks, row splits of ``per`` rows). XP,
     YP, INV_X, INV_Y, x_lo, y_lo, PRESPLIT: the score operands (:mod:`._pairwise`'s
-    ``_pair_stats``).
+    ``_pair_stats``). SPARSE (one split): column block b streams only the row intervals
+    ``IV[PTR[b]:PTR[b + 1]]`` (a block-sparse layout of the transposed problem, BLOCK_N
+    its blocks' size).
     """
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
-    row_lo = split * per
-    row_hi = tl.minimum(row_lo + per, n)
     col_ok = offs_n < m
     yt, yt_lo, unscale = _stationary_tiles(YP, y_lo, offs_n, m, d, syn, syd, INV_X, INV_Y,
                                            BLOCK_D, D_CHUNKS, True, PRESPLIT)  # fmt: skip
     v = tl.where(col_ok, tl.load(G + offs_n, mask=col_ok, other=0.0) * scale, float("-inf"))
     b = tl.exp(tl.load(LB + offs_n, mask=col_ok, other=float("-inf")))  # (none past the tail)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(row_lo, row_hi, BLOCK_M):
-        offs_m = start + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < row_hi
-        u = tl.where(row_ok, tl.load(F + offs_m, mask=row_ok, other=0.0) * scale, float("-inf"))
-        a = tl.exp(tl.load(LA + offs_m, mask=row_ok, other=float("-inf")))
-        s, t, an, bn, _ = _pair_stats(X, Y, XN, YN, XP, YP, offs_m, offs_n, n, m, d, sxn, sxd,
-                                      syn, syd, yt, yt, yt_lo, yt_lo, x_lo, y_lo, unscale,
-                                      BLOCK_M, BLOCK_N, BLOCK_D, D_CHUNKS, DIFF, PRECISION,
-                                      True, PRESPLIT)  # fmt: skip
-        e = tl.exp2(u[:, None] + v[None, :] - COST(s, t, an, bn) * scale)
-        acc += a[:, None] * e
-        if ROWS:
-            tl.atomic_add(R + offs_m, tl.sum(e * b[None, :], 1), mask=row_ok)
+    lo, hi = _interval_span(PTR, SPARSE)
+    for r in range(lo, hi):
+        row_lo, row_hi = _interval(IV, r, split, per, n, SPARSE)
+        for start in range(row_lo, row_hi, BLOCK_M):
+            offs_m = start + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < row_hi
+            u = tl.where(row_ok, tl.load(F + offs_m, mask=row_ok, other=0.0) * scale,
+                         float("-inf"))  # fmt: skip
+            a = tl.exp(tl.load(LA + offs_m, mask=row_ok, other=float("-inf")))
+            s, t, an, bn, _ = _pair_stats(X, Y, XN, YN, XP, YP, offs_m, offs_n, n, m, d, sxn,
+                                          sxd, syn, syd, yt, yt, yt_lo, yt_lo, x_lo, y_lo,
+                                          unscale, BLOCK_M, BLOCK_N, BLOCK_D, D_CHUNKS, DIFF,
+                                          PRECISION, True, PRESPLIT)  # fmt: skip
+            e = tl.exp2(u[:, None] + v[None, :] - COST(s, t, an, bn) * scale)
+            acc += a[:, None] * e
+            if ROWS:
+                tl.atomic_add(R + offs_m, tl.sum(e * b[None, :], 1), mask=row_ok)
     tl.store(CP + split * m + offs_n, tl.sum(acc, 0), mask=col_ok)
 
 
-def _sums(xs, ys, xn, yn, f, la, g, lb, scale: float, cost: PairCost, rows: bool):
-    """``(R (n,) or None, C (m,))``: the window sums of prepared clouds (see the module)."""
+def _sums(xs, ys, xn, yn, f, la, g, lb, scale: float, cost: PairCost, rows: bool,
+          sparse=None):  # fmt: skip
+    """``(R (n,) or None, C (m,))``: the window sums of prepared clouds (see the module).
+
+    ``sparse``: a block-sparse layout of the columns (y's blocks over x's intervals).
+    """
     fn, _ = triton_functions(cost)
     n, m, d = xs.shape[0], ys.shape[0], xs.shape[1]
     diff, block_d, chunks, _ = _layout(d, d <= GRAD_UP_TO, forward=True)
     bm, bn, warps, stages = _configs.PAIRWISE_SUMS_TILES
     if triton_interpreted():
         bm, bn = 16, 16
-    splits, per = _configs.column_grid(cdiv(m, bn), n, bm, xs.device)
+    bn = sparse[2] if sparse else bn  # (the layout's blocks)
+    splits, per = (1, n) if sparse else _configs.column_grid(cdiv(m, bn), n, bm, xs.device)
     r = torch.zeros(n if rows else 1, device=xs.device, dtype=torch.float32)
     cp = torch.empty(splits, m, device=xs.device, dtype=torch.float32)
+    ptr, iv = sparse[:2] if sparse else (cp, cp)
     options = {} if triton_interpreted() else {"num_warps": warps, "num_stages": stages}
     score, presplit = score_operands(xs, ys, diff)
     with on_device(xs.device):
         fire(_pair_sums_kernel, (cdiv(m, bn), splits),
-            xs, ys, xn, yn, f, la, g, lb, r, cp, n, m, d, scale, per, *xs.stride(),
+            xs, ys, xn, yn, f, la, g, lb, r, cp, ptr, iv, n, m, d, scale, per, *xs.stride(),
             *ys.stride(), *score, COST=fn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
             D_CHUNKS=chunks, DIFF=diff, PRECISION=_precision(), PRESPLIT=presplit, ROWS=rows,
-            **options,
+            SPARSE=sparse is not None, **options,
         )  # fmt: skip
     return (r if rows else None), cp.sum(0)
 
 
-def window_softmins(x, y, la, lb, f, g, eps: float, cost: PairCost):
+def window_softmins(x, y, la, lb, f, g, eps: float, cost: PairCost, sparse=None):
     """``(f̃, g̃)``: ``softmin(x, y, lb + g/ε)`` (n,) and ``softmin(y, x, la + f/ε)`` (m,).
 
     One window pass (see the module), then the exact kernel's REPAIR launch per side,
@@ -139,24 +151,34 @@ def window_softmins(x, y, la, lb, f, g, eps: float, cost: PairCost):
         x: (n, d), y: (m, d) clouds.  la: (n,), lb: (m,) log-weights.
         f: (n,), g: (m,) the current potentials (the stabilizers; finite).
         eps: ε > 0.  cost: a :class:`PairCost` with a Triton function.
+        sparse: None, or block-sparse layouts ``(rows, cols)``
+            (:func:`~flashot.backends.kernel_sums.block_intervals`, clouds sorted by
+            cluster): x's blocks over y's intervals and y's over x's, of one mask and its
+            transpose (a self problem: one symmetric layout, twice). The window pass
+            streams the columns' layout, each side's repair its own; a row's window sum
+            covers the kept pairs as its exact soft-minimum does, padded differently
+            (terms below the truncation).
     """
     self_problem = y is x and la is lb and f is g
     scale = _row.LOG2E / eps
+    rows_layout, cols_layout = sparse if sparse is not None else (None, None)
     f, g, la, lb = (t.detach().float().contiguous() for t in (f, g, la, lb))
     with pair_scope():  # (the sums and both repairs share one preparation of the clouds)
         xs, ys, xn, yn = prepared(x, y, cost)
-        rows, cols = _sums(xs, ys, xn, yn, f, la, g, lb, scale, cost, rows=not self_problem)
-        g_new = _settled(y, x, la, g, f, cols, scale, cost)
+        rows, cols = _sums(xs, ys, xn, yn, f, la, g, lb, scale, cost, rows=not self_problem,
+                           sparse=cols_layout)  # fmt: skip
+        g_new = _settled(y, x, la, g, f, cols, scale, cost, cols_layout)
         if rows is None:  # (a self problem)
             return g_new, g_new
-        return _settled(x, y, lb, f, g, rows, scale, cost), g_new
+        return _settled(x, y, lb, f, g, rows, scale, cost, rows_layout), g_new
 
 
-def _settled(x, y, lw, pot, pot_cols, sums, scale: float, cost: PairCost):
+def _settled(x, y, lw, pot, pot_cols, sums, scale: float, cost: PairCost, sparse=None):
     """``softmin(x, y, lw + pot_cols/ε)`` from the window ``sums`` stabilized by ``pot``.
 
     ``pot − ε ln sums`` where the sums are exact; the exact kernel in the row blocks
-    holding one that is not (one REPAIR launch either way).
+    holding one that is not (one REPAIR launch either way; over ``sparse``'s intervals).
     """
-    parts = _launch_forward(x, y, lw, scale, cost, False, repair=(sums, pot, pot_cols, WINDOW))
+    parts = _launch_forward(x, y, lw, scale, cost, False, sparse=sparse,
+                            repair=(sums, pot, pot_cols, WINDOW))  # fmt: skip
     return (-1.0 / scale) * parts[0]

@@ -186,7 +186,7 @@ def _softmin_kernel(
     ``Σ_j φ_ij w_j`` over the split, with H holding the weights w. ``SPARSE``: a row
     block streams the column intervals ``IV[PTR[b]:PTR[b + 1]]`` (block-sparse), no split.
     XP, YP: the product form's score operands (see ``_pair_stats``; ``INV_X``, ``INV_Y``
-    the split parts' inverse scales). ``REPAIR`` (not SUM nor SPARSE; one split): the
+    the split parts' inverse scales). ``REPAIR`` (not SUM; one split): the
     step after :mod:`._pair_sums`' window sums ``S`` of the rows' stabilizer ``POT``. H
     holds log-weights and HP the columns' potentials (``h = H log2 e + HP·scale``); a row
     block whose sums all lie in ``(sum_lo, sum_hi)`` streams nothing and writes the
