@@ -315,3 +315,37 @@ def test_a_problem_too_dense_to_prune_is_solved_without_clusters(monkeypatch):
     dense = flashot.SamplesLoss(blur=0.05)(xd, y)
     torch.testing.assert_close(value, dense, rtol=1e-12, atol=0)
     torch.testing.assert_close(grad, torch.autograd.grad(dense, xd)[0], rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.skipif("triton" not in flashot.backends.available_backends("cpu"),
+                    reason="needs triton's interpreter")  # fmt: skip
+@pytest.mark.parametrize("p,coarse", [(1, True), (2, False)])
+def test_the_fine_steps_take_the_block_sparse_window_pass(monkeypatch, p, coarse):
+    """On the fused kernels (float32), each fine step's two sides come from one window
+    pass over the mask's two layouts and each self problem's from half of one; the
+    potentials equal the exact block-sparse steps' to float32 accuracy (from an
+    initialization and after a coarse phase)."""
+    x, y, _ = _clouds(2, 150, 130, 2)
+    x, y = x.float(), y.float()
+    a, b = torch.full((150,), 1 / 150), torch.full((130,), 1 / 130)
+    temps = [0.5**p, 0.2**p, 0.08**p, 0.04**p] if coarse else [0.04**p, 0.02**p]
+    calls, real = [], multiscale.window_step
+
+    def counted(*args, **kwargs):
+        calls.append(args[1] is args[0])
+        return real(*args, **kwargs)
+
+    def run():
+        return multiscale_potentials(a, x, b, y, cost_of(p), temps, True, 0.1, 5.0, p,
+                                     backend="triton")  # fmt: skip
+
+    monkeypatch.setattr(multiscale, "window_step", counted)
+    windowed = run()
+    monkeypatch.setattr(multiscale, "window_step", lambda *args, **kwargs: None)
+    exact = run()
+    steps = sum(1 for t in temps if t <= 0.1**p)  # (an initialization streams every pair)
+    assert calls.count(False) == steps and calls.count(True) == 2 * steps, calls
+    for field in ("f_ba", "g_ab", "f_aa", "g_bb"):
+        got, ref = getattr(windowed, field), getattr(exact, field)
+        size = float(ref.abs().max())
+        assert float((got - ref).abs().max()) <= 1e-5 * max(size, 1.0)

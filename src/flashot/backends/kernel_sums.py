@@ -162,7 +162,8 @@ def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, c
     return -eps * torch.cat(rows)
 
 
-def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "auto"):
+def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "auto",
+                sparse=None):  # fmt: skip
     r"""``(softmin(x, y, lb + g/ε), softmin(y, x, la + f/ε))`` from one fused pass, or None.
 
     The pass (:mod:`flashot.backends.triton._pair_sums`) forms each cost once for both
@@ -176,6 +177,10 @@ def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "
     Args:
         x: (n, d), y: (m, d) clouds.  la: (n,), lb: (m,) log-weights.
         f: (n,), g: (m,) the current potentials.  eps: ε.  cost, backend: as :func:`softmin`.
+        sparse: None, or the layouts ``(rows, cols)`` of a cluster-pair mask and of its
+            transpose (:func:`block_intervals`; x's blocks over y's intervals, y's over
+            x's): each side's soft-minimum over its kept pairs, as
+            :func:`block_sparse_softmin`'s.
     """
     if not (isinstance(cost, PairCost) and _fused(x, y, cost, backend)):
         return None
@@ -185,7 +190,11 @@ def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "
         return None
     from flashot.backends.triton._pair_sums import MAX_D, window_softmins
 
-    return None if x.shape[1] > MAX_D else window_softmins(x, y, la, lb, f, g, eps, cost)
+    if x.shape[1] > MAX_D:
+        return None
+    for layout in sparse or ():
+        _check_layout(layout)
+    return window_softmins(x, y, la, lb, f, g, eps, cost, sparse)
 
 
 @contextlib.contextmanager
@@ -338,10 +347,7 @@ def block_sparse_softmin(x, y, log_w, eps: float, cost, layout, backend: str = "
     Returns:
         (n,); differentiable (twice) in x (and in y, h through the PyTorch path).
     """
-    ptr = layout[0]
-    if bool((ptr[1:] == ptr[:-1]).any()):
-        raise ValueError("a row block of the layout has no column interval: its soft-minimum "
-                         "would be +inf")  # fmt: skip
+    _check_layout(layout)
     if (isinstance(cost, PairCost) and _fused(x, y, cost, backend)
             and not (y.requires_grad or log_w.requires_grad)):  # fmt: skip
         if torch.is_grad_enabled() and x.requires_grad:
@@ -350,6 +356,14 @@ def block_sparse_softmin(x, y, log_w, eps: float, cost, layout, backend: str = "
 
         return fused_softmin(x, y, log_w, eps, cost, layout)[0]
     return _intervals_softmin(x, y, log_w, eps, cost, layout, BUDGET)
+
+
+def _check_layout(layout) -> None:
+    """A layout whose every row block streams an interval (else its soft-minimum is +inf)."""
+    ptr = layout[0]
+    if bool((ptr[1:] == ptr[:-1]).any()):
+        raise ValueError("a row block of the layout has no column interval: its soft-minimum "
+                         "would be +inf")  # fmt: skip
 
 
 def _intervals_softmin(x, y, log_w, eps, cost, layout, budget):

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashot.backends.kernel_sums import block_intervals, block_sparse_softmin
+from flashot.backends.kernel_sums import block_intervals, block_sparse_softmin, window_step
 from flashot.solver.tiled_loop import GeomLossPotentials, damping, dense_softmin, symmetric_steps
 
 __all__ = ["Clusters", "TooManyPairsError", "all_pairs", "centroid_clusters", "default_scale",
@@ -390,6 +390,68 @@ def _sparse_softmin(xs, rows: Clusters, ys, cols: Clusters, log_w, eps, cost, pa
     return out[rows.inverse]
 
 
+class _SparseSoftMin:
+    """The fine phase's :data:`~flashot.solver.tiled_loop.SoftMin`: the kept cluster pairs.
+
+    Every pair at an initialization (no potentials yet), else :class:`_Masks`' pairs at
+    the current potentials. Where the fused kernels run
+    (:func:`~flashot.backends.kernel_sums.window_step`), a step's two sides come from one
+    window pass over the mask's two layouts (:meth:`both`) and a self problem's side from
+    half of one; elsewhere, exact block-sparse soft-minima.
+    """
+
+    def __init__(self, srt: dict, cl: dict, masks: _Masks, cost, rho, backend: str):
+        self.srt, self.cl, self.masks = srt, cl, masks
+        self.cost, self.rho, self.backend = cost, rho, backend
+
+    def __call__(self, side, log_w, pot_rows, pot_cols, eps):
+        """The damped soft-minimum of ``side``'s rows (see the class)."""
+        rc, cc = self.cl[side[0]], self.cl[side[1]]
+        lam = damping(eps, self.rho)
+        if pot_rows is None or pot_cols is None:
+            keep = all_pairs(rc.count, cc.count, rc.starts.device)
+            return lam * self._exact(side, log_w, keep, eps)
+        keep = self.masks(side, pot_rows, pot_cols, eps)
+        if side[0] == side[1] and pot_rows is pot_cols:  # a self problem: half a pass
+            got = self._window(side, log_w, log_w, pot_rows, pot_rows, eps, keep, keep)
+            if got is not None:
+                return lam * got[0]
+        return lam * self._exact(side, log_w + pot_cols / eps, keep, eps)
+
+    def both(self, la, lb, f, g, eps):
+        """``(self("xy", lb, f, g, eps), self("yx", la, g, f, eps))``, from one pass."""
+        if f is None or g is None:
+            return self("xy", lb, f, g, eps), self("yx", la, g, f, eps)
+        keep, keep_t = self.masks("xy", f, g, eps), self.masks("yx", g, f, eps)
+        lam = damping(eps, self.rho)
+        got = self._window("xy", la, lb, f, g, eps, keep, keep_t)
+        if got is None:
+            return (lam * self._exact("xy", lb + g / eps, keep, eps),
+                    lam * self._exact("yx", la + f / eps, keep_t, eps))  # fmt: skip
+        return lam * got[0], lam * got[1]
+
+    def _exact(self, side, h, keep, eps):
+        rc, cc, srt = self.cl[side[0]], self.cl[side[1]], self.srt
+        return _sparse_softmin(srt[side[0]], rc, srt[side[1]], cc, h, eps, self.cost, keep,
+                               self.backend)  # fmt: skip
+
+    def _window(self, side, la, lb, f, g, eps, keep, keep_t):
+        """:func:`window_step` over the layouts of ``keep`` and ``keep_t`` (its transpose),
+        in the clouds' sorted order; None where it does not run."""
+        rc, cc = self.cl[side[0]], self.cl[side[1]]
+        x, y = self.srt[side[0]], self.srt[side[1]]
+        gap = None if x.is_cuda else 0
+        rows = block_intervals(rc.starts, cc.starts, keep, gap=gap)
+        if side[0] == side[1]:  # (a symmetric mask: one layout, the same sorted tensors)
+            ls, fs = la[rc.order], f[rc.order]
+            got = window_step(x, x, ls, ls, fs, fs, eps, self.cost, self.backend, (rows, rows))
+            return None if got is None else (got[0][rc.inverse],)
+        cols = block_intervals(cc.starts, rc.starts, keep_t, gap=gap)
+        got = window_step(x, y, la[rc.order], lb[cc.order], f[rc.order], g[cc.order], eps,
+                          self.cost, self.backend, (rows, cols))  # fmt: skip
+        return None if got is None else (got[0][rc.inverse], got[1][cc.inverse])
+
+
 def multiscale_potentials(
     a: torch.Tensor,
     x: torch.Tensor,
@@ -431,18 +493,7 @@ def multiscale_potentials(
     coarse = [e for e in temps if e > scale**p]
     fine = temps[len(coarse) :]
     masks = _Masks(cl, tau, p)
-
-    def sparse(side, log_w, pot_rows, pot_cols, eps):
-        rc, cc = cl[side[0]], cl[side[1]]
-        if pot_rows is None or pot_cols is None:  # (an initialization: every pair)
-            keep = all_pairs(rc.count, cc.count, rc.starts.device)
-            h = log_w
-        else:
-            keep = masks(side, pot_rows, pot_cols, eps)
-            h = log_w + pot_cols / eps
-        return damping(eps, rho) * _sparse_softmin(
-            srt[side[0]], rc, srt[side[1]], cc, h, eps, cost, keep, backend
-        )
+    sparse = _SparseSoftMin(srt, cl, masks, cost, rho, backend)
 
     start = None
     if coarse:  # GeomLoss' steps on the centroids (their weights summed), then the jump

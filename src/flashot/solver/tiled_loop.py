@@ -70,14 +70,11 @@ def symmetric_steps(soft: SoftMin, la, lb, temps: list[float], debias: bool, sta
         return soft("xy", lb, f, g, eps), soft("yx", la, g, f, eps)
 
     with torch.no_grad():
-        if start is None:  # (with ``both``, zero potentials: the same soft-minima, fused)
+        if start is None:  # (no potentials yet: the soft-minima of the weights)
             eps = temps[0]
-            zx = zy = None
-            if both is not None:
-                zx, zy = la.new_zeros(la.shape), lb.new_zeros(lb.shape)
-            f_ba, g_ab = pair(zx, zy, eps)
-            f_aa = soft("xx", la, zx, zx, eps) if debias else None
-            g_bb = soft("yy", lb, zy, zy, eps) if debias else None
+            f_ba, g_ab = pair(None, None, eps)
+            f_aa = soft("xx", la, None, None, eps) if debias else None
+            g_bb = soft("yy", lb, None, None, eps) if debias else None
         else:
             f_ba, g_ab, f_aa, g_bb = start
         for eps in temps:
@@ -109,9 +106,9 @@ class DenseSoftMin:
         """The damped soft-minimum of ``side``'s rows (see :data:`SoftMin`)."""
         rows, cols = self.clouds[side[0]], self.clouds[side[1]]
         lam = damping(eps, self.rho)
-        if rows is cols and pot_rows is not None and pot_rows is pot_cols:
-            got = window_step(rows, rows, log_w, log_w, pot_rows, pot_rows, eps, self.cost,
-                              self.backend)  # fmt: skip
+        if rows is cols and pot_rows is pot_cols:  # (None: stabilized by zeros)
+            pot = log_w.new_zeros(log_w.shape) if pot_rows is None else pot_rows
+            got = window_step(rows, rows, log_w, log_w, pot, pot, eps, self.cost, self.backend)
             if got is not None:
                 return lam * got[0]
         h = log_w if pot_cols is None else log_w + pot_cols / eps
@@ -120,7 +117,9 @@ class DenseSoftMin:
     def both(self, la, lb, f, g, eps):
         """``(soft("xy", lb, f, g, eps), soft("yx", la, g, f, eps))``."""
         x, y = self.clouds["x"], self.clouds["y"]
-        got = window_step(x, y, la, lb, f, g, eps, self.cost, self.backend)
+        zf = la.new_zeros(la.shape) if f is None else f  # (None: stabilized by zeros)
+        zg = lb.new_zeros(lb.shape) if g is None else g
+        got = window_step(x, y, la, lb, zf, zg, eps, self.cost, self.backend)
         if got is None:
             return self("xy", lb, f, g, eps), self("yx", la, g, f, eps)
         lam = damping(eps, self.rho)
