@@ -436,8 +436,10 @@ class _SparseSoftMin:
                                self.backend)  # fmt: skip
 
     def _window(self, side, la, lb, f, g, eps, keep, keep_t):
-        """:func:`window_step` over the layouts of ``keep`` and ``keep_t`` (its transpose),
-        in the clouds' sorted order; None where it does not run."""
+        """:func:`window_step` over the layouts of ``keep`` and ``keep_t`` (its transpose).
+
+        In the clouds' sorted order, results in the callers'; None where it does not run.
+        """
         rc, cc = self.cl[side[0]], self.cl[side[1]]
         x, y = self.srt[side[0]], self.srt[side[1]]
         gap = None if x.is_cuda else 0
