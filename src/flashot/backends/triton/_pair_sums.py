@@ -26,7 +26,9 @@ at the end into that split's partials (no atomics); row sums are reduced along t
 tile's cheap axis and added atomically (their order varies: not bit-reproducible, so
 :func:`window_softmins` is not used under ``torch.use_deterministic_algorithms``).
 A self problem (x against x, f = g) needs the column sums only (``ROWS`` false): by
-symmetry they are its rows'.
+symmetry they are its rows'. Block-sparse (the multiscale mode's fine steps): a column
+block streams only the row intervals a truncation mask keeps for it, each side's repair
+its own layout's intervals.
 """
 
 from __future__ import annotations
