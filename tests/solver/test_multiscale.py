@@ -322,30 +322,42 @@ def test_a_problem_too_dense_to_prune_is_solved_without_clusters(monkeypatch):
 @pytest.mark.parametrize("p,coarse", [(1, True), (2, False)])
 def test_the_fine_steps_take_the_block_sparse_window_pass(monkeypatch, p, coarse):
     """On the fused kernels (float32), each fine step's two sides come from one window
-    pass over the mask's two layouts and each self problem's from half of one; the
-    potentials equal the exact block-sparse steps' to float32 accuracy (from an
-    initialization and after a coarse phase)."""
-    x, y, _ = _clouds(2, 150, 130, 2)
-    x, y = x.float(), y.float()
+    pass over the mask's two layouts and each self problem's from half of one, and so
+    does the final extrapolation; the potentials and their gradients in x and y equal
+    the exact block-sparse steps' to float32 accuracy (from an initialization and after
+    a coarse phase)."""
+    x0, y0, g = _clouds(2, 150, 130, 2)
+    x0, y0 = x0.float(), y0.float()
     a, b = torch.full((150,), 1 / 150), torch.full((130,), 1 / 130)
+    u, v = torch.randn(150, generator=g).float(), torch.randn(130, generator=g).float()
     temps = [0.5**p, 0.2**p, 0.08**p, 0.04**p] if coarse else [0.04**p, 0.02**p]
-    calls, real = [], multiscale.window_step
+    calls, real, real_t = [], multiscale.window_step, multiscale.window_transforms
 
     def counted(*args, **kwargs):
         calls.append(args[1] is args[0])
         return real(*args, **kwargs)
 
+    def counted_t(*args, **kwargs):
+        calls.append("final")
+        return real_t(*args, **kwargs)
+
     def run():
-        return multiscale_potentials(a, x, b, y, cost_of(p), temps, True, 0.1, 5.0, p,
-                                     backend="triton")  # fmt: skip
+        x, y = x0.clone().requires_grad_(), y0.clone().requires_grad_()
+        out = multiscale_potentials(a, x, b, y, cost_of(p), temps, True, 0.1, 5.0, p,
+                                    backend="triton")  # fmt: skip
+        total = (u * (out.f_ba - out.f_aa)).sum() + (v * (out.g_ab - out.g_bb)).sum()
+        return (out.f_ba, out.g_ab, out.f_aa, out.g_bb, *torch.autograd.grad(total, (x, y)))
 
     monkeypatch.setattr(multiscale, "window_step", counted)
+    monkeypatch.setattr(multiscale, "window_transforms", counted_t)
     windowed = run()
     monkeypatch.setattr(multiscale, "window_step", lambda *args, **kwargs: None)
+    monkeypatch.setattr(multiscale, "window_transforms", lambda *args, **kwargs: None)
     exact = run()
     steps = sum(1 for t in temps if t <= 0.1**p)  # (an initialization streams every pair)
     assert calls.count(False) == steps and calls.count(True) == 2 * steps, calls
-    for field in ("f_ba", "g_ab", "f_aa", "g_bb"):
-        got, ref = getattr(windowed, field), getattr(exact, field)
+    assert calls.count("final") == 3  # (the pair, then each self problem)
+    for got, ref in zip(windowed, exact, strict=True):
+        got, ref = got.detach(), ref.detach()
         size = float(ref.abs().max())
         assert float((got - ref).abs().max()) <= 1e-5 * max(size, 1.0)

@@ -35,7 +35,8 @@ from torch.utils.checkpoint import checkpoint
 from flashot.geometry.pair_costs import KERNEL_COSTS, PairCost, distance_cost, half_square_cost
 
 __all__ = ["KERNELS", "block_intervals", "block_sparse_softmin", "cost_of", "distance",
-           "half_square", "kernel_matvec", "pair_scope", "softmin", "window_step"]  # fmt: skip
+           "half_square", "kernel_matvec", "pair_scope", "softmin", "window_step",
+           "window_transforms"]  # fmt: skip
 
 #: the largest tile of coordinate differences, in elements
 BUDGET = 1 << 20
@@ -163,7 +164,7 @@ def softmin(x: torch.Tensor, y: torch.Tensor, log_w: torch.Tensor, eps: float, c
 
 
 def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "auto",
-                sparse=None):  # fmt: skip
+                sparse=None, lse: bool = False):  # fmt: skip
     r"""``(softmin(x, y, lb + g/ε), softmin(y, x, la + f/ε))`` from one fused pass, or None.
 
     The pass (:mod:`flashot.backends.triton._pair_sums`) forms each cost once for both
@@ -181,6 +182,8 @@ def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "
             transpose (:func:`block_intervals`; x's blocks over y's intervals, y's over
             x's): each side's soft-minimum over its kept pairs, as
             :func:`block_sparse_softmin`'s.
+        lse: each side as ``(soft-minimum, lse2)``, lse2 the base-2 LSE its gradient
+            kernel takes.
     """
     if not (isinstance(cost, PairCost) and _fused(x, y, cost, backend)):
         return None
@@ -194,7 +197,46 @@ def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "
         return None
     for layout in sparse or ():
         _check_layout(layout)
-    return window_softmins(x, y, la, lb, f, g, eps, cost, sparse)
+    return window_softmins(x, y, la, lb, f, g, eps, cost, sparse, lse)
+
+
+def window_transforms(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "auto",
+                      sparse=None):  # fmt: skip
+    r"""GeomLoss' final extrapolation from one window pass (:func:`window_step`), or None.
+
+    ``(softmin(x, ȳ, lb + g/ε), softmin(y, x̄, la + f/ε))``, each differentiable in its
+    first cloud only (x, then y; the bar: held fixed, with the weights and potentials),
+    as :func:`~flashot.solver.tiled_loop.geomloss_potentials` differentiates them: the
+    forward from one pass, the gradient by the fused kernel from the pass's LSEs. A self
+    problem (``y is x``, ``la is lb``, ``f is g``) returns its one soft-minimum twice,
+    from half a pass. ``sparse``: as :func:`window_step`'s (the gradient streams each
+    side's own layout; its normalizer came from the pass, whose rows may see a differently
+    padded set of kept pairs: a difference below the truncation). None where the window
+    pass does not run.
+
+    Args:
+        x: (n, d), y: (m, d) clouds (x may need a gradient).  la: (n,), lb: (m,)
+        log-weights.  f: (n,), g: (m,) the current potentials.  eps, cost, backend: as
+        :func:`softmin`.
+    """
+    self_problem = y is x and la is lb and f is g
+    xd, f, la = x.detach(), f.detach(), la.detach()
+    yd, g, lb = (xd, f, la) if self_problem else (y.detach(), g.detach(), lb.detach())
+    got = window_step(xd, yd, la, lb, f, g, eps, cost, backend, sparse, lse=True)
+    if got is None:
+        return None
+    rows, cols = sparse if sparse is not None else (None, None)
+    f_new = _given(x, yd, lb + g / eps, eps, cost, rows, got[0])
+    if self_problem:
+        return f_new, f_new
+    return f_new, _given(y, xd, la + f / eps, eps, cost, cols, got[1])
+
+
+def _given(x, y, h, eps, cost, sparse, given):
+    """The soft-minimum ``given`` as (value, lse2), differentiable in x where it needs it."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Fused.apply(x, y, h, eps, cost, BUDGET, sparse, given)
+    return given[0]
 
 
 @contextlib.contextmanager
@@ -236,10 +278,13 @@ class _Fused(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, y, vec, eps, cost, budget, sparse=None):
+    def forward(ctx, x, y, vec, eps, cost, budget, sparse=None, given=None):
+        """``given``: the soft-minimum's ``(value, lse2)``, computed already (a window pass)."""
         from flashot.backends.triton import _pairwise
 
-        if eps is None:
+        if given is not None:
+            out, lse = given
+        elif eps is None:
             out, lse = _pairwise.fused_kernel_sum(x, y, vec, cost), None
         else:
             out, lse = _pairwise.fused_softmin(x, y, vec, eps, cost, sparse)
@@ -261,7 +306,7 @@ class _Fused(torch.autograd.Function):
             got3 = fused_grads(x, y, vec, ctx.eps, ctx.cost, lse, grad_out, need[0],
                                need[1] or need[2], sparse)  # fmt: skip
             grads = [t if want else None for t, want in zip(got3, need, strict=True)]
-            return (*grads, None, None, None, None)
+            return (*grads, None, None, None, None, None)
         with torch.enable_grad():  # (create_graph: the saved inputs carry their graphs)
             ins = [t if create_graph else t.detach().requires_grad_(w)
                    for t, w in zip((x, y, vec), need, strict=True)]  # fmt: skip
@@ -273,7 +318,7 @@ class _Fused(torch.autograd.Function):
                 out = softmin(*ins, ctx.eps, ctx.cost, ctx.budget, backend="torch")
             wanted = [t for t, w in zip(ins, need, strict=True) if w]
             got = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=create_graph))
-        return (*[next(got) if w else None for w in need], None, None, None, None)
+        return (*[next(got) if w else None for w in need], None, None, None, None, None)
 
 
 def _ranges(starts: torch.Tensor, stops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

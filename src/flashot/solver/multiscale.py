@@ -43,7 +43,12 @@ from typing import NamedTuple
 
 import torch
 
-from flashot.backends.kernel_sums import block_intervals, block_sparse_softmin, window_step
+from flashot.backends.kernel_sums import (
+    block_intervals,
+    block_sparse_softmin,
+    window_step,
+    window_transforms,
+)
 from flashot.solver.tiled_loop import GeomLossPotentials, damping, dense_softmin, symmetric_steps
 
 __all__ = ["Clusters", "TooManyPairsError", "all_pairs", "centroid_clusters", "default_scale",
@@ -430,27 +435,61 @@ class _SparseSoftMin:
                     lam * self._exact("yx", la + f / eps, keep_t, eps))  # fmt: skip
         return lam * got[0], lam * got[1]
 
-    def _exact(self, side, h, keep, eps):
-        rc, cc, srt = self.cl[side[0]], self.cl[side[1]], self.srt
-        return _sparse_softmin(srt[side[0]], rc, srt[side[1]], cc, h, eps, self.cost, keep,
-                               self.backend)  # fmt: skip
+    def extrapolate(self, clouds: dict, la, lb, pots: tuple, eps) -> GeomLossPotentials:
+        """GeomLoss' final extrapolation from ``pots = (f_ba, g_ab, f_aa, g_bb)``.
 
-    def _window(self, side, la, lb, f, g, eps, keep, keep_t):
+        Differentiable in the first cloud of each soft-minimum only (``clouds``: the
+        callers' x and y); a pair's two sides from one window pass where it runs.
+        """
+        f_ba, g_ab, f_aa, g_bb = pots
+        lam = damping(eps, self.rho)
+        keep, keep_t = self.masks("xy", f_ba, g_ab, eps), self.masks("yx", g_ab, f_ba, eps)
+        got = self._window("xy", la, lb, f_ba, g_ab, eps, keep, keep_t, clouds)
+        if got is None:
+            got = (self._exact("xy", lb + g_ab / eps, keep, eps, clouds["x"]),
+                   self._exact("yx", la + f_ba / eps, keep_t, eps, clouds["y"]))  # fmt: skip
+        out = [lam * got[0], lam * got[1]]
+        for side, lw, pot in (("xx", la, f_aa), ("yy", lb, g_bb)):
+            if pot is None:
+                out.append(None)
+                continue
+            keep = self.masks(side, pot, pot, eps)
+            one = self._window(side, lw, lw, pot, pot, eps, keep, keep, clouds)
+            if one is None:
+                one = (self._exact(side, lw + pot / eps, keep, eps, clouds[side[0]]),)
+            out.append(lam * one[0])
+        return GeomLossPotentials(*out)
+
+    def _exact(self, side, h, keep, eps, rows=None):
+        """The exact block-sparse soft-minimum of ``side`` with log-weights ``h``.
+
+        ``rows``: the row cloud (unsorted, maybe differentiable) instead of the sorted one.
+        """
+        rc, cc, srt = self.cl[side[0]], self.cl[side[1]], self.srt
+        xs = srt[side[0]] if rows is None else rows[rc.order]
+        return _sparse_softmin(xs, rc, srt[side[1]], cc, h, eps, self.cost, keep, self.backend)
+
+    def _window(self, side, la, lb, f, g, eps, keep, keep_t, clouds=None):
         """:func:`window_step` over the layouts of ``keep`` and ``keep_t`` (its transpose).
 
         In the clouds' sorted order, results in the callers'; None where it does not run.
+        With ``clouds`` (the callers' x and y) :func:`window_transforms` of them instead,
+        differentiable in each side's row cloud.
         """
         rc, cc = self.cl[side[0]], self.cl[side[1]]
         x, y = self.srt[side[0]], self.srt[side[1]]
+        run = window_step
+        if clouds is not None:
+            x, y, run = clouds[side[0]][rc.order], clouds[side[1]][cc.order], window_transforms
         gap = None if x.is_cuda else 0
         rows = block_intervals(rc.starts, cc.starts, keep, gap=gap)
         if side[0] == side[1]:  # (a symmetric mask: one layout, the same sorted tensors)
             ls, fs = la[rc.order], f[rc.order]
-            got = window_step(x, x, ls, ls, fs, fs, eps, self.cost, self.backend, (rows, rows))
+            got = run(x, x, ls, ls, fs, fs, eps, self.cost, self.backend, (rows, rows))
             return None if got is None else (got[0][rc.inverse],)
         cols = block_intervals(cc.starts, rc.starts, keep_t, gap=gap)
-        got = window_step(x, y, la[rc.order], lb[cc.order], f[rc.order], g[cc.order], eps,
-                          self.cost, self.backend, (rows, cols))  # fmt: skip
+        got = run(x, y, la[rc.order], lb[cc.order], f[rc.order], g[cc.order], eps, self.cost,
+                  self.backend, (rows, cols))  # fmt: skip
         return None if got is None else (got[0][rc.inverse], got[1][cc.inverse])
 
 
@@ -521,21 +560,8 @@ def multiscale_potentials(
                 jump("xx", pots[2]) if debias else None,
                 jump("yy", pots[3]) if debias else None,
             )
-    f_ba, g_ab, f_aa, g_bb = symmetric_steps(sparse, la, lb, fine, debias, start)
-    eps = temps[-1]
-
-    def final(rows, side, log_w, pot_rows, pot_cols):
-        rc, cc = cl[side[0]], cl[side[1]]
-        keep = masks(side, pot_rows, pot_cols, eps)
-        return damping(eps, rho) * _sparse_softmin(
-            rows[rc.order], rc, srt[side[1]], cc, log_w + pot_cols / eps, eps, cost, keep, backend
-        )
-
-    # the final extrapolation, differentiated in the first argument of each cost only
-    f_new, g_new = final(x, "xy", lb, f_ba, g_ab), final(y, "yx", la, g_ab, f_ba)
-    if f_aa is not None and g_bb is not None:
-        f_aa, g_bb = final(x, "xx", la, f_aa, f_aa), final(y, "yy", lb, g_bb, g_bb)
-    return GeomLossPotentials(f_new, g_new, f_aa, g_bb)
+    pots = symmetric_steps(sparse, la, lb, fine, debias, start)
+    return sparse.extrapolate({"x": x, "y": y}, la, lb, pots, temps[-1])
 
 
 def default_scale(diameter: float, d: int) -> float:

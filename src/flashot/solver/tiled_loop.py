@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashot.backends.kernel_sums import softmin, window_step
+from flashot.backends.kernel_sums import softmin, window_step, window_transforms
 
 __all__ = ["DenseSoftMin", "GeomLossPotentials", "damping", "dense_softmin",
            "geomloss_potentials", "symmetric_steps"]  # fmt: skip
@@ -162,9 +162,21 @@ def geomloss_potentials(
     lam = damping(eps, rho)
     xd, yd = clouds["x"], clouds["y"]
     # the final extrapolation, differentiated in the first argument of each cost only
-    f_new = lam * softmin(x, yd, lb + g_ab / eps, eps, cost, backend=backend)
-    g_new = lam * softmin(y, xd, la + f_ba / eps, eps, cost, backend=backend)
+    # (a pair's two sides from one window pass where it runs, a self problem's from half)
+    pair = window_transforms(x, y, la, lb, f_ba, g_ab, eps, cost, backend)
+    if pair is None:
+        pair = (softmin(x, yd, lb + g_ab / eps, eps, cost, backend=backend),
+                softmin(y, xd, la + f_ba / eps, eps, cost, backend=backend))  # fmt: skip
+    f_new, g_new = lam * pair[0], lam * pair[1]
     if f_aa is not None and g_bb is not None:
-        f_aa = lam * softmin(x, xd, la + f_aa / eps, eps, cost, backend=backend)
-        g_bb = lam * softmin(y, yd, lb + g_bb / eps, eps, cost, backend=backend)
+        f_aa, g_bb = (lam * _self_transform(z, lw, pot, eps, cost, backend)
+                      for z, lw, pot in ((x, la, f_aa), (y, lb, g_bb)))  # fmt: skip
     return GeomLossPotentials(f_new, g_new, f_aa, g_bb)
+
+
+def _self_transform(z, log_w, pot, eps, cost, backend):
+    """``softmin(z, z̄, log_w + pot/ε)``, differentiable in its first argument only."""
+    got = window_transforms(z, z, log_w, log_w, pot, pot, eps, cost, backend)
+    if got is not None:
+        return got[0]
+    return softmin(z, z.detach(), log_w + pot / eps, eps, cost, backend=backend)

@@ -107,7 +107,9 @@ def test_window_step_declines_where_it_does_not_apply():
 
 def test_the_schedule_takes_the_window_pass(monkeypatch):
     """SamplesLoss(p=1) forms each step's two sides (and each self problem) by the window
-    pass, and its value and gradient match the exact steps' to float32 accuracy."""
+    pass, and so its final extrapolation (differentiated: the gradient kernel reads the
+    pass's LSEs), and its value and gradient match the exact steps' to float32
+    accuracy."""
     import flashot
     import flashot.solver.tiled_loop as loop
 
@@ -124,12 +126,21 @@ def test_the_schedule_takes_the_window_pass(monkeypatch):
         v = flashot.SamplesLoss(p=1, blur=0.1, scaling=0.5, backend="triton")(xs, y)
         return v, torch.autograd.grad(v, xs)[0]
 
+    finals, real_t = [0], loop.window_transforms
+
+    def counted_t(*args, **kwargs):
+        finals[0] += 1
+        return real_t(*args, **kwargs)
+
     monkeypatch.setattr(loop, "window_step", counted)
+    monkeypatch.setattr(loop, "window_transforms", counted_t)
     windowed = value_and_grad()
     steps = calls[0]
     monkeypatch.setattr(loop, "window_step", lambda *a, **k: None)
+    monkeypatch.setattr(loop, "window_transforms", lambda *a, **k: None)
     exact = value_and_grad()
     assert steps > 0 and steps % 3 == 0  # (per step: both sides, then two self problems)
+    assert finals[0] == 3  # (the pair, then each self problem)
     assert abs(float(windowed[0] - exact[0])) <= 1e-6 * max(1.0, abs(float(exact[0])))
     assert float((windowed[1] - exact[1]).norm()) <= 1e-5 * float(exact[1].norm())
 

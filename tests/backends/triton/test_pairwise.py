@@ -171,11 +171,13 @@ def test_samples_loss_p1_on_the_kernel_matches_tiles(monkeypatch, debias, reach)
     )
     x, y = x.to(DEVICE), y.to(DEVICE)
     assert _rel(loss(x, y), ref(x, y)) < 1e-5
-    from flashot.backends.triton import _pairwise
+    from flashot.backends.triton import _pair_sums, _pairwise
 
     ran = []
-    real = _pairwise.fused_softmin
+    real, real_w = _pairwise.fused_softmin, _pair_sums.window_softmins
     monkeypatch.setattr(_pairwise, "fused_softmin", lambda *a: ran.append(a[4]) or real(*a))
+    monkeypatch.setattr(_pair_sums, "window_softmins",
+                        lambda *a: ran.append(a[7]) or real_w(*a))  # fmt: skip
     loss(x, y)
     assert ran and all(c is LOG_DISTANCE for c in ran)  # (the user's cost, on the kernel)
 

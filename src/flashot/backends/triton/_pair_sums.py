@@ -141,7 +141,8 @@ def _sums(xs, ys, xn, yn, f, la, g, lb, scale: float, cost: PairCost, rows: bool
     return (r if rows else None), cp.sum(0)
 
 
-def window_softmins(x, y, la, lb, f, g, eps: float, cost: PairCost, sparse=None):
+def window_softmins(x, y, la, lb, f, g, eps: float, cost: PairCost, sparse=None,
+                    lse: bool = False):  # fmt: skip
     """``(f̃, g̃)``: ``softmin(x, y, lb + g/ε)`` (n,) and ``softmin(y, x, la + f/ε)`` (m,).
 
     One window pass (see the module), then the exact kernel's REPAIR launch per side,
@@ -160,6 +161,8 @@ def window_softmins(x, y, la, lb, f, g, eps: float, cost: PairCost, sparse=None)
             streams the columns' layout, each side's repair its own; a row's window sum
             covers the kept pairs as its exact soft-minimum does, padded differently
             (terms below the truncation).
+        lse: each side as ``(soft-minimum, lse2)`` instead, lse2 the base-2 LSE the
+            kernels keep (:func:`~._pairwise.fused_softmin`'s, which its gradient takes).
     """
     self_problem = y is x and la is lb and f is g
     scale = _row.LOG2E / eps
@@ -171,16 +174,17 @@ def window_softmins(x, y, la, lb, f, g, eps: float, cost: PairCost, sparse=None)
                            sparse=cols_layout)  # fmt: skip
         g_new = _settled(y, x, la, g, f, cols, scale, cost, cols_layout)
         if rows is None:  # (a self problem)
-            return g_new, g_new
-        return _settled(x, y, lb, f, g, rows, scale, cost, rows_layout), g_new
+            return (g_new, g_new) if lse else (g_new[0], g_new[0])
+        f_new = _settled(x, y, lb, f, g, rows, scale, cost, rows_layout)
+        return (f_new, g_new) if lse else (f_new[0], g_new[0])
 
 
 def _settled(x, y, lw, pot, pot_cols, sums, scale: float, cost: PairCost, sparse=None):
-    """``softmin(x, y, lw + pot_cols/ε)`` from the window ``sums`` stabilized by ``pot``.
+    """``(softmin(x, y, lw + pot_cols/ε), its lse2)`` from the window ``sums`` at ``pot``.
 
     ``pot − ε ln sums`` where the sums are exact; the exact kernel in the row blocks
     holding one that is not (one REPAIR launch either way; over ``sparse``'s intervals).
     """
     parts = _launch_forward(x, y, lw, scale, cost, False, sparse=sparse,
                             repair=(sums, pot, pot_cols, WINDOW))  # fmt: skip
-    return (-1.0 / scale) * parts[0]
+    return (-1.0 / scale) * parts[0], parts[0]
