@@ -57,6 +57,13 @@ __all__ = ["Clusters", "TooManyPairsError", "all_pairs", "centroid_clusters", "d
 
 #: widest feature size the grid clustering accepts (cells multiply as scale^-d)
 MAX_DIM = 8
+#: whether the fine steps and the final extrapolation take block-sparse window passes
+#: (:meth:`_SparseSoftMin.both`): off until an interleaved A/B decides. v55's steps-only
+#: version lost on an H100 (1M spheres 330 → 387 ms, two rounds interleaved: its row
+#: reduction and atomics cost more than the second pass saves, 48.5 against 2 × 22.1
+#: sm_90 instructions a score); v57's, with the final extrapolation too, measured 399.6 →
+#: 318.1 ms in one round whose "off" side built each layout twice (biased against it)
+WINDOW = False
 #: how clusters are ordered: "morton" (cells along a Z-order curve: a block of sorted rows
 #: is a compact patch, its kept columns few intervals) or "lex" (cells by coordinates)
 CELL_ORDER = "morton"
@@ -399,10 +406,10 @@ class _SparseSoftMin:
     """The fine phase's :data:`~flashot.solver.tiled_loop.SoftMin`: the kept cluster pairs.
 
     Every pair at an initialization (no potentials yet), else :class:`_Masks`' pairs at
-    the current potentials. Where the fused kernels run
+    the current potentials. With :data:`WINDOW`, where the fused kernels run
     (:func:`~flashot.backends.kernel_sums.window_step`), a step's two sides come from one
     window pass over the mask's two layouts (:meth:`both`) and a self problem's side from
-    half of one; elsewhere, exact block-sparse soft-minima.
+    half of one; otherwise exact block-sparse soft-minima.
     """
 
     def __init__(self, srt: dict, cl: dict, masks: _Masks, cost, rho, backend: str):
@@ -476,6 +483,8 @@ class _SparseSoftMin:
         With ``clouds`` (the callers' x and y) :func:`window_transforms` of them instead,
         differentiable in each side's row cloud.
         """
+        if not WINDOW:
+            return None
         rc, cc = self.cl[side[0]], self.cl[side[1]]
         x, y = self.srt[side[0]], self.srt[side[1]]
         run = window_step
