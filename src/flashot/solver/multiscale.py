@@ -419,28 +419,19 @@ class _SparseSoftMin:
     def __call__(self, side, log_w, pot_rows, pot_cols, eps):
         """The damped soft-minimum of ``side``'s rows (see the class)."""
         rc, cc = self.cl[side[0]], self.cl[side[1]]
-        lam = damping(eps, self.rho)
         if pot_rows is None or pot_cols is None:
             keep = all_pairs(rc.count, cc.count, rc.starts.device)
-            return lam * self._exact(side, log_w, keep, eps)
-        keep = self.masks(side, pot_rows, pot_cols, eps)
+            return damping(eps, self.rho) * self._exact(side, log_w, keep, eps)
         if side[0] == side[1] and pot_rows is pot_cols:  # a self problem: half a pass
-            got = self._window(side, log_w, log_w, pot_rows, pot_rows, eps, keep, keep)
-            if got is not None:
-                return lam * got[0]
-        return lam * self._exact(side, log_w + pot_cols / eps, keep, eps)
+            return self._self(side, log_w, pot_rows, eps)
+        keep = self.masks(side, pot_rows, pot_cols, eps)
+        return damping(eps, self.rho) * self._exact(side, log_w + pot_cols / eps, keep, eps)
 
     def both(self, la, lb, f, g, eps):
         """``(self("xy", lb, f, g, eps), self("yx", la, g, f, eps))``, from one pass."""
         if f is None or g is None:
             return self("xy", lb, f, g, eps), self("yx", la, g, f, eps)
-        keep, keep_t = self.masks("xy", f, g, eps), self.masks("yx", g, f, eps)
-        lam = damping(eps, self.rho)
-        got = self._window("xy", la, lb, f, g, eps, keep, keep_t)
-        if got is None:
-            return (lam * self._exact("xy", lb + g / eps, keep, eps),
-                    lam * self._exact("yx", la + f / eps, keep_t, eps))  # fmt: skip
-        return lam * got[0], lam * got[1]
+        return self._pair(la, lb, f, g, eps)
 
     def extrapolate(self, clouds: dict, la, lb, pots: tuple, eps) -> GeomLossPotentials:
         """GeomLoss' final extrapolation from ``pots = (f_ba, g_ab, f_aa, g_bb)``.
@@ -449,23 +440,33 @@ class _SparseSoftMin:
         callers' x and y); a pair's two sides from one window pass where it runs.
         """
         f_ba, g_ab, f_aa, g_bb = pots
-        lam = damping(eps, self.rho)
-        keep, keep_t = self.masks("xy", f_ba, g_ab, eps), self.masks("yx", g_ab, f_ba, eps)
-        got = self._window("xy", la, lb, f_ba, g_ab, eps, keep, keep_t, clouds)
+        f_new, g_new = self._pair(la, lb, f_ba, g_ab, eps, clouds)
+        selves = [None if pot is None else self._self(side, lw, pot, eps, clouds)
+                  for side, lw, pot in (("xx", la, f_aa), ("yy", lb, g_bb))]  # fmt: skip
+        return GeomLossPotentials(f_new, g_new, *selves)
+
+    def _pair(self, la, lb, f, g, eps, clouds=None):
+        """Both sides of the cross problem (damped): one window pass, else two exact ones.
+
+        ``clouds``: the callers' x and y, each side differentiable in its row cloud.
+        """
+        keep, keep_t = self.masks("xy", f, g, eps), self.masks("yx", g, f, eps)
+        got = self._window("xy", la, lb, f, g, eps, keep, keep_t, clouds)
         if got is None:
-            got = (self._exact("xy", lb + g_ab / eps, keep, eps, clouds["x"]),
-                   self._exact("yx", la + f_ba / eps, keep_t, eps, clouds["y"]))  # fmt: skip
-        out = [lam * got[0], lam * got[1]]
-        for side, lw, pot in (("xx", la, f_aa), ("yy", lb, g_bb)):
-            if pot is None:
-                out.append(None)
-                continue
-            keep = self.masks(side, pot, pot, eps)
-            one = self._window(side, lw, lw, pot, pot, eps, keep, keep, clouds)
-            if one is None:
-                one = (self._exact(side, lw + pot / eps, keep, eps, clouds[side[0]]),)
-            out.append(lam * one[0])
-        return GeomLossPotentials(*out)
+            rows = (None, None) if clouds is None else (clouds["x"], clouds["y"])
+            got = (self._exact("xy", lb + g / eps, keep, eps, rows[0]),
+                   self._exact("yx", la + f / eps, keep_t, eps, rows[1]))  # fmt: skip
+        lam = damping(eps, self.rho)
+        return lam * got[0], lam * got[1]
+
+    def _self(self, side, log_w, pot, eps, clouds=None):
+        """A self problem's side (damped): half a window pass, else an exact one."""
+        keep = self.masks(side, pot, pot, eps)
+        got = self._window(side, log_w, log_w, pot, pot, eps, keep, keep, clouds)
+        if got is None:
+            rows = None if clouds is None else clouds[side[0]]
+            got = (self._exact(side, log_w + pot / eps, keep, eps, rows),)
+        return damping(eps, self.rho) * got[0]
 
     def _exact(self, side, h, keep, eps, rows=None):
         """The exact block-sparse soft-minimum of ``side`` with log-weights ``h``.
