@@ -29,13 +29,17 @@ Parts (env PARTS, default "A,B,C"):
   ``plan_vjp`` kernel's tiles for one value column (``_configs.VJP_NARROW_TILES``), each
   with one launch, the whole HVP and its error against the float64 double backward;
   SYM_TILES="64,64,4,2;128,64,4,2" times the symmetric reverse's tiles
-  (``_configs.SYM_VJP_TILES``; SYM_VJP is on by default); MIRROR=1 a self problem's
+  (``_configs.SYM_VJP_TILES``, ``SYM_VJP_NARROW_TILES`` at P_D ≤ 16; SYM_VJP is on by
+  default); MIRROR=1 a self problem's
   mirror off and on,
   twice (with P_CASE=geomloss: the debiased call); STABILIZED=1 the replay's LSEs from
   stabilized fused sums (``_configs.STABILIZED_LSE_FROM``) off and on, twice;
   MID="128,64,8,2" the wide reverse product's tiles for 17…64 values
-  (``_configs.VJP_MID_TILES``: the envelope's row average) off, then each. No float64
-  error past REF_MAX points.
+  (``_configs.VJP_MID_TILES``: the envelope's row average) off, then each;
+  SPLIT_VALUES=1 value products on triples (d ≤ 5) by 3xTF32 per tile, then split once
+  (``Operands.splits_values``), twice; MIRROR_VJP=1 a mirror's reverse in two launches,
+  then one (``TritonBackend.mirror_vjp``), twice. Toggles print ``from_first``, each
+  HVP's distance from the first setting's. No float64 error past REF_MAX points.
 
 Prints a short table last; rows also go to $OUT/second_order.json when OUT is set.
 """
@@ -251,13 +255,16 @@ def part_p():
     kept = vjp.VJP_NARROW_TILES, vjp.VJP_FUSED_COLUMNS, vjp.SYM_VJP
 
     def toggle(module, name, labelled):  # module.name at each (label, value), then restored
-        kept_value = getattr(module, name)
+        kept_value, first = getattr(module, name), None
         for label, value in labelled:
             setattr(module, name, value)
             REPLAY_GRAPHS.clear()  # (captured replays keep the launches they were made with)
             run = hvp_of(x, y, v)
+            out = run()
+            first = out if first is None else first
             rows.append(dict(part="P", case=case, who=label, ms=0.0, hvp_ms=bench(run),
-                             err=None if ref is None else rel(run(), ref),
+                             err=None if ref is None else rel(out, ref),
+                             from_first=rel(out, first),
                              whole_ms=bench(lambda: double_backward(loss_y, x, v))))  # fmt: skip
             print(rows[-1], flush=True)
         setattr(module, name, kept_value)
@@ -278,8 +285,21 @@ def part_p():
         off = lambda *t: False  # noqa: E731
         toggle(second_order, "mirrors", [(f"mirror={on}", replay.mirrors if on else off)
                                          for on in (False, True, False, True)])  # fmt: skip
+    if os.environ.get("SPLIT_VALUES"):  # value products on triples: 3xTF32 (off), split (on)
+        from flashot.backends.triton._operands import Operands
+
+        on, off = Operands.splits_values, lambda self: False
+        toggle(Operands, "splits_values", [(f"split values={v}", on if v else off)
+                                           for v in (False, True, False, True)])  # fmt: skip
+    if os.environ.get("MIRROR_VJP"):  # a mirror's reverse in one launch (on) or two (off)
+        from flashot.backends.triton import TritonBackend
+
+        on, off = TritonBackend.mirror_vjp, lambda self, *a: None
+        toggle(TritonBackend, "mirror_vjp", [(f"mirror one launch={v}", on if v else off)
+                                             for v in (False, True, False, True)])  # fmt: skip
     if os.environ.get("SYM_TILES"):  # SYM_VJP's tiles (on by default), each
-        toggle(vjp, "SYM_VJP_TILES", [(f"sym tiles {t}", t)
+        name = "SYM_VJP_NARROW_TILES" if P_D <= 16 else "SYM_VJP_TILES"
+        toggle(vjp, name, [(f"sym tiles {t}", t)
                                       for t in tiles(os.environ["SYM_TILES"])])  # fmt: skip
     # FUSED=1: each setting also with the columns' sums in the rows' launch; SYM=1: also
     # with a symmetric step's two reverse products in one launch (_configs.SYM_VJP)

@@ -180,7 +180,8 @@ def test_a_symmetric_steps_two_reverse_products_in_one_launch(reach, presplit):
     calls: list = []
     with pytest.MonkeyPatch.context() as mp:
         spy = triton_backend.symmetric_vjp
-        mp.setattr(triton_backend, "symmetric_vjp", lambda *t: calls.append(1) or spy(*t))
+        mp.setattr(triton_backend, "symmetric_vjp",
+                   lambda *t, **kw: calls.append(1) or spy(*t, **kw))  # fmt: skip
         mp.setattr(_configs, "SYM_VJP", False)
         two = hvps(TritonBackend(presplit=presplit))
         assert not calls
@@ -188,6 +189,38 @@ def test_a_symmetric_steps_two_reverse_products_in_one_launch(reach, presplit):
         one = hvps(TritonBackend(presplit=presplit))
     steps = len(geomloss_schedule(4.0, 0.09, 0.6))  # (xy; y fixed: its own problem's too)
     assert len(calls) >= steps, (len(calls), steps)
+    for got, ref in zip(one, two, strict=True):
+        assert rel(got, ref) < 1e-5
+    for got, ref in zip(one, want, strict=True):
+        assert rel(got, ref) < 1e-4
+
+
+@pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
+@pytest.mark.parametrize("presplit,d", [(None, 3), (True, 3), (None, 8)])
+def test_a_self_problems_reverse_step_in_one_launch(presplit, d):
+    """A debiased loss's self problems (mirror replays) differentiate each step's transform
+    in one launch (:meth:`TritonBackend.mirror_vjp`): the HVP of two reverse products a
+    step, and of float64 on the torch backend; triples (d ≤ 5) split their values too."""
+    from flashot.backends.triton import TritonBackend
+
+    x, y, a, b, v = problem(12, 10, d, 4, dtype=torch.float32)
+
+    def hvp(backend, dtype=torch.float32):
+        loss = flashot.SamplesLoss(blur=0.3, scaling=0.6, diameter=4.0, backend=backend)
+        xs = x.to(dtype).requires_grad_()
+        (g,) = torch.autograd.grad(loss(a.to(dtype), xs, b.to(dtype), y.to(dtype)), xs,
+                                   create_graph=True)  # fmt: skip
+        return g.detach(), torch.autograd.grad((g * v.to(dtype)).sum(), xs)[0]
+
+    want = hvp("torch", torch.float64)
+    calls: list = []
+    with pytest.MonkeyPatch.context() as mp:
+        spy = TritonBackend.mirror_vjp
+        mp.setattr(TritonBackend, "mirror_vjp", lambda *t: None)
+        two = hvp(TritonBackend(presplit=presplit))
+        mp.setattr(TritonBackend, "mirror_vjp", lambda *t: calls.append(1) or spy(*t))
+        one = hvp(TritonBackend(presplit=presplit))
+    assert len(calls) >= len(geomloss_schedule(4.0, 0.09, 0.6)) - 1
     for got, ref in zip(one, two, strict=True):
         assert rel(got, ref) < 1e-5
     for got, ref in zip(one, want, strict=True):

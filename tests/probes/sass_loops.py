@@ -163,6 +163,8 @@ def cases():
     vjp = dict(BLOCK_M=128, BLOCK_N=64, SPLIT=True, WITH_K=True, PRECISION="ieee",
                V_PRECISION="tf32x3", EXTRA_SIDE=0, BLOCK_P=16, P_CHUNKS=1, PRESPLIT=True,
                OUTER=True, KV_SPLIT=True, COLS=False)  # fmt: skip
+    yield ("reverse product (replay) d3 triples", _vjp._plan_vjp_kernel,
+           dict(vjp, BLOCK_D=16, BLOCK_K=16, PRECISION="tf32", PRESPLIT=False), ("KV",), 64)
     for bd in (16, 64):
         yield (
             f"reverse product (replay) d{bd}",
@@ -175,9 +177,17 @@ def cases():
 
     bm, bn, warps, stages = _configs.SYM_VJP_TILES
     sym = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=64, BLOCK_K=64, SPLIT=True, PRECISION="ieee",
-               V_PRECISION="tf32x3", PRESPLIT=True)  # fmt: skip
+               V_PRECISION="tf32x3", PRESPLIT=True, V_SPLIT=True, COLS0=True)  # fmt: skip
     yield ("symmetric reverse (replay) d64", _sym_vjp._sym_vjp_kernel, sym,
            ("Q", "K", "KV0", "KV1"), bm * bn // (32 * warps), warps, stages)  # fmt: skip
+    # d = 3 on triples (one TF32 MMA of K = 16), values split; a self problem's (mirror)
+    # without the column atomics
+    bm, bn, warps, stages = _configs.SYM_VJP_NARROW_TILES
+    triples = dict(sym, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=16, BLOCK_K=16, PRECISION="tf32",
+                   PRESPLIT=False)  # fmt: skip
+    for cols, name in ((True, "symmetric reverse (replay) d3"), (False, "mirror reverse d3")):
+        yield (name, _sym_vjp._sym_vjp_kernel, dict(triples, COLS0=cols), ("KV0", "KV1"),
+               bm * bn // (32 * warps), warps, stages)  # fmt: skip
     pair = dict(PRECISION="tf32x3", COST=pf.distance, SUM=False, SPARSE=False)
     bm, bn, warps, _ = _configs.PAIRWISE_FORWARD_TILES
     fwd = dict(pair, BLOCK_M=bm, BLOCK_N=bn)

@@ -63,6 +63,7 @@ from flashot.autodiff.unrolled import (
     Trajectory,
     damping,
     fill_transform_grads,
+    mirror_transform_vjp,
     spec_at,
     transform_form,
     transform_pass,
@@ -447,9 +448,10 @@ class _Sweep:
 
         def vjp(side, u, h, r, e, warm, h_needed=True):  # λ T(h) with cotangent u: ū_h
             parts, order, spec = _side(theta, side, h, self.spec)
-            u = self._lam(e, side) * u
+            u, spec = self._lam(e, side) * u, spec_at(spec, e, warm)
             wanted = (*(needs[i] for i in order), h_needed)
-            return take(side, transform_vjp(parts, r, u, u, spec_at(spec, e, warm), wanted))
+            out = mirror_transform_vjp(parts, r, u, spec, wanted) if self.mirror else None
+            return take(side, out or transform_vjp(parts, r, u, u, spec, wanted))
 
         if self.mirror:  # w = ū_f + ū_g, θ's shares in the rows' slots (see the module)
             w = u_f + u_g

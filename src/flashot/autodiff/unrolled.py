@@ -211,6 +211,29 @@ def transform_vjp(parts, r, u, u_alpha, spec: DualSpec, needs) -> list:
     return out
 
 
+def mirror_transform_vjp(parts, r, u, spec: DualSpec, needs) -> list | None:
+    """:func:`transform_vjp` of a self problem's transform in one pass, or None.
+
+    A mirror replay's transform (one cloud on both sides, ``s_ij = s_ji``) needs
+    ``Π k``, ``Πᵀ(u ⊙ q)`` and ``Πᵀ u``: two launches of :meth:`~flashot.backends.base.
+    Backend.plan_vjp`, or one of :meth:`~flashot.backends.base.Backend.mirror_vjp` where
+    the backend offers it (None: the caller takes :func:`transform_vjp`).
+    """
+    q, _, k, beta, log_w, h = parts
+    rows_and_columns = needs[0] and (needs[2] or any(needs[3:]))
+    if not rows_and_columns or torch.is_grad_enabled():
+        return None
+    form = transform_form(q, torch.zeros_like(r), k, beta, spec)
+    with spec.backend.operand_scope(spec.operands):
+        fused = spec.backend.mirror_vjp(form, h, r, log_w.detach(), u, spec.eps)
+    if fused is None:
+        return None
+    out: list = [None] * 6
+    out[1] = u if needs[1] else None
+    fill_transform_grads(out, needs, spec.eps, *fused)
+    return out
+
+
 class RowAverage(torch.autograd.Function):
     r"""``Π V`` (n, p), differentiable once in q, k, β, log w, h and V.
 

@@ -334,6 +334,16 @@ class Backend:
         """
         return None
 
+    def mirror_vjp(self, form: AttentionForm, h, r, log_w, u, eps):
+        r"""The reverse of a self problem's transform in one pass, or None.
+
+        ``form``: a self problem's (n = m, ``s_ij = s_ji``: one cloud on both sides).
+        With ``Π_ij = w_j e^{(r_i + h_j − β_j + s_ij)/ε}``: ``(u ⊙ Π k (n, d'),
+        Πᵀ(u ⊙ q) (n, d'), Πᵀ u (n,))``, the column reductions read off the transposed
+        plan's rows. None here: the caller takes :meth:`plan_vjp`'s two launches.
+        """
+        return None
+
     def plan_vjp(
         self,
         form: AttentionForm,

@@ -334,6 +334,11 @@ SYM_VJP_UP_TO = 64
 #: 43.2; 128 × 32 × 4 55.3; 128 × 64 × 4 66.5 (spills); 128 × 128 × 8 does not launch
 #: (234 496 bytes of shared memory)
 SYM_VJP_TILES = (128, 64, 8, 2)
+#: ... at ≤ 16 padded features (triples, d ≤ 5; values split: 105 registers, 4 programs an
+#: SM). H100, v58, GeomLoss' defaults 10k d = 3, HVP alone, two rounds: 128 × 64 × 8
+#: 11.09 ms, 64 × 32 × 4 10.91, 128 × 128 × 8 10.91 (3 spills with column sums, offline);
+#: split parts of 6…16 features take them too (untimed)
+SYM_VJP_NARROW_TILES = (64, 32, 4, 2)
 #: its tiles past 64 features, by padded width (the module's own callers; the backend
 #: stops at SYM_VJP_UP_TO): 128 × 64 needed 295 424 bytes of shared memory at d = 70 (H100,
 #: v48); these take 132–148 KB (128) and 98–197 KB (256) at sm_90 (launch_shared.py)

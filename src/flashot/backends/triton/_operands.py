@@ -106,6 +106,18 @@ class Operands:
         """The kernels' ``PRECISION`` for a tile key's dot (split parts do not read it)."""
         return self.dot() if dot == SPLIT_DOT else dot
 
+    def splits_values(self, presplit: bool, d: int) -> bool:
+        """Whether value products split their values once per launch (else per tile).
+
+        Where the scores read split parts (``presplit``, from :meth:`for_launch`) or
+        triples (d ≤ :data:`TRIPLE_UP_TO` in "fp32"): values into half parts
+        (:func:`._split.split_keys`), the weights (at most 1) split per tile, three half
+        MMAs. On triples this replaced 3xTF32 value products (sm_90: 21.0 → 15.4
+        instructions a score at d = 3, NOTES.md). Not beside 3xTF32 score tiles: that loop
+        faulted with an illegal address under Triton 3.6 (H100, v58).
+        """
+        return presplit or self.triples(d)
+
     def triples(self, d: int) -> bool:
         """Whether score operands of d features are triples (:mod:`._triples`).
 

@@ -54,11 +54,13 @@ __all__ = ["sym_vjp_tiles", "symmetric_vjp"]
 def sym_vjp_tiles(width: int) -> tuple:
     """(BLOCK_M, BLOCK_N, warps, stages) on a GPU for ``width`` features (score or value).
 
-    Past 64 the smaller tiles that fit sm_90's shared memory
+    Up to 16 (triples) :data:`._configs.SYM_VJP_NARROW_TILES`; past 64 the smaller tiles that fit sm_90's shared memory
     (:data:`._configs.SYM_VJP_WIDE_TILES`); past 256 none does (two value accumulators of
     the full width): a ValueError.
     """
     padded = max(16, next_pow2(width))
+    if padded <= 16:
+        return _configs.SYM_VJP_NARROW_TILES
     if padded <= 64:
         return _configs.SYM_VJP_TILES
     if padded not in _configs.SYM_VJP_WIDE_TILES:
@@ -67,8 +69,9 @@ def sym_vjp_tiles(width: int) -> tuple:
     return _configs.SYM_VJP_WIDE_TILES[padded]
 
 
-def symmetric_vjp(backend, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps):
-    """``(u ⊙ Π^x k (n, d), Π^xᵀ u (m,), Π^yᵀ(u' ⊙ k) (n, d), Π^yᵀ u' (n,))`` (see module).
+def symmetric_vjp(backend, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps, values=None,
+                  column_sums: bool = True):  # fmt: skip
+    """``(u ⊙ Π^x k (n, d), Π^xᵀ u (m,), Π^yᵀ(u' ⊙ v) (n, d), Π^yᵀ u' (n,))`` (see module).
 
     Args:
         backend: the :class:`~flashot.backends.triton.TritonBackend`.
@@ -77,6 +80,9 @@ def symmetric_vjp(backend, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps):
             negated LSEs (rows', columns').  log_a: (n,), log_b: (m,) log weights.
         u_f: (n,) cotangent u of the rows' transform, u_g: (m,) u' of the columns'.
         eps: ε (a float or a :class:`~flashot.backends.temperature.Temperature`).
+        values: (m, d) the columns' values ``v`` of the third output (None: k).
+        column_sums: form the second output (else it is returned as zeros, and one
+            cross-warp reduction and BLOCK_N atomics a tile are saved).
     """
     f32 = torch.float32
     q, k = form.q.contiguous(), form.k.contiguous()
@@ -92,8 +98,10 @@ def symmetric_vjp(backend, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps):
     out_k0, out_k1 = out[: n * d].view(n, d), out[n * d : 2 * n * d].view(n, d)
     out_w1, out_c0 = out[2 * n * d : 2 * n * d + n], out[2 * n * d + n :]
     qs, ks, split_args, presplit, dot = backend.operands.for_launch(q, k)
-    kv0, kv0_inv, kv0_lo = split_keys(k, presplit, rb0)
-    kv1, kv1_inv, kv1_lo = split_keys((u1[:, None] * k).contiguous(), presplit, rb0)
+    v_split = backend.operands.splits_values(presplit, q.shape[1])
+    values = k if values is None else values.to(f32)
+    kv0, kv0_inv, kv0_lo = split_keys(k, v_split, rb0)
+    kv1, kv1_inv, kv1_lo = split_keys((u1[:, None] * values).contiguous(), v_split, rb0)
     kv_args = {"KV0_INV": kv0_inv, "KV1_INV": kv1_inv, "kv0_lo": kv0_lo, "kv1_lo": kv1_lo}
     if triton_interpreted():
         block_m, block_n, warps, stages = 16, 16, 1, 1
@@ -112,7 +120,8 @@ def symmetric_vjp(backend, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps):
             **split_args, **kv_args, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=max(16, next_pow2(qs.shape[1])), BLOCK_K=max(16, next_pow2(d)),
             SPLIT=splits > 1, PRECISION=backend.operands.kernel_dot(dot),
-            V_PRECISION=backend.operands.dot(), PRESPLIT=presplit, **options,
+            V_PRECISION=backend.operands.dot(), PRESPLIT=presplit, V_SPLIT=v_split,
+            COLS0=column_sums, **options,
         )  # fmt: skip
     return out_k0, out_c0, out_k1, out_w1
 
@@ -125,17 +134,18 @@ def _sym_vjp_kernel(
     Q_INV, K_INV, q_lo, k_lo, KV0_INV, KV1_INV, kv0_lo, kv1_lo,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-    V_PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
+    V_PRECISION: tl.constexpr, PRESPLIT: tl.constexpr, V_SPLIT: tl.constexpr,
+    COLS0: tl.constexpr,
 ):  # fmt: skip
     """Both transforms' reverse products over one row block and one column split.
 
     ``e0 = 2^{s·scale + RB0_i + CB0_j}`` (Π^x), ``e1 = 2^{s·scale + CB1_j − max_i}``
     (Π^y / (a_i 2^{max_i − RB1_i})): ``OUT_K0 += U0 ⊙ e0 KV0`` (KV0 = k),
-    ``OUT_C0 += e0ᵀ U0`` (atomics per tile), ``OUT_W1 += 2^{max + RB1} e1 U1`` and
-    ``OUT_K1 += 2^{max + RB1} e1 KV1`` (KV1 = U1 ⊙ k), added atomically over the column
-    splits with SPLIT (zeroed outputs). With PRESPLIT the scores read split parts and
-    KV0, KV1 come split into half parts (``KV*_INV``, ``kv*_lo``), the weights split per
-    tile. ``temp_at`` ≠ 0: ``scale`` from the temperature row ``TEMP``.
+    ``OUT_C0 += e0ᵀ U0`` (atomics per tile, with COLS0), ``OUT_W1 += 2^{max + RB1} e1 U1``
+    and ``OUT_K1 += 2^{max + RB1} e1 KV1`` (KV1 = U1 ⊙ v), added atomically over the column
+    splits with SPLIT (zeroed outputs). With PRESPLIT the scores read split parts; with
+    V_SPLIT KV0, KV1 come split into half parts (``KV*_INV``, ``kv*_lo``), the weights
+    split per tile. ``temp_at`` ≠ 0: ``scale`` from the temperature row ``TEMP``.
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -150,7 +160,7 @@ def _sym_vjp_kernel(
     )
     s_scale = scale * unscale
     kv0_unscale, kv1_unscale = 1.0, 1.0
-    if PRESPLIT:
+    if V_SPLIT:
         kv0_unscale, kv1_unscale = tl.load(KV0_INV), tl.load(KV1_INV)
     rb0 = tl.load(RB0 + offs_m, mask=row_ok, other=float("-inf"))
     u0 = tl.load(U0 + offs_m, mask=row_ok, other=0.0)
@@ -166,12 +176,14 @@ def _sym_vjp_kernel(
                         q_lo_tile, q_lo_tile, q_lo, k_lo, PRESPLIT)  # fmt: skip
         cb0 = tl.load(CB0 + offs_n, mask=col_ok, other=float("-inf"))
         e0 = tl.exp2(s * s_scale + rb0[:, None] + cb0[None, :])
-        tl.atomic_add(OUT_C0 + offs_n, tl.sum(e0 * u0[:, None], 0), mask=col_ok, sem="relaxed")
+        if COLS0:
+            tl.atomic_add(OUT_C0 + offs_n, tl.sum(e0 * u0[:, None], 0), mask=col_ok,
+                          sem="relaxed")
         cb1 = tl.load(CB1 + offs_n, mask=col_ok, other=float("-inf"))
         run_max, e1, decay = _online_weights(s, cb1, run_max, s_scale)
         u1 = tl.load(U1 + offs_n, mask=col_ok, other=0.0)
         acc_w1 = acc_w1 * decay + tl.sum(e1 * u1[None, :], 1)
-        if PRESPLIT:
+        if V_SPLIT:
             acc_k0 += _value_product(e0, KV0, offs_n, col_hi, offs_k, d, stride_kvn, stride_kvd,
                                      kv0_lo, 1.0, V_PRECISION, True)  # fmt: skip
             pv = _value_product(e1, KV1, offs_n, col_hi, offs_k, d, stride_kvn, stride_kvd,

@@ -15,7 +15,8 @@ product with the keys only for ``row_k`` / ``col_q``.
 The scores read the operands the solver's passes read (:meth:`~._operands.Operands.
 score_pair`: split half parts at 10k d = 64, triples at d ≤ 5), split once per call, not
 3xTF32 per tile. One value column (``p = 1``, the replay's transforms) is an outer
-product ``d_i v_j``: no MMA forms it, and with split score operands the keys' product
+product ``d_i v_j``: no MMA forms it, and in "fp32" (split score operands or triples:
+:meth:`~._operands.Operands.splits_values`) the keys' product
 reads ``v ⊙ k`` split once into half parts, the weights taken against a running row
 maximum (at most 1, so half precision holds them) and split per tile as the attend
 kernel's values are (:func:`~._common._value_product`). Wider values hold the features
@@ -83,7 +84,7 @@ def _rows(backend, q, k, row_bias, col_bias, dr, vc, eps, with_k, extra=None, ex
     out_c = torch.zeros(m if cols is not None else 1, device=dev, dtype=torch.float32)
     col_rb, col_cb = cols if cols is not None else (row_bias, col_bias)
     qs, ks, split_args, presplit, dot = backend.operands.for_launch(q, k)
-    kv_split = outer and with_k and presplit
+    kv_split = outer and with_k and backend.operands.splits_values(presplit, q.shape[1])
     kv, kv_inv, kv_lo = split_keys((vc * k).contiguous() if kv_split else k, kv_split, row_bias)
     kv_args = {"KV_INV": kv_inv, "kv_lo": kv_lo}
     if triton_interpreted():

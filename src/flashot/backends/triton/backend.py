@@ -331,10 +331,22 @@ class TritonBackend(Backend):
         One launch (:mod:`._sym_vjp`) with :data:`._configs.SYM_VJP` on, up to
         :data:`._configs.SYM_VJP_UP_TO` features, not packed, not near-uniform; else None.
         """
-        wide = form.q.shape[1] > _configs.SYM_VJP_UP_TO
-        if not _configs.SYM_VJP or _generic(form, eps) or wide:
+        if not _fuses_vjp(form, eps):
             return None
         return symmetric_vjp(self, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps)
+
+    def mirror_vjp(self, form, h, r, log_w, u, eps):
+        """See :meth:`~flashot.backends.base.Backend.mirror_vjp`.
+
+        :mod:`._sym_vjp`'s launch where :meth:`symmetric_vjp` takes the form: side 0 the
+        transform, side 1 its transposed rows (values q, no column atomics); else None.
+        """
+        if form.q.shape != form.k.shape or not _fuses_vjp(form, eps):
+            return None
+        own = h - form.beta + form.alpha  # (side 1's bias (own − α) is the transform's h − β)
+        row_k, _, col_q, col = symmetric_vjp(self, form, own, h, r, r, log_w, log_w, u, u, eps,
+                                             values=form.q, column_sums=False)  # fmt: skip
+        return row_k, col_q, col
 
     def marginals(self, pot):
         """See :meth:`flashot.backends.base.Backend.marginals` (fused where valid)."""
@@ -342,6 +354,12 @@ class TritonBackend(Backend):
             return super().marginals(pot)
         ln_r, ln_c, _ = fused_step(self, pot, (0.0, 0.0), (0.0, 0.0), log_sums=True)
         return torch.exp(pot.log_a + ln_r), torch.exp(pot.log_b + ln_c)
+
+
+def _fuses_vjp(form, eps: float) -> bool:
+    """Whether :mod:`._sym_vjp` takes a form's reverse products (on, narrow, not generic)."""
+    narrow = form.q.shape[1] <= _configs.SYM_VJP_UP_TO
+    return _configs.SYM_VJP and narrow and not _generic(form, eps)
 
 
 def _near(form, eps: float) -> bool:
