@@ -163,8 +163,13 @@ def cases():
     vjp = dict(BLOCK_M=128, BLOCK_N=64, SPLIT=True, WITH_K=True, PRECISION="ieee",
                V_PRECISION="tf32x3", EXTRA_SIDE=0, BLOCK_P=16, P_CHUNKS=1, PRESPLIT=True,
                OUTER=True, KV_SPLIT=True, COLS=False)  # fmt: skip
-    yield ("reverse product (replay) d3 triples", _vjp._plan_vjp_kernel,
-           dict(vjp, BLOCK_D=16, BLOCK_K=16, PRECISION="tf32", PRESPLIT=False), ("KV",), 64)
+    yield (
+        "reverse product (replay) d3 triples",
+        _vjp._plan_vjp_kernel,
+        dict(vjp, BLOCK_D=16, BLOCK_K=16, PRECISION="tf32", PRESPLIT=False),
+        ("KV",),
+        64,
+    )
     for bd in (16, 64):
         yield (
             f"reverse product (replay) d{bd}",

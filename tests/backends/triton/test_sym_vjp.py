@@ -84,9 +84,11 @@ def test_the_backend_declines_where_it_does_not_fuse(monkeypatch):
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**16), n=st.integers(1, 50), d=st.sampled_from([1, 3, 5, 8, 20]),
        log_eps=st.floats(-1.5, 0.5), presplit=st.sampled_from([None, True, False]),
-       splits=st.sampled_from([None, 2]), cost=st.sampled_from(["sqeuclidean", "cosine"]))  # fmt: skip
-def test_a_self_problems_reverse_in_one_launch_matches_the_dense_plan(seed, n, d, log_eps,
-                                                                      presplit, splits, cost):  # fmt: skip
+       splits=st.sampled_from([None, 2]),
+       cost=st.sampled_from(["sqeuclidean", "cosine"]))  # fmt: skip
+def test_a_self_problems_reverse_in_one_launch_matches_the_dense_plan(
+    seed, n, d, log_eps, presplit, splits, cost
+):
     """A mirror replay's transform (one cloud, ``Π_ij = w_j e^{(r_i + h_j − β_j + s_ij)/ε}``
     with r its own LSE): ``u ⊙ Π k``, ``Πᵀ(u ⊙ q)`` and ``Πᵀ u`` from one launch, the
     column reductions read off the transposed plan's rows, against float64 dense plans."""

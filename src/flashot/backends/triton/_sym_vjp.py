@@ -54,9 +54,9 @@ __all__ = ["sym_vjp_tiles", "symmetric_vjp"]
 def sym_vjp_tiles(width: int) -> tuple:
     """(BLOCK_M, BLOCK_N, warps, stages) on a GPU for ``width`` features (score or value).
 
-    Up to 16 (triples) :data:`._configs.SYM_VJP_NARROW_TILES`; past 64 the smaller tiles that fit sm_90's shared memory
-    (:data:`._configs.SYM_VJP_WIDE_TILES`); past 256 none does (two value accumulators of
-    the full width): a ValueError.
+    Up to 16 (triples) :data:`._configs.SYM_VJP_NARROW_TILES`; past 64 the smaller tiles
+    that fit sm_90's shared memory (:data:`._configs.SYM_VJP_WIDE_TILES`); past 256 none
+    does (two value accumulators of the full width): a ValueError.
     """
     padded = max(16, next_pow2(width))
     if padded <= 16:
@@ -177,8 +177,7 @@ def _sym_vjp_kernel(
         cb0 = tl.load(CB0 + offs_n, mask=col_ok, other=float("-inf"))
         e0 = tl.exp2(s * s_scale + rb0[:, None] + cb0[None, :])
         if COLS0:
-            tl.atomic_add(OUT_C0 + offs_n, tl.sum(e0 * u0[:, None], 0), mask=col_ok,
-                          sem="relaxed")
+            tl.atomic_add(OUT_C0 + offs_n, tl.sum(e0 * u0[:, None], 0), mask=col_ok, sem="relaxed")
         cb1 = tl.load(CB1 + offs_n, mask=col_ok, other=float("-inf"))
         run_max, e1, decay = _online_weights(s, cb1, run_max, s_scale)
         u1 = tl.load(U1 + offs_n, mask=col_ok, other=0.0)
