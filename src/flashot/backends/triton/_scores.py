@@ -44,9 +44,11 @@ FREE_SHARE = 0.5
 #: precision mode): a streamed score costs d multiply-adds (three MMAs of them in "fp32"),
 #: a cached one 4 bytes read. Measured (H100, v56, 10 symmetric iterations at ε = 0.1,
 #: forward / with ∇x, ms): d = 512 "fp32" 10k 12.9 / 18.2 → 8.7 / 13.8, 50k 258 / 367 →
-#: 112 / 209; "bf16" 10k 7.1 / 15.3 → 7.2 / 11.0, 50k 132 / 309 → 97 / 160. d = 256 is not
-#: measured (at 10k the matrix's formation and reads may cost what the products do).
-AUTO_FROM_D = {"fp32": 512, "tf32": 512, "bf16": 512, "fp16": 512}
+#: 112 / 209; "bf16" 10k 7.1 / 15.3 → 7.2 / 11.0, 50k 132 / 309 → 97 / 160. v58 (H100):
+#: d = 256 "fp32" 10k 7.6 / 10.0 → 7.3 / 8.7, 50k 145 / 187 → 92 / 113; "tf32" 10k 7.7 /
+#: 12.4 → 5.5 / 8.0, 50k 120 / 209 → 94 / 125 (errors unchanged); the half modes at 256
+#: are not measured.
+AUTO_FROM_D = {"fp32": 256, "tf32": 256, "bf16": 512, "fp16": 512}
 
 
 def scores_bytes(n: int, m: int) -> int:

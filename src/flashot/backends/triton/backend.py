@@ -80,7 +80,8 @@ class TritonBackend(Backend):
             each solve's n × m score matrix once, in this precision mode, and its passes
             read it (:mod:`._scores`): 4·n·m bytes while the solve runs (10 GB at n = m =
             50 000), each pass bandwidth-bound instead of recomputing d-wide dot products.
-            ``"auto"`` caches from :data:`._scores.AUTO_FROM_D` features (512). Either way
+            ``"auto"`` caches from :data:`._scores.AUTO_FROM_D` features (256 in "fp32"
+            and "tf32", 512 in the half modes). Either way
             a matrix is formed only while all a solve holds takes at most half the GPU's
             free memory (:data:`._scores.FREE_SHARE`; otherwise the solve streams), lives
             while the solve and its final passes run, and is freed after; a result's
