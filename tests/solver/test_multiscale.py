@@ -325,7 +325,7 @@ def test_the_fine_steps_take_the_block_sparse_window_pass(monkeypatch, p, coarse
     sides come from one window pass over the mask's two layouts and each self problem's
     from half of one, and so does the final extrapolation; the potentials and their
     gradients in x and y equal the exact block-sparse steps' to float32 accuracy (from an
-    initialization and after a coarse phase). Without it (the default) no window runs."""
+    initialization and after a coarse phase). Without it no window runs."""
     x0, y0, g = _clouds(2, 150, 130, 2)
     x0, y0 = x0.float(), y0.float()
     a, b = torch.full((150,), 1 / 150), torch.full((130,), 1 / 130)
@@ -348,7 +348,7 @@ def test_the_fine_steps_take_the_block_sparse_window_pass(monkeypatch, p, coarse
         total = (u * (out.f_ba - out.f_aa)).sum() + (v * (out.g_ab - out.g_bb)).sum()
         return (out.f_ba, out.g_ab, out.f_aa, out.g_bb, *torch.autograd.grad(total, (x, y)))
 
-    monkeypatch.setattr(multiscale, "WINDOW", True)  # (opt-in: see its comment)
+    monkeypatch.setattr(multiscale, "WINDOW", True)  # (the default)
     monkeypatch.setattr(multiscale, "window_step", counted)
     monkeypatch.setattr(multiscale, "window_transforms", counted_t)
     windowed = run()
@@ -358,7 +358,7 @@ def test_the_fine_steps_take_the_block_sparse_window_pass(monkeypatch, p, coarse
     steps = sum(1 for t in temps if t <= 0.1**p)  # (an initialization streams every pair)
     assert calls.count(False) == steps and calls.count(True) == 2 * steps, calls
     assert calls.count("final") == 3  # (the pair, then each self problem)
-    monkeypatch.setattr(multiscale, "WINDOW", False)  # (the default: no window pass)
+    monkeypatch.setattr(multiscale, "WINDOW", False)  # (off: no window pass)
     calls.clear()
     monkeypatch.setattr(multiscale, "window_step", counted)
     monkeypatch.setattr(multiscale, "window_transforms", counted_t)

@@ -58,12 +58,13 @@ __all__ = ["Clusters", "TooManyPairsError", "all_pairs", "centroid_clusters", "d
 #: widest feature size the grid clustering accepts (cells multiply as scale^-d)
 MAX_DIM = 8
 #: whether the fine steps and the final extrapolation take block-sparse window passes
-#: (:meth:`_SparseSoftMin.both`): off until an interleaved A/B decides. v55's steps-only
-#: version lost on an H100 (1M spheres 330 → 387 ms, two rounds interleaved: its row
-#: reduction and atomics cost more than the second pass saves, 48.5 against 2 × 22.1
-#: sm_90 instructions a score); v57's, with the final extrapolation too, measured 399.6 →
-#: 318.1 ms in one round whose "off" side built each layout twice (biased against it)
-WINDOW = False
+#: (:meth:`_SparseSoftMin.both`). v55's steps-only version lost on an H100 (1M spheres 330
+#: → 387 ms: its row reduction and atomics cost more than the second pass saves, 48.5
+#: against 2 × 22.1 sm_90 instructions a score); v57's, with the final extrapolation too,
+#: wins: H100, v58, three rounds interleaved off / on, value and gradient: 1M 383.5 / 308.1,
+#: 371.0 / 296.4, 365.1 / 303.8 ms; 100k 105 / 109, 99.6 / 98.7, 101.4 / 100.8; values
+#: equal to 9 digits
+WINDOW = True
 #: how clusters are ordered: "morton" (cells along a Z-order curve: a block of sorted rows
 #: is a compact patch, its kept columns few intervals) or "lex" (cells by coordinates)
 CELL_ORDER = "morton"
