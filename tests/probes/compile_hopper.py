@@ -50,7 +50,7 @@ def compile_for_hopper(fn, consts, half=False):
             sig[a] = "*fp16" if consts.get("PRESPLIT") else "*fp32"
         elif a == "PARTS" or (half and a == "KV" and consts.get("KV_SPLIT")):
             sig[a] = "*fp16"  # a split operand's float16 parts (the plan product's keys)
-        elif half and a in ("KV0", "KV1") and consts.get("PRESPLIT"):
+        elif half and a in ("KV0", "KV1") and consts.get("V_SPLIT"):
             sig[a] = "*fp16"  # (the symmetric reverse's two keys, split)
         elif a[0].isupper():
             sig[a] = "*bf16" if half and a in ("Q", "K") else "*fp32"
@@ -160,6 +160,8 @@ def variants():
               KV_SPLIT=True), True),
         (dict(BLOCK_M=64, BLOCK_D=16, BLOCK_P=16, P_CHUNKS=1, PRECISION="tf32", PRESPLIT=False,
               OUTER=True, KV_SPLIT=False), False),
+        (dict(BLOCK_M=128, BLOCK_D=16, BLOCK_P=16, P_CHUNKS=1, PRECISION="tf32", PRESPLIT=False,
+              OUTER=True, KV_SPLIT=True), True),
         # the column sums in the rows' launch (VJP_FUSED_COLUMNS), both weight forms
         (dict(BLOCK_M=128, BLOCK_D=64, BLOCK_P=16, P_CHUNKS=1, PRESPLIT=True, OUTER=True,
               KV_SPLIT=True, COLS=True), True),
@@ -167,14 +169,19 @@ def variants():
               OUTER=True, KV_SPLIT=False, WITH_K=False, COLS=True), False),
     ):  # fmt: skip
         yield _vjp._plan_vjp_kernel, dict(vjp, **extra), half
-    # a symmetric step's two reverse products in one launch: split, 3xTF32, triples
+    # a symmetric step's two reverse products in one launch: split, 3xTF32, triples (values
+    # per tile or split once); a self problem's (no column sums)
     from flashot.backends.triton import _sym_vjp
 
-    sym = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, BLOCK_K=64, SPLIT=True, V_PRECISION="tf32x3")
+    sym = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, BLOCK_K=64, SPLIT=True, V_PRECISION="tf32x3",
+               V_SPLIT=False, COLS0=True)  # fmt: skip
+    narrow = dict(PRECISION="tf32", PRESPLIT=False, BLOCK_D=16, BLOCK_K=16)
     for extra, half in (
-        (dict(PRECISION="ieee", PRESPLIT=True), True),
+        (dict(PRECISION="ieee", PRESPLIT=True, V_SPLIT=True), True),
         (dict(PRECISION="tf32x3", PRESPLIT=False), False),
-        (dict(PRECISION="tf32", PRESPLIT=False, BLOCK_D=16, BLOCK_K=16, SPLIT=False), False),
+        (dict(narrow, SPLIT=False), False),
+        (dict(narrow, BLOCK_M=64, BLOCK_N=32, V_SPLIT=True), True),
+        (dict(narrow, BLOCK_M=64, BLOCK_N=32, V_SPLIT=True, COLS0=False), True),
     ):
         yield _sym_vjp._sym_vjp_kernel, dict(sym, **extra), half
 

@@ -23,6 +23,7 @@ from flashot.backends.triton import _configs, _sym_vjp, _vjp
 from flashot.backends.triton import _pair_functions as pf
 from flashot.backends.triton import _pair_sums as ps
 from flashot.backends.triton import _pairwise as pw
+from flashot.backends.triton._triples import TRIPLE_UP_TO
 
 #: sm_90's largest shared memory per block (227 KB), what an H100 reported refusing 256 KB
 LIMIT = 232448
@@ -82,9 +83,19 @@ def symmetric_reverse(d: int, presplit: bool):
     bm, bn, warps, stages = _sym_vjp.sym_vjp_tiles(width)
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=width, BLOCK_K=width, SPLIT=True,
                   PRECISION="ieee" if presplit else "tf32x3", V_PRECISION="tf32x3",
-                  PRESPLIT=presplit)  # fmt: skip
+                  PRESPLIT=presplit, V_SPLIT=presplit, COLS0=True)  # fmt: skip
     half = ("Q", "K", "KV0", "KV1") if presplit else ()
     yield "symmetric reverse", _sym_vjp._sym_vjp_kernel, consts, half, warps, stages
+    if not presplit and d <= TRIPLE_UP_TO:  # (triples: one TF32 MMA of 16, values split)
+        consts = dict(consts, BLOCK_D=16, BLOCK_K=16, PRECISION="tf32", V_SPLIT=True)
+        yield (
+            "symmetric reverse (triples)",
+            _sym_vjp._sym_vjp_kernel,
+            consts,
+            ("KV0", "KV1"),
+            warps,
+            stages,
+        )
 
 
 def main(sizes=(3, 64, 70, 128, 200)) -> int:

@@ -95,4 +95,4 @@ def test_fixed_tile_kernels_fit_the_shared_memory_they_launch_with():
     float32 clouds needed 256 KB (an H100 refused the launch), the replay's reverse
     product's 128 × 64 there 257 KB."""
     out = run_probe("launch_shared.py")
-    assert "OVER" not in out and out.count("ok ") == 68, out
+    assert "OVER" not in out and out.count("ok ") == 69, out
