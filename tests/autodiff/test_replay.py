@@ -196,17 +196,20 @@ def test_a_symmetric_steps_two_reverse_products_in_one_launch(reach, presplit):
 
 
 @pytest.mark.skipif("triton" not in available_backends("cpu"), reason="needs triton's interpreter")
-@pytest.mark.parametrize("presplit,d", [(None, 3), (True, 3), (None, 8)])
-def test_a_self_problems_reverse_step_in_one_launch(presplit, d):
+@pytest.mark.parametrize("presplit,d,reach", [(None, 3, None), (True, 3, None), (None, 8, None),
+                                              (None, 3, 0.7)])  # fmt: skip
+def test_a_self_problems_reverse_step_in_one_launch(presplit, d, reach):
     """A debiased loss's self problems (mirror replays) differentiate each step's transform
     in one launch (:meth:`TritonBackend.mirror_vjp`): the HVP of two reverse products a
-    step, and of float64 on the torch backend; triples (d ≤ 5) split their values too."""
+    step, and of float64 on the torch backend; triples (d ≤ 5) split their values too;
+    balanced or relaxed."""
     from flashot.backends.triton import TritonBackend
 
     x, y, a, b, v = problem(12, 10, d, 4, dtype=torch.float32)
 
     def hvp(backend, dtype=torch.float32):
-        loss = flashot.SamplesLoss(blur=0.3, scaling=0.6, diameter=4.0, backend=backend)
+        loss = flashot.SamplesLoss(blur=0.3, scaling=0.6, diameter=4.0, reach=reach,
+                                   backend=backend)  # fmt: skip
         xs = x.to(dtype).requires_grad_()
         (g,) = torch.autograd.grad(loss(a.to(dtype), xs, b.to(dtype), y.to(dtype)), xs,
                                    create_graph=True)  # fmt: skip
