@@ -405,25 +405,31 @@ class _Sweep:
     def _pair_vjp(self, theta, needs, f, g, r_x, r_y, u_x, u_y, e, warm):
         """A symmetric step's two VJP lists (rows' transform, columns'), or None.
 
-        From the backend's :meth:`~flashot.backends.base.Backend.symmetric_vjp` (one
-        pass), only where k takes no gradient (its terms are not in that pass); None
-        leaves the step to two reverse products.
+        From the backend's :meth:`~flashot.backends.base.Backend.symmetric_vjp`: one pass,
+        and where k takes a gradient a second on the transposed form (its terms are
+        column reductions there: that pass's rows), against four launches of two reverse
+        products; None leaves the step to those.
         """
-        if needs[2]:
-            return None
         q, alpha, k, beta, log_a, log_b = theta
         spec = spec_at(self.spec, e, warm)
         u0, u1 = self._lam(e, 0) * u_x, self._lam(e, 1) * u_y
         form = transform_form(q, alpha, k, beta, spec)
+        la, lb, back = log_a.detach(), log_b.detach(), None
         with spec.backend.operand_scope(spec.operands):
-            fused = spec.backend.symmetric_vjp(form, f, g, r_x, r_y, log_a.detach(),
-                                               log_b.detach(), u0, u1, spec.eps)  # fmt: skip
-        if fused is None:
+            fused = spec.backend.symmetric_vjp(form, f, g, r_x, r_y, la, lb, u0, u1, spec.eps,
+                                               column_sums=not needs[2])  # fmt: skip
+            if fused is not None and needs[2]:
+                back = spec.backend.symmetric_vjp(form.T, g, f, r_y, r_x, lb, la, u1, u0,
+                                                  spec.eps, column_sums=False)  # fmt: skip
+        if fused is None or (needs[2] and back is None):
             return None
         row_k0, col0, col_q1, col1 = fused
+        row_k1 = col_q0 = None
+        if back is not None:  # (u' ⊙ Π^y q, _, Π^xᵀ(u ⊙ q), Π^xᵀ u)
+            row_k1, _, col_q0, col0 = back
         outs = []
-        for side, u, row_k, col_q, col in ((0, u0, row_k0, None, col0),
-                                           (1, u1, None, col_q1, col1)):  # fmt: skip
+        for side, u, row_k, col_q, col in ((0, u0, row_k0, col_q0, col0),
+                                           (1, u1, row_k1, col_q1, col1)):  # fmt: skip
             wanted = (*(needs[i] for i in _ORDER[side]), True)
             out: list = [None] * 6
             out[1] = u if wanted[1] else None  # (∂α of the transform: its cotangent)

@@ -323,12 +323,16 @@ class Backend:
         lse_r, lse_c = self.potential_lse(pot)
         return lam[0] * (pot.form.alpha - lse_r), lam[1] * (pot.form.beta - lse_c)
 
-    def symmetric_vjp(self, form: AttentionForm, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps):
+    def symmetric_vjp(self, form: AttentionForm, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps,
+                      column_sums: bool = True):  # fmt: skip
         r"""The reverse of a symmetric step's two transforms in one pass, or None.
 
         With ``Π^x_ij = b_j e^{(r_f,i + g_j − β_j + s_ij)/ε}`` and ``Π^y_ji = a_i
         e^{(r_g,j + f_i − α_i + s_ij)/ε}`` (``r_f``, ``r_g`` the passes' negated LSEs):
-        ``(u_f ⊙ Π^x k (n, d'), Π^xᵀ u_f (m,), Π^yᵀ(u_g ⊙ k) (n, d'), Π^yᵀ u_g (n,))``.
+        ``(u_f ⊙ Π^x k (n, d'), Π^xᵀ u_f (m,), Π^yᵀ(u_g ⊙ k) (n, d'), Π^yᵀ u_g (n,))``;
+        without ``column_sums`` the second may be zeros (the transposed form's call, with
+        the sides swapped, gives it as its fourth). The k-side terms ``Π^xᵀ(u_f ⊙ q)`` and
+        ``u_g ⊙ Π^y q`` are that call's third and first.
         None here: the caller takes two :meth:`plan_vjp` (a backend that fuses them
         overrides this).
         """

@@ -23,6 +23,13 @@ half parts as the attend kernel does, and the same terms feed the column sums by
 atomics), ``Π^y / a_i`` against the row's running maximum (it is not bounded by 1),
 ``2^{max} a_i`` applied at the end. One score tile, two exp2 per score, two value
 products, against three, three and two.
+
+Where k takes a gradient too, its terms ``u'_j Σ_i Π^y_ji q_i`` and ``Σ_i Π^x_ij u_i q_i``
+are column reductions here: the same launch on the transposed form (sides swapped) forms
+them as its rows, two launches against four. A self problem's transform (one cloud, so
+``s_ij = s_ji``) takes side 1 as its own transposed rows: ``Σ_i Π_ij u_i q_i`` is side 1's
+third output with values q, and the column atomics are not needed
+(:meth:`~flashot.backends.triton.TritonBackend.mirror_vjp`).
 """
 
 from __future__ import annotations

@@ -326,7 +326,8 @@ class TritonBackend(Backend):
             return super().plan_vjp(form, f, g, a, b, eps, v, d, need, d0)
         return fused_plan_vjp(self, form, f, g, a, b, eps, v, d, need, d0)
 
-    def symmetric_vjp(self, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps):
+    def symmetric_vjp(self, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps,
+                      column_sums=True):  # fmt: skip
         """See :meth:`~flashot.backends.base.Backend.symmetric_vjp`.
 
         One launch (:mod:`._sym_vjp`) with :data:`._configs.SYM_VJP` on, up to
@@ -334,7 +335,8 @@ class TritonBackend(Backend):
         """
         if not _fuses_vjp(form, eps):
             return None
-        return symmetric_vjp(self, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps)
+        return symmetric_vjp(self, form, f, g, r_f, r_g, log_a, log_b, u_f, u_g, eps,
+                             column_sums=column_sums)  # fmt: skip
 
     def mirror_vjp(self, form, h, r, log_w, u, eps):
         """See :meth:`~flashot.backends.base.Backend.mirror_vjp`.
