@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import strategies as st
 
 import flashot
@@ -437,6 +437,8 @@ def test_the_tail_stops_the_triton_sweep_alike():
        debias=st.booleans(), reach=st.sampled_from([None, 2.0]),
        update=st.sampled_from(["symmetric", "alternating"]),
        hvp_tol=st.sampled_from([None, 1e-6]))  # fmt: skip
+@example(seed=0, n=8, d=8, blur=0.1, scaling=0.8, debias=False, reach=None, update="symmetric",
+         hvp_tol=None)  # (the amplified cut of the docstring)  # fmt: skip
 def test_a_sweep_cut_at_its_tail_moves_the_hvp_within_its_tolerance(
     seed, n, d, blur, scaling, debias, reach, update, hvp_tol
 ):
