@@ -63,7 +63,6 @@ from flashot.autodiff.unrolled import (
     Trajectory,
     damping,
     fill_transform_grads,
-    mirror_transform_vjp,
     spec_at,
     transform_form,
     transform_pass,
@@ -456,8 +455,7 @@ class _Sweep:
             parts, order, spec = _side(theta, side, h, self.spec)
             u, spec = self._lam(e, side) * u, spec_at(spec, e, warm)
             wanted = (*(needs[i] for i in order), h_needed)
-            out = mirror_transform_vjp(parts, r, u, spec, wanted) if self.mirror else None
-            return take(side, out or transform_vjp(parts, r, u, u, spec, wanted))
+            return take(side, transform_vjp(parts, r, u, u, spec, wanted, self.mirror))
 
         if self.mirror:  # w = ū_f + ū_g, θ's shares in the rows' slots (see the module)
             w = u_f + u_g

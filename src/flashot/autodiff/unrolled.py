@@ -170,7 +170,7 @@ def transform_pass(q, alpha, k, beta, log_w, h, spec: DualSpec):
     return form.alpha - lse, -lse
 
 
-def transform_vjp(parts, r, u, u_alpha, spec: DualSpec, needs) -> list:
+def transform_vjp(parts, r, u, u_alpha, spec: DualSpec, needs, mirror: bool = False) -> list:
     r"""The gradients of ``⟨u, −LSE⟩ + ⟨u_α, α⟩`` for :class:`Transform`'s pass.
 
     None where ``needs`` is False; with ``u_α = u`` they are those of ``⟨u, t⟩``.
@@ -184,6 +184,10 @@ def transform_vjp(parts, r, u, u_alpha, spec: DualSpec, needs) -> list:
         parts: (q, α, k, β, log w, h) as the transform took them (α unread).
         r: (n,) its negated LSE.  u, u_alpha: (n,) cotangents (u_alpha may be None).
         needs: six flags for ``parts``.
+        mirror: a self problem's transform (one cloud on both sides, ``s_ij = s_ji``):
+            its rows' and columns' terms from one pass of
+            :meth:`~flashot.backends.base.Backend.mirror_vjp` where the backend offers
+            it, instead of plan_vjp's two launches.
     """
     q, _, k, beta, log_w, h = parts
     zero = torch.zeros_like(r)
@@ -199,38 +203,21 @@ def transform_vjp(parts, r, u, u_alpha, spec: DualSpec, needs) -> list:
         want |= {"col_q"} if needs[2] else set()
         want |= {"col"} if any(needs[3:]) else set()
         if want:
-            vjp = spec.backend.plan_vjp(transform_form(q, zero, k, beta, spec), r, h,
-                                        *weights, spec.eps, u.new_ones(k.shape[0], 1), u[:, None],
-                                        frozenset(want))  # fmt: skip
-            fill_transform_grads(out, needs, spec.eps, vjp.row_k, vjp.col_q, vjp.col)
+            form, got = transform_form(q, zero, k, beta, spec), None
+            if mirror and needs[0] and len(want) > 1:
+                with spec.backend.operand_scope(spec.operands):
+                    got = spec.backend.mirror_vjp(form, h, r, log_w, u, spec.eps)
+            if got is None:
+                vjp = spec.backend.plan_vjp(form, r, h, *weights, spec.eps,
+                                            u.new_ones(k.shape[0], 1), u[:, None],
+                                            frozenset(want))  # fmt: skip
+                got = (vjp.row_k, vjp.col_q, vjp.col)
+            fill_transform_grads(out, needs, spec.eps, *got)
         return out
     # (the envelope gradient's row terms, differentiable once more)
     assert not any(needs[2:]), "internal: a differentiable transform VJP of rows only"
     if needs[0]:
         out[0] = -u[:, None] * RowAverage.apply(q, k, beta, log_w, h, k, spec)
-    return out
-
-
-def mirror_transform_vjp(parts, r, u, spec: DualSpec, needs) -> list | None:
-    """:func:`transform_vjp` of a self problem's transform in one pass, or None.
-
-    A mirror replay's transform (one cloud on both sides, ``s_ij = s_ji``) needs
-    ``Π k``, ``Πᵀ(u ⊙ q)`` and ``Πᵀ u``: two launches of :meth:`~flashot.backends.base.
-    Backend.plan_vjp`, or one of :meth:`~flashot.backends.base.Backend.mirror_vjp` where
-    the backend offers it (None: the caller takes :func:`transform_vjp`).
-    """
-    q, _, k, beta, log_w, h = parts
-    rows_and_columns = needs[0] and (needs[2] or any(needs[3:]))
-    if not rows_and_columns or torch.is_grad_enabled():
-        return None
-    form = transform_form(q, torch.zeros_like(r), k, beta, spec)
-    with spec.backend.operand_scope(spec.operands):
-        fused = spec.backend.mirror_vjp(form, h, r, log_w.detach(), u, spec.eps)
-    if fused is None:
-        return None
-    out: list = [None] * 6
-    out[1] = u if needs[1] else None
-    fill_transform_grads(out, needs, spec.eps, *fused)
     return out
 
 

@@ -92,8 +92,8 @@ def test_a_self_problems_reverse_in_one_launch_matches_the_dense_plan(
     """A mirror replay's transform (one cloud, ``Π_ij = w_j e^{(r_i + h_j − β_j + s_ij)/ε}``
     with r its own LSE): ``u ⊙ Π k``, ``Πᵀ(u ⊙ q)`` and ``Πᵀ u`` from one launch, the
     column reductions read off the transposed plan's rows, against float64 dense plans."""
-    from flashot.autodiff.unrolled import transform_form
     from flashot.backends.triton import TritonBackend
+    from flashot.geometry.costs import AttentionForm
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=gen, dtype=torch.float64)
@@ -107,8 +107,7 @@ def test_a_self_problems_reverse_in_one_launch_matches_the_dense_plan(
     plan = torch.exp(r[:, None] / eps + logits)
     want = (u[:, None] * (plan @ k), plan.T @ (u[:, None] * q), plan.T @ u)
     f32 = attention_form(get_cost(cost), x.float().to(DEVICE), x.float().to(DEVICE))
-    spec = type("Spec", (), {"cost_bound": None, "segments": None})()
-    tf = transform_form(f32.q, torch.zeros(n, device=DEVICE), f32.k, f32.beta, spec)
+    tf = AttentionForm(f32.q, f32.k, torch.zeros(n, device=DEVICE), f32.beta)
     args = [t.float().to(DEVICE) for t in (h, r, log_w, u)]
     got = TritonBackend(presplit=presplit, splits=splits).mirror_vjp(tf, *args, eps)
     scale = 1.0 + float(q.norm(dim=1).max()) * float(k.norm(dim=1).max()) / eps
