@@ -155,3 +155,15 @@ def test_the_scores_providers_are_opt_in_and_compute_the_same_value(name, forms)
         got = float(prov.prepare("forward", pb)())
     assert (made.call_count >= 1) == forms  # (the solve read a cached matrix, or streamed)
     assert got == pytest.approx(want, rel=2e-6)
+
+
+def test_a_fresh_process_can_ask_a_flashot_provider_whether_it_runs():
+    """`flashot.backends` loads lazily: a provider asked first in a fresh process read it
+    as an attribute and raised AttributeError (v59, a device script's first rows)."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom flashot.bench.providers import Flashot\n"
+            "print(Flashot('torch').unavailable(torch.device('cpu')))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr[-500:]

@@ -151,7 +151,7 @@ class Flashot(Provider):
         )
 
     def unavailable(self, device):
-        if self.backend not in flashot.backends.available_backends(device):
+        if self.backend not in flashot.available_backends(device):
             return f"backend {self.backend!r} is not available on {device.type}"
         if self.precision != "auto" and (self.backend != "triton" or device.type != "cuda"):
             return f"precision {self.precision!r} needs the triton backend on a GPU"

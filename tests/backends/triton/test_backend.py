@@ -3,6 +3,7 @@ Triton's interpreter on CPU and natively on a GPU."""
 
 import itertools
 import math
+import weakref
 
 import pytest
 import torch
@@ -592,6 +593,21 @@ def test_half_operand_cache_never_serves_another_tensor(gen):
     again = be.operands.operand(q2).float()
     assert torch.equal(again, q2.to(torch.bfloat16).float())
     assert not torch.equal(again, first)
+
+
+def test_half_operand_copies_die_with_their_sources(gen):
+    """A result keeps its backend (lazy plans), and with it the operand cache: a copy
+    must not outlive its source (v59: OTDD's bf16 results held 184 MiB of dead q, k
+    copies each)."""
+    be = triton_backend(precision="bf16")
+    q = torch.randn(64, 4, generator=gen, dtype=torch.float32).to(DEVICE)
+    copy = weakref.ref(be.operands.operand(q))
+    assert copy() is not None and len(be.operands.cache) == 1  # cached while q lives
+    del q
+    assert copy() is None and be.operands.cache == []
+    x, y = clouds(gen, 24, 20, 3, dtype=torch.float32)
+    res = flashot.sinkhorn(x.to(DEVICE), y.to(DEVICE), eps=0.5, backend=be)
+    assert res.plan._backend is be and be.operands.cache == []  # the form's operands died
 
 
 def test_exact_range_of_sums_scales_with_the_largest_weight():

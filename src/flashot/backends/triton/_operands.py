@@ -79,12 +79,16 @@ class Operands:
 
     def __init__(self, precision: str, presplit: bool | None, scores: str = "stream"):
         self.precision, self.presplit, self.scores = precision, presplit, scores
+        self._reset()
+
+    def _reset(self) -> None:
         self.cache: list = []  # (weakref to the source, its version, captured, kind, copy)
         # (weakrefs to q and k, their versions, captured, the score matrix)
         self.matrices: list = []
         self.scopes = 0
         #: the most bytes of score matrices held at once since :meth:`take_held`
         self.peak_held = 0
+        self._forget = _forgetter(weakref.ref(self))
 
     def __getstate__(self) -> dict:
         """Options only (pickling): the cached operands are rebuilt on demand."""
@@ -93,8 +97,7 @@ class Operands:
     def __setstate__(self, state: dict) -> None:
         self.precision, self.presplit = state["precision"], state["presplit"]
         self.scores = state.get("scores", "auto")
-        self.cache, self.matrices, self.scopes = [], [], 0
-        self.peak_held = 0
+        self._reset()
 
     def dot(self, triples: bool = False) -> str:
         """The score MMAs' ``input_precision`` (``triples``: one TF32 product of triples)."""
@@ -316,7 +319,9 @@ class Operands:
             if ref() is t and version == t._version and inside == capturing and kind == role:
                 return half
         half = convert(t)
-        entry = (weakref.ref(t), t._version, capturing, role, half)
+        # (a copy dies with its source: a result keeps its backend, and with it this
+        # cache, long after the solve's operands are gone: OTDD bf16 held 184 MiB)
+        entry = (weakref.ref(t, self._forget), t._version, capturing, role, half)
         self.cache = [*self.cache[-3:], entry]
         return half
 
@@ -331,6 +336,21 @@ class Operands:
         if triton_interpreted():  # numpy has no bfloat16: round, compute in float32
             half = half.float()  # (exact: products of halves fit in float32)
         return half
+
+
+def _forgetter(owner: weakref.ref) -> Callable[[weakref.ref], None]:
+    """A weakref callback dropping the owner's cache entry of a source that died.
+
+    It holds the :class:`Operands` weakly (a bound method would keep it alive through
+    its own entries).
+    """
+
+    def forget(ref: weakref.ref) -> None:
+        operands = owner()
+        if operands is not None:
+            operands.cache = [e for e in operands.cache if e[0] is not ref]
+
+    return forget
 
 
 def _version(t: torch.Tensor) -> int | None:
