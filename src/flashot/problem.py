@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,40 +110,74 @@ class DeviceChecks:
     """Checks of tensor values, resolved together with one wait for the device.
 
     Each wait costs tens of microseconds on a GPU, as much as a small solve's
-    iterations, so the inputs' checks queue their verdicts and :meth:`verify` reads
-    them all at once, raising the first failed check's error.
+    iterations, so the inputs' checks queue their tensors and :meth:`verify` reads
+    them all at once (one copy to the host), then runs each check's test on the host
+    values in the order queued, raising the first failure's error. Reading values
+    (a box's extremes, weights' least and largest) and testing them on the host costs
+    fewer device launches than forming each verdict on the device.
     """
 
     def __init__(self):
-        self._items: list[tuple[torch.Tensor, Exception]] = []
-        self._measured: list[torch.Tensor] = []
-        #: the values of :meth:`measure`, read by :meth:`verify`
-        self.values: list[float] = []
+        #: queued (tensors, test): ``test(host values)`` returns the error or None
+        self._items: list[tuple[tuple[torch.Tensor, ...], Callable | None]] = []
+        self._host: list[list[float]] = []
+
+    def read(self, values, test=None) -> int:
+        """Queue a tensor (or a tuple of tensors) for the host; returns its handle.
+
+        ``test``: None, or ``test(values)`` on the host values (a flat list of floats,
+        the tensors' elements in order) returning the exception to raise or None.
+        After :meth:`verify`, :meth:`host` gives the values.
+        """
+        tensors = values if isinstance(values, tuple) else (values,)
+        self._items.append((tuple(t.detach() for t in tensors), test))
+        return len(self._items) - 1
 
     def add(self, ok: torch.Tensor, error: Exception) -> None:
         """Queue a 0-d boolean verdict and the error to raise when it is False."""
-        self._items.append((ok, error))
+        self.read(ok, lambda v: None if v[0] else error)
 
-    def measure(self, value: torch.Tensor) -> int:
-        """Queue a 0-d value for the host; its index in :attr:`values` after :meth:`verify`."""
-        self._measured.append(value)
-        return len(self._measured) - 1
+    def host(self, handle: int) -> list[float]:
+        """The host values of a :meth:`read` handle (after :meth:`verify`)."""
+        return self._host[handle]
 
     def verify(self) -> None:
-        """Wait once for every queued verdict; raise the first failed check's error."""
+        """Wait once for every queued tensor; raise the first failed check's error.
+
+        Tensors of one dtype are concatenated before their one conversion to float64,
+        so the read costs a few launches however many checks are queued.
+        """
         if not self._items:
             return
-        if self._items[0][0].is_cuda and torch.cuda.is_current_stream_capturing():
+        if self._items[0][0][0].is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "flashot cannot run inside a CUDA graph capture: it checks its inputs and "
                 "results on the host. Fixed-iteration solves (tol=None) of launch-bound size "
                 "are replayed as CUDA graphs by flashot itself"
             )
-        read = torch.stack([ok.double() for ok, _ in self._items] +
-                           [v.double() for v in self._measured]).tolist()  # fmt: skip
-        verdicts, self.values = read[: len(self._items)], read[len(self._items) :]
-        for ok, (_, error) in zip(verdicts, self._items, strict=True):
-            if not ok:
+        flat = [t.reshape(-1) for tensors, _ in self._items for t in tensors]
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(flat):
+            groups.setdefault(t.dtype, []).append(i)
+        parts, order = [], []
+        for members in groups.values():
+            block = flat[members[0]] if len(members) == 1 else torch.cat([flat[i] for i in members])
+            parts.append(block.to(torch.float64))
+            order += members
+        read = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        starts, at = {}, 0
+        for i in order:
+            starts[i], at = at, at + flat[i].numel()
+        self._host, k = [], 0
+        for tensors, _ in self._items:
+            values = []
+            for _t in tensors:
+                values += read[starts[k] : starts[k] + flat[k].numel()]
+                k += 1
+            self._host.append(values)
+        for (_, test), values in zip(self._items, self._host, strict=True):
+            error = None if test is None else test(values)
+            if error is not None:
                 raise error
 
 
@@ -208,7 +242,8 @@ def check_cloud(x, name: str, checks: DeviceChecks) -> tuple[torch.Tensor, torch
         raise ValueError(f"{name} must be non-empty, got shape {tuple(x.shape)}")
     # NaN and ±inf reach the extremes: no (n, d) temporary
     box = column_box(x.detach())
-    checks.add(torch.isfinite(box).all(), ValueError(f"{name} contains NaN or infinite values"))
+    error = ValueError(f"{name} contains NaN or infinite values")
+    checks.read(box, lambda v: None if all(map(math.isfinite, v)) else error)
     return x, box
 
 
@@ -230,12 +265,20 @@ def check_weights(w, n: int, like: torch.Tensor, name: str, checks: DeviceChecks
         raise ValueError(f"{name} is on {w.device} but its cloud is on {like.device}")
     if w.dtype != like.dtype:
         raise TypeError(f"{name} has dtype {w.dtype} but its cloud has dtype {like.dtype}")
-    lo, hi = torch.aminmax(w.detach())  # NaN and ±inf reach the extremes
-    checks.add(torch.isfinite(lo) & torch.isfinite(hi),
-               ValueError(f"{name} contains NaN or infinite values"))  # fmt: skip
-    checks.add(lo >= 0, ValueError(f"{name} has negative entries; weights must be nonnegative"))
-    checks.add(hi > 0, ValueError(f"{name} sums to zero; at least one weight must be positive"))
+    # NaN and ±inf reach the extremes; the host tests them (fewer launches than verdicts)
+    checks.read(tuple(torch.aminmax(w.detach())), lambda v: _weight_error(name, *v))
     return w
+
+
+def _weight_error(name: str, lo: float, hi: float) -> ValueError | None:
+    """The error of weights whose least and largest entries are ``lo``, ``hi``, or None."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return ValueError(f"{name} contains NaN or infinite values")
+    if lo < 0:
+        return ValueError(f"{name} has negative entries; weights must be nonnegative")
+    if not hi > 0:
+        return ValueError(f"{name} sums to zero; at least one weight must be positive")
+    return None
 
 
 def parse_rho(rho) -> tuple[float | None, float | None]:
@@ -355,14 +398,16 @@ def make_problem(
             )
     a = check_weights(a, x.shape[0], x, "a", checks)
     b = check_weights(b, y.shape[0], y, "b", checks)
-    bound_at = checks.measure(box_cost_bound(cost, box_x, box_y))
+    boxes = checks.read(box_x), checks.read(box_y)  # (the bound, from host copies)
     checks.verify()
+    host_boxes = [torch.tensor(checks.host(h), dtype=torch.float64).view(2, -1) for h in boxes]
+    bound = float(box_cost_bound(cost, *host_boxes))
     dtype = compute_dtype(x.dtype)
     a, b = a.to(dtype), b.to(dtype)
     if normalize and rho_x is None and rho_y is None:
         a, b = a / a.sum(), b / b.sum()
     engine = resolve_backend(backend, x.device, precision, dtype)
-    form = attention_form(cost, x, y, dtype, engine.rounding, checks.values[bound_at])
+    form = attention_form(cost, x, y, dtype, engine.rounding, bound)
     if relative_eps:
         mean = float(mean_costs(form, a, b)[0])
         if not mean > 0:

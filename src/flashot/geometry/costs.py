@@ -254,8 +254,11 @@ def joint_span(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def column_sum(u: torch.Tensor) -> torch.Tensor:
     """(d,) column sums of ``u`` (n, d), a block of rows at a time (see :func:`column_box`)."""
-    total = torch.zeros(u.shape[1], dtype=u.dtype, device=u.device)
-    for block in _row_blocks(u):
+    if u.shape[0] == 0:
+        return torch.zeros(u.shape[1], dtype=u.dtype, device=u.device)
+    blocks = _row_blocks(u)
+    total = next(blocks).sum(0)  # (one launch for a cloud within a block)
+    for block in blocks:
         total += block.sum(0)
     return total
 
