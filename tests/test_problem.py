@@ -381,3 +381,35 @@ def test_make_problem_reads_the_device_once_with_few_launches():
     assert len(count.ops) <= 40, count.ops
     span = torch.maximum(x.amax(0), y.amax(0)) - torch.minimum(x.amin(0), y.amin(0))
     assert problem.form.cost_bound == pytest.approx(float((span.double() ** 2).sum()), rel=1e-12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.sampled_from([torch.float32, torch.float64]),
+    st.integers(1, 40),
+    st.integers(1, 40),
+    st.lists(st.sampled_from([math.nan, math.inf, -math.inf, 3.0e38, -3.0e38]), max_size=3),
+    st.booleans(),
+    st.integers(0, 2**31 - 1),
+)
+def test_read_finite_raises_exactly_when_a_value_is_not_finite(dtype, n, m, specials, with_errors,
+                                                                seed):  # fmt: skip
+    """One read checks potentials and errors: FloatingPointError iff an entry is NaN or
+    ±inf, never for large finite float32 values (their float64 sum cannot overflow),
+    and the errors come back exactly."""
+    from flashot.problem import read_finite
+
+    gen = torch.Generator().manual_seed(seed)
+    f, g = torch.randn(n, generator=gen, dtype=dtype), torch.randn(m, generator=gen, dtype=dtype)
+    errors = torch.rand(3, generator=gen, dtype=dtype) if with_errors else None
+    targets = [f, g] + ([errors] if with_errors else [])
+    for i, value in enumerate(specials):
+        t = targets[i % len(targets)]
+        t[int(torch.randint(len(t), (1,), generator=gen))] = value
+    bad = any(not bool(torch.isfinite(t).all()) for t in targets)
+    if bad:
+        with pytest.raises(FloatingPointError, match="non-finite potentials"):
+            read_finite(f, g, errors)
+        return
+    read = read_finite(f, g, errors)
+    assert read == (None if errors is None else errors.double().tolist())

@@ -37,10 +37,7 @@ from flashot.backends.dual import Potentials, phi_sum
 from flashot.caller import warn_at_caller
 from flashot.geometry.segments import Segments
 from flashot.packing import PackedProblem, _eps_per_problem, pack_problems, pair_packing
-from flashot.problem import (
-    check_init,
-    weights_tensor,
-)
+from flashot.problem import check_init, read_finite, weights_tensor
 from flashot.result import TransportPlan
 from flashot.solver.loop import EpsilonScaling, temperatures
 from flashot.solver.stopping import (
@@ -327,13 +324,9 @@ def _solve_packed(x, y, x_offsets, y_offsets, a, b, batch, *, eps, cost="sqeucli
             trajectory = Trajectory(tuple(float(t) for t in temps), max_iter, update, init,
                                     omega, check_every, iterates=out.iterates)  # fmt: skip
         value = exact_second_order(value, [packed_piece(pp, fd, gd, hvp_tol, trajectory)])
-    err_host = None
-    if tol is not None:
-        err_host = _errors(seg, r, c, fd, gd, log_a, log_b, pp.rho).cpu()
-    finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
-    if not (bool(finite) and (err_host is None or bool(torch.isfinite(err_host).all()))):
-        raise FloatingPointError("Sinkhorn produced non-finite potentials; try a larger eps, "
-                                 "an eps_schedule, or float64 inputs")  # fmt: skip
+    errors = None if tol is None else _errors(seg, r, c, fd, gd, log_a, log_b, pp.rho)
+    read = read_finite(fd, gd, errors)
+    err_host = None if errors is None else torch.tensor(read, dtype=errors.dtype)
     converged = None
     if tol is not None:
         assert err_host is not None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -17,7 +16,7 @@ from flashot.backends.dual import Potentials, phi_sum
 from flashot.batched import sinkhorn_batched
 from flashot.caller import warn_at_caller
 from flashot.geometry.costs import AttentionForm, LazyForm, attention_form, bounding_diameter
-from flashot.problem import Problem, check_init, cloud_tensor, make_problem
+from flashot.problem import Problem, check_init, cloud_tensor, make_problem, read_finite
 from flashot.result import SinkhornResult, SolveHistory, TransportPlan
 from flashot.solver.loop import final_potentials, solve, temperatures
 from flashot.solver.stopping import (
@@ -301,13 +300,8 @@ def sinkhorn(
                                     None if momentum is None else float(momentum), check_every,
                                     refusal, out.iterates)  # fmt: skip
         value = exact_second_order(value, [_piece(problem, fd, gd, exact[1], trajectory)])
-    error = None if error_t is None else float(error_t)
-    finite = torch.isfinite(fd).all() & torch.isfinite(gd).all()
-    if not (bool(finite) and (error is None or math.isfinite(error))):
-        raise FloatingPointError(
-            "Sinkhorn produced non-finite potentials; try a larger eps, an eps_schedule, "
-            "or float64 inputs"
-        )
+    read = read_finite(fd, gd, error_t)
+    error = None if read is None else read[0]
     at_end = Potentials(form, fd, gd, log_a, log_b, eps)
     floor_now = functools.cache(lambda: precision_floor(at_end))
     bound = problem.form.cost_bound

@@ -181,6 +181,32 @@ class DeviceChecks:
                 raise error
 
 
+#: raised when a solve's potentials (or its marginal error) are not finite
+DIVERGED = ("Sinkhorn produced non-finite potentials; try a larger eps, an eps_schedule, "
+            "or float64 inputs")  # fmt: skip
+
+
+def read_finite(f: torch.Tensor, g: torch.Tensor, errors: torch.Tensor | None = None):
+    """The host values of ``errors`` (None: None), after checking f, g and them finite.
+
+    One device read. FloatingPointError (:data:`DIVERGED`) when a potential or an error
+    is NaN or infinite: the potentials' float64 sum is finite exactly when each of them
+    is (a float32 sum cannot overflow it; a float64 one only at potentials beyond
+    1e300, which no solve the ε range admits reaches), three launches instead of an
+    elementwise test.
+    """
+    checks = DeviceChecks()
+    diverged = FloatingPointError(DIVERGED)
+    total = f.sum(dtype=torch.float64) + g.sum(dtype=torch.float64)
+    checks.read(total, lambda v: None if math.isfinite(v[0]) else diverged)
+    if errors is None:
+        checks.verify()
+        return None
+    at = checks.read(errors, lambda v: None if all(map(math.isfinite, v)) else diverged)
+    checks.verify()
+    return checks.host(at)
+
+
 def eps_range(cost_bound: float, dtype: torch.dtype) -> tuple[float, float]:
     """``(lo, hi)``: the temperatures a solve in ``dtype`` supports for costs up to ``cost_bound``.
 
