@@ -120,12 +120,12 @@ class DeviceChecks:
     def __init__(self):
         #: queued (tensors, test): ``test(host values)`` returns the error or None
         self._items: list[tuple[tuple[torch.Tensor, ...], Callable | None]] = []
-        self._host: list[list[float]] = []
+        self._host: list[torch.Tensor] = []
 
     def read(self, values, test=None) -> int:
         """Queue a tensor (or a tuple of tensors) for the host; returns its handle.
 
-        ``test``: None, or ``test(values)`` on the host values (a flat list of floats,
+        ``test``: None, or ``test(values)`` on the host values (a 1-d float64 CPU tensor,
         the tensors' elements in order) returning the exception to raise or None.
         After :meth:`verify`, :meth:`host` gives the values.
         """
@@ -135,17 +135,18 @@ class DeviceChecks:
 
     def add(self, ok: torch.Tensor, error: Exception) -> None:
         """Queue a 0-d boolean verdict and the error to raise when it is False."""
-        self.read(ok, lambda v: None if v[0] else error)
+        self.read(ok, lambda v: None if bool(v[0]) else error)
 
-    def host(self, handle: int) -> list[float]:
-        """The host values of a :meth:`read` handle (after :meth:`verify`)."""
+    def host(self, handle: int) -> torch.Tensor:
+        """The host values of a :meth:`read` handle (after :meth:`verify`): 1-d float64."""
         return self._host[handle]
 
     def verify(self) -> None:
         """Wait once for every queued tensor; raise the first failed check's error.
 
         Tensors of one dtype are concatenated before their one conversion to float64,
-        so the read costs a few launches however many checks are queued.
+        so the read costs a few launches however many checks are queued; the host
+        values stay a CPU tensor (no Python float per element: a box is 2·d values).
         """
         if not self._items:
             return
@@ -159,22 +160,20 @@ class DeviceChecks:
         groups: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(flat):
             groups.setdefault(t.dtype, []).append(i)
-        parts, order = [], []
+        parts, starts, at = [], [0] * len(flat), 0
         for members in groups.values():
             block = flat[members[0]] if len(members) == 1 else torch.cat([flat[i] for i in members])
             parts.append(block.to(torch.float64))
-            order += members
-        read = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-        starts, at = {}, 0
-        for i in order:
-            starts[i], at = at, at + flat[i].numel()
+            for i in members:
+                starts[i], at = at, at + flat[i].numel()
+        read = (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu()
         self._host, k = [], 0
         for tensors, _ in self._items:
-            values = []
-            for _t in tensors:
-                values += read[starts[k] : starts[k] + flat[k].numel()]
-                k += 1
-            self._host.append(values)
+            pieces = [
+                read[starts[i] : starts[i] + flat[i].numel()] for i in range(k, k + len(tensors))
+            ]
+            k += len(tensors)
+            self._host.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
         for (_, test), values in zip(self._items, self._host, strict=True):
             error = None if test is None else test(values)
             if error is not None:
@@ -198,13 +197,14 @@ def read_finite(f: torch.Tensor, g: torch.Tensor, errors: torch.Tensor | None = 
     checks = DeviceChecks()
     diverged = FloatingPointError(DIVERGED)
     total = f.sum(dtype=torch.float64) + g.sum(dtype=torch.float64)
-    checks.read(total, lambda v: None if math.isfinite(v[0]) else diverged)
+    finite = lambda v: None if bool(torch.isfinite(v).all()) else diverged  # noqa: E731
+    checks.read(total, finite)
     if errors is None:
         checks.verify()
         return None
-    at = checks.read(errors, lambda v: None if all(map(math.isfinite, v)) else diverged)
+    at = checks.read(errors, finite)
     checks.verify()
-    return checks.host(at)
+    return checks.host(at).tolist()
 
 
 def eps_range(cost_bound: float, dtype: torch.dtype) -> tuple[float, float]:
@@ -250,12 +250,13 @@ def weights_tensor(w, like: torch.Tensor, name: str):
     return torch.as_tensor(np.ascontiguousarray(w), dtype=like.dtype, device=like.device)
 
 
-def check_cloud(x, name: str, checks: DeviceChecks) -> tuple[torch.Tensor, torch.Tensor]:
-    """A finite (n, d) floating-point tensor with n, d ≥ 1, and its bounding box.
+def check_cloud(x, name: str, checks: DeviceChecks) -> tuple[torch.Tensor, int]:
+    """A finite (n, d) floating-point tensor with n, d ≥ 1, and its bounding box's handle.
 
-    The finiteness verdict goes to ``checks``. Returns ``(x, box)``, box (2, d) the
-    coordinates' minima and maxima (on the device, not waited for). A numpy array is
-    taken as a CPU tensor (sharing its memory).
+    The finiteness test goes to ``checks``. Returns ``(x, box)``: ``box`` the
+    :meth:`DeviceChecks.read` handle of the (2, d) coordinate minima and maxima, whose
+    host values ``checks.host(box)`` gives after :meth:`DeviceChecks.verify`. A numpy
+    array is taken as a CPU tensor (sharing its memory).
     """
     x = cloud_tensor(x)
     if not isinstance(x, torch.Tensor):
@@ -269,8 +270,7 @@ def check_cloud(x, name: str, checks: DeviceChecks) -> tuple[torch.Tensor, torch
     # NaN and ±inf reach the extremes: no (n, d) temporary
     box = column_box(x.detach())
     error = ValueError(f"{name} contains NaN or infinite values")
-    checks.read(box, lambda v: None if all(map(math.isfinite, v)) else error)
-    return x, box
+    return x, checks.read(box, lambda v: None if bool(torch.isfinite(v).all()) else error)
 
 
 def check_weights(w, n: int, like: torch.Tensor, name: str, checks: DeviceChecks) -> torch.Tensor:
@@ -292,7 +292,7 @@ def check_weights(w, n: int, like: torch.Tensor, name: str, checks: DeviceChecks
     if w.dtype != like.dtype:
         raise TypeError(f"{name} has dtype {w.dtype} but its cloud has dtype {like.dtype}")
     # NaN and ±inf reach the extremes; the host tests them (fewer launches than verdicts)
-    checks.read(tuple(torch.aminmax(w.detach())), lambda v: _weight_error(name, *v))
+    checks.read(tuple(torch.aminmax(w.detach())), lambda v: _weight_error(name, *v.tolist()))
     return w
 
 
@@ -424,9 +424,8 @@ def make_problem(
             )
     a = check_weights(a, x.shape[0], x, "a", checks)
     b = check_weights(b, y.shape[0], y, "b", checks)
-    boxes = checks.read(box_x), checks.read(box_y)  # (the bound, from host copies)
     checks.verify()
-    host_boxes = [torch.tensor(checks.host(h), dtype=torch.float64).view(2, -1) for h in boxes]
+    host_boxes = [checks.host(h).view(2, -1) for h in (box_x, box_y)]  # (float64 copies)
     bound = float(box_cost_bound(cost, *host_boxes))
     dtype = compute_dtype(x.dtype)
     a, b = a.to(dtype), b.to(dtype)
