@@ -633,9 +633,11 @@ def test_forward_memory_is_inputs_plus_little(precision):
         extra = (torch.cuda.max_memory_allocated() - base) / 1e6
     print(f"extra memory fwd 50k d64 {precision}: {extra:.1f} MB")
     # centred copies of both clouds (25.6 MB) and O(n) vectors; fp32 also splits each
-    # cloud once per solve into two float16 parts (another 25.6 MB while it runs)
-    split = 2 * x.numel() * 4 / 1e6 if precision == "fp32" else 0.0
-    assert extra < 32 + split, f"{extra:.1f} MB beyond the inputs"
+    # cloud once per solve into two float16 parts (another 25.6 MB while it runs), bf16
+    # reads a bfloat16 copy of each (12.8 MB): since v59 those copies die with the solve,
+    # so the warm-up's no longer sit in `base` (the v60 GPU run failed the old bound)
+    copies = {"fp32": 2 * x.numel() * 4, "bf16": x.numel() * 4}.get(precision, 0) / 1e6
+    assert extra < 32 + copies, f"{extra:.1f} MB beyond the inputs"
 
 
 @pytest.mark.gpu
