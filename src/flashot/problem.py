@@ -46,6 +46,7 @@ __all__ = [
     "make_problem",
     "mean_costs",
     "parse_rho",
+    "read_finite",
     "weights_tensor",
 ]
 
@@ -180,31 +181,22 @@ class DeviceChecks:
                 raise error
 
 
-#: raised when a solve's potentials (or its marginal error) are not finite
-DIVERGED = ("Sinkhorn produced non-finite potentials; try a larger eps, an eps_schedule, "
-            "or float64 inputs")  # fmt: skip
-
-
 def read_finite(f: torch.Tensor, g: torch.Tensor, errors: torch.Tensor | None = None):
     """The host values of ``errors`` (None: None), after checking f, g and them finite.
 
-    One device read. FloatingPointError (:data:`DIVERGED`) when a potential or an error
-    is NaN or infinite: the potentials' float64 sum is finite exactly when each of them
-    is (a float32 sum cannot overflow it; a float64 one only at potentials beyond
-    1e300, which no solve the ε range admits reaches), three launches instead of an
-    elementwise test.
+    One device read. FloatingPointError when a potential or an error is NaN or
+    infinite: the potentials' float64 sum is finite exactly when each of them is (a
+    float32 sum cannot overflow it; a float64 one only at potentials beyond 1e300, which
+    no solve the ε range admits reaches), three launches instead of an elementwise test.
     """
-    checks = DeviceChecks()
-    diverged = FloatingPointError(DIVERGED)
-    total = f.sum(dtype=torch.float64) + g.sum(dtype=torch.float64)
+    diverged = FloatingPointError("Sinkhorn produced non-finite potentials; try a larger eps, "
+                                  "an eps_schedule, or float64 inputs")  # fmt: skip
     finite = lambda v: None if bool(torch.isfinite(v).all()) else diverged  # noqa: E731
-    checks.read(total, finite)
-    if errors is None:
-        checks.verify()
-        return None
-    at = checks.read(errors, finite)
+    checks = DeviceChecks()
+    checks.read(f.sum(dtype=torch.float64) + g.sum(dtype=torch.float64), finite)
+    at = None if errors is None else checks.read(errors, finite)
     checks.verify()
-    return checks.host(at).tolist()
+    return None if at is None else checks.host(at).tolist()
 
 
 def eps_range(cost_bound: float, dtype: torch.dtype) -> tuple[float, float]:
