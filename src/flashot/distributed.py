@@ -361,16 +361,20 @@ def sinkhorn(
             row_mass(gd, lse_c, form.beta, log_b, eps),
         )
         err = marginal_error(fd, r, log_a, rhos[0]) + marginal_error(gd, c, log_b, rhos[1])
-        local = torch.stack([phi_sum(fd, a, rhos[0]) + phi_sum(gd, b, rhos[1]), err, r.sum(),
-                             a.sum(), b.sum()]).double()  # fmt: skip
-        value_t, err_t, mass_p, m_a, m_b = sharded.reduce(local).tolist()
+        # (the shards' float64 sum, finite exactly when every potential is: one verdict
+        # for every rank, in the read the reduction makes anyway)
+        spread = fd.sum(dtype=torch.float64) + gd.sum(dtype=torch.float64)
+        local = torch.stack([(phi_sum(fd, a, rhos[0]) + phi_sum(gd, b, rhos[1])).double(),
+                             err.double(), r.sum().double(), a.sum().double(),
+                             b.sum().double(), spread])  # fmt: skip
+        value_t, err_t, mass_p, m_a, m_b, spread_t = sharded.reduce(local).tolist()
     if balanced:  # ⟨a, f⟩ + ⟨b, g⟩, envelope gradients through the final step
         grads = (a * f_new).sum() + (b * g_new).sum()
     else:  # the dual objective (as flashot.sinkhorn), with ε (m(P) − m(a) m(b))
         grads = relaxed_side(f_new, a, eps, rhos[0]) + relaxed_side(g_new, b, eps, rhos[1])
         value_t -= eps * (mass_p - m_a * m_b)
     value = grads + (torch.tensor(value_t, dtype=grads.dtype, device=grads.device) - grads.detach())
-    if not (math.isfinite(err_t) and bool(torch.isfinite(fd).all() & torch.isfinite(gd).all())):
+    if not (math.isfinite(err_t) and math.isfinite(spread_t)):
         raise FloatingPointError("Sinkhorn produced non-finite potentials; try a larger eps or "
                                  "an eps_schedule")  # fmt: skip
     floor_now = functools.cache(

@@ -181,6 +181,11 @@ class DeviceChecks:
                 raise error
 
 
+def finite_or(error: Exception) -> Callable[[torch.Tensor], Exception | None]:
+    """A :meth:`DeviceChecks.read` test: ``error`` unless every host value is finite."""
+    return lambda values: None if bool(torch.isfinite(values).all()) else error
+
+
 def read_finite(f: torch.Tensor, g: torch.Tensor, errors: torch.Tensor | None = None):
     """The host values of ``errors`` (None: None), after checking f, g and them finite.
 
@@ -191,7 +196,7 @@ def read_finite(f: torch.Tensor, g: torch.Tensor, errors: torch.Tensor | None = 
     """
     diverged = FloatingPointError("Sinkhorn produced non-finite potentials; try a larger eps, "
                                   "an eps_schedule, or float64 inputs")  # fmt: skip
-    finite = lambda v: None if bool(torch.isfinite(v).all()) else diverged  # noqa: E731
+    finite = finite_or(diverged)
     checks = DeviceChecks()
     checks.read(f.sum(dtype=torch.float64) + g.sum(dtype=torch.float64), finite)
     at = None if errors is None else checks.read(errors, finite)
@@ -261,8 +266,7 @@ def check_cloud(x, name: str, checks: DeviceChecks) -> tuple[torch.Tensor, int]:
         raise ValueError(f"{name} must be non-empty, got shape {tuple(x.shape)}")
     # NaN and ±inf reach the extremes: no (n, d) temporary
     box = column_box(x.detach())
-    error = ValueError(f"{name} contains NaN or infinite values")
-    return x, checks.read(box, lambda v: None if bool(torch.isfinite(v).all()) else error)
+    return x, checks.read(box, finite_or(ValueError(f"{name} contains NaN or infinite values")))
 
 
 def check_weights(w, n: int, like: torch.Tensor, name: str, checks: DeviceChecks) -> torch.Tensor:
