@@ -92,11 +92,13 @@ def test_cost_of_names_p():
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), kr=st.integers(1, 12), kc=st.integers(1, 12),
        bm=st.sampled_from([1, 2, 3, 16]), density=st.sampled_from([0.0, 0.3, 1.0]),
-       gap=st.sampled_from([0, 1, 4, 32]))  # fmt: skip
-def test_block_intervals_cover_the_clusters_a_block_keeps(seed, kr, kc, bm, density, gap):
+       gap=st.sampled_from([0, 1, 4, 32]), twice=st.booleans(), told=st.booleans())  # fmt: skip
+def test_block_intervals_cover_the_clusters_a_block_keeps(seed, kr, kc, bm, density, gap, twice,
+                                                          told):  # fmt: skip
     """Every kept column, in disjoint sorted intervals that start and end on kept columns;
     an unkept run inside an interval is at most ``gap`` long, and intervals of a block
-    lie more than ``gap`` apart (gap 0: exactly the kept columns)."""
+    lie more than ``gap`` apart (gap 0: exactly the kept columns). Pairs given twice
+    (``twice``) change nothing; nor does the rows' count given (``told``)."""
     from flashot.backends.kernel_sums import block_intervals
 
     g = torch.Generator().manual_seed(seed)
@@ -105,9 +107,12 @@ def test_block_intervals_cover_the_clusters_a_block_keeps(seed, kr, kc, bm, dens
     col_starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes_c.cumsum(0)])
     keep = torch.rand(kr, kc, generator=g) < density
     pairs = torch.nonzero(keep, as_tuple=True)
-    ptr, iv, block = block_intervals(row_starts, col_starts, pairs, bm, gap)
     n = int(row_starts[-1])
+    if twice:  # (each pair repeated, still sorted by I then J)
+        pairs = tuple(torch.repeat_interleave(t, 2) for t in pairs)
+    ptr, iv, block = block_intervals(row_starts, col_starts, pairs, bm, gap, n if told else None)
     assert block == bm and len(ptr) == -(-n // bm) + 1
+    assert ptr.dtype == iv.dtype == torch.int32 and int(ptr[0]) == 0 and int(ptr[-1]) == len(iv)
     row_cluster = torch.repeat_interleave(torch.arange(kr), sizes_r)
     col_cluster = torch.repeat_interleave(torch.arange(kc), sizes_c)
     for b in range(len(ptr) - 1):
@@ -129,3 +134,21 @@ def test_block_intervals_cover_the_clusters_a_block_keeps(seed, kr, kc, bm, dens
         assert not bool((want & ~got).any())  # every kept column
         if gap == 0:
             assert torch.equal(got, want)
+
+
+def test_block_intervals_wait_for_the_device_twice():
+    """A layout reads the device twice (the pairs its blocks meet, then its intervals'
+    count) where the rows' count is given, three times otherwise: a fine step of the
+    multiscale loop builds four (v61: eight waits each, ~280 at 20k points a call)."""
+    from flashot.backends.kernel_sums import block_intervals
+    from tests.device_waits import DeviceWaits
+
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.randint(1, 9, (40,), generator=g)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+    pairs = torch.nonzero(torch.rand(40, 40, generator=g) < 0.2, as_tuple=True)
+    n = int(starts[-1])
+    for told, most in ((True, 2), (False, 3)):
+        with DeviceWaits() as seen:
+            block_intervals(starts, starts, pairs, 16, 4, n if told else None)
+        assert len(seen.waits) == most, seen.waits

@@ -242,6 +242,35 @@ def test_the_mask_in_chunks_is_the_mask_whole(monkeypatch):
     assert len(whole[0]) < len(cx.members) * len(cy.members)
 
 
+def test_the_two_level_mask_waits_for_the_device_once_a_chunk(monkeypatch):
+    """The members of kept group pairs are bounded in chunks, each read back once (its
+    kept pairs), and the clusters left without a pair are counted with one read for both
+    sides: a mask at 1M points runs a dozen chunks (v61: two reads a chunk, two more for
+    the lonely clusters)."""
+    from flashot.solver import multiscale
+    from tests.device_waits import DeviceWaits
+
+    x, y, _ = _clouds(3, 400, 300, 2)
+    origin = torch.zeros(2, dtype=torch.float64)
+    cx = grid_clusters(x, torch.ones(400, dtype=torch.float64), 0.05, origin)
+    cy = grid_clusters(y, torch.ones(300, dtype=torch.float64), 0.05, origin)
+    f, gg = torch.zeros(400, dtype=torch.float64), torch.zeros(300, dtype=torch.float64)
+    monkeypatch.setattr(multiscale, "CHUNK", 1024)
+    monkeypatch.setattr(multiscale, "GROUP", 4)
+    groups = [multiscale._groups(multiscale._Balls(c.centroids, c.radius, c.weights * 0))
+              for c in (cx, cy)]  # fmt: skip
+    kept_groups = len(multiscale._flat_mask(*groups, -12.5 * 1e-2, 2, False, False)[0])
+    flat_chunks = -(-len(groups[0].top) // max(1, 1024 // len(groups[1].top)))
+    chunks = -(-kept_groups // (1024 // 16))
+    assert chunks >= 3  # (the case exercises several chunks)
+    with DeviceWaits() as seen:
+        truncation_mask(cx, cy, f, gg, 1e-2, 12.5, 2)
+    # the groups' flat mask (a read a chunk, one for its pairs' sort), the members' chunks,
+    # the lonely count, the pairs' sort; lonely clusters (none here: every centroid is
+    # within reach at eps 1e-2) would add their own flat masks
+    assert len(seen.waits) == flat_chunks + 1 + chunks + 1 + 1, seen.waits
+
+
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**16), n=st.integers(5, 120), m=st.integers(5, 120),
        d=st.integers(1, 3), eps=st.sampled_from([1e-3, 1e-2, 0.1]),

@@ -195,8 +195,7 @@ def window_step(x, y, la, lb, f, g, eps: float, cost: Callable, backend: str = "
 
     if x.shape[1] > MAX_D:
         return None
-    for layout in sparse or ():
-        _check_layout(layout)
+    _check_layout(*(sparse or ()))
     return window_softmins(x, y, la, lb, f, g, eps, cost, sparse, lse)
 
 
@@ -321,38 +320,43 @@ class _Fused(torch.autograd.Function):
         return (*[next(got) if w else None for w in need], None, None, None, None, None)
 
 
-def _ranges(starts: torch.Tensor, stops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(owner, index)``: every index of the ranges ``[starts[k], stops[k])``, with its k."""
+def _ranges(starts: torch.Tensor, stops: torch.Tensor, total: int):
+    """``(owner, index)``: every index of the ranges ``[starts[k], stops[k])``, with its k.
+
+    ``total``: the ranges' summed length (read by the caller, so this waits for nothing).
+    """
     span = stops - starts
-    owner = torch.repeat_interleave(torch.arange(len(span), device=span.device), span)
-    offset = torch.arange(int(span.sum()), device=span.device) - torch.repeat_interleave(
-        torch.cumsum(span, 0) - span, span
-    )
-    return owner, torch.repeat_interleave(starts, span) + offset
+    owner = torch.repeat_interleave(torch.arange(len(span), device=span.device), span,
+                                    output_size=total)  # fmt: skip
+    first = torch.cumsum(span, 0) - span  # (each range's place in the output)
+    return owner, starts[owner] + torch.arange(total, device=span.device) - first[owner]
 
 
 def block_intervals(row_starts, col_starts, pairs, bm: int = SPARSE_BLOCK,
-                    gap: int | None = None):  # fmt: skip
+                    gap: int | None = None, rows: int | None = None):  # fmt: skip
     """A block-sparse layout ``(ptr, iv, BLOCK_M)`` for rows and columns sorted by cluster.
 
     Row block b (BLOCK_M sorted rows) streams the column intervals ``iv[ptr[b]:ptr[b+1]]``:
     the column clusters paired with any row cluster meeting the block, runs at most
     ``gap`` columns apart merged (adjacent clusters always). A row thus sees every
     column its own cluster keeps, and perhaps more: more terms of the same soft-minimum,
-    never fewer.
+    never fewer. Two waits for the device (the pairs the blocks meet, then the
+    intervals' count; three without ``rows``): a fine step builds several layouts.
 
     Args:
         row_starts: (K_r + 1,) offsets of the row clusters in sorted order.
         col_starts: (K_c + 1,) of the column clusters.
-        pairs: ``(I, J)``, the kept cluster pairs, sorted by I (then J).
+        pairs: ``(I, J)``, the kept cluster pairs, sorted by I (then J); a pair given
+            twice is covered once.
         bm: BLOCK_M, the rows of a block (≥ 16: the fused kernel's tiles).
         gap: the widest run of unkept columns an interval may span (0: exact cover;
             None: :data:`SPARSE_GAP`).
+        rows: the rows' count, ``row_starts[-1]`` (None: read from the device).
     """
     gap = SPARSE_GAP if gap is None else gap
     dev = row_starts.device
     kr, kc = len(row_starts) - 1, len(col_starts) - 1
-    n = int(row_starts[-1])
+    n = int(row_starts[-1]) if rows is None else rows
     blocks = -(-n // bm)
     first = torch.arange(blocks, device=dev) * bm
     last = torch.clamp(first + bm, max=n) - 1
@@ -360,20 +364,22 @@ def block_intervals(row_starts, col_starts, pairs, bm: int = SPARSE_BLOCK,
     hi = torch.searchsorted(row_starts[1:].contiguous(), last, right=True)
     # each block's row clusters lo..hi own a contiguous run of the sorted pairs
     by_row = torch.searchsorted(pairs[0].contiguous(), torch.arange(kr + 1, device=dev))
-    blk, idx = _ranges(by_row[lo], by_row[hi + 1])
-    key = torch.unique(blk * kc + pairs[1][idx])  # (sorted: by block, column)
-    kb, kcl = key // kc, key % kc
-    if len(key) == 0:  # (nothing kept anywhere)
+    begin, end = by_row[lo], by_row[hi + 1]
+    total = int((end - begin).sum())
+    if total == 0:  # (nothing kept anywhere)
         return (torch.zeros(blocks + 1, dtype=torch.int32, device=dev),
                 torch.zeros(0, 2, dtype=torch.int32, device=dev), bm)  # fmt: skip
+    blk, idx = _ranges(begin, end, total)
+    # sorted by block, then column cluster; a repeated cluster merges like an adjacent one
+    key = torch.sort(blk * kc + pairs[1][idx]).values
+    kb, kcl = key // kc, key % kc
     new = torch.ones_like(kb, dtype=torch.bool)
     new[1:] = (kb[1:] != kb[:-1]) | (col_starts[kcl[1:]] - col_starts[kcl[:-1] + 1] > gap)
     starts = torch.nonzero(new).flatten()
     ends = torch.cat([starts[1:], starts.new_tensor([len(kcl)])]) - 1
     iv = torch.stack([col_starts[kcl[starts]], col_starts[kcl[ends] + 1]], 1).to(torch.int32)
-    counts = torch.bincount(kb[starts], minlength=blocks)
-    ptr = torch.zeros(blocks + 1, dtype=torch.int32, device=dev)
-    ptr[1:] = torch.cumsum(counts, 0)
+    # (interval k belongs to block kb[starts[k]], ascending: each block's first interval)
+    ptr = torch.searchsorted(kb[starts], torch.arange(blocks + 1, device=dev)).to(torch.int32)
     return ptr, iv.contiguous(), bm
 
 
@@ -403,10 +409,13 @@ def block_sparse_softmin(x, y, log_w, eps: float, cost, layout, backend: str = "
     return _intervals_softmin(x, y, log_w, eps, cost, layout, BUDGET)
 
 
-def _check_layout(layout) -> None:
-    """A layout whose every row block streams an interval (else its soft-minimum is +inf)."""
-    ptr = layout[0]
-    if bool((ptr[1:] == ptr[:-1]).any()):
+def _check_layout(*layouts) -> None:
+    """Layouts whose every row block streams an interval (else its soft-minimum is +inf).
+
+    One wait for the device however many layouts.
+    """
+    empty = [(ptr[1:] == ptr[:-1]).any() for ptr, *_ in layouts]
+    if empty and bool(torch.stack(empty).any()):
         raise ValueError("a row block of the layout has no column interval: its soft-minimum "
                          "would be +inf")  # fmt: skip
 

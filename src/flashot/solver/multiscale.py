@@ -69,12 +69,8 @@ __all__ = ["Clusters", "TooManyPairsError", "all_pairs", "centroid_clusters", "d
 #: widest feature size the grid clustering accepts (cells multiply as scale^-d)
 MAX_DIM = 8
 #: whether the fine steps and the final extrapolation take block-sparse window passes
-#: (:meth:`_SparseSoftMin.both`). v55's steps-only version lost on an H100 (1M spheres 330
-#: → 387 ms: its row reduction and atomics cost more than the second pass saves, 48.5
-#: against 2 × 22.1 sm_90 instructions a score); v57's, with the final extrapolation too,
-#: wins: H100, v58, three rounds interleaved off / on, value and gradient: 1M 383.5 / 308.1,
-#: 371.0 / 296.4, 365.1 / 303.8 ms; 100k 105 / 109, 99.6 / 98.7, 101.4 / 100.8; values
-#: equal to 9 digits
+#: (:meth:`_SparseSoftMin.both`): H100, v58, 1M spheres, value and gradient, three rounds
+#: off / on: 383.5 / 308.1, 371.0 / 296.4, 365.1 / 303.8 ms; 100k a tie (HISTORY.md)
 WINDOW = True
 #: how clusters are ordered: "morton" (cells along a Z-order curve: a block of sorted rows
 #: is a compact patch, its kept columns few intervals) or "lex" (cells by coordinates)
@@ -231,29 +227,37 @@ def _ball_mask(r: _Balls, c: _Balls, floor: float, p: int):
     for k0 in range(0, len(s), per):  # (kept group pairs → their members' pairs, in chunks)
         i = (s[k0 : k0 + per, None, None] * GROUP + span[None, :, None]).expand(-1, -1, GROUP)
         j = (t[k0 : k0 + per, None, None] * GROUP + span[None, None, :]).expand(-1, GROUP, -1)
-        real = (i < kr) & (j < kc)  # (not the last group's padding)
-        i, j = i[real], j[real]
-        gap = (r.centers[i] - c.centers[j]).norm(dim=1) - r.radius[i] - c.radius[j]
-        keep = r.top[i] + c.top[j] - gap.clamp_min(0) ** p / p >= floor
-        found.append(torch.stack([i[keep], j[keep]]))
+        i, j = i.reshape(-1), j.reshape(-1)
+        # (the last group's padding bounded at a real cluster and dropped: one wait a chunk)
+        ic, jc = i.clamp(max=kr - 1), j.clamp(max=kc - 1)
+        gap = (r.centers[ic] - c.centers[jc]).norm(dim=1) - r.radius[ic] - c.radius[jc]
+        keep = (r.top[ic] + c.top[jc] - gap.clamp_min(0) ** p / p >= floor) & (i < kr) & (j < kc)
+        at = torch.nonzero(keep).flatten()
+        found.append(torch.stack([i[at], j[at]]))
         _count(found, kr, kc)
     i, j = torch.cat(found, 1) if found else r.top.new_zeros(2, 0, dtype=torch.long)
     lonely_r = torch.ones(kr, dtype=torch.bool, device=dev)
     lonely_r[i] = False
     lonely_c = torch.ones(kc, dtype=torch.bool, device=dev)
     lonely_c[j] = False
+    alone_r, alone_c = torch.stack([lonely_r.sum(), lonely_c.sum()]).tolist()  # (one wait)
     extra = [torch.stack([i, j])]
-    r_idx = torch.nonzero(lonely_r).flatten()
-    if len(r_idx):  # (rows whose every pair fails: their best partner over all columns)
+    if alone_r:  # (rows whose every pair fails: their best partner over all columns)
+        r_idx = _first_true(lonely_r, alone_r)
         ri, rj = _flat_mask(r.take(r_idx), c, math.inf, p, col_best=False)
         extra.append(torch.stack([r_idx[ri], rj]))
-    c_idx = torch.nonzero(lonely_c).flatten()
-    if len(c_idx):
+    if alone_c:
+        c_idx = _first_true(lonely_c, alone_c)
         cj, ci = _flat_mask(c.take(c_idx), r, math.inf, p, col_best=False)
         extra.append(torch.stack([ci, c_idx[cj]]))
     i, j = torch.cat(extra, 1)
     key = torch.unique(i * kc + j)
     return key // kc, key % kc
+
+
+def _first_true(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of ``mask``'s ``count`` True entries, ascending (``count`` read already)."""
+    return torch.argsort(mask.logical_not().to(torch.int8), stable=True)[:count]
 
 
 #: clusters per group of :func:`truncation_mask`'s first level (4: the fewest member
@@ -386,10 +390,15 @@ def jump_pairs(rows: Clusters, cols: Clusters, g: torch.Tensor, eps: float, tau:
     h = torch.log(cols.weights) + g / eps
     step = max(1, CHUNK // max(1, kc))
     tops = []
+    cr, cc = rows.centroids, cols.centroids
+    # (|c_I − c_J|² as cdist forms it past 25 points, with the norms formed once, not
+    # per chunk: the chunks are many small launches at 10k clusters a side)
+    sq_r, sq_c = (cr * cr).sum(1, keepdim=True), (cc * cc).sum(1)
     for r0 in range(0, rows.count, step):  # (S_I in chunks of row clusters)
         sl = slice(r0, r0 + step)
-        reach = torch.cdist(rows.centroids[sl], cols.centroids) + rows.radius[sl, None]
-        tops.append(-eps * torch.logsumexp(h[None, :] - reach**p / (p * eps), dim=1))
+        dist = torch.addmm(sq_c[None, :], cr[sl], cc.T, alpha=-2).add_(sq_r[sl]).clamp_min_(0)
+        reach = dist.sqrt_().add_(rows.radius[sl, None]).pow_(p).mul_(-1.0 / (p * eps))
+        tops.append(-eps * torch.logsumexp(reach.add_(h[None, :]), dim=1))
     r = _Balls(rows.centroids, rows.radius, torch.cat(tops))
     top = torch.where(cols.weights > 0, g, -math.inf)  # (an empty centroid takes no term)
     return _ball_mask(r, _Balls(cols.centroids, cols.radius, top), -tau * eps, p)
@@ -409,7 +418,8 @@ def _sparse_softmin(xs, rows: Clusters, ys, cols: Clusters, log_w, eps, cost, pa
     """
     # (merged runs pay on the GPU, where the kernel pads intervals to tiles; the CPU's
     # PyTorch blocks have no padding and do ~12 % more work with them: v50, 20k spheres)
-    layout = block_intervals(rows.starts, cols.starts, pairs, gap=None if xs.is_cuda else 0)
+    layout = block_intervals(rows.starts, cols.starts, pairs, gap=None if xs.is_cuda else 0,
+                             rows=len(xs))  # fmt: skip
     out = block_sparse_softmin(xs, ys, log_w[cols.order], eps, cost, layout, backend)
     return out[rows.inverse]
 
@@ -504,12 +514,12 @@ class _SparseSoftMin:
         if clouds is not None:
             x, y, run = clouds[side[0]][rc.order], clouds[side[1]][cc.order], window_transforms
         gap = None if x.is_cuda else 0
-        rows = block_intervals(rc.starts, cc.starts, keep, gap=gap)
+        rows = block_intervals(rc.starts, cc.starts, keep, gap=gap, rows=len(x))
         if side[0] == side[1]:  # (a symmetric mask: one layout, the same sorted tensors)
             ls, fs = la[rc.order], f[rc.order]
             got = run(x, x, ls, ls, fs, fs, eps, self.cost, self.backend, (rows, rows))
             return None if got is None else (got[0][rc.inverse],)
-        cols = block_intervals(cc.starts, rc.starts, keep_t, gap=gap)
+        cols = block_intervals(cc.starts, rc.starts, keep_t, gap=gap, rows=len(y))
         got = run(x, y, la[rc.order], lb[cc.order], f[rc.order], g[cc.order], eps, self.cost,
                   self.backend, (rows, cols))  # fmt: skip
         return None if got is None else (got[0][rc.inverse], got[1][cc.inverse])
