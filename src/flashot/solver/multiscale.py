@@ -339,13 +339,22 @@ class _Masks:
     The bound is symmetric in the sides (``max f + max g − C_min``, each cluster's best
     partner kept on both sides), so the columns' problem at the same potentials keeps
     the transposed pairs: one K_r × K_c evaluation for both.
+
+    Potentials in ``stand_ins`` (pairs ``(iterate, estimate)``) are bounded by their
+    estimate: the jump's iterate carries the coarse ε's entropic offset (about
+    ``ε log(m/k)`` for k partners a point), which the bound would read as reach at the
+    first fine ε (3–8× the pairs, v62, 100k spheres); its estimate is that step's own
+    soft-minimum over the centroids at the fine ε.
     """
 
     def __init__(self, clusters: dict, tau: float, p: int):
         self.clusters, self.tau, self.p = clusters, tau, p
         self.last: tuple | None = None  # (f, g, eps, (I, J)) of the last "xy" mask
+        self.stand_ins: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, side: str, pot_rows, pot_cols, eps: float):
+        pot_rows, pot_cols = (next((e for t, e in self.stand_ins if t is pot), pot)
+                              for pot in (pot_rows, pot_cols))  # fmt: skip
         last = self.last
         if side == "yx" and last is not None and last[0] is pot_cols and last[1] is pot_rows \
                 and last[2] == eps:  # fmt: skip
@@ -579,23 +588,26 @@ def multiscale_potentials(
         eps = coarse[-1]
         with torch.no_grad():  # the coarse iterate carried to the points (module, step 3)
 
-            def jump(side, own, pot):
-                h = lw[side[1]] + pot / eps
+            def at_points(side, pot, e):  # the soft-minimum over the centroids at ε = e
                 rows, cols = cl[side[0]], singles[side[1]]
-                keep = jump_pairs(rows, cols, pot, eps, tau, p)
-                at_points = damping(eps, rho) * _sparse_softmin(
-                    srt[side[0]], rows, cen[side[1]], cols, h, eps, cost, keep, backend
+                keep = jump_pairs(rows, cols, pot, e, tau, p)
+                h = lw[side[1]] + pot / e
+                return damping(e, rho) * _sparse_softmin(
+                    srt[side[0]], rows, cen[side[1]], cols, h, e, cost, keep, backend
                 )
-                left = own - dense(side, lw[side[1]], own, pot, eps)  # (K,) at the centroids
-                return at_points + left[rows.label]
 
-            start = (
-                jump("xy", pots[0], pots[1]),
-                jump("yx", pots[1], pots[0]),
-                jump("xx", pots[2], pots[2]) if debias else None,
-                jump("yy", pots[3], pots[3]) if debias else None,
-            )
+            def jump(side, own, pot):
+                left = own - dense(side, lw[side[1]], own, pot, eps)  # (K,) at the centroids
+                start = at_points(side, pot, eps) + left[cl[side[0]].label]
+                if fine:  # (the first fine step's truncation reads an estimate: _Masks)
+                    masks.stand_ins.append((start, at_points(side, pot, fine[0])))
+                return start
+
+            sides = (("xy", 0, 1), ("yx", 1, 0)) + ((("xx", 2, 2), ("yy", 3, 3)) if debias else ())
+            start = tuple(jump(side, pots[i], pots[j]) for side, i, j in sides)
+            start = start if debias else (*start, None, None)
     pots = symmetric_steps(sparse, la, lb, fine, debias, start)
+    masks.stand_ins.clear()
     return sparse.extrapolate({"x": x, "y": y}, la, lb, pots, temps[-1])
 
 
