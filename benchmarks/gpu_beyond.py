@@ -46,7 +46,7 @@ from triton.testing import do_bench
 
 import flashot
 from flashot.backends import kernel_sums
-from flashot.solver import multiscale
+from flashot.solver import clusters, multiscale
 
 warnings.simplefilter("ignore")
 SIZES = [int(n) for n in os.environ.get("SIZES", "10000,50000").split(",")]
@@ -97,7 +97,7 @@ def layout_counts():
     ms = multiscale
     n, cs = int(os.environ.get("N", "20000")), float(os.environ.get("CS", "0.02"))
     blur, bn = float(os.environ.get("BLUR", "0.01")), int(os.environ.get("BN", "64"))
-    ms.CELL_ORDER = os.environ.get("ORDER", "morton")
+    clusters.CELL_ORDER = os.environ.get("ORDER", "morton")
     gap_env = os.environ.get("GAP")
     gaps = (0, 16, 32, 64, 128)
     gen = torch.Generator().manual_seed(0)
@@ -123,8 +123,8 @@ def layout_counts():
     stats = []
     real = kernel_sums.block_intervals
 
-    def recording(row_starts, col_starts, pairs, bm=kernel_sums.SPARSE_BLOCK, gap=None):
-        layout = real(row_starts, col_starts, pairs, bm, int(gap_env) if gap_env else gap)
+    def recording(row_starts, col_starts, pairs, bm=kernel_sums.SPARSE_BLOCK, gap=None, rows=None):
+        layout = real(row_starts, col_starts, pairs, bm, int(gap_env) if gap_env else gap, rows)
         kr, kc = len(row_starts) - 1, len(col_starts) - 1
         if len(pairs[0]) < kr * kc:  # (not an initialization over every pair)
             ptr, iv, bm = layout
@@ -148,7 +148,7 @@ def layout_counts():
         values = list(values)
         return sum(values) / len(values)
 
-    print(f"N={n} cluster_scale={cs} blur={blur} order={ms.CELL_ORDER} "
+    print(f"N={n} cluster_scale={cs} blur={blur} order={clusters.CELL_ORDER} "
           f"gap={gap_env or 'default'}: value {value:.10e}, {len(stats)} fine soft-minima, "
           f"{seconds:.1f} s on the CPU")  # fmt: skip
     kept, block, count = (mean(s[i] for s in stats) for i in range(3))
@@ -220,7 +220,7 @@ for n in MS_SIZES if "multiscale" in PARTS else ():
         dense = value_and_grad(flashot.SamplesLoss(blur=0.01), x, y)
         timed(("multiscale: dense", n, 3), flashot.SamplesLoss(blur=0.01), x, y)
     for scale, layout in ((s, lay) for s in SCALES for lay in MS_LAYOUTS):
-        multiscale.CELL_ORDER = "lex" if layout == "old" else "morton"
+        clusters.CELL_ORDER = "lex" if layout == "old" else "morton"
         kernel_sums.SPARSE_GAP = 0 if layout == "old" else 32
         loss = flashot.SamplesLoss(blur=0.01, cluster_scale=scale)
         timed((f"multiscale: cluster_scale={scale} {layout} layout", n, 3), loss, x, y)

@@ -36,13 +36,9 @@ from flashot.problem import (
     make_problem,
     weights_tensor,
 )
+from flashot.solver.clusters import MAX_DIM, default_scale
 from flashot.solver.loop import geomloss_schedule
-from flashot.solver.multiscale import (
-    MAX_DIM,
-    TooManyPairsError,
-    default_scale,
-    multiscale_potentials,
-)
+from flashot.solver.multiscale import TooManyPairsError, multiscale_potentials
 from flashot.solver.tiled_loop import geomloss_potentials
 
 __all__ = ["LOSSES", "SamplesLoss"]
