@@ -237,62 +237,6 @@ def test_the_columns_mask_is_the_rows_mask_transposed(seed, n, m, d, eps, p):
     assert all(torch.equal(u, v) for u, v in zip(other, want, strict=True))
 
 
-def test_a_stand_in_bounds_its_iterate_in_the_masks():
-    """A potential listed in ``_Masks.stand_ins`` is bounded by its estimate; any other
-    tensor (its clone too) by itself."""
-    from flashot.solver.multiscale import _Masks
-
-    x, y, g = _clouds(4, 80, 70, 2)
-    origin = torch.zeros(2, dtype=torch.float64)
-    cl = {"x": grid_clusters(x, torch.ones(80, dtype=torch.float64), 0.2, origin),
-          "y": grid_clusters(y, torch.ones(70, dtype=torch.float64), 0.2, origin)}  # fmt: skip
-    f, est = (0.1 * torch.randn(80, generator=g, dtype=torch.float64) for _ in range(2))
-    gg = 0.1 * torch.randn(70, generator=g, dtype=torch.float64)
-    masks = _Masks(cl, 12.5, 2)
-    masks.stand_ins.append((f, est))
-    for pot, bound in ((f, est), (f.clone(), f)):
-        got = masks("xy", pot, gg, 1e-3)
-        want = truncation_mask(cl["x"], cl["y"], bound, gg, 1e-3, 12.5, 2)
-        assert all(torch.equal(u, v) for u, v in zip(got, want, strict=True))
-    assert not torch.equal(
-        truncation_mask(cl["x"], cl["y"], est, gg, 1e-3, 12.5, 2)[0],
-        truncation_mask(cl["x"], cl["y"], f, gg, 1e-3, 12.5, 2)[0],
-    )
-
-
-def test_the_first_fine_masks_read_the_jumps_estimate(monkeypatch):
-    """The jump's iterate carries the coarse ε's entropic offset, which the bound would
-    read as reach: the first fine step bounds it by the step's soft-minimum over the
-    centroids at the fine ε, keeping fewer pairs (v62, 100k spheres: 3–8× fewer), and
-    the value moves by no more than the truncation's share."""
-    from flashot.solver import multiscale
-
-    class Ignored(list):
-        def append(self, item):  # (no estimates: every mask reads the iterates)
-            pass
-
-    x, y, _ = _clouds(2, 2000, 1500, 3)
-    loss = flashot.SamplesLoss(blur=0.02, scaling=0.5, cluster_scale=0.05)
-    kept, mask = [], multiscale.truncation_mask
-    monkeypatch.setattr(multiscale, "truncation_mask",
-                        lambda *a: kept.append(mask(*a)) or kept[-1])  # fmt: skip
-    init = multiscale._Masks.__init__
-
-    def without_estimates(self, *args):
-        init(self, *args)
-        self.stand_ins = Ignored()
-
-    values, first = [], []
-    for estimates in (True, False):
-        kept.clear()
-        if not estimates:
-            monkeypatch.setattr(multiscale._Masks, "__init__", without_estimates)
-        values.append(float(loss(x, y)))
-        first.append(sum(len(pairs[0]) for pairs in kept[:3]))  # (the first step's)
-    assert first[0] < first[1]
-    assert abs(values[0] - values[1]) <= 1e-9 * abs(values[1])
-
-
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), n=st.integers(30, 400), m=st.integers(30, 400),
        d=st.integers(1, 3), scale=st.sampled_from([0.02, 0.05, 0.1]),

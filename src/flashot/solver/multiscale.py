@@ -249,23 +249,13 @@ class _Masks:
     The bound is symmetric in the sides (``max f + max g − C_min``, each cluster's best
     partner kept on both sides), so the columns' problem at the same potentials keeps
     the transposed pairs: one K_r × K_c evaluation for both.
-
-    A row potential in ``stand_ins`` (pairs ``(iterate, estimate)``) is bounded by its
-    estimate of the step's own soft-minimum, which the bound needs from above (a term's
-    share is ``b_j e^{(s_i + g_j − C_ij)/ε}``); the columns keep the iterate the step
-    reads. The jump's row iterate carries the coarse ε's entropic offset (about
-    ``ε log(m/k)`` for k partners a point), which the bound would read as reach at the
-    first fine ε; its estimate is that soft-minimum over the centroids at the fine ε.
-    (Estimating the columns too dropped kept mass: 1e-5 of the value at 2 000 points.)
     """
 
     def __init__(self, clusters: dict, tau: float, p: int):
         self.clusters, self.tau, self.p = clusters, tau, p
         self.last: tuple | None = None  # (f, g, eps, (I, J)) of the last "xy" mask
-        self.stand_ins: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, side: str, pot_rows, pot_cols, eps: float):
-        pot_rows = next((e for t, e in self.stand_ins if t is pot_rows), pot_rows)
         last = self.last
         if side == "yx" and last is not None and last[0] is pot_cols and last[1] is pot_rows \
                 and last[2] == eps:  # fmt: skip
@@ -491,24 +481,21 @@ def multiscale_potentials(
         eps = coarse[-1]
         with torch.no_grad():  # the coarse iterate carried to the points (module, step 3)
 
-            def at_points(side, pot, e):  # the soft-minimum over the centroids at ε = e
-                rows, cols = cl[side[0]], singles[side[1]]
-                keep = jump_pairs(rows, cols, pot, e, tau, p)
-                h = lw[side[1]] + pot / e
-                return damping(e, rho) * _sparse_softmin(
-                    srt[side[0]], rows, cen[side[1]], cols, h, e, cost, keep, backend
-                )
-
             def jump(side, own, pot):
+                h = lw[side[1]] + pot / eps
+                rows, cols = cl[side[0]], singles[side[1]]
+                keep = jump_pairs(rows, cols, pot, eps, tau, p)
+                at_points = damping(eps, rho) * _sparse_softmin(
+                    srt[side[0]], rows, cen[side[1]], cols, h, eps, cost, keep, backend
+                )
                 left = own - dense(side, lw[side[1]], own, pot, eps)  # (K,) at the centroids
-                start = at_points(side, pot, eps) + left[cl[side[0]].label]
-                if fine:  # (the first fine step's truncation reads an estimate: _Masks)
-                    masks.stand_ins.append((start, at_points(side, pot, fine[0])))
-                return start
+                return at_points + left[rows.label]
 
-            sides = (("xy", 0, 1), ("yx", 1, 0)) + ((("xx", 2, 2), ("yy", 3, 3)) if debias else ())
-            start = tuple(jump(side, pots[i], pots[j]) for side, i, j in sides)
-            start = start if debias else (*start, None, None)
+            start = (
+                jump("xy", pots[0], pots[1]),
+                jump("yx", pots[1], pots[0]),
+                jump("xx", pots[2], pots[2]) if debias else None,
+                jump("yy", pots[3], pots[3]) if debias else None,
+            )
     pots = symmetric_steps(sparse, la, lb, fine, debias, start)
-    masks.stand_ins.clear()
     return sparse.extrapolate({"x": x, "y": y}, la, lb, pots, temps[-1])
