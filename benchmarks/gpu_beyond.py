@@ -123,8 +123,10 @@ def layout_counts():
     stats = []
     real = kernel_sums.block_intervals
 
-    def recording(row_starts, col_starts, pairs, bm=kernel_sums.SPARSE_BLOCK, gap=None, rows=None):
-        layout = real(row_starts, col_starts, pairs, bm, int(gap_env) if gap_env else gap, rows)
+    def recording(
+        row_starts, col_starts, pairs, bm=kernel_sums.SPARSE_BLOCK, gap=None, n_rows=None
+    ):
+        layout = real(row_starts, col_starts, pairs, bm, int(gap_env) if gap_env else gap, n_rows)
         kr, kc = len(row_starts) - 1, len(col_starts) - 1
         if len(pairs[0]) < kr * kc:  # (not an initialization over every pair)
             ptr, iv, bm = layout

@@ -333,7 +333,7 @@ def _ranges(starts: torch.Tensor, stops: torch.Tensor, total: int):
 
 
 def block_intervals(row_starts, col_starts, pairs, bm: int = SPARSE_BLOCK,
-                    gap: int | None = None, rows: int | None = None):  # fmt: skip
+                    gap: int | None = None, n_rows: int | None = None):  # fmt: skip
     """A block-sparse layout ``(ptr, iv, BLOCK_M)`` for rows and columns sorted by cluster.
 
     Row block b (BLOCK_M sorted rows) streams the column intervals ``iv[ptr[b]:ptr[b+1]]``:
@@ -341,7 +341,7 @@ def block_intervals(row_starts, col_starts, pairs, bm: int = SPARSE_BLOCK,
     ``gap`` columns apart merged (adjacent clusters always). A row thus sees every
     column its own cluster keeps, and perhaps more: more terms of the same soft-minimum,
     never fewer. Two waits for the device (the pairs the blocks meet, then the
-    intervals' count; three without ``rows``): a fine step builds several layouts.
+    intervals' count; three without ``n_rows``): a fine step builds several layouts.
 
     Args:
         row_starts: (K_r + 1,) offsets of the row clusters in sorted order.
@@ -351,12 +351,12 @@ def block_intervals(row_starts, col_starts, pairs, bm: int = SPARSE_BLOCK,
         bm: BLOCK_M, the rows of a block (≥ 16: the fused kernel's tiles).
         gap: the widest run of unkept columns an interval may span (0: exact cover;
             None: :data:`SPARSE_GAP`).
-        rows: the rows' count, ``row_starts[-1]`` (None: read from the device).
+        n_rows: the rows' count, ``row_starts[-1]`` (None: read from the device).
     """
     gap = SPARSE_GAP if gap is None else gap
     dev = row_starts.device
     kr, kc = len(row_starts) - 1, len(col_starts) - 1
-    n = int(row_starts[-1]) if rows is None else rows
+    n = int(row_starts[-1]) if n_rows is None else n_rows
     blocks = -(-n // bm)
     first = torch.arange(blocks, device=dev) * bm
     last = torch.clamp(first + bm, max=n) - 1

@@ -322,7 +322,7 @@ def _sparse_softmin(xs, rows: Clusters, ys, cols: Clusters, log_w, eps, cost, pa
     # (merged runs pay on the GPU, where the kernel pads intervals to tiles; the CPU's
     # PyTorch blocks have no padding and do ~12 % more work with them: v50, 20k spheres)
     layout = block_intervals(rows.starts, cols.starts, pairs, gap=None if xs.is_cuda else 0,
-                             rows=len(xs))  # fmt: skip
+                             n_rows=len(xs))  # fmt: skip
     out = block_sparse_softmin(xs, ys, log_w[cols.order], eps, cost, layout, backend)
     return out[rows.inverse]
 
@@ -417,12 +417,12 @@ class _SparseSoftMin:
         if clouds is not None:
             x, y, run = clouds[side[0]][rc.order], clouds[side[1]][cc.order], window_transforms
         gap = None if x.is_cuda else 0
-        rows = block_intervals(rc.starts, cc.starts, keep, gap=gap, rows=len(x))
+        rows = block_intervals(rc.starts, cc.starts, keep, gap=gap, n_rows=len(x))
         if side[0] == side[1]:  # (a symmetric mask: one layout, the same sorted tensors)
             ls, fs = la[rc.order], f[rc.order]
             got = run(x, x, ls, ls, fs, fs, eps, self.cost, self.backend, (rows, rows))
             return None if got is None else (got[0][rc.inverse],)
-        cols = block_intervals(cc.starts, rc.starts, keep_t, gap=gap, rows=len(y))
+        cols = block_intervals(cc.starts, rc.starts, keep_t, gap=gap, n_rows=len(y))
         got = run(x, y, la[rc.order], lb[cc.order], f[rc.order], g[cc.order], eps, self.cost,
                   self.backend, (rows, cols))  # fmt: skip
         return None if got is None else (got[0][rc.inverse], got[1][cc.inverse])
