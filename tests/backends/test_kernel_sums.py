@@ -7,15 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashot.backends.kernel_sums import (
-    KERNELS,
-    block_sparse_softmin,
-    cost_of,
-    distance,
-    half_square,
-    kernel_matvec,
-    softmin,
-)
+from flashot.backends.kernel_sums import KERNELS, cost_of, distance, kernel_matvec, softmin
 
 
 def _cloud(seed, n, d):
@@ -160,28 +152,3 @@ def test_block_intervals_wait_for_the_device_twice():
         with DeviceWaits() as seen:
             block_intervals(starts, starts, pairs, 16, 4, n if told else None)
         assert len(seen.waits) == most, seen.waits
-
-
-def test_a_layout_knows_a_block_without_intervals_and_its_check_waits_for_nothing():
-    """``block_intervals`` reads whether a row block meets no kept pair with the read it
-    makes anyway; a soft-minimum over such a layout (+inf rows) raises, and checking a
-    layout it made waits for nothing (a fine step's passes run on a caller's stream the
-    host must not wait for). A layout given as a plain tuple is read."""
-    from flashot.backends.kernel_sums import Layout, _check_layout, block_intervals
-    from tests.device_waits import DeviceWaits
-
-    starts = torch.tensor([0, 16, 32, 48])  # three row clusters of one block each
-    cols = torch.tensor([0, 5, 9])
-    full = (torch.tensor([0, 0, 1, 2]), torch.tensor([0, 1, 1, 0]))
-    holed = (torch.tensor([0, 2]), torch.tensor([1, 0]))  # (cluster 1's block: no pair)
-    good, bad = (block_intervals(starts, cols, pairs, 16, 0, 48) for pairs in (full, holed))
-    assert isinstance(good, Layout) and not good.empty and bad.empty
-    with DeviceWaits() as seen:
-        _check_layout(good, good)
-    assert seen.waits == []
-    x, y = torch.rand(48, 2, dtype=torch.float64), torch.rand(9, 2, dtype=torch.float64)
-    with pytest.raises(ValueError, match="no column interval"):
-        block_sparse_softmin(x, y, torch.zeros(9, dtype=torch.float64), 0.1, half_square, bad)
-    with pytest.raises(ValueError, match="no column interval"):
-        _check_layout(tuple(bad))
-    _check_layout(tuple(good))

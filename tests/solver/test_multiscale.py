@@ -370,34 +370,3 @@ def test_clusters_of_one_point_continue_the_dense_trajectory(seed, n, m, d, p, d
     (dense, g_dense), (multi, g_multi) = got
     assert float((multi - dense).abs()) <= 1e-9 * (1 + float(dense.abs()))
     assert float((g_multi - g_dense).norm()) <= 1e-8 * float(g_dense.norm()) + 1e-14
-
-
-@pytest.mark.gpu
-def test_on_cuda_masks_built_aside_give_the_one_stream_result(monkeypatch):
-    """The fine phase builds its masks and layouts on a side stream that waits only for
-    the potentials they read: the value and gradient equal the same call's with every
-    step on the caller's stream, on the default stream and on a caller's own stream (to
-    the window sums' atomic order)."""
-    from flashot.backends.device import SideStream
-
-    torch.manual_seed(0)
-    v = torch.randn(2, 20000, 3, device="cuda")
-    x, y = (0.5 * t / t.norm(dim=1, keepdim=True) + 0.5 for t in v)
-    y = y + 0.05
-    loss = flashot.SamplesLoss(blur=0.01, cluster_scale=0.05)
-
-    def call():
-        xs = x.detach().requires_grad_()
-        value = loss(xs, y)
-        return value.detach(), torch.autograd.grad(value, xs)[0]
-
-    aside = call()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        on_own = call()
-    torch.cuda.synchronize()
-    monkeypatch.setattr(multiscale, "SideStream", lambda device: SideStream(torch.device("cpu")))
-    inline = call()
-    for got in (aside, on_own):
-        assert abs(float(got[0] - inline[0])) <= 1e-6 * abs(float(inline[0]))
-        assert float((got[1] - inline[1]).norm()) <= 1e-5 * float(inline[1].norm())

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flashot.geometry.pair_costs import KERNEL_COSTS, PairCost, distance_cost, half_square_cost
 
-__all__ = ["KERNELS", "Layout", "block_intervals", "block_sparse_softmin", "cost_of", "distance",
+__all__ = ["KERNELS", "block_intervals", "block_sparse_softmin", "cost_of", "distance",
            "half_square", "kernel_matvec", "pair_scope", "softmin", "window_step",
            "window_transforms"]  # fmt: skip
 
@@ -334,7 +334,7 @@ def _ranges(starts: torch.Tensor, stops: torch.Tensor, total: int):
 
 def block_intervals(row_starts, col_starts, pairs, bm: int = SPARSE_BLOCK,
                     gap: int | None = None, n_rows: int | None = None):  # fmt: skip
-    """A block-sparse :class:`Layout` ``(ptr, iv, BLOCK_M)``, rows and columns sorted by cluster.
+    """A block-sparse layout ``(ptr, iv, BLOCK_M)`` for rows and columns sorted by cluster.
 
     Row block b (BLOCK_M sorted rows) streams the column intervals ``iv[ptr[b]:ptr[b+1]]``:
     the column clusters paired with any row cluster meeting the block, runs at most
@@ -365,15 +365,10 @@ def block_intervals(row_starts, col_starts, pairs, bm: int = SPARSE_BLOCK,
     # each block's row clusters lo..hi own a contiguous run of the sorted pairs
     by_row = torch.searchsorted(pairs[0].contiguous(), torch.arange(kr + 1, device=dev))
     begin, end = by_row[lo], by_row[hi + 1]
-    # (one read: the pairs the blocks meet, and whether a block meets none)
-    total, empty = torch.stack([(end - begin).sum(), (end == begin).any()]).tolist()
+    total = int((end - begin).sum())
     if total == 0:  # (nothing kept anywhere)
-        return Layout(
-            torch.zeros(blocks + 1, dtype=torch.int32, device=dev),
-            torch.zeros(0, 2, dtype=torch.int32, device=dev),
-            bm,
-            blocks > 0,
-        )
+        return (torch.zeros(blocks + 1, dtype=torch.int32, device=dev),
+                torch.zeros(0, 2, dtype=torch.int32, device=dev), bm)  # fmt: skip
     blk, idx = _ranges(begin, end, total)
     # sorted by block, then column cluster; a repeated cluster merges like an adjacent one
     key = torch.sort(blk * kc + pairs[1][idx]).values
@@ -385,23 +380,7 @@ def block_intervals(row_starts, col_starts, pairs, bm: int = SPARSE_BLOCK,
     iv = torch.stack([col_starts[kcl[starts]], col_starts[kcl[ends] + 1]], 1).to(torch.int32)
     # (interval k belongs to block kb[starts[k]], ascending: each block's first interval)
     ptr = torch.searchsorted(kb[starts], torch.arange(blocks + 1, device=dev)).to(torch.int32)
-    return Layout(ptr, iv.contiguous(), bm, bool(empty))
-
-
-class Layout(tuple):
-    """A block-sparse layout ``(ptr, iv, BLOCK_M)`` of :func:`block_intervals`.
-
-    ``empty``: whether a row block streams no interval, read with the layout's own waits
-    so that a check of it waits for nothing.
-    """
-
-    empty: bool
-
-    def __new__(cls, ptr: torch.Tensor, iv: torch.Tensor, bm: int, empty: bool):
-        """The tuple ``(ptr, iv, bm)`` with ``empty``."""
-        layout = super().__new__(cls, (ptr, iv, bm))
-        layout.empty = empty
-        return layout
+    return ptr, iv.contiguous(), bm
 
 
 def block_sparse_softmin(x, y, log_w, eps: float, cost, layout, backend: str = "auto"):
@@ -433,11 +412,10 @@ def block_sparse_softmin(x, y, log_w, eps: float, cost, layout, backend: str = "
 def _check_layout(*layouts) -> None:
     """Layouts whose every row block streams an interval (else its soft-minimum is +inf).
 
-    A :class:`Layout` says so itself; others take one wait for the device, together.
+    One wait for the device however many layouts.
     """
-    known = [layout.empty for layout in layouts if isinstance(layout, Layout)]
-    empty = [(lay[0][1:] == lay[0][:-1]).any() for lay in layouts if not isinstance(lay, Layout)]
-    if any(known) or (empty and bool(torch.stack(empty).any())):
+    empty = [(ptr[1:] == ptr[:-1]).any() for ptr, *_ in layouts]
+    if empty and bool(torch.stack(empty).any()):
         raise ValueError("a row block of the layout has no column interval: its soft-minimum "
                          "would be +inf")  # fmt: skip
 

@@ -53,7 +53,6 @@ from typing import NamedTuple
 
 import torch
 
-from flashot.backends.device import SideStream
 from flashot.backends.kernel_sums import (
     block_intervals,
     block_sparse_softmin,
@@ -314,21 +313,16 @@ def all_pairs(kr: int, kc: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return key // kc, key % kc
 
 
-def _layout(rows: Clusters, cols: Clusters, pairs, n_rows: int):
-    """The block-sparse layout of ``pairs`` (sorted rows' blocks over columns' intervals)."""
-    # (merged runs pay on the GPU, where the kernel pads intervals to tiles; the CPU's
-    # PyTorch blocks have no padding and do ~12 % more work with them: v50, 20k spheres)
-    gap = None if rows.starts.is_cuda else 0
-    return block_intervals(rows.starts, cols.starts, pairs, gap=gap, n_rows=n_rows)
-
-
-def _sparse_softmin(xs, rows: Clusters, ys, cols: Clusters, log_w, eps, cost, layout, backend):
+def _sparse_softmin(xs, rows: Clusters, ys, cols: Clusters, log_w, eps, cost, pairs, backend):
     """``softmin`` of every row over the column clusters its block keeps (n,), rows' order.
 
     By :func:`~flashot.backends.kernel_sums.block_sparse_softmin`; ``xs``, ``ys``: the
-    clouds already in cluster order; ``log_w`` (m,) in the columns' own order;
-    ``layout``: :func:`_layout`'s.
+    clouds already in cluster order; ``log_w`` (m,) in the columns' own order.
     """
+    # (merged runs pay on the GPU, where the kernel pads intervals to tiles; the CPU's
+    # PyTorch blocks have no padding and do ~12 % more work with them: v50, 20k spheres)
+    layout = block_intervals(rows.starts, cols.starts, pairs, gap=None if xs.is_cuda else 0,
+                             n_rows=len(xs))  # fmt: skip
     out = block_sparse_softmin(xs, ys, log_w[cols.order], eps, cost, layout, backend)
     return out[rows.inverse]
 
@@ -340,30 +334,23 @@ class _SparseSoftMin:
     the current potentials. With :data:`WINDOW`, where the fused kernels run
     (:func:`~flashot.backends.kernel_sums.window_step`), a step's two sides come from one
     window pass over the mask's two layouts (:meth:`both`) and a self problem's side from
-    half of one; otherwise exact block-sparse soft-minima. Masks and layouts are built on
-    ``streams``' side stream (:class:`~flashot.backends.device.SideStream`): they wait
-    for the potentials they read (:meth:`ready`), not for the passes queued after them.
+    half of one; otherwise exact block-sparse soft-minima.
     """
 
-    def __init__(self, srt: dict, cl: dict, masks: _Masks, cost, rho, backend: str,
-                 streams: SideStream):  # fmt: skip
+    def __init__(self, srt: dict, cl: dict, masks: _Masks, cost, rho, backend: str):
         self.srt, self.cl, self.masks = srt, cl, masks
         self.cost, self.rho, self.backend = cost, rho, backend
-        self.streams = streams
-
-    def ready(self, *pots) -> None:
-        """The potentials of a step, complete at this point of the caller's stream."""
-        self.streams.ready(*pots)
 
     def __call__(self, side, log_w, pot_rows, pot_cols, eps):
         """The damped soft-minimum of ``side``'s rows (see the class)."""
+        rc, cc = self.cl[side[0]], self.cl[side[1]]
         if pot_rows is None or pot_cols is None:
-            layout = self._layouts(side, None, None, eps)[0]
-            return damping(eps, self.rho) * self._exact(side, log_w, layout, eps)
+            keep = all_pairs(rc.count, cc.count, rc.starts.device)
+            return damping(eps, self.rho) * self._exact(side, log_w, keep, eps)
         if side[0] == side[1] and pot_rows is pot_cols:  # a self problem: half a pass
             return self._self(side, log_w, pot_rows, eps)
-        layout = self._layouts(side, pot_rows, pot_cols, eps)[0]
-        return damping(eps, self.rho) * self._exact(side, log_w + pot_cols / eps, layout, eps)
+        keep = self.masks(side, pot_rows, pot_cols, eps)
+        return damping(eps, self.rho) * self._exact(side, log_w + pot_cols / eps, keep, eps)
 
     def both(self, la, lb, f, g, eps):
         """``(self("xy", lb, f, g, eps), self("yx", la, g, f, eps))``, from one pass."""
@@ -383,61 +370,40 @@ class _SparseSoftMin:
                   for side, lw, pot in (("xx", la, f_aa), ("yy", lb, g_bb))]  # fmt: skip
         return GeomLossPotentials(f_new, g_new, *selves)
 
-    def _layouts(self, side, f, g, eps, transposed: bool = False):
-        """The layouts of ``side``'s kept pairs at ``(f, g)``, built aside.
-
-        Every pair where a potential is None; with ``transposed`` also the layout of the
-        transposed pairs (the columns' side of the same step).
-        """
-        rc, cc = self.cl[side[0]], self.cl[side[1]]
-        with self.streams.aside(f, g):
-            if f is None or g is None:
-                keep = all_pairs(rc.count, cc.count, rc.starts.device)
-            else:
-                keep = self.masks(side, f, g, eps)
-            out = [_layout(rc, cc, keep, len(self.srt[side[0]]))]
-            if transposed:
-                keep_t = self.masks(side[::-1], g, f, eps)
-                out.append(_layout(cc, rc, keep_t, len(self.srt[side[1]])))
-        for ptr, iv, _ in out:
-            self.streams.hand_over(ptr, iv)
-        return out
-
     def _pair(self, la, lb, f, g, eps, clouds=None):
         """Both sides of the cross problem (damped): one window pass, else two exact ones.
 
         ``clouds``: the callers' x and y, each side differentiable in its row cloud.
         """
-        rows, cols = self._layouts("xy", f, g, eps, transposed=True)
-        got = self._window("xy", la, lb, f, g, eps, (rows, cols), clouds)
+        keep, keep_t = self.masks("xy", f, g, eps), self.masks("yx", g, f, eps)
+        got = self._window("xy", la, lb, f, g, eps, keep, keep_t, clouds)
         if got is None:
-            xy = (None, None) if clouds is None else (clouds["x"], clouds["y"])
-            got = (self._exact("xy", lb + g / eps, rows, eps, xy[0]),
-                   self._exact("yx", la + f / eps, cols, eps, xy[1]))  # fmt: skip
+            rows = (None, None) if clouds is None else (clouds["x"], clouds["y"])
+            got = (self._exact("xy", lb + g / eps, keep, eps, rows[0]),
+                   self._exact("yx", la + f / eps, keep_t, eps, rows[1]))  # fmt: skip
         lam = damping(eps, self.rho)
         return lam * got[0], lam * got[1]
 
     def _self(self, side, log_w, pot, eps, clouds=None):
         """A self problem's side (damped): half a window pass, else an exact one."""
-        rows = self._layouts(side, pot, pot, eps)[0]
-        got = self._window(side, log_w, log_w, pot, pot, eps, (rows, rows), clouds)
+        keep = self.masks(side, pot, pot, eps)
+        got = self._window(side, log_w, log_w, pot, pot, eps, keep, keep, clouds)
         if got is None:
-            x = None if clouds is None else clouds[side[0]]
-            got = (self._exact(side, log_w + pot / eps, rows, eps, x),)
+            rows = None if clouds is None else clouds[side[0]]
+            got = (self._exact(side, log_w + pot / eps, keep, eps, rows),)
         return damping(eps, self.rho) * got[0]
 
-    def _exact(self, side, h, layout, eps, rows=None):
+    def _exact(self, side, h, keep, eps, rows=None):
         """The exact block-sparse soft-minimum of ``side`` with log-weights ``h``.
 
         ``rows``: the row cloud (unsorted, maybe differentiable) instead of the sorted one.
         """
         rc, cc, srt = self.cl[side[0]], self.cl[side[1]], self.srt
         xs = srt[side[0]] if rows is None else rows[rc.order]
-        return _sparse_softmin(xs, rc, srt[side[1]], cc, h, eps, self.cost, layout,
-                               self.backend)  # fmt: skip
+        return _sparse_softmin(xs, rc, srt[side[1]], cc, h, eps, self.cost, keep, self.backend)
 
-    def _window(self, side, la, lb, f, g, eps, layouts, clouds=None):
-        """:func:`window_step` over ``layouts`` (of the kept pairs and of their transpose).
+    def _window(self, side, la, lb, f, g, eps, keep, keep_t, clouds=None):
+        """:func:`window_step` over the layouts of ``keep`` and ``keep_t`` (its transpose).
 
         In the clouds' sorted order, results in the callers'; None where it does not run.
         With ``clouds`` (the callers' x and y) :func:`window_transforms` of them instead,
@@ -450,12 +416,15 @@ class _SparseSoftMin:
         run = window_step
         if clouds is not None:
             x, y, run = clouds[side[0]][rc.order], clouds[side[1]][cc.order], window_transforms
+        gap = None if x.is_cuda else 0
+        rows = block_intervals(rc.starts, cc.starts, keep, gap=gap, n_rows=len(x))
         if side[0] == side[1]:  # (a symmetric mask: one layout, the same sorted tensors)
             ls, fs = la[rc.order], f[rc.order]
-            got = run(x, x, ls, ls, fs, fs, eps, self.cost, self.backend, layouts)
+            got = run(x, x, ls, ls, fs, fs, eps, self.cost, self.backend, (rows, rows))
             return None if got is None else (got[0][rc.inverse],)
+        cols = block_intervals(cc.starts, rc.starts, keep_t, gap=gap, n_rows=len(y))
         got = run(x, y, la[rc.order], lb[cc.order], f[rc.order], g[cc.order], eps, self.cost,
-                  self.backend, layouts)  # fmt: skip
+                  self.backend, (rows, cols))  # fmt: skip
         return None if got is None else (got[0][rc.inverse], got[1][cc.inverse])
 
 
@@ -500,8 +469,7 @@ def multiscale_potentials(
     coarse = [e for e in temps if e > scale**p]
     fine = temps[len(coarse) :]
     masks = _Masks(cl, tau, p)
-    streams = SideStream(x.device)
-    sparse = _SparseSoftMin(srt, cl, masks, cost, rho, backend, streams)
+    sparse = _SparseSoftMin(srt, cl, masks, cost, rho, backend)
 
     start = None
     if coarse:  # GeomLoss' steps on the centroids (their weights summed), then the jump
@@ -510,19 +478,15 @@ def multiscale_potentials(
         lw = {"x": torch.log(cl["x"].weights), "y": torch.log(cl["y"].weights)}
         dense = dense_softmin(cen, cost, rho, backend)
         pots = symmetric_steps(dense, lw["x"], lw["y"], coarse, debias)
-        streams.ready(*pots)
         eps = coarse[-1]
         with torch.no_grad():  # the coarse iterate carried to the points (module, step 3)
 
             def jump(side, own, pot):
                 h = lw[side[1]] + pot / eps
                 rows, cols = cl[side[0]], singles[side[1]]
-                with streams.aside(pot):
-                    keep = jump_pairs(rows, cols, pot, eps, tau, p)
-                    layout = _layout(rows, cols, keep, len(srt[side[0]]))
-                streams.hand_over(*layout[:2])
+                keep = jump_pairs(rows, cols, pot, eps, tau, p)
                 at_points = damping(eps, rho) * _sparse_softmin(
-                    srt[side[0]], rows, cen[side[1]], cols, h, eps, cost, layout, backend
+                    srt[side[0]], rows, cen[side[1]], cols, h, eps, cost, keep, backend
                 )
                 left = own - dense(side, lw[side[1]], own, pot, eps)  # (K,) at the centroids
                 return at_points + left[rows.label]
@@ -533,6 +497,5 @@ def multiscale_potentials(
                 jump("xx", pots[2], pots[2]) if debias else None,
                 jump("yy", pots[3], pots[3]) if debias else None,
             )
-        sparse.ready(*start)
     pots = symmetric_steps(sparse, la, lb, fine, debias, start)
     return sparse.extrapolate({"x": x, "y": y}, la, lb, pots, temps[-1])

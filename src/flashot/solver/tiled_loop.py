@@ -63,9 +63,6 @@ def symmetric_steps(soft: SoftMin, la, lb, temps: list[float], debias: bool, sta
         ``(f_ba, g_ab, f_aa, g_bb)``, the last two None unless debiased.
     """
     both = getattr(soft, "both", None)
-    # (tells ``soft`` that a step's potentials are complete: its next host work on them
-    # need not wait for launches queued later: :class:`~flashot.backends.device.SideStream`)
-    ready = getattr(soft, "ready", lambda *pots: None)
 
     def pair(f, g, eps):  # the xy and yx soft-minima of one step
         if both is not None:
@@ -80,15 +77,12 @@ def symmetric_steps(soft: SoftMin, la, lb, temps: list[float], debias: bool, sta
             g_bb = soft("yy", lb, None, None, eps) if debias else None
         else:
             f_ba, g_ab, f_aa, g_bb = start
-        ready(f_ba, g_ab, f_aa, g_bb)
         for eps in temps:
             ft_ba, gt_ab = pair(f_ba, g_ab, eps)
             f_ba, g_ab = 0.5 * (f_ba + ft_ba), 0.5 * (g_ab + gt_ab)
-            ready(f_ba, g_ab)
             if f_aa is not None and g_bb is not None:
                 ft_aa, gt_bb = soft("xx", la, f_aa, f_aa, eps), soft("yy", lb, g_bb, g_bb, eps)
                 f_aa, g_bb = 0.5 * (f_aa + ft_aa), 0.5 * (g_bb + gt_bb)
-                ready(f_aa, g_bb)
     return f_ba, g_ab, f_aa, g_bb
 
 
