@@ -178,7 +178,11 @@ def counts() -> None:
 
 
 def timings(n: int) -> None:
-    """Both shapes and the library's attend at n × 64, p ∈ {0, 1, 64}, ms (do_bench)."""
+    """Both shapes and the library's attend at n × 64, p ∈ {0, 1, 64}, ms (do_bench).
+
+    Operands tf32, tf32 with float16 values and weights (one MMA of the precision of TF32
+    for values of moderate range), and bf16.
+    """
     from triton.testing import do_bench
 
     from flashot.backends.triton import TritonBackend
@@ -189,11 +193,13 @@ def timings(n: int) -> None:
     k = 1.41 * torch.randn(n, 64, device="cuda", generator=g)
     h = -0.5 * (k * k).sum(1)
     eps = 0.1
-    for name, dtype in (("tf32", torch.float32), ("bf16", torch.bfloat16)):
+    cases = (("tf32", torch.float32, torch.float32), ("tf32, V float16", torch.float32,
+             torch.float16), ("bf16", torch.bfloat16, torch.bfloat16))  # fmt: skip
+    for name, dtype, vdtype in cases:
         qd, kd = q.to(dtype), k.to(dtype)
-        backend = TritonBackend(name)
+        backend = TritonBackend(name.split(",")[0])
         for p in (0, 1, 64):
-            v = None if p == 0 else kd[:, : max(16, p)].contiguous()
+            v = None if p == 0 else k[:, : max(16, p)].to(vdtype).contiguous()
             row = [f"{name} p={p}"]
             lib_v = None if p == 0 else k[:, :p].contiguous()
             ms = do_bench(lambda b=backend, w=lib_v: attend(b, q, k, eps, (h * eps,), v=w), rep=60)
