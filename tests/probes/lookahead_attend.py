@@ -141,29 +141,17 @@ def check(n=300, m=200, d=16, p=16, eps=0.5, device="cpu", tiles=(32, 32, 4, 2))
 
 def counts() -> None:
     """sm_90 registers, shared memory and loop instructions a score, offline."""
-    from sass_loops import loops
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sass_loops import compile_like_jit, loops
     from value_pass import usage
 
     for dtype in ("fp32", "fp16"):
+        half = ("Q", "K", "V") if dtype == "fp16" else ()
         for p, has_v in ((16, False), (16, True), (64, True)):
             for look in (False, True):
                 for bm, bn, warps, stages in ((128, 64, 4, 3), (128, 64, 8, 2)):
-                    sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "H": "*fp32", "V": f"*{dtype}",
-                           "LSE": "*fp32", "OUT": "*fp32", "n": "i32", "m": "i32",
-                           "scale": "fp32", "stride_q": "i32", "stride_k": "i32",
-                           "stride_v": "i32"}  # fmt: skip
                     consts = dict(BLOCK_M=bm, BLOCK_N=bn, D=64, P=p, HAS_V=has_v,
                                   LOOKAHEAD=look)  # fmt: skip
-                    sig.update({c: "constexpr" for c in consts})
-                    attrs = {(i,): [["tt.divisibility", 16]] for i in range(12) if i != 8}
-                    src = ASTSource(_probe_attend, sig, consts, attrs)
-                    kernel = triton.compile(
-                        src,
-                        target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=warps, num_stages=stages),
-                    )
+                    kernel = compile_like_jit(_probe_attend, consts, half, warps, stages)
                     regs, stack = usage(kernel.asm["cubin"])
                     size = max(loops(kernel.asm["cubin"]), key=lambda loop: loop[0])[0]
                     ir = kernel.asm["ttgir"].splitlines()
